@@ -34,9 +34,7 @@ def store_kv(
         v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
 
-def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
-) -> torch.Tensor:
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """[B, max_blocks] block ids -> [B, max_len, num_kv_heads, head_dim] of cached tokens."""
     batch = block_tables.shape[0]
     block_size = cache.shape[1]

@@ -1,0 +1,238 @@
+"""Bookkeeping of the paged KV pool: which physical blocks each sequence holds, and prefix caching.
+
+Pure Python: it hands out block ids and copy-on-write pairs; the model runner and the transports
+move the bytes. Full blocks are keyed by a hash chained over (parent hash, token ids).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+
+BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of a full block given its parent's hash: 128-bit and stable across processes.
+
+    Stable so that another process (e.g. a cache-aware router) can compute the same keys.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockManager:
+    """Reference-counted blocks with a free list and an LRU set of cached, unreferenced blocks."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_hits = 0
+        self.prefix_misses = 0
+        self._ref = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, not in the prefix cache
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached; oldest first
+        self._cached: dict[int, int] = {}  # hash -> the one block registered under it
+        self._key: dict[int, BlockKey] = {}  # registered block -> what it holds, to verify hits
+        # Every full block hashed so far, registered or a duplicate of a registered one, so that
+        # cache_full_blocks never hashes the same block twice.
+        self._hash: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: unreferenced, whether plain free or cached-evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with a reference count above zero."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, referenced or not."""
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def blocks_needed(
+        self, block_table: list[int], num_tokens: int, num_tokens_held: int | None = None
+    ) -> int:
+        """New blocks that allocate_slots with the same arguments would take (a CoW copy is one)."""
+        held = self._tokens_held(block_table, num_tokens_held)
+        new = max(0, -(-num_tokens // self.block_size) - len(block_table))
+        return new + (1 if self._needs_copy(block_table, num_tokens, held) else 0)
+
+    def allocate_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Take references on the longest cached chain of full blocks that prefixes token_ids.
+
+        Leaves at least one token uncovered, so the caller always has a token to compute.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
+        table: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block_tokens(parent, tokens)
+            block = self._cached.get(h)
+            # Compare contents too: a hash collision must never hand out another prompt's pages.
+            if block is None or self._key[block] != (parent, tokens):
+                break
+            table.append(block)
+            parent = h
+        for block in table:
+            self._take(block)
+        self.prefix_hits += len(table)
+        # Blocks after the first miss are not looked up but must be computed: they count as misses.
+        self.prefix_misses += max_blocks - len(table)
+        return table
+
+    def allocate_slots(
+        self, block_table: list[int], num_tokens: int, num_tokens_held: int | None = None
+    ) -> list[tuple[int, int]] | None:
+        """Grow block_table in place to hold num_tokens; None (and no change) if blocks run out.
+
+        Returns (src, dst) pairs whose pages the caller must copy: a shared partial block is
+        replaced by a private copy before it is written (copy-on-write after fork).
+        """
+        held = self._tokens_held(block_table, num_tokens_held)
+        if not self.can_allocate(self.blocks_needed(block_table, num_tokens, held)):
+            return None
+        copies: list[tuple[int, int]] = []
+        if self._needs_copy(block_table, num_tokens, held):
+            src = block_table[-1]
+            dst = self._allocate_fresh()
+            self._ref[src] -= 1  # was shared, so it stays referenced by the other tables
+            block_table[-1] = dst
+            copies.append((src, dst))
+        while len(block_table) * self.block_size < num_tokens:
+            block_table.append(self._allocate_fresh())
+        return copies
+
+    def cache_full_blocks(
+        self, block_table: list[int], token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Register the blocks of block_table that num_computed_tokens has filled."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = num_computed_tokens // bs
+        if num_computed_tokens > len(token_ids) or num_full > len(block_table):
+            raise ValueError(
+                f"{num_computed_tokens} computed tokens do not fit {len(token_ids)} token ids "
+                f"in a table of {len(block_table)} blocks"
+            )
+        # Hashed blocks always form a prefix of a table, so scan back to the last one: O(1) per
+        # decode step instead of O(length).
+        start = num_full
+        while start > 0 and block_table[start - 1] not in self._hash:
+            start -= 1
+        parent = self._hash[block_table[start - 1]] if start > 0 else None
+        for i in range(start, num_full):
+            block = block_table[i]
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block_tokens(parent, tokens)
+            self._hash[block] = h
+            # An identical block cached by another sequence keeps its entry: both stay valid.
+            if h not in self._cached:
+                self._cached[h] = block
+                self._key[block] = (parent, tokens)
+            parent = h
+
+    def free(self, block_table: list[int]) -> None:
+        """Drop block_table's references, tail first so the LRU evicts tails before heads."""
+        # Check everything first so that a double free raises without changing anything.
+        for block, count in Counter(block_table).items():
+            if count > self._ref[block]:
+                raise ValueError(
+                    f"double free of block {block}: ref count {self._ref[block]}, "
+                    f"freed {count} time(s)"
+                )
+        for block in reversed(block_table):
+            self._ref[block] -= 1
+            if self._ref[block] > 0:
+                continue
+            if self._is_registered(block):
+                self._evictable[block] = None
+            else:
+                self._hash.pop(block, None)
+                self._free.append(block)
+        block_table.clear()
+
+    def fork(self, block_table: list[int]) -> list[int]:
+        """A new table sharing every block of block_table (parallel sampling)."""
+        for block in block_table:
+            if self._ref[block] == 0:
+                raise ValueError(f"cannot fork a table holding free block {block}")
+        for block in block_table:
+            self._ref[block] += 1
+        return list(block_table)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody references; referenced ones stay registered."""
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._unregister(block)
+            self._free.append(block)
+
+    def _tokens_held(self, block_table: list[int], num_tokens_held: int | None) -> int:
+        held = len(block_table) * self.block_size if num_tokens_held is None else num_tokens_held
+        # The table must hold exactly the blocks its tokens need, so its last block is where
+        # writing resumes.
+        if -(-held // self.block_size) != len(block_table):
+            raise ValueError(
+                f"{held} tokens held do not match a table of {len(block_table)} blocks "
+                f"of {self.block_size}"
+            )
+        return held
+
+    def _needs_copy(self, block_table: list[int], num_tokens: int, held: int) -> bool:
+        """Whether writing tokens held..num_tokens would write into a shared partial block."""
+        return num_tokens > held and held % self.block_size != 0 and self._ref[block_table[-1]] > 1
+
+    def _is_registered(self, block: int) -> bool:
+        h = self._hash.get(block)
+        return h is not None and self._cached.get(h) == block
+
+    def _take(self, block: int) -> None:
+        """Add a reference to a cached block; an unreferenced one leaves the evictable set."""
+        if self._ref[block] == 0:
+            del self._evictable[block]
+        self._ref[block] += 1
+
+    def _allocate_fresh(self) -> int:
+        """A block for new content: the plain free list first, then the least recently used."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._unregister(block)
+        self._ref[block] = 1
+        return block
+
+    def _unregister(self, block: int) -> None:
+        del self._cached[self._hash.pop(block)]
+        del self._key[block]

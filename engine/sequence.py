@@ -1,0 +1,83 @@
+"""The state of one request inside an engine: its tokens, how many have KV in the cache, and its
+block table. Everything derivable from those is a property."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the pool
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.arrival = next(_arrival)
+        self.num_preemptions = 0
+        self.output_logprobs: list[dict] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """The finish reason after the last appended token, if this sequence is done."""
+        last = self.token_ids[-1]
+        if last in self.eos_token_ids or last in self.params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,39 @@
+"""Shared fixtures: a private model cache, tiny checkpoints per family, and their HF outputs."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # pdserve-tiny is generated once per test session, never read from a user's cache.
+    if "PDSERVE_CACHE" not in os.environ:
+        os.environ["PDSERVE_CACHE"] = str(tmp_path_factory.mktemp("pdserve-cache"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
+    """checkpoint_dir(family) -> a tiny checkpoint of that family, built once per session."""
+    from checkpoints import build_checkpoint
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_checkpoint(family, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]

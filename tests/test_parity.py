@@ -1,0 +1,47 @@
+"""Greedy outputs equal transformers' own generation token for token, in float32."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import hf_greedy
+from conftest import random_prompts
+
+from engine import LLM, SamplingParams
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = [3, 16, 29, 50]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint_dir):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model_dir = checkpoint_dir(family)
+            prompts = random_prompts(1, PROMPT_LENGTHS)
+            cache[family] = (model_dir, prompts, hf_greedy(model_dir, prompts, NEW_TOKENS))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_batched_greedy_matches_transformers(reference, family):
+    model_dir, prompts, expected = reference(family)
+    llm = LLM(str(model_dir), num_kv_blocks=64)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    )
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 7])
+def test_paged_path_is_exact_for_any_block_size(reference, block_size):
+    # 7 divides none of the prompt lengths, so blocks end mid-prompt and mid-generation.
+    model_dir, prompts, expected = reference("llama")
+    llm = LLM(str(model_dir), block_size=block_size, num_kv_blocks=1024 // block_size)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    )
+    assert [o.token_ids for o in outs] == expected
