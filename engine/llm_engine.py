@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,14 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        pool_factory: Callable[[KVLayout, int], KVPool] | None = None,
+        **overrides: object,
+    ) -> None:
+        """pool_factory(layout, num_blocks) makes the KV pool, e.g. in shared memory for a
+        transport that writes into it; by default a plain tensor on the device."""
         config = config or EngineConfig(**overrides)
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
@@ -68,7 +76,10 @@ class LLMEngine:
             mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, dtype
         )
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(device)
-        self.pool = KVPool(self.layout, num_blocks, device)
+        if pool_factory is None:
+            self.pool = KVPool(self.layout, num_blocks, device)
+        else:
+            self.pool = pool_factory(self.layout, num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -108,7 +119,28 @@ class LLMEngine:
     # --- requests ----------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+        generator_offset: int = 0,
+    ) -> Sequence:
+        """Queue a request. With prefill_only, it finishes after its first token with reason
+        "prefilled" (unless it truly stopped) and keeps its blocks until `release`.
+        generator_offset: random draws this request already used on other nodes."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        seq.skip_draws(generator_offset, self.model.config.vocab_size)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
     ) -> Sequence:
         if request_id in self.seqs:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -122,16 +154,57 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens, leaving no room to generate"
             )
-        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids)
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(prompt_token_ids) > budget:
+            raise RequestRejected(
+                f"prompt has {len(prompt_token_ids)} tokens, over max_num_batched_tokens={budget} "
+                "with chunked prefill disabled"
+            )
+        return Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, prefill_only)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a prefilled sequence kept for its handoff."""
+        seq = self.seqs.pop(request_id)
+        self.block_manager.free(seq.block_table)
+
+    # --- KV handoff, receiving side ------------------------------------------------------------
+
+    def reserve_transfer(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_computed: int,
+        params: SamplingParams,
+        generator_offset: int = 0,
+    ) -> Sequence | None:
+        """Allocate blocks for a sequence whose first num_computed tokens' KV will arrive from
+        another node. Returns None (nothing held) when the pool has no room."""
+        seq = self._new_sequence(request_id, token_ids[:num_computed], params)
+        seq.token_ids = list(token_ids)
+        if self.block_manager.allocate_slots(seq.block_table, num_computed) is None:
+            return None
+        seq.num_computed_tokens = num_computed
+        seq.skip_draws(generator_offset, self.model.config.vocab_size)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
         return seq
+
+    def start_transferred(self, seq: Sequence) -> None:
+        """Its KV has fully arrived: it joins the running batch at the next step."""
+        self.scheduler.add_running(seq)
+
+    def drop_transfer(self, seq: Sequence) -> None:
+        """A handoff that failed or was aborted: free its blocks."""
+        self.seqs.pop(seq.request_id, None)
+        self.block_manager.free(seq.block_table)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.abort(request_id)
+        if seq.finish_reason == "prefilled":
+            self.block_manager.free(seq.block_table)
+        else:
+            self.scheduler.abort(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -180,6 +253,6 @@ class LLMEngine:
                     seq.num_cached_tokens,
                 )
             )
-            if seq.is_finished:
+            if seq.is_finished and seq.finish_reason != "prefilled":
                 self.seqs.pop(seq.request_id, None)
         return outputs

@@ -87,7 +87,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq.block_table)
+        if reason != "prefilled":  # a prefilled sequence's blocks wait for their handoff
+            self.block_manager.free(seq.block_table)
         self.static_batch.discard(seq.request_id)
 
     # --- one step ----------------------------------------------------------------------------
@@ -129,13 +130,14 @@ class Scheduler:
                     len(seq.block_table) * bm.block_size
                 )
             num_new = seq.num_uncomputed_tokens
-            if num_new > budget:
-                if not self.enable_chunked_prefill:
-                    break
+            if num_new > budget and self.enable_chunked_prefill:
                 num_new = budget
-            copies = self._allocate(seq, num_new)
+            copies = self._allocate(seq, num_new) if num_new <= budget else None
             if copies is None:
-                if not self.running:
+                # Give back the prefix blocks it matched: a waiting sequence pins nothing.
+                bm.free(seq.block_table)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                if not self.running and num_new <= budget:
                     raise RuntimeError(
                         f"request {seq.request_id} needs more KV blocks than the pool has"
                     )

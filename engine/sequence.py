@@ -26,6 +26,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
+        prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -39,10 +40,21 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival = next(_arrival)
         self.num_preemptions = 0
+        # On a prefill node: finish after the first token and keep the blocks for the handoff.
+        self.prefill_only = prefill_only
         self.output_logprobs: list[dict] = []
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+
+    def skip_draws(self, num_draws: int, vocab_size: int) -> None:
+        """Advance a seeded generator past the draws of tokens sampled elsewhere (before a
+        handoff or a retry), so the stream continues as if it had never moved."""
+        if self.generator is None or self.params.greedy:
+            return
+        scratch = torch.empty(vocab_size)
+        for _ in range(num_draws):
+            scratch.exponential_(generator=self.generator)
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +86,7 @@ class Sequence:
             return "stop"
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
-        return None
+        return "prefilled" if self.prefill_only else None
 
     def __repr__(self) -> str:
         return (

@@ -3,7 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: pdserve-tiny)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_config(args: argparse.Namespace):  # noqa: ANN202
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -26,8 +59,55 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node(args: argparse.Namespace) -> int:
+    from engine.node_options import NodeOptions
+
+    options = NodeOptions(
+        coordinator=args.coordinator,
+        node_id=args.node_id,
+        transport=args.transport,
+        kv_host=args.kv_host,
+        heartbeat_interval_s=args.heartbeat_interval,
+        transfer_timeout_s=args.transfer_timeout,
+        engine=_engine_config(args),
+    )
+    if args.command == "prefill":
+        from prefill_node.worker import serve
+
+        serve(options)
+    else:
+        from decode_node.worker import serve
+
+        serve(options, colocated=args.colocated)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pdserve.serve import ServeOptions, run_serve
+
+    return run_serve(
+        ServeOptions(
+            model=args.model,
+            config_path=args.config,
+            prefill_nodes=args.prefill_nodes,
+            decode_nodes=args.decode_nodes,
+            colocated=args.colocated,
+            transport=args.transport,
+            host=args.host,
+            port=args.port,
+            node_port=args.node_port,
+            client_port=args.client_port,
+            dtype=args.dtype,
+            device=args.device,
+            start_nodes=args.command == "serve",
+            log_dir=args.log_dir,
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion offline and print it")
@@ -43,11 +123,52 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
     gen.set_defaults(func=_generate)
+
+    for verb, text in (
+        ("serve", "start the coordinator and its nodes on this machine"),
+        ("coordinator", "start the coordinator alone; nodes join it from any host"),
+    ):
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("--model", default=None, help="checkpoint directory (default: pdserve-tiny)")
+        p.add_argument("--config", default=None, help="coordinator config (TOML)")
+        p.add_argument("--host", default="127.0.0.1", help="HTTP host")
+        p.add_argument("--port", type=int, default=8000, help="HTTP port")
+        p.add_argument("--node-port", type=int, default=0, help="port nodes connect to (0: any)")
+        p.add_argument(
+            "--client-port", type=int, default=None, help="port of the Python client socket"
+        )
+        p.add_argument("--log-dir", default=None, help="one log file per node here")
+        p.add_argument("--prefill-nodes", type=int, default=1)
+        p.add_argument("--decode-nodes", type=int, default=1)
+        p.add_argument(
+            "--colocated", action="store_true", help="colocated workers, no disaggregation"
+        )
+        p.add_argument("--transport", default="tcp", choices=["tcp", "shm", "cuda_ipc", "nccl"])
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--device", default="auto")
+        p.set_defaults(func=_serve)
+
+    for verb in ("prefill", "decode"):
+        p = sub.add_parser(verb, help=f"start one {verb} node pointed at a coordinator")
+        p.add_argument("--coordinator", required=True, help="tcp://HOST:NODE_PORT")
+        p.add_argument("--node-id", required=True)
+        p.add_argument("--transport", default="tcp", choices=["tcp", "shm", "cuda_ipc", "nccl"])
+        p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver binds")
+        p.add_argument("--heartbeat-interval", type=float, default=0.5)
+        p.add_argument("--transfer-timeout", type=float, default=30.0)
+        if verb == "decode":
+            p.add_argument("--colocated", action="store_true", help="prefill here too")
+        _add_engine_args(p)
+        p.set_defaults(func=_node)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {args.command} %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

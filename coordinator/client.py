@@ -1,0 +1,90 @@
+"""An async Python client for the coordinator's client socket: submit a request, iterate its
+events, abort it. One DEALER socket multiplexes any number of concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from coordinator.coordinator import SubmitError
+from engine import protocol
+from engine.protocol import Abort, Event, Submit
+from engine.sampling_params import SamplingParams
+
+
+class CoordinatorClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.streams: dict[str, asyncio.Queue[Event]] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            event = protocol.decode_or_log(frame, "coordinator")
+            if isinstance(event, Event) and event.request_id in self.streams:
+                self.streams[event.request_id].put_nowait(event)
+
+    async def generate(
+        self, token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[Event]:
+        """Yields the request's events until it finishes; raises SubmitError if refused."""
+        self._ensure_reader()
+        request_id = request_id or f"client-{uuid.uuid4().hex[:16]}"
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.streams[request_id] = queue
+        await self.sock.send(protocol.encode(Submit(request_id, list(token_ids), params.to_dict())))
+        finished = False
+        try:
+            while True:
+                event = await queue.get()
+                if event.error is not None:
+                    finished = True
+                    raise SubmitError(event.error_code or "internal", event.error)
+                yield event
+                if event.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished:  # the caller stopped reading: free its blocks everywhere
+                with contextlib.suppress(zmq.ZMQError):
+                    await self.sock.send(protocol.encode(Abort(request_id)))
+
+    async def complete(self, token_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+        """Collects a whole request: (output token ids, finish reason)."""
+        tokens: list[int] = []
+        reason = ""
+        async for event in self.generate(token_ids, params):
+            tokens += event.token_ids
+            reason = event.finish_reason or reason
+        return tokens, reason
+
+    async def abort(self, request_id: str) -> None:
+        await self.sock.send(protocol.encode(Abort(request_id)))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self.sock.close(0)

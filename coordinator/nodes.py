@@ -1,0 +1,109 @@
+"""The coordinator's view of its nodes: what each registered, its last reported load, and
+whether it is alive (a node silent past the heartbeat timeout is dead)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.protocol import Heartbeat, Register
+
+
+@dataclass(slots=True)
+class NodeState:
+    node_id: str
+    role: str  # prefill | decode | colocated
+    identity: bytes  # its ZMQ routing id
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    transport: str
+    receiver_info: dict
+    kv_layout: dict
+    pid: int = 0
+    alive: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    free_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    reserved_blocks: int = 0  # admitted since its last report, not yet in free_blocks
+    assigned_prefill_tokens: int = 0  # routed since its last report
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "colocated")
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "colocated")
+
+    @property
+    def available_blocks(self) -> int:
+        return self.free_blocks - self.reserved_blocks
+
+    @property
+    def prefill_load(self) -> int:
+        return self.queued_prefill_tokens + self.assigned_prefill_tokens
+
+
+class NodeRegistry:
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeState] = {}
+
+    def register(self, msg: Register, identity: bytes) -> NodeState:
+        node = NodeState(
+            node_id=msg.node_id,
+            role=msg.role,
+            identity=identity,
+            num_blocks=msg.num_blocks,
+            block_size=msg.kv_layout["block_size"],
+            max_model_len=msg.max_model_len,
+            transport=msg.transport,
+            receiver_info=msg.receiver_info,
+            kv_layout=msg.kv_layout,
+            pid=msg.pid,
+            free_blocks=msg.num_blocks,
+        )
+        self.nodes[msg.node_id] = node
+        return node
+
+    def heartbeat(self, msg: Heartbeat) -> NodeState | None:
+        node = self.nodes.get(msg.node_id)
+        if node is None or not node.alive:
+            return None
+        node.last_seen = time.monotonic()
+        node.free_blocks = msg.free_blocks
+        node.num_blocks = msg.total_blocks
+        node.running = msg.running
+        node.waiting = msg.waiting
+        node.queued_prefill_tokens = msg.queued_prefill_tokens
+        node.prefix_hits = msg.prefix_hits
+        node.prefix_misses = msg.prefix_misses
+        node.reserved_blocks = 0
+        node.assigned_prefill_tokens = 0
+        return node
+
+    def touch(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None and node.alive:
+            node.last_seen = time.monotonic()
+
+    def expire(self, timeout_s: float) -> list[NodeState]:
+        """Mark nodes silent past timeout_s dead; returns the newly dead."""
+        now = time.monotonic()
+        dead = [n for n in self.nodes.values() if n.alive and now - n.last_seen > timeout_s]
+        for node in dead:
+            node.alive = False
+        return dead
+
+    def alive(self, predicate=None) -> list[NodeState]:  # noqa: ANN001
+        return [n for n in self.nodes.values() if n.alive and (predicate is None or predicate(n))]
+
+    def prefill_nodes(self) -> list[NodeState]:
+        return self.alive(lambda n: n.role == "prefill")
+
+    def decode_nodes(self) -> list[NodeState]:
+        return self.alive(lambda n: n.decodes)

@@ -1,0 +1,68 @@
+"""One request as the coordinator tracks it: where it is in the pipeline, which nodes hold it,
+the tokens already streamed, and the queue its client reads events from."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.protocol import Event
+from engine.sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    PREFILLING = "prefilling"  # on a prefill node
+    LOCAL_PREFILL = "local_prefill"  # whole request on a decode/colocated node, no token yet
+    WAITING_ADMISSION = "waiting_admission"  # prefilled, waiting at the coordinator
+    ADMITTING = "admitting"  # a decode node is reserving blocks
+    TRANSFERRING = "transferring"  # KV on its way
+    DECODING = "decoding"
+    DONE = "done"
+
+
+PENDING_PHASES = (
+    Phase.PREFILLING,
+    Phase.LOCAL_PREFILL,
+    Phase.WAITING_ADMISSION,
+    Phase.ADMITTING,
+    Phase.TRANSFERRING,
+)
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    output_token_ids: list[int] = field(default_factory=list)
+    phase: Phase = Phase.PREFILLING
+    attempt: int = 0
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    num_blocks: int = 0
+    num_cached_tokens: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def wire_id(self) -> str:
+        """The id nodes know this attempt by; a retry gets a fresh one, so late messages from
+        an earlier attempt are recognised and dropped."""
+        return f"{self.request_id}#{self.attempt}"
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.DONE
+
+    def remaining_params(self) -> SamplingParams:
+        """Params for re-prefilling prompt + tokens already streamed after a node failure."""
+        d = self.params.to_dict()
+        d["max_tokens"] = self.params.max_tokens - len(self.output_token_ids)
+        return SamplingParams.from_dict(d)
+
+    def resume_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

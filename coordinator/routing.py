@@ -1,0 +1,79 @@
+"""Which node gets a request: pure decisions over the registry's view, testable without sockets.
+
+Prefill: least-loaded (fewest queued prompt tokens) or prefix affinity (the node that last
+prefilled the longest shared prefix, unless it is much busier). Decode: most free KV blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from coordinator.nodes import NodeState
+from engine.block_manager import hash_block_tokens
+
+
+def least_loaded(nodes: list[NodeState]) -> NodeState | None:
+    return min(nodes, key=lambda n: (n.prefill_load, n.running + n.waiting), default=None)
+
+
+def most_free_blocks(nodes: list[NodeState]) -> NodeState | None:
+    """KV-capacity-aware decode choice: the node with the most free blocks (as a fraction)."""
+    return max(
+        nodes, key=lambda n: (n.available_blocks / max(n.num_blocks, 1), -n.running), default=None
+    )
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks, as the block manager computes them."""
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixAffinity:
+    """Remembers which node last prefilled each block-chain hash (bounded LRU)."""
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        self.capacity = capacity
+        self.owner: OrderedDict[int, str] = OrderedDict()
+
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        nodes: list[NodeState],
+        min_blocks: int = 1,
+        max_load_ratio: float = 2.0,
+    ) -> NodeState | None:
+        if not nodes:
+            return None
+        fallback = least_loaded(nodes)
+        by_id = {n.node_id: n for n in nodes}
+        hashes = prefix_hashes(token_ids, nodes[0].block_size)
+        # Longest cached prefix first.
+        for depth in range(len(hashes), min_blocks - 1, -1):
+            if depth == 0:
+                break
+            node = by_id.get(self.owner.get(hashes[depth - 1], ""))
+            if node is None:
+                continue
+            # Worth it while its extra queue is less than the prefix compute it saves.
+            slack = fallback.prefill_load * max_load_ratio + depth * node.block_size
+            if node.prefill_load <= slack:
+                return node
+            break
+        return fallback
+
+    def record(self, token_ids: Sequence[int], node: NodeState) -> None:
+        for h in prefix_hashes(token_ids, node.block_size):
+            self.owner[h] = node.node_id
+            self.owner.move_to_end(h)
+        while len(self.owner) > self.capacity:
+            self.owner.popitem(last=False)
+
+    def forget_node(self, node_id: str) -> None:
+        for h in [h for h, owner in self.owner.items() if owner == node_id]:
+            del self.owner[h]

@@ -1,0 +1,19 @@
+"""How a node process is started: which coordinator, which role and index, which model and
+transport, and its engine settings. Parsed from the command line by `pdserve`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+
+@dataclass(slots=True)
+class NodeOptions:
+    coordinator: str  # the coordinator's node address, tcp://host:port
+    node_id: str
+    transport: str = "tcp"
+    kv_host: str = "127.0.0.1"  # where a decode node's KV receiver listens (tcp transport)
+    heartbeat_interval_s: float = 0.5
+    transfer_timeout_s: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)

@@ -1,0 +1,116 @@
+"""`pdserve serve` and `pdserve coordinator`: the coordinator in this process, and, for serve, its
+nodes as child processes; stops them all on Ctrl-C or SIGTERM, reloads the config on SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.config import CoordinatorConfig
+from coordinator.coordinator import Coordinator
+from engine.config import EngineConfig
+from pdserve.launch import NodeGroup, NodeSpec
+
+logger = logging.getLogger("pdserve.serve")
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    model: str | None = None
+    config_path: str | None = None
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    colocated: bool = False
+    transport: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    node_port: int = 0
+    client_port: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    start_nodes: bool = True
+    log_dir: str | None = None
+
+
+def node_specs(
+    options: ServeOptions, config: CoordinatorConfig, coordinator_addr: str
+) -> list[NodeSpec]:
+    engine = EngineConfig(model=options.model, dtype=options.dtype, device=options.device,
+                          **config.engine_options())  # fmt: skip
+    common = dict(
+        coordinator=coordinator_addr,
+        engine=engine,
+        transport=options.transport,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        transfer_timeout_s=config.transfer_timeout_s,
+    )
+    if options.colocated:
+        return [
+            NodeSpec("colocated", f"colocated-{i}", **common) for i in range(options.decode_nodes)
+        ]
+    specs = [NodeSpec("prefill", f"prefill-{i}", **common) for i in range(options.prefill_nodes)]
+    specs += [NodeSpec("decode", f"decode-{i}", **common) for i in range(options.decode_nodes)]
+    return specs
+
+
+async def serve_async(options: ServeOptions) -> None:
+    config = (
+        CoordinatorConfig.from_toml(options.config_path)
+        if options.config_path
+        else CoordinatorConfig()
+    )
+    client_addr = (
+        None if options.client_port is None else f"tcp://{options.host}:{options.client_port}"
+    )
+    node_host = "127.0.0.1" if options.start_nodes else "0.0.0.0"
+    coordinator = Coordinator(
+        config,
+        node_addr=f"tcp://{node_host}:{options.node_port}",
+        client_addr=client_addr,
+        model_name=options.model or "pdserve-tiny",
+        config_path=options.config_path,
+    )
+    await coordinator.start()
+    group = NodeGroup(Path(options.log_dir) if options.log_dir else None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, coordinator.reload_config)
+    try:
+        if options.start_nodes:
+            for spec in node_specs(options, config, coordinator.node_endpoint):
+                group.start(spec)
+            wanted_prefill = 0 if options.colocated else options.prefill_nodes
+            waiting = asyncio.create_task(
+                coordinator.wait_for_nodes(wanted_prefill, options.decode_nodes, timeout_s=600)
+            )
+            done, _ = await asyncio.wait(
+                {waiting, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if waiting in done:
+                waiting.result()
+            else:
+                waiting.cancel()
+        logger.info("coordinator ready: nodes on %s, clients on %s",
+                    coordinator.node_endpoint, coordinator.client_endpoint or "-")  # fmt: skip
+        print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
+        await run_frontend(coordinator, options, stop)
+    finally:
+        await coordinator.stop()
+        group.stop()
+
+
+async def run_frontend(
+    coordinator: Coordinator, options: ServeOptions, stop: asyncio.Event
+) -> None:
+    """Serve clients until asked to stop."""
+    await stop.wait()
+
+
+def run_serve(options: ServeOptions) -> int:
+    asyncio.run(serve_async(options))
+    return 0

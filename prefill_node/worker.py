@@ -1,0 +1,141 @@
+"""The prefill node: batches prompts (chunked, prefix-cached), reports each first token as soon as
+it is sampled, and ships the sequence's KV pages to the decode node the coordinator admitted it to.
+
+Loop: receive messages -> step the engine -> report first tokens -> poll sends -> heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from engine import protocol
+from engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
+from engine.node_link import NodeLink
+from engine.node_options import NodeOptions
+from engine.protocol import Abort, FirstToken, Prefill, RequestError, SendKV, Shutdown, TransferDone
+from engine.sampling_params import SamplingParams
+from kv_transfer import make_sender
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillNode:
+    def __init__(
+        self, engine: LLMEngine, link: NodeLink, transport: str, sender_options: dict | None = None
+    ) -> None:
+        self.engine = engine
+        self.link = link
+        self.transport = transport
+        self.sender = make_sender(transport, engine.pool, **(sender_options or {}))
+        self.connected: set[str] = set()
+        self.sending: set[str] = set()  # prefilled sequences whose KV is on its way
+        self.running = True
+
+    def handle(self, msg: protocol.Message) -> None:
+        if isinstance(msg, Prefill):
+            try:
+                params = SamplingParams.from_dict(msg.params)
+                self.engine.add_request(
+                    msg.request_id, msg.token_ids, params, True, msg.generator_offset
+                )
+            except (RequestRejected, ValueError, TypeError) as exc:
+                self.link.send(RequestError(msg.request_id, str(exc), retryable=False))
+        elif isinstance(msg, SendKV):
+            self._send_kv(msg)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        else:
+            logger.warning("prefill node ignores %s", msg.TYPE)
+
+    def _send_kv(self, msg: SendKV) -> None:
+        seq = self.engine.seqs.get(msg.request_id)
+        if seq is None or seq.finish_reason != "prefilled" or msg.request_id in self.sending:
+            self.link.send(TransferDone(msg.request_id, False, "no prefilled KV held here"))
+            return
+        try:
+            if msg.decode_node not in self.connected:
+                self.sender.connect(msg.decode_node, msg.receiver_info)
+                self.connected.add(msg.decode_node)
+            self.sender.send(
+                msg.request_id, msg.decode_node, list(seq.block_table), list(msg.dst_blocks)
+            )
+        except Exception as exc:  # a bad peer must not take the node down
+            logger.exception("[%s] send to %s failed to start", msg.request_id, msg.decode_node)
+            self.engine.release(msg.request_id)
+            self.link.send(TransferDone(msg.request_id, False, f"send failed: {exc}"))
+            return
+        self.sending.add(msg.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        seq = self.engine.seqs.get(request_id)
+        if seq is None or request_id in self.sending:
+            return  # unknown, or its blocks are freed when the send in flight ends
+        if seq.finish_reason == "prefilled":
+            self.engine.release(request_id)
+        else:
+            self.engine.abort(request_id)
+
+    def _report_first_tokens(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if not out.finished:
+                continue
+            prefilled = out.finish_reason == "prefilled"
+            blocks = len(self.engine.seqs[out.request_id].block_table) if prefilled else 0
+            self.link.send(
+                FirstToken(
+                    request_id=out.request_id,
+                    token_id=out.new_token_ids[0],
+                    # None: decode continues; "stop"/"length": it ended at its first token.
+                    finish_reason=None if prefilled else out.finish_reason,
+                    num_cached_tokens=out.num_cached_tokens,
+                    num_blocks=blocks,
+                    logprobs=out.logprobs[0] if out.logprobs else None,
+                )
+            )
+
+    def _poll_sends(self) -> None:
+        for result in self.sender.poll():
+            self.sending.discard(result.transfer_id)
+            if result.transfer_id in self.engine.seqs:
+                self.engine.release(result.transfer_id)
+            self.link.send(TransferDone(result.transfer_id, result.ok, result.error))
+
+    def step(self) -> None:
+        busy = self.engine.has_unfinished() or bool(self.sending)
+        for msg in self.link.receive(0 if busy else 5):
+            self.handle(msg)
+        if self.engine.has_unfinished():
+            self._report_first_tokens(self.engine.step())
+        self._poll_sends()
+        self.link.maybe_heartbeat(self.engine, len(self.sending))
+
+    def run(self) -> None:
+        self.link.register(self.engine, self.transport)
+        while self.running:
+            self.step()
+        self.close()
+
+    def close(self) -> None:
+        self.sender.close()
+        self.link.close()
+
+
+def install_signal_handlers(node: PrefillNode | object) -> None:
+    def stop(signum, frame):  # noqa: ARG001
+        node.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def serve(options: NodeOptions) -> None:
+    """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
+    engine = LLMEngine(options.engine)
+    link = NodeLink(options.coordinator, options.node_id, "prefill", options.heartbeat_interval_s)
+    node = PrefillNode(engine, link, options.transport)
+    install_signal_handlers(node)
+    logger.info("prefill node %s serving (transport %s)", options.node_id, options.transport)
+    node.run()

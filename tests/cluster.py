@@ -1,0 +1,111 @@
+"""A real cluster for tests: the coordinator in a background thread's event loop, each node a
+real process started by `pdserve`'s own launcher, clients over the coordinator's client socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from coordinator.config import CoordinatorConfig
+from coordinator.coordinator import Coordinator
+from engine.config import EngineConfig
+from engine.tiny_model import ensure_tiny_model
+from pdserve.launch import NodeGroup, NodeSpec
+
+
+class Cluster:
+    def __init__(
+        self,
+        prefill: int = 1,
+        decode: int = 1,
+        transport: str = "tcp",
+        colocated: bool = False,
+        config: CoordinatorConfig | None = None,
+        log_dir: Path | None = None,
+        **engine_options: object,
+    ) -> None:
+        ensure_tiny_model()  # once here, not raced by every node
+        self.num_prefill = 0 if colocated else prefill
+        self.num_decode = decode
+        self.colocated = colocated
+        self.transport = transport
+        self.config = config or CoordinatorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
+        options = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=256)
+        options.update(engine_options)
+        self.engine = EngineConfig(device="cpu", **options)
+        self.group = NodeGroup(log_dir)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.coordinator = Coordinator(
+            self.config, node_addr="tcp://127.0.0.1:0", client_addr="tcp://127.0.0.1:0"
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        self.thread.start()
+        self.call(self.coordinator.start())
+        for spec in self.specs():
+            self.group.start(spec)
+        self.call(self.coordinator.wait_for_nodes(self.num_prefill, self.num_decode, 180))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.call(self.coordinator.stop(), timeout=30)
+        finally:
+            self.group.stop()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+    def specs(self) -> list[NodeSpec]:
+        common = dict(
+            coordinator=self.coordinator.node_endpoint,
+            engine=self.engine,
+            transport=self.transport,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            transfer_timeout_s=10.0,
+        )
+        if self.colocated:
+            return [
+                NodeSpec("colocated", f"colocated-{i}", **common) for i in range(self.num_decode)
+            ]
+        specs = [NodeSpec("prefill", f"prefill-{i}", **common) for i in range(self.num_prefill)]
+        return specs + [NodeSpec("decode", f"decode-{i}", **common) for i in range(self.num_decode)]
+
+    def call(self, coro, timeout: float = 300):  # noqa: ANN001, ANN201
+        """Run a coroutine in the coordinator's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def client_addr(self) -> str:
+        return self.coordinator.client_endpoint
+
+    # --- observation ----------------------------------------------------------------------------
+
+    def node(self, node_id: str):  # noqa: ANN201
+        return self.coordinator.nodes.nodes[node_id]
+
+    def wait_until_idle(self, timeout_s: float = 30.0) -> None:
+        """Until every live node reports all its KV blocks free and nothing running."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            nodes = self.coordinator.nodes.alive()
+            if nodes and all(
+                n.free_blocks == n.num_blocks and n.running == 0 and n.waiting == 0
+                and time.monotonic() - n.last_seen < 1.0
+                for n in nodes
+            ):  # fmt: skip
+                return
+            time.sleep(0.1)
+        state = {n.node_id: (n.free_blocks, n.num_blocks, n.running, n.waiting) for n in nodes}
+        raise AssertionError(f"nodes not idle after {timeout_s}s: {state}")
+
+    def kill(self, node_id: str) -> None:
+        proc = self.group.procs[node_id]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)

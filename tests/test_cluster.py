@@ -1,0 +1,171 @@
+"""The disaggregated cluster for real: a coordinator, prefill and decode node processes, KV pages
+over real transports, clients over real sockets, on CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from cluster import Cluster
+
+from coordinator.client import CoordinatorClient
+from coordinator.config import CoordinatorConfig
+from coordinator.coordinator import SubmitError
+from coordinator.request_state import Phase
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def make_prompts(n: int, seed: int, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 500) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(num_kv_blocks=1024, block_size=8)
+
+
+def expected_outputs(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+async def run_all(addr: str, prompts, params) -> list[tuple[list[int], str]]:
+    async with CoordinatorClient(addr) as client:
+        return await asyncio.gather(*(client.complete(p, params) for p in prompts))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_one_prefill_one_decode_matches_offline_greedy(transport, offline):
+    prompts = make_prompts(8, seed=1)
+    expected = expected_outputs(offline, prompts, GREEDY)
+    with Cluster(1, 1, transport=transport) as cluster:
+        results = asyncio.run(run_all(cluster.client_addr, prompts, GREEDY))
+        assert [tokens for tokens, _ in results] == expected
+        assert all(reason == "length" for _, reason in results)
+        cluster.wait_until_idle()
+
+
+def test_short_prompts_are_prefilled_on_the_decode_node(offline):
+    # Conditional disaggregation: below the threshold, no prefill node is involved.
+    config = CoordinatorConfig(heartbeat_interval_s=0.2, conditional_disagg_threshold=20)
+    prompts = make_prompts(4, seed=2, lo=3, hi=10) + make_prompts(2, seed=3, lo=30, hi=50)
+    expected = expected_outputs(offline, prompts, GREEDY)
+    with Cluster(1, 1, config=config) as cluster:
+        routes = []
+        cluster.coordinator.listeners.append(
+            lambda name, s: routes.append((len(s.prompt_token_ids), s.phase))
+            if name == "submitted" else None
+        )  # fmt: skip
+        results = asyncio.run(run_all(cluster.client_addr, prompts, GREEDY))
+        assert [tokens for tokens, _ in results] == expected
+        for length, phase in routes:
+            assert phase is (Phase.LOCAL_PREFILL if length < 20 else Phase.PREFILLING)
+        cluster.wait_until_idle()
+
+
+def test_abort_mid_stream_frees_blocks_on_both_nodes_and_flood_is_refused():
+    config = CoordinatorConfig(heartbeat_interval_s=0.2, max_pending_requests=3)
+    with Cluster(1, 1, config=config, max_num_batched_tokens=64) as cluster:
+
+        async def abort_after_tokens() -> int:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+                received = 0
+                async for event in client.generate(list(range(10, 50)), long):
+                    received += len(event.token_ids)
+                    if received >= 5:
+                        break  # leaving the stream aborts the request everywhere
+                return received
+
+        assert asyncio.run(abort_after_tokens()) >= 5
+        cluster.wait_until_idle()
+
+        async def flood() -> tuple[int, int]:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                prompts = make_prompts(40, seed=4, lo=40, hi=60)
+
+                async def one(p):  # noqa: ANN001, ANN202
+                    try:
+                        await client.complete(p, GREEDY)
+                        return "ok"
+                    except SubmitError as exc:
+                        return exc.code
+
+                codes = await asyncio.gather(*(one(p) for p in prompts))
+                return codes.count("ok"), codes.count("overloaded")
+
+        ok, overloaded = asyncio.run(flood())
+        assert ok >= 3 and overloaded > 0 and ok + overloaded == 40
+        cluster.wait_until_idle()
+        tokens, _ = asyncio.run(run_all(cluster.client_addr, [[5, 6, 7]], GREEDY))[0]
+        assert len(tokens) == 16  # still healthy
+
+
+class TestTwoByTwo:
+    """2 prefill + 2 decode nodes; the last test kills a decode node."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def cluster(cls):
+        with Cluster(2, 2, num_kv_blocks=160) as cluster:
+            yield cluster
+
+    def test_64_concurrent_requests_complete_and_free_every_block(self, cluster, offline):
+        prompts = make_prompts(64, seed=5, lo=3, hi=40)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        expected = expected_outputs(offline, prompts, params)
+        results = asyncio.run(run_all(cluster.client_addr, prompts, params))
+        assert [t for t, _ in results] == expected
+        cluster.wait_until_idle()
+        used = {n.node_id for n in cluster.coordinator.nodes.alive()}
+        assert used == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+
+    def test_prefix_affinity_keeps_a_shared_prefix_on_one_prefill_node(self, cluster):
+        shared = list(range(100, 164))  # 8 full blocks of 8
+        chosen = []
+        listener = lambda name, s: chosen.append(s.prefill_node) if name == "submitted" else None  # noqa: E731
+        cluster.coordinator.listeners.append(listener)
+        hits_before = {n: cluster.node(n).prefix_hits for n in ("prefill-0", "prefill-1")}
+
+        async def sequentially() -> None:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                for i in range(6):
+                    await client.complete(shared + [200 + i, 300 + i], GREEDY)
+
+        asyncio.run(sequentially())
+        cluster.coordinator.listeners.remove(listener)
+        assert len(set(chosen)) == 1
+        time.sleep(0.5)  # a fresh heartbeat carries the counters
+        node = chosen[0]
+        assert cluster.node(node).prefix_hits - hits_before[node] >= 5 * 8
+
+    def test_killed_decode_node_requests_finish_elsewhere_without_gaps(self, cluster, offline):
+        prompts = make_prompts(10, seed=6, lo=5, hi=30)
+        params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+        expected = expected_outputs(offline, prompts, params)
+
+        async def run_with_kill() -> list[list[int]]:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                tasks = [asyncio.create_task(client.complete(p, params)) for p in prompts]
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    holding = [
+                        s for s in list(cluster.coordinator.requests.values())
+                        if s.decode_node == "decode-0" and s.phase is Phase.DECODING
+                        and len(s.output_token_ids) >= 3
+                    ]  # fmt: skip
+                    if holding:
+                        break
+                    await asyncio.sleep(0.005)
+                assert holding, "decode-0 never held a running request"
+                cluster.kill("decode-0")
+                results = await asyncio.gather(*tasks)
+                return [tokens for tokens, _ in results]
+
+        assert asyncio.run(run_with_kill()) == expected
+        cluster.wait_until_idle()
+        assert not cluster.node("decode-0").alive

@@ -1,0 +1,147 @@
+"""The coordinator's decisions, without sockets: wire protocol, routing, admission, config."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from coordinator.admission import AdmissionQueue, Candidate
+from coordinator.config import CoordinatorConfig
+from coordinator.nodes import NodeRegistry, NodeState
+from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
+from engine import protocol
+from engine.protocol import Heartbeat, ProtocolError, Register, Tokens
+
+
+def node(node_id: str, role: str = "decode", free: int = 100, total: int = 100, **kw) -> NodeState:
+    return NodeState(
+        node_id=node_id, role=role, identity=node_id.encode(), num_blocks=total, block_size=4,
+        max_model_len=512, transport="tcp", receiver_info={}, kv_layout={}, free_blocks=free, **kw,
+    )  # fmt: skip
+
+
+# --- protocol ----------------------------------------------------------------------------------
+
+
+def test_every_message_type_round_trips():
+    msg = Tokens("decode-0", [["r#0", 5, None, None], ["r#1", 7, "stop", {"token": [7, -0.1]}]])
+    assert protocol.decode(protocol.encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xc1garbage",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"v": 99, "type": "abort", "request_id": "x"}),
+        msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "nonsense"}),
+        msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "abort", "bogus": 1}),
+    ],
+)
+def test_malformed_frames_are_refused_and_dropped_in_loops(frame):
+    with pytest.raises(ProtocolError):
+        protocol.decode(frame)
+    assert protocol.decode_or_log(frame) is None
+
+
+# --- routing -----------------------------------------------------------------------------------
+
+
+def test_least_loaded_prefill_takes_the_shortest_queue():
+    a, b = (
+        node("a", "prefill", queued_prefill_tokens=500),
+        node("b", "prefill", queued_prefill_tokens=20),
+    )
+    assert least_loaded([a, b]) is b
+    b.assigned_prefill_tokens = 1000  # routed since its last report
+    assert least_loaded([a, b]) is a
+
+
+def test_prefix_affinity_sends_shared_prefixes_to_the_same_node():
+    a, b = node("a", "prefill"), node("b", "prefill")
+    affinity = PrefixAffinity()
+    shared = list(range(100, 132))
+    first = affinity.choose(shared + [1, 2], [a, b])
+    affinity.record(shared + [1, 2], first)
+    other = b if first is a else a
+    other.queued_prefill_tokens = 0
+    first.queued_prefill_tokens = 10  # a little busier, still preferred for its cache
+    assert affinity.choose(shared + [9, 9, 9], [a, b]) is first
+    assert affinity.choose(list(range(300, 340)), [a, b]) is other  # no shared prefix
+
+
+def test_prefix_affinity_yields_when_the_cached_node_is_much_busier():
+    a, b = node("a", "prefill"), node("b", "prefill")
+    affinity = PrefixAffinity()
+    prompt = list(range(64))
+    affinity.record(prompt, a)
+    a.queued_prefill_tokens = 10_000
+    assert affinity.choose(prompt, [a, b], max_load_ratio=2.0) is b
+    affinity.forget_node("b")
+    affinity.forget_node("a")
+    assert not affinity.owner
+
+
+def test_decode_choice_prefers_most_free_kv():
+    a, b = node("a", free=30, total=100), node("b", free=50, total=200)
+    assert most_free_blocks([a, b]) is a  # 30% free beats 25%
+
+
+# --- admission ---------------------------------------------------------------------------------
+
+
+def test_admission_is_first_come_first_served_and_reserves_blocks():
+    queue = AdmissionQueue()
+    d = node("d", free=20, total=100, running=1)
+    for rid, blocks in (("r1", 8), ("r2", 8), ("r3", 2)):
+        queue.push(Candidate(rid, blocks))
+    admitted = queue.admit([d], watermark=0.05)
+    # 20 free, 5 kept back: r1 (8) fits, r2 (8) would leave 4 < 5, so r2 waits and r3 with it.
+    assert [c.request_id for c, _ in admitted] == ["r1"]
+    assert d.reserved_blocks == 8 and len(queue) == 2
+    d.free_blocks, d.reserved_blocks = 40, 0  # the next report
+    assert [c.request_id for c, _ in queue.admit([d], 0.05)] == ["r2", "r3"]
+
+
+def test_an_idle_node_takes_a_sequence_bigger_than_its_headroom():
+    queue = AdmissionQueue()
+    d = node("d", free=100, total=100)
+    queue.push(Candidate("big", 98))
+    assert [c.request_id for c, _ in queue.admit([d], watermark=0.1)] == ["big"]
+
+
+def test_registry_marks_silent_nodes_dead():
+    registry = NodeRegistry()
+    reg = Register("d0", "decode", "m", {"block_size": 4}, 64, 512, "tcp")
+    registry.register(reg, b"d0")
+    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0))
+    assert registry.nodes["d0"].free_blocks == 60
+    assert registry.expire(timeout_s=60) == []
+    registry.nodes["d0"].last_seen -= 120
+    assert [n.node_id for n in registry.expire(timeout_s=60)] == ["d0"]
+    assert registry.decode_nodes() == []
+
+
+# --- config ------------------------------------------------------------------------------------
+
+
+def test_config_from_toml_and_live_reload(tmp_path):
+    path = tmp_path / "pdserve.toml"
+    path.write_text('prefill_routing = "least_loaded"\nmax_pending_requests = 7\nblock_size = 8\n')
+    cfg = CoordinatorConfig.from_toml(path)
+    assert cfg.prefill_routing == "least_loaded" and cfg.max_pending_requests == 7
+    path.write_text(
+        'prefill_routing = "prefix_affinity"\nmax_pending_requests = 9\nblock_size = 32\n'
+    )
+    new = CoordinatorConfig.from_toml(path)
+    assert sorted(cfg.reload_from(new)) == ["max_pending_requests", "prefill_routing"]
+    assert cfg.block_size == 8 and cfg.fixed_differences(new) == ["block_size"]
+
+
+def test_config_errors_name_the_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("max_pending_request = 3\n")
+    with pytest.raises(ValueError, match="max_pending_request"):
+        CoordinatorConfig.from_toml(path)
+    with pytest.raises(ValueError, match="prefill_routing"):
+        CoordinatorConfig(prefill_routing="random")
