@@ -313,15 +313,17 @@ class Coordinator:
                         node.node_id, node.role, node.num_blocks, node.transport)  # fmt: skip
             self._pump_admission()
             return
+        if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
+            if self.nodes.heartbeat(msg) is None:
+                logger.debug("heartbeat from unknown or dead node %s dropped", msg.node_id)
+            self._pump_admission()
+            return
         node = self.nodes.nodes.get(node_id)
         if node is None or not node.alive:
             logger.warning("message %s from unknown or dead node %s dropped", msg.TYPE, node_id)
             return
         self.nodes.touch(node_id)
-        if isinstance(msg, Heartbeat):
-            self.nodes.heartbeat(msg)
-            self._pump_admission()
-        elif isinstance(msg, FirstToken):
+        if isinstance(msg, FirstToken):
             self._on_first_token(node, msg)
         elif isinstance(msg, Admitted):
             self._on_admitted(node, msg)

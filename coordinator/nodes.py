@@ -31,6 +31,7 @@ class NodeState:
     prefix_misses: int = 0
     reserved_blocks: int = 0  # admitted since its last report, not yet in free_blocks
     assigned_prefill_tokens: int = 0  # routed since its last report
+    load_seq: int = -1  # the last load snapshot applied
 
     @property
     def decodes(self) -> bool:
@@ -75,6 +76,9 @@ class NodeRegistry:
         if node is None or not node.alive:
             return None
         node.last_seen = time.monotonic()
+        if msg.seq == node.load_seq:
+            return node  # alive, but busy in a step: keep the reservations made since
+        node.load_seq = msg.seq
         node.free_blocks = msg.free_blocks
         node.num_blocks = msg.total_blocks
         node.running = msg.running

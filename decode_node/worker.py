@@ -122,7 +122,7 @@ class DecodeNode:
                     for o in outputs
                 ]  # fmt: skip
                 self.link.send(Tokens(self.link.node_id, items))
-        self.link.maybe_heartbeat(self.engine, len(self.incoming))
+        self.link.update_load(self.engine, len(self.incoming))
 
     def run(self, transport: str) -> None:
         info = self.receiver.info() if self.receiver is not None else {}

@@ -1,10 +1,12 @@
-"""A node's connection to the coordinator: a ZMQ DEALER that registers, sends heartbeats with the
-node's load, and hands received messages to the node's loop between steps."""
+"""A node's connection to the coordinator: a ZMQ DEALER that registers and hands received messages
+to the node's loop between steps, and a heartbeat thread that reports the node's load on a socket
+of its own, so a long step never makes a busy node look dead."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import zmq
@@ -32,7 +34,11 @@ class NodeLink:
         self.sock.setsockopt(zmq.IDENTITY, node_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(coordinator_addr)
-        self._last_heartbeat = 0.0
+        self.coordinator_addr = coordinator_addr
+        self._last_load = 0.0
+        self._load: Heartbeat | None = None
+        self._stopped = threading.Event()
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True)
 
     def register(
         self, engine: LLMEngine, transport: str, receiver_info: dict | None = None
@@ -68,29 +74,48 @@ class NodeLink:
             if msg is not None:
                 messages.append(msg)
 
-    def maybe_heartbeat(self, engine: LLMEngine, pending_transfers: int = 0) -> None:
+    def update_load(self, engine: LLMEngine, pending_transfers: int = 0) -> None:
+        """Refresh the load the heartbeat thread reports (at most once per interval)."""
         now = time.monotonic()
-        if now - self._last_heartbeat < self.heartbeat_interval_s:
+        if self._load is not None and now - self._last_load < self.heartbeat_interval_s:
             return
-        self._last_heartbeat = now
+        self._last_load = now
         sched = engine.scheduler
         bm = engine.block_manager
         queued = sum(s.num_uncomputed_tokens for s in sched.waiting) + sum(
             s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1
         )
-        self.send(
-            Heartbeat(
-                node_id=self.node_id,
-                free_blocks=bm.num_free_blocks,
-                total_blocks=bm.num_blocks,
-                running=len(sched.running),
-                waiting=len(sched.waiting),
-                queued_prefill_tokens=queued,
-                prefix_hits=bm.prefix_hits,
-                prefix_misses=bm.prefix_misses,
-                pending_transfers=pending_transfers,
-            )
+        self._load = Heartbeat(
+            node_id=self.node_id,
+            free_blocks=bm.num_free_blocks,
+            total_blocks=bm.num_blocks,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            queued_prefill_tokens=queued,
+            prefix_hits=bm.prefix_hits,
+            prefix_misses=bm.prefix_misses,
+            pending_transfers=pending_transfers,
+            seq=(self._load.seq + 1) if self._load is not None else 1,
         )
+        if not self._heartbeats.is_alive():
+            self._heartbeats.start()
+
+    def _heartbeat_loop(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.node_id}/heartbeat".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.coordinator_addr)
+        try:
+            while not self._stopped.wait(self.heartbeat_interval_s):
+                if self._load is not None:
+                    sock.send(protocol.encode(self._load), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close(0)
 
     def close(self) -> None:
+        self._stopped.set()
+        if self._heartbeats.is_alive():
+            self._heartbeats.join(2)
         self.sock.close(0)

@@ -56,6 +56,7 @@ class Heartbeat(Message):
     prefix_hits: int = 0
     prefix_misses: int = 0
     pending_transfers: int = 0
+    seq: int = 0  # increases with each new load snapshot; a resend repeats it
 
 
 @dataclass

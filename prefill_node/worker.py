@@ -110,7 +110,7 @@ class PrefillNode:
         if self.engine.has_unfinished():
             self._report_first_tokens(self.engine.step())
         self._poll_sends()
-        self.link.maybe_heartbeat(self.engine, len(self.sending))
+        self.link.update_load(self.engine, len(self.sending))
 
     def run(self) -> None:
         self.link.register(self.engine, self.transport)

@@ -7,7 +7,10 @@ import asyncio
 import random
 import time
 
+import msgpack
 import pytest
+import zmq
+import zmq.asyncio
 from cluster import Cluster
 
 from coordinator.client import CoordinatorClient
@@ -103,6 +106,29 @@ def test_abort_mid_stream_frees_blocks_on_both_nodes_and_flood_is_refused():
         cluster.wait_until_idle()
         tokens, _ = asyncio.run(run_all(cluster.client_addr, [[5, 6, 7]], GREEDY))[0]
         assert len(tokens) == 16  # still healthy
+
+
+def test_malformed_messages_are_dropped_by_nodes_and_coordinator():
+    with Cluster(1, 1) as cluster:
+        coordinator = cluster.coordinator
+
+        async def garbage() -> None:
+            for node in coordinator.nodes.alive():  # coordinator -> node
+                for frame in (b"\x00junk", msgpack.packb({"v": 1, "type": "prefill", "x": 1})):
+                    await coordinator.node_sock.send_multipart([node.identity, frame])
+            ctx = zmq.asyncio.Context.instance()  # a stranger -> coordinator
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(coordinator.node_endpoint)
+            await sock.send(b"\xc1not msgpack")
+            await sock.send(msgpack.packb({"v": 1, "type": "tokens", "node_id": "nobody"}))
+            await asyncio.sleep(0.3)
+            sock.close(0)
+
+        cluster.call(garbage())
+        tokens, _ = asyncio.run(run_all(cluster.client_addr, [[5, 6, 7]], GREEDY))[0]
+        assert len(tokens) == 16
+        assert all(p.poll() is None for p in cluster.group.procs.values())
+        cluster.wait_until_idle()
 
 
 class TestTwoByTwo:

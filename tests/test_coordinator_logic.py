@@ -145,3 +145,24 @@ def test_config_errors_name_the_key(tmp_path):
         CoordinatorConfig.from_toml(path)
     with pytest.raises(ValueError, match="prefill_routing"):
         CoordinatorConfig(prefill_routing="random")
+
+
+def test_every_config_field_is_documented():
+    import dataclasses
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    missing = [f.name for f in dataclasses.fields(CoordinatorConfig) if f"`{f.name}`" not in doc]
+    assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_sighup_reload_applies_live_fields_only(tmp_path):
+    from coordinator.coordinator import Coordinator
+
+    path = tmp_path / "pdserve.toml"
+    path.write_text("admission_watermark = 0.1\nmax_num_seqs = 8\n")
+    coordinator = Coordinator(CoordinatorConfig.from_toml(path), config_path=path)
+    path.write_text("admission_watermark = 0.3\nmax_num_seqs = 16\n")
+    assert coordinator.reload_config() == ["admission_watermark"]
+    assert coordinator.config.admission_watermark == 0.3
+    assert coordinator.config.max_num_seqs == 8  # a node setting: restart to change
