@@ -78,6 +78,7 @@ class CoordinatorConfig:
     )
     enable_prefix_caching: bool = _fixed(True, "reuse KV of shared prompt prefixes")
     max_model_len: int | None = _fixed(None, "context limit (default: the model's)")
+    scheduling_policy: str = _fixed("continuous", "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)")
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
@@ -134,5 +135,5 @@ class CoordinatorConfig:
         """What nodes are started with."""
         names = ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                  "kv_cache_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                 "max_model_len")  # fmt: skip
+                 "max_model_len", "scheduling_policy")  # fmt: skip
         return {n: getattr(self, n) for n in names}

@@ -19,6 +19,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
 
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202
@@ -36,6 +37,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

@@ -30,6 +30,7 @@ def engine_args(cfg: EngineConfig) -> list[str]:
     args += ["--max-num-seqs", str(cfg.max_num_seqs)]
     args += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    args += ["--scheduling-policy", cfg.scheduling_policy]
     if cfg.model:
         args += ["--model", cfg.model]
     for flag, value in (
