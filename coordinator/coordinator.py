@@ -36,6 +36,7 @@ from engine.protocol import (
     Prefill,
     Register,
     RequestError,
+    Reset,
     SendKV,
     Shutdown,
     Submit,
@@ -308,6 +309,12 @@ class Coordinator:
     def _on_node_message(self, identity: bytes, msg: protocol.Message) -> None:
         node_id = identity.decode(errors="replace")
         if isinstance(msg, Register):
+            old = self.nodes.nodes.get(msg.node_id)
+            if old is not None and old.alive:
+                # A restarted node under the same id: its previous incarnation's requests
+                # are gone with it.
+                old.alive = False
+                self._on_node_dead(old)
             node = self.nodes.register(msg, identity)
             logger.info("node %s registered (%s, %d KV blocks, transport %s)",
                         node.node_id, node.role, node.num_blocks, node.transport)  # fmt: skip
@@ -315,7 +322,12 @@ class Coordinator:
             return
         if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
             if self.nodes.heartbeat(msg) is None:
-                logger.debug("heartbeat from unknown or dead node %s dropped", msg.node_id)
+                # Declared dead (or never registered) but alive: make it start afresh.
+                logger.warning("node %s is not registered: resetting it", msg.node_id)
+                with contextlib.suppress(zmq.ZMQError):
+                    self.node_sock.send_multipart(
+                        [msg.node_id.encode(), protocol.encode(Reset())], zmq.NOBLOCK
+                    )
             self._pump_admission()
             return
         node = self.nodes.nodes.get(node_id)

@@ -21,6 +21,7 @@ from engine.protocol import (
     Admitted,
     Generate,
     RequestError,
+    Reset,
     Shutdown,
     Tokens,
     TransferDone,
@@ -39,8 +40,10 @@ class DecodeNode:
         link: NodeLink,
         receiver: KVReceiver | None,
         transfer_timeout_s: float = 30.0,
+        transport: str = "none",
     ) -> None:
         self.engine = engine
+        self.transport = transport
         self.link = link
         self.receiver = receiver  # None for a colocated worker that never receives KV
         self.transfer_timeout_s = transfer_timeout_s
@@ -67,6 +70,12 @@ class DecodeNode:
                 self.engine.abort(msg.request_id)
         elif isinstance(msg, Shutdown):
             self.running = False
+        elif isinstance(msg, Reset):
+            self.cancelled.update(self.incoming)
+            for request_id in list(self.engine.seqs):
+                if request_id not in self.incoming:
+                    self.engine.abort(request_id)
+            self._register()
         else:
             logger.warning("decode node ignores %s", msg.TYPE)
 
@@ -124,9 +133,12 @@ class DecodeNode:
                 self.link.send(Tokens(self.link.node_id, items))
         self.link.update_load(self.engine, len(self.incoming))
 
-    def run(self, transport: str) -> None:
+    def _register(self) -> None:
         info = self.receiver.info() if self.receiver is not None else {}
-        self.link.register(self.engine, transport, info)
+        self.link.register(self.engine, self.transport, info)
+
+    def run(self) -> None:
+        self._register()
         while self.running:
             self.step()
         self.close()
@@ -159,10 +171,11 @@ def serve(options: NodeOptions, colocated: bool = False) -> None:
     engine = LLMEngine(options.engine, pool_factory=pool_factory)
     role = "colocated" if colocated else "decode"
     link = NodeLink(options.coordinator, options.node_id, role, options.heartbeat_interval_s)
-    node = DecodeNode(engine, link, receiver, options.transfer_timeout_s)
+    transport = "none" if colocated else options.transport
+    node = DecodeNode(engine, link, receiver, options.transfer_timeout_s, transport)
     install_signal_handlers(node)
-    logger.info("%s node %s serving (transport %s)", role, options.node_id, options.transport)
-    node.run(options.transport if not colocated else "none")
+    logger.info("%s node %s serving (transport %s)", role, options.node_id, transport)
+    node.run()
 
 
 def receiver_options(options: NodeOptions) -> dict:

@@ -169,6 +169,14 @@ class Shutdown(Message):
     TYPE: ClassVar[str] = "shutdown"
 
 
+@dataclass
+class Reset(Message):
+    """The coordinator declared this node dead and moved its requests: drop them all and
+    register again."""
+
+    TYPE: ClassVar[str] = "reset"
+
+
 # --- client <-> coordinator (the Python client) ---------------------------------------------
 
 
@@ -199,7 +207,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Register, Heartbeat, FirstToken, Admitted, TransferDone, Tokens, RequestError,
-        Prefill, Generate, Admit, SendKV, Abort, Shutdown, Submit, Event,
+        Prefill, Generate, Admit, SendKV, Abort, Shutdown, Reset, Submit, Event,
     )
 }  # fmt: skip
 

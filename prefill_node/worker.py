@@ -13,7 +13,16 @@ from engine import protocol
 from engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
 from engine.node_link import NodeLink
 from engine.node_options import NodeOptions
-from engine.protocol import Abort, FirstToken, Prefill, RequestError, SendKV, Shutdown, TransferDone
+from engine.protocol import (
+    Abort,
+    FirstToken,
+    Prefill,
+    RequestError,
+    Reset,
+    SendKV,
+    Shutdown,
+    TransferDone,
+)
 from engine.sampling_params import SamplingParams
 from kv_transfer import make_sender
 
@@ -47,6 +56,10 @@ class PrefillNode:
             self._abort(msg.request_id)
         elif isinstance(msg, Shutdown):
             self.running = False
+        elif isinstance(msg, Reset):
+            for request_id in list(self.engine.seqs):
+                self._abort(request_id)
+            self.link.register(self.engine, self.transport)
         else:
             logger.warning("prefill node ignores %s", msg.TYPE)
 

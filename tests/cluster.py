@@ -81,6 +81,10 @@ class Cluster:
         """Run a coroutine in the coordinator's loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def loop_call(self, fn) -> None:  # noqa: ANN001
+        """Run a plain function in the coordinator's loop, as its own code would."""
+        self.loop.call_soon_threadsafe(fn)
+
     @property
     def client_addr(self) -> str:
         return self.coordinator.client_endpoint

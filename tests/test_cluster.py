@@ -169,6 +169,35 @@ class TestTwoByTwo:
         node = chosen[0]
         assert cluster.node(node).prefix_hits - hits_before[node] >= 5 * 8
 
+    def test_a_node_wrongly_declared_dead_is_reset_and_rejoins(self, cluster, offline):
+        prompts = make_prompts(6, seed=7, lo=5, hi=30)
+        params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+        expected = expected_outputs(offline, prompts, params)
+        coordinator = cluster.coordinator
+
+        def declare_dead() -> None:
+            node = coordinator.nodes.nodes["decode-1"]
+            node.alive = False
+            coordinator._on_node_dead(node)
+
+        async def run() -> list[list[int]]:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                tasks = [asyncio.create_task(client.complete(p, params)) for p in prompts]
+                while not any(
+                    s.decode_node == "decode-1" and s.phase is Phase.DECODING
+                    for s in list(coordinator.requests.values())
+                ):
+                    await asyncio.sleep(0.005)
+                cluster.loop_call(declare_dead)
+                return [tokens for tokens, _ in await asyncio.gather(*tasks)]
+
+        assert asyncio.run(run()) == expected
+        deadline = time.monotonic() + 20
+        while not cluster.node("decode-1").alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.node("decode-1").alive  # it was reset and registered again
+        cluster.wait_until_idle()
+
     def test_killed_decode_node_requests_finish_elsewhere_without_gaps(self, cluster, offline):
         prompts = make_prompts(10, seed=6, lo=5, hi=30)
         params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
