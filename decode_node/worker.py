@@ -179,9 +179,8 @@ def serve(options: NodeOptions, colocated: bool = False) -> None:
 
 
 def receiver_options(options: NodeOptions) -> dict:
-    if options.transport == "tcp":
-        return {"address": f"tcp://{options.kv_host}:0"}
-    return {}
+    # Every transport's receiver has a control socket; tcp carries the pages on it too.
+    return {"address": f"tcp://{options.kv_host}:{options.kv_port}"}
 
 
 def install_signal_handlers(node: DecodeNode) -> None:

@@ -13,7 +13,8 @@ class NodeOptions:
     coordinator: str  # the coordinator's node address, tcp://host:port
     node_id: str
     transport: str = "tcp"
-    kv_host: str = "127.0.0.1"  # where a decode node's KV receiver listens (tcp transport)
+    kv_host: str = "127.0.0.1"  # where a decode node's KV receiver listens, as senders reach it
+    kv_port: int = 0  # 0: any free port (reported to the coordinator at registration)
     heartbeat_interval_s: float = 0.5
     transfer_timeout_s: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -69,6 +69,7 @@ def _node(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         transport=args.transport,
         kv_host=args.kv_host,
+        kv_port=args.kv_port,
         heartbeat_interval_s=args.heartbeat_interval,
         transfer_timeout_s=args.transfer_timeout,
         engine=_engine_config(args),
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--node-id", required=True)
         p.add_argument("--transport", default="tcp", choices=["tcp", "shm", "cuda_ipc", "nccl"])
         p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver binds")
+        p.add_argument("--kv-port", type=int, default=0, help="port of the KV receiver (0: any)")
         p.add_argument("--heartbeat-interval", type=float, default=0.5)
         p.add_argument("--transfer-timeout", type=float, default=30.0)
         if verb == "decode":

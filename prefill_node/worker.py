@@ -24,7 +24,7 @@ from engine.protocol import (
     TransferDone,
 )
 from engine.sampling_params import SamplingParams
-from kv_transfer import make_sender
+from kv_transfer import KVSender, make_sender
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,11 @@ class PrefillNode:
         self.engine = engine
         self.link = link
         self.transport = transport
-        self.sender = make_sender(transport, engine.pool, **(sender_options or {}))
-        self.connected: set[str] = set()
+        self.sender_options = sender_options or {}
+        # One sender per transport, made on first use: each decode node's receiver says which
+        # transport it speaks (a deployment may mix cuda_ipc within a host and nccl across).
+        self.senders: dict[str, KVSender] = {}
+        self.connected: set[tuple[str, str]] = set()
         self.sending: set[str] = set()  # prefilled sequences whose KV is on its way
         self.running = True
 
@@ -69,10 +72,11 @@ class PrefillNode:
             self.link.send(TransferDone(msg.request_id, False, "no prefilled KV held here"))
             return
         try:
-            if msg.decode_node not in self.connected:
-                self.sender.connect(msg.decode_node, msg.receiver_info)
-                self.connected.add(msg.decode_node)
-            self.sender.send(
+            sender = self._sender_for(msg.receiver_info.get("transport", self.transport))
+            if (sender.name, msg.decode_node) not in self.connected:
+                sender.connect(msg.decode_node, msg.receiver_info)
+                self.connected.add((sender.name, msg.decode_node))
+            sender.send(
                 msg.request_id, msg.decode_node, list(seq.block_table), list(msg.dst_blocks)
             )
         except Exception as exc:  # a bad peer must not take the node down
@@ -109,8 +113,16 @@ class PrefillNode:
                 )
             )
 
+    def _sender_for(self, transport: str) -> KVSender:
+        if transport not in self.senders:
+            self.senders[transport] = make_sender(
+                transport, self.engine.pool, **self.sender_options
+            )
+        return self.senders[transport]
+
     def _poll_sends(self) -> None:
-        for result in self.sender.poll():
+        results = [r for sender in self.senders.values() for r in sender.poll()]
+        for result in results:
             self.sending.discard(result.transfer_id)
             if result.transfer_id in self.engine.seqs:
                 self.engine.release(result.transfer_id)
@@ -132,7 +144,8 @@ class PrefillNode:
         self.close()
 
     def close(self) -> None:
-        self.sender.close()
+        for sender in self.senders.values():
+            sender.close()
         self.link.close()
 
 
