@@ -98,6 +98,7 @@ class Coordinator:
         self.node_endpoint = ""
         self.client_endpoint = ""
         self.listeners: list = []  # callables(event_name, state) for metrics
+        self.draining = False
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -153,6 +154,18 @@ class Coordinator:
 
         await asyncio.wait_for(count(), timeout_s)
 
+    def drain(self) -> None:
+        """Stop admitting: new requests are refused as unavailable; running ones go on."""
+        self.draining = True
+        logger.info("draining: %d requests still running", len(self.requests))
+
+    async def wait_drained(self, timeout_s: float) -> bool:
+        """Until every request has finished (True) or timeout_s passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.requests
+
     def reload_config(self) -> list[str]:
         """SIGHUP: re-read the TOML file and apply the fields that may change live."""
         if self.config_path is None:
@@ -181,6 +194,8 @@ class Coordinator:
     ) -> RequestHandle:
         """Admit a request into the cluster; raises SubmitError if it is refused."""
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if self.draining:
+            raise SubmitError("unavailable", "the server is shutting down; retry elsewhere")
         if request_id in self.requests:
             raise SubmitError("invalid", f"request id {request_id!r} is already in use")
         if not self.nodes.decode_nodes():

@@ -108,6 +108,42 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _launch(args: argparse.Namespace) -> int:
+    import socket
+
+    from pdserve.cluster_file import load_cluster_file, plan
+    from pdserve.supervisor import Supervisor
+
+    spec = load_cluster_file(args.cluster_file)
+    host = args.host
+    if host is None:
+        names = [h.name for h in spec.hosts]
+        here = socket.gethostname()
+        if here in names:
+            host = here
+        elif len(names) == 1:
+            host = names[0]
+        else:
+            raise ValueError(
+                f"this machine ({here}) is none of the hosts {names}: give --host NAME"
+            )
+    plans = plan(spec, host)
+    if args.dry_run:
+        print(f"# pdserve launch {args.cluster_file} --host {host}: {len(plans)} processes")
+        for p in plans:
+            print(p.describe())
+        return 0
+    log_dir = spec.log_dir or (spec.path.parent / "logs")
+    supervisor = Supervisor(plans, log_dir, drain_timeout_s=spec.drain_timeout_s)
+    return supervisor.run()
+
+
+def _process_title(args: argparse.Namespace) -> str:
+    if args.command in ("prefill", "decode"):
+        return f"pdserve-{args.node_id}"
+    return f"pdserve-{args.command}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -149,7 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transport", default="tcp", choices=["tcp", "shm", "cuda_ipc", "nccl"])
         p.add_argument("--dtype", default="auto")
         p.add_argument("--device", default="auto")
+        p.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds running requests get to finish")  # fmt: skip
         p.set_defaults(func=_serve)
+
+    launch = sub.add_parser("launch", help="start and supervise one host's part of a cluster file")
+    launch.add_argument("cluster_file", help="cluster file (TOML), see docs/deployment.md")
+    launch.add_argument("--host", default=None, help="which host of the file this is")
+    launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    launch.set_defaults(func=_launch)
 
     for verb in ("prefill", "decode"):
         p = sub.add_parser(verb, help=f"start one {verb} node pointed at a coordinator")
@@ -169,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(_process_title(args))  # operators find each role with ps and top
+    except ImportError:
+        pass
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {args.command} %(name)s: %(message)s",

@@ -1,0 +1,314 @@
+"""The cluster file (TOML) of `pdserve launch`: the model, the coordinator's place and ports, and
+per host the GPUs (or CPU workers) given to prefill and to decode. `plan` turns it into the
+processes one host runs: their commands, environments and ports. No process is started here."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRANSPORTS = ("auto", "tcp", "shm", "cuda_ipc", "nccl")
+ROLE_OVERRIDES = {
+    # cluster-file key -> node flag
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "chunk_size": "--max-num-batched-tokens",
+    "kv_memory_fraction": "--gpu-memory-utilization",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "num_kv_blocks": "--num-kv-blocks",
+    "kv_cache_bytes": "--kv-cache-bytes",
+}
+TOP_KEYS = {"model", "dtype", "block_size", "log_dir", "coordinator_config", "transport",
+            "coordinator", "host"}  # fmt: skip
+COORDINATOR_KEYS = {"host", "http_port", "node_port", "client_port", "drain_timeout_s"}
+HOST_KEYS = {"name", "address", "prefill_gpus", "decode_gpus", "prefill_workers",
+             "decode_workers", "transport", "kv_port_base", "prefill", "decode"}  # fmt: skip
+
+
+class ClusterFileError(ValueError):
+    """A cluster file that cannot be launched; the message names the key (and host)."""
+
+
+@dataclass(slots=True)
+class HostSpec:
+    name: str
+    address: str
+    prefill_gpus: list[int] = field(default_factory=list)
+    decode_gpus: list[int] = field(default_factory=list)
+    prefill_workers: int = 0  # CPU workers, when no GPUs are given
+    decode_workers: int = 0
+    transport: str | None = None
+    kv_port_base: int = 5700
+    prefill: dict = field(default_factory=dict)
+    decode: dict = field(default_factory=dict)
+
+    @property
+    def num_prefill(self) -> int:
+        return len(self.prefill_gpus) or self.prefill_workers
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode_gpus) or self.decode_workers
+
+    @property
+    def has_gpus(self) -> bool:
+        return bool(self.prefill_gpus or self.decode_gpus)
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    path: Path
+    hosts: list[HostSpec]
+    coordinator_host: str
+    http_port: int = 8000
+    node_port: int = 5555
+    client_port: int | None = None
+    drain_timeout_s: float = 30.0
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int | None = None
+    log_dir: Path | None = None
+    coordinator_config: Path | None = None
+    transport: str = "auto"
+
+    def host(self, name: str) -> HostSpec:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise ClusterFileError(
+            f"{self.path}: no host named {name!r} (hosts: {[h.name for h in self.hosts]})"
+        )
+
+    @property
+    def coordinator_address(self) -> str:
+        return self.host(self.coordinator_host).address
+
+    def decode_transport(self, host: HostSpec) -> str:
+        """The transport a decode node on `host` receives with: cuda_ipc within a GPU host,
+        nccl across GPU hosts, shm within a CPU host, tcp across CPU hosts; unless set."""
+        chosen = host.transport or self.transport
+        if chosen != "auto":
+            return chosen
+        prefill_hosts = {h.name for h in self.hosts if h.num_prefill}
+        local = prefill_hosts <= {host.name}
+        if host.decode_gpus:
+            return "cuda_ipc" if local else "nccl"
+        return "shm" if local else "tcp"
+
+
+def _fail(path: Path, where: str, message: str) -> ClusterFileError:
+    return ClusterFileError(f"{path}: {where}{message}")
+
+
+def _check_keys(path: Path, table: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise _fail(path, where, f"unknown key '{unknown[0]}'")
+
+
+def _int_list(path: Path, where: str, key: str, value: object) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise _fail(path, where, f"key '{key}' must be a list of GPU indexes, got {value!r}")
+    if len(set(value)) != len(value):
+        raise _fail(path, where, f"key '{key}' names a GPU twice: {value!r}")
+    return list(value)
+
+
+def _positive_int(path: Path, where: str, key: str, value: object, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _fail(path, where, f"key '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _overrides(path: Path, where: str, role: str, table: object) -> dict:
+    if not isinstance(table, dict):
+        raise _fail(path, where, f"key '{role}' must be a table of overrides")
+    _check_keys(path, table, set(ROLE_OVERRIDES), f"{where}[{role}] ")
+    for key, value in table.items():
+        if key in ("kv_memory_fraction", "gpu_memory_utilization"):
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise _fail(path, where, f"key '{role}.{key}' must be in (0, 1], got {value!r}")
+        else:
+            _positive_int(path, where, f"{role}.{key}", value, minimum=1)
+    return dict(table)
+
+
+def load_cluster_file(path: str | Path) -> ClusterSpec:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ClusterFileError(f"cluster file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ClusterFileError(f"{path}: not valid TOML: {exc}") from exc
+    _check_keys(path, data, TOP_KEYS, "")
+    raw_hosts = data.get("host")
+    if not isinstance(raw_hosts, list) or not raw_hosts:
+        raise _fail(path, "", "key 'host' must list at least one [[host]] table")
+    hosts: list[HostSpec] = []
+    for index, raw in enumerate(raw_hosts):
+        name = raw.get("name")
+        where = f"host {name!r}: " if isinstance(name, str) else f"host #{index + 1}: "
+        if not isinstance(name, str) or not name:
+            raise _fail(path, where, "key 'name' is required")
+        if any(h.name == name for h in hosts):
+            raise _fail(path, where, "key 'name' repeats another host's name")
+        _check_keys(path, raw, HOST_KEYS, where)
+        address = raw.get("address")
+        if not isinstance(address, str) or not address:
+            raise _fail(path, where, "key 'address' is required (the host's reachable IP or name)")
+        host = HostSpec(name=name, address=address)
+        for role in ("prefill", "decode"):
+            gpus_key, workers_key = f"{role}_gpus", f"{role}_workers"
+            if gpus_key in raw and workers_key in raw:
+                raise _fail(
+                    path, where, f"key '{workers_key}' conflicts with '{gpus_key}': give one"
+                )
+            if gpus_key in raw:
+                setattr(host, gpus_key, _int_list(path, where, gpus_key, raw[gpus_key]))
+            if workers_key in raw:
+                setattr(
+                    host, workers_key, _positive_int(path, where, workers_key, raw[workers_key])
+                )
+            if role in raw:
+                setattr(host, role, _overrides(path, where, role, raw[role]))
+        overlap = set(host.prefill_gpus) & set(host.decode_gpus)
+        if overlap:
+            raise _fail(path, where, f"key 'decode_gpus' reuses prefill GPU {sorted(overlap)[0]}")
+        if "transport" in raw:
+            if raw["transport"] not in TRANSPORTS:
+                raise _fail(
+                    path,
+                    where,
+                    f"key 'transport' must be one of {TRANSPORTS}, got {raw['transport']!r}",
+                )
+            host.transport = raw["transport"]
+        if "kv_port_base" in raw:
+            host.kv_port_base = _positive_int(path, where, "kv_port_base", raw["kv_port_base"], 1)
+        hosts.append(host)
+    coordinator = data.get("coordinator", {})
+    if not isinstance(coordinator, dict):
+        raise _fail(path, "", "key 'coordinator' must be a table")
+    _check_keys(path, coordinator, COORDINATOR_KEYS, "[coordinator] ")
+    coordinator_host = coordinator.get("host", hosts[0].name)
+    if coordinator_host not in {h.name for h in hosts}:
+        raise _fail(path, "[coordinator] ", f"key 'host' names no host: {coordinator_host!r}")
+    spec = ClusterSpec(path=path, hosts=hosts, coordinator_host=coordinator_host)
+    for key in ("http_port", "node_port", "client_port"):
+        if key in coordinator:
+            setattr(spec, key, _positive_int(path, "[coordinator] ", key, coordinator[key], 1))
+    if "drain_timeout_s" in coordinator:
+        spec.drain_timeout_s = float(coordinator["drain_timeout_s"])
+    if "transport" in data:
+        if data["transport"] not in TRANSPORTS:
+            raise _fail(
+                path, "", f"key 'transport' must be one of {TRANSPORTS}, got {data['transport']!r}"
+            )
+        spec.transport = data["transport"]
+    spec.model = data.get("model")
+    spec.dtype = data.get("dtype", "auto")
+    if "block_size" in data:
+        spec.block_size = _positive_int(path, "", "block_size", data["block_size"], 1)
+    if "log_dir" in data:
+        spec.log_dir = (path.parent / data["log_dir"]).resolve()
+    if "coordinator_config" in data:
+        spec.coordinator_config = (path.parent / data["coordinator_config"]).resolve()
+    if not any(h.num_decode for h in hosts):
+        raise _fail(path, "", "no host has decode GPUs or decode workers")
+    gpu_hosts = {h.has_gpus for h in hosts if h.num_prefill or h.num_decode}
+    if len(gpu_hosts) > 1:
+        raise _fail(path, "", "hosts mix GPUs and CPU workers; give all GPUs or all CPU workers")
+    return spec
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ProcessPlan:
+    name: str  # also its process title and log file name
+    role: str  # coordinator | prefill | decode
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    transport: str | None = None
+
+    def describe(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        ports = ", ".join(f"{k} {v}" for k, v in self.ports.items()) or "-"
+        lines = [f"{self.name}  ({self.role}; ports: {ports}"
+                 + (f"; transport: {self.transport}" if self.transport else "") + ")",
+                 f"  {env + ' ' if env else ''}{shlex.join(self.command)}"]  # fmt: skip
+        return "\n".join(lines)
+
+
+def _global_index(spec: ClusterSpec, host: HostSpec, role: str) -> int:
+    """Nodes are numbered across the cluster, in host order."""
+    before = 0
+    for h in spec.hosts:
+        if h.name == host.name:
+            return before
+        before += h.num_prefill if role == "prefill" else h.num_decode
+    raise AssertionError(host.name)
+
+
+def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
+    host = spec.host(host_name)
+    python = [sys.executable, "-m", "pdserve"]
+    procs: list[ProcessPlan] = []
+    coordinator = f"tcp://{spec.coordinator_address}:{spec.node_port}"
+    if spec.coordinator_host == host.name:
+        cmd = python + ["coordinator", "--host", host.address, "--port", str(spec.http_port),
+                        "--node-port", str(spec.node_port)]  # fmt: skip
+        ports = {"http": spec.http_port, "nodes": spec.node_port}
+        if spec.client_port:
+            cmd += ["--client-port", str(spec.client_port)]
+            ports["clients"] = spec.client_port
+        if spec.coordinator_config:
+            cmd += ["--config", str(spec.coordinator_config)]
+        if spec.model:
+            cmd += ["--model", spec.model]
+        cmd += ["--drain-timeout", str(spec.drain_timeout_s)]
+        procs.append(ProcessPlan("pdserve-coordinator", "coordinator", cmd, ports=ports))
+    common = []
+    if spec.model:
+        common += ["--model", spec.model]
+    common += ["--dtype", spec.dtype]
+    if spec.block_size:
+        common += ["--block-size", str(spec.block_size)]
+    for role in ("prefill", "decode"):
+        gpus = host.prefill_gpus if role == "prefill" else host.decode_gpus
+        count = host.num_prefill if role == "prefill" else host.num_decode
+        first = _global_index(spec, host, role)
+        overrides: list[str] = []
+        for key, value in (host.prefill if role == "prefill" else host.decode).items():
+            overrides += [ROLE_OVERRIDES[key], str(value)]
+        for local in range(count):
+            index = first + local
+            name = f"pdserve-{role}-{index}"
+            cmd = python + [role, "--coordinator", coordinator, "--node-id", f"{role}-{index}"]
+            env = {}
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(gpus[local])
+                cmd += ["--device", "cuda"]
+            else:
+                cmd += ["--device", "cpu"]
+            ports: dict[str, int] = {}
+            transport = None
+            if role == "decode":
+                transport = spec.decode_transport(host)
+                kv_port = host.kv_port_base + local
+                ports["kv"] = kv_port
+                cmd += [
+                    "--transport",
+                    transport,
+                    "--kv-host",
+                    host.address,
+                    "--kv-port",
+                    str(kv_port),
+                ]
+            procs.append(ProcessPlan(name, role, cmd + common + overrides, env, ports, transport))
+    return procs

@@ -1,0 +1,130 @@
+"""`pdserve launch`: the plan each example cluster file implies, and bad files refused by key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster_file import ClusterFileError, load_cluster_file, plan
+
+DEPLOY = Path(__file__).parent.parent / "deploy"
+
+
+def by_name(plans):
+    return {p.name: p for p in plans}
+
+
+def flag(plan, name: str) -> str:
+    return plan.command[plan.command.index(name) + 1]
+
+
+def test_cpu_example_runs_everything_on_one_host():
+    spec = load_cluster_file(DEPLOY / "cpu-local.toml")
+    procs = by_name(plan(spec, "local"))
+    assert sorted(procs) == [
+        "pdserve-coordinator", "pdserve-decode-0", "pdserve-decode-1",
+        "pdserve-prefill-0", "pdserve-prefill-1",
+    ]  # fmt: skip
+    assert procs["pdserve-coordinator"].ports == {"http": 8000, "nodes": 5555}
+    for name in ("pdserve-decode-0", "pdserve-decode-1"):
+        assert procs[name].transport == "tcp"
+        assert "CUDA_VISIBLE_DEVICES" not in procs[name].env
+        assert flag(procs[name], "--device") == "cpu"
+    assert [procs[f"pdserve-decode-{i}"].ports["kv"] for i in (0, 1)] == [5700, 5701]
+    assert flag(procs["pdserve-prefill-1"], "--coordinator") == "tcp://127.0.0.1:5555"
+    assert flag(procs["pdserve-prefill-0"], "--max-num-batched-tokens") == "512"  # chunk_size
+    assert flag(procs["pdserve-decode-0"], "--max-num-seqs") == "128"
+
+
+def test_eight_gpu_host_pins_each_worker_and_uses_cuda_ipc():
+    spec = load_cluster_file(DEPLOY / "gpu-8x-one-host.toml")
+    procs = by_name(plan(spec, "gpu0"))
+    gpus = {name: p.env.get("CUDA_VISIBLE_DEVICES") for name, p in procs.items()}
+    assert gpus == {
+        "pdserve-coordinator": None,
+        **{f"pdserve-prefill-{i}": str(i) for i in range(4)},
+        **{f"pdserve-decode-{i}": str(4 + i) for i in range(4)},
+    }
+    assert {procs[f"pdserve-decode-{i}"].transport for i in range(4)} == {"cuda_ipc"}
+    assert flag(procs["pdserve-prefill-0"], "--gpu-memory-utilization") == "0.5"
+    assert flag(procs["pdserve-decode-3"], "--gpu-memory-utilization") == "0.9"
+
+
+def test_two_hosts_split_roles_and_cross_with_nccl():
+    spec = load_cluster_file(DEPLOY / "gpu-two-hosts.toml")
+    prefill_host = by_name(plan(spec, "prefill-host"))
+    decode_host = by_name(plan(spec, "decode-host"))
+    assert "pdserve-coordinator" in prefill_host and "pdserve-coordinator" not in decode_host
+    assert len([n for n in prefill_host if "prefill" in n]) == 8
+    assert len(decode_host) == 8
+    d7 = decode_host["pdserve-decode-7"]
+    assert d7.transport == "nccl" and d7.env["CUDA_VISIBLE_DEVICES"] == "7"
+    assert flag(d7, "--coordinator") == "tcp://10.0.0.1:5555"
+    assert flag(d7, "--kv-host") == "10.0.0.2"
+
+
+BASE = """
+[[host]]
+name = "a"
+address = "127.0.0.1"
+{extra}
+"""
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        (
+            BASE.format(extra="decode_workers = 1\nprefil_workers = 1"),
+            ["host 'a'", "prefil_workers"],
+        ),
+        (BASE.format(extra="decode_gpus = [0, 0]"), ["host 'a'", "decode_gpus"]),
+        (BASE.format(extra="prefill_gpus = [1]\ndecode_gpus = [1]"), ["host 'a'", "decode_gpus"]),
+        (
+            BASE.format(extra="decode_workers = 1\ntransport = 'carrier-pigeon'"),
+            ["host 'a'", "transport"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\n[host.decode]\nmax_num_seq = 3"),
+            ["host 'a'", "max_num_seq"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1") + "[coordinator]\nhost = 'b'\n",
+            ["coordinator", "host"],
+        ),
+        ('[[host]]\nname = "a"\ndecode_workers = 1\n', ["host 'a'", "address"]),
+        (BASE.format(extra="prefill_workers = 1"), ["decode"]),
+    ],
+)
+def test_bad_cluster_files_are_refused_naming_the_key(tmp_path, text, words):
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(ClusterFileError) as err:
+        load_cluster_file(path)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_launch_dry_run_prints_the_plan_and_starts_nothing():
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve", "launch", str(DEPLOY / "gpu-two-hosts.toml"),
+         "--host", "decode-host", "--dry-run"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("CUDA_VISIBLE_DEVICES=") == 8
+    assert "--transport nccl" in res.stdout
+
+
+def test_launch_of_a_bad_file_is_one_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(BASE.format(extra="decode_gpus = 'all'"))
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve", "launch", str(path), "--dry-run"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and "decode_gpus" in res.stderr
