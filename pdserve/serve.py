@@ -11,7 +11,16 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
+from coordinator.http_api import (
+    OpenAIServing,
+    build_app,
+    listen_socket,
+    serve_http,
+    served_model_name,
+)
 from engine.config import EngineConfig
+from engine.tiny_model import resolve_model_dir
+from engine.tokenizer import Tokenizer
 from pdserve.launch import NodeGroup, NodeSpec
 
 logger = logging.getLogger("pdserve.serve")
@@ -107,8 +116,18 @@ async def serve_async(options: ServeOptions) -> None:
 async def run_frontend(
     coordinator: Coordinator, options: ServeOptions, stop: asyncio.Event
 ) -> None:
-    """Serve clients until asked to stop."""
-    await stop.wait()
+    """Serve the OpenAI-compatible HTTP API until asked to stop."""
+    model_dir = resolve_model_dir(options.model)
+    name = served_model_name(options.model)
+    serving = OpenAIServing(
+        coordinator,
+        Tokenizer(model_dir),
+        model_dir,
+        name,
+        aliases=tuple(filter(None, [options.model])),
+    )
+    sock = listen_socket(options.host, options.port)
+    await serve_http(build_app(serving), sock, stop)
 
 
 def run_serve(options: ServeOptions) -> int:

@@ -1,0 +1,145 @@
+"""Prometheus metrics of the serving API: the nodes' KV blocks and queues, read from the
+coordinator at scrape time, and request latency histograms fed by the coordinator's listeners."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from coordinator.coordinator import Coordinator
+from coordinator.request_state import Phase, RequestState
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)  # fmt: skip
+
+
+class ClusterCollector:
+    """Gauges computed from the coordinator's registry of nodes and its active requests."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def collect(self):  # noqa: ANN201
+        c = self.coordinator
+        free = GaugeMetricFamily(
+            "pdserve_kv_blocks_free", "Free KV blocks of a node (last report)", labels=["node"]
+        )
+        total = GaugeMetricFamily(
+            "pdserve_kv_blocks_total", "KV blocks in a node's pool", labels=["node"]
+        )
+        node_running = GaugeMetricFamily(
+            "pdserve_node_requests_running", "Sequences in a node's running batch", labels=["node"]
+        )
+        node_waiting = GaugeMetricFamily(
+            "pdserve_node_requests_waiting", "Sequences queued on a node", labels=["node"]
+        )
+        alive = GaugeMetricFamily(
+            "pdserve_node_up", "1 while a node is alive", labels=["node", "role"]
+        )
+        for node in list(c.nodes.nodes.values()):
+            alive.add_metric([node.node_id, node.role], 1.0 if node.alive else 0.0)
+            if not node.alive:
+                continue
+            free.add_metric([node.node_id], node.free_blocks)
+            total.add_metric([node.node_id], node.num_blocks)
+            node_running.add_metric([node.node_id], node.running)
+            node_waiting.add_metric([node.node_id], node.waiting)
+        states = list(c.requests.values())
+        decoding = sum(1 for s in states if s.phase is Phase.DECODING)
+        yield free
+        yield total
+        yield node_running
+        yield node_waiting
+        yield alive
+        yield GaugeMetricFamily(
+            "pdserve_requests_running", "Requests generating tokens on a decode node", decoding
+        )
+        yield GaugeMetricFamily(
+            "pdserve_requests_waiting",
+            "Requests not yet decoding: queued, prefilling, waiting for admission, transferring KV",
+            len(states) - decoding,
+        )
+
+
+class Metrics:
+    """One registry per server; `observe` is the coordinator listener."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        disable_created_metrics()  # no `_created` series: they only add noise to every scrape
+        self.registry = CollectorRegistry()
+        self.registry.register(ClusterCollector(coordinator))
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time from a request's arrival at the coordinator to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Mean time between a request's output tokens after the first",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "pdserve_requests_finished",
+            "Requests ended, by finish reason (stop, length, abort, error)",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        # Requests the API aborted because a stop string matched: they finished with "stop".
+        self.stopped_by_string: set[str] = set()
+
+    def observe(self, name: str, state: RequestState) -> None:
+        try:
+            if name == "first_token" and state.first_token_at is not None:
+                self.ttft.observe(state.first_token_at - state.arrival)
+            elif name == "finished":
+                self._on_finished(state)
+        except Exception:  # metrics must never break the coordinator's message loop
+            logger.exception("[%s] metrics listener failed", state.request_id)
+
+    def _on_finished(self, state: RequestState) -> None:
+        reason = state.finish_reason or "error"
+        if state.request_id in self.stopped_by_string:
+            self.stopped_by_string.discard(state.request_id)
+            reason = "stop"
+        self.finished.labels(reason).inc()
+        self.prompt_tokens.inc(len(state.prompt_token_ids))
+        num_out = len(state.output_token_ids)
+        self.generation_tokens.inc(num_out)
+        if reason not in ("stop", "length"):
+            return
+        now = time.monotonic()
+        self.e2e.observe(now - state.arrival)
+        if state.first_token_at is not None and num_out > 1:
+            self.tpot.observe((now - state.first_token_at) / (num_out - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

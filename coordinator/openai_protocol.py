@@ -1,0 +1,195 @@
+"""The OpenAI-compatible request bodies (validated strictly: a wrong type is an error, never
+coerced) and the error body every refusal carries."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_LOGPROBS = 20
+INT64 = 2**63
+
+
+class APIError(Exception):
+    """A refusal: its status, and the OpenAI error body `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored (clients send extras such as `user`); known ones are strict.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields common to completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = Field(1, ge=1, le=128)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check(self) -> None:
+        """Rules across fields, and what is refused rather than silently ignored."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options may only be set when stream is true", "stream_options"
+            )
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def check(self) -> None:
+        super().check()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request("best_of must equal n (or be omitted)", "best_of")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id, ... go through
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: content as one string."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(part.text for part in self.content)
+        else:
+            d["content"] = self.content or ""
+        return d
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise bad_request("messages must be a non-empty array", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only the text response_format is supported", "response_format")
+
+
+# --- validation errors -----------------------------------------------------------------------
+
+# What a field of several accepted shapes expects, for its error message.
+_EXPECTED = {
+    "prompt": "a string, an array of strings, an array of token ids or an array of token-id arrays",
+    "stop": "a string or an array of strings",
+    "messages": "an array of messages, each with a role and text content",
+}
+
+
+def _path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first offending field of a body as one OpenAI-style 400."""
+    errors = exc.errors(include_url=False)
+    param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
+    mine = [e for e in errors if e["loc"] and str(e["loc"][0]) == param]
+    first = mine[0] if mine else errors[0]
+    kind = first["type"]
+    if kind == "missing":
+        return bad_request(f"'{param}' is required", param, "missing_required_parameter")
+    code = (
+        "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+    )
+    if len(mine) > 1 and param in _EXPECTED:  # every shape of a union failed
+        return bad_request(f"Invalid '{param}': expected {_EXPECTED[param]}", param, code)
+    return bad_request(f"Invalid '{_path(first['loc'])}': {first['msg']}", param, code)
