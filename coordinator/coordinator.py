@@ -137,7 +137,9 @@ class Coordinator:
             self.client_sock.close(0)
 
     def ready(self) -> bool:
-        """At least one node of each kind the deployment needs is alive."""
+        """At least one node of each kind the deployment needs is alive (and not draining)."""
+        if self.draining:
+            return False
         decoders = self.nodes.decode_nodes()
         if not decoders:
             return False
@@ -218,13 +220,15 @@ class Coordinator:
         self._notify("submitted", state)
         return RequestHandle(state)
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request now and free it on every node. reason: "abort" (the client left) or
+        "stop" (the frontend matched a stop string: the request is complete)."""
         state = self.requests.get(request_id)
         if state is None or state.done:
             return False
-        logger.info("[%s] aborted by client", request_id)
+        logger.info("[%s] ended by the frontend (%s)", request_id, reason)
         self._release_everywhere(state)
-        self._finish(state, "abort")
+        self._finish(state, reason)
         return True
 
     # --- routing ------------------------------------------------------------------------------
@@ -535,7 +539,10 @@ class Coordinator:
 
     def _notify(self, name: str, state: RequestState) -> None:
         for listener in self.listeners:
-            listener(name, state)
+            try:
+                listener(name, state)
+            except Exception:  # an observer must never cost a request its events
+                logger.exception("[%s] listener failed on %s", state.request_id, name)
 
     def _send(self, node: NodeState, msg: protocol.Message) -> None:
         try:

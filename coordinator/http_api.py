@@ -409,11 +409,8 @@ class OpenAIServing:
 
     async def stop_early(self, request_id: str) -> None:
         """A stop string matched: the request is done for the client; free it everywhere."""
-        self.metrics.stopped_by_string.add(request_id)
-        if await self.coordinator.abort(request_id):
+        if await self.coordinator.abort(request_id, reason="stop"):
             logger.info("[%s] stop string matched: request released", request_id)
-        else:
-            self.metrics.stopped_by_string.discard(request_id)
 
     async def collect(self, request: Request, choices: list[ChoiceStream]) -> list[ChoiceResult]:
         """Whole outputs; a client that disconnects first gets its requests aborted."""

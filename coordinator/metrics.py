@@ -113,8 +113,6 @@ class Metrics:
         self.generation_tokens = Counter(
             "pdserve_generation_tokens", "Tokens generated", registry=self.registry
         )
-        # Requests the API aborted because a stop string matched: they finished with "stop".
-        self.stopped_by_string: set[str] = set()
 
     def observe(self, name: str, state: RequestState) -> None:
         try:
@@ -127,9 +125,6 @@ class Metrics:
 
     def _on_finished(self, state: RequestState) -> None:
         reason = state.finish_reason or "error"
-        if state.request_id in self.stopped_by_string:
-            self.stopped_by_string.discard(state.request_id)
-            reason = "stop"
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(len(state.prompt_token_ids))
         num_out = len(state.output_token_ids)

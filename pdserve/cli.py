@@ -104,6 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
             start_nodes=args.command == "serve",
             log_dir=args.log_dir,
+            drain_timeout_s=args.drain_timeout,
         )
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class ServeOptions:
     device: str = "auto"
     start_nodes: bool = True
     log_dir: str | None = None
+    drain_timeout_s: float = 30.0
 
 
 def node_specs(
@@ -82,12 +84,30 @@ async def serve_async(options: ServeOptions) -> None:
         model_name=options.model or "pdserve-tiny",
         config_path=options.config_path,
     )
+    # The HTTP port first: a busy port fails at once, before any node starts.
+    http_sock = listen_socket(options.host, options.port)
     await coordinator.start()
     group = NodeGroup(Path(options.log_dir) if options.log_dir else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
+
+    def on_sigterm() -> None:
+        # First SIGTERM drains (new requests get 503, running ones finish); a second stops now.
+        if draining or coordinator.draining:
+            stop.set()
+            return
+        coordinator.drain()
+
+        async def drain_then_stop() -> None:
+            finished = await coordinator.wait_drained(options.drain_timeout_s)
+            logger.info("drain %s", "complete" if finished else "timed out")
+            stop.set()
+
+        draining.append(asyncio.create_task(drain_then_stop()))
+
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     loop.add_signal_handler(signal.SIGHUP, coordinator.reload_config)
     try:
         if options.start_nodes:
@@ -107,14 +127,14 @@ async def serve_async(options: ServeOptions) -> None:
         logger.info("coordinator ready: nodes on %s, clients on %s",
                     coordinator.node_endpoint, coordinator.client_endpoint or "-")  # fmt: skip
         print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
-        await run_frontend(coordinator, options, stop)
+        await run_frontend(coordinator, options, stop, http_sock)
     finally:
         await coordinator.stop()
         group.stop()
 
 
 async def run_frontend(
-    coordinator: Coordinator, options: ServeOptions, stop: asyncio.Event
+    coordinator: Coordinator, options: ServeOptions, stop: asyncio.Event, sock: socket.socket
 ) -> None:
     """Serve the OpenAI-compatible HTTP API until asked to stop."""
     model_dir = resolve_model_dir(options.model)
@@ -126,7 +146,6 @@ async def run_frontend(
         name,
         aliases=tuple(filter(None, [options.model])),
     )
-    sock = listen_socket(options.host, options.port)
     await serve_http(build_app(serving), sock, stop)
 
 

@@ -1,0 +1,237 @@
+"""`pdserve launch` for real: a CPU cluster file on loopback (a killed worker is restarted; SIGTERM
+lets running streams finish and refuses new ones), and two hosts in network namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+CLUSTER = """
+dtype = "float32"
+block_size = 8
+log_dir = "{log_dir}"
+
+[coordinator]
+host = "{first}"
+http_port = {http_port}
+node_port = {node_port}
+drain_timeout_s = 60
+
+{hosts}
+"""
+HOST = """
+[[host]]
+name = "{name}"
+address = "{address}"
+{roles}
+kv_port_base = {kv_port}
+[host.prefill]
+num_kv_blocks = 256
+[host.decode]
+num_kv_blocks = 256
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} never became healthy")
+
+
+def children_titled(parent: int, title: str) -> list[int]:
+    res = subprocess.run(
+        ["pgrep", "-P", str(parent), "-f", f"^{title}"], capture_output=True, text=True
+    )
+    return [int(p) for p in res.stdout.split()]
+
+
+def complete(url: str, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": "pdserve-tiny", "prompt": "Hello there", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+@pytest.fixture
+def cpu_cluster(tmp_path):
+    http_port, node_port, kv_port = free_port(), free_port(), free_port()
+    hosts = HOST.format(name="local", address="127.0.0.1", kv_port=kv_port,
+                        roles="prefill_workers = 2\ndecode_workers = 2\ntransport = \"tcp\"")  # fmt: skip
+    path = tmp_path / "cluster.toml"
+    path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="local", http_port=http_port,
+                                   node_port=node_port, hosts=hosts))  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", str(path)],
+                            start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_healthy(url)
+        yield proc, url, tmp_path / "logs"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def metric(url: str, name: str, node: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'{name}{{node="{node}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} for {node} not in /metrics")
+
+
+def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(cpu_cluster):
+    launch, url, logs = cpu_cluster
+    assert complete(url).status_code == 200
+    titles = ["pdserve-coordinator", "pdserve-prefill-0", "pdserve-prefill-1",
+              "pdserve-decode-0", "pdserve-decode-1"]  # fmt: skip
+    for title in titles:
+        assert len(children_titled(launch.pid, title)) == 1, title
+        assert (logs / f"{title}.log").is_file()
+
+    # A worker killed outright is restarted by the supervisor and registers again.
+    (victim,) = children_titled(launch.pid, "pdserve-decode-1")
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pids = children_titled(launch.pid, "pdserve-decode-1")
+        if pids and pids != [victim] and metric(url, "pdserve_kv_blocks_total", "decode-1") > 0:
+            break
+        time.sleep(0.3)
+    assert pids and pids != [victim]
+    responses = [complete(url) for _ in range(6)]
+    assert all(r.status_code == 200 for r in responses)
+
+    # SIGTERM with 8 streams running: all 8 finish, new requests get 503, everything exits.
+    results: list[tuple[str | None, int]] = [(None, 0)] * 8
+    first_tokens = threading.Barrier(9, timeout=60)
+
+    def stream(i: int) -> None:
+        body = {"model": "pdserve-tiny", "prompt": f"stream {i}", "max_tokens": 120,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        count, reason, waited = 0, None, False
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                count += 1
+                reason = choice.get("finish_reason") or reason
+                if not waited:
+                    waited = True
+                    first_tokens.wait()
+        results[i] = (reason, count)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    first_tokens.wait()
+    os.kill(launch.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    refused = complete(url)
+    assert refused.status_code == 503 and "retry-after" in refused.headers
+    for t in threads:
+        t.join(120)
+    assert [reason for reason, _ in results] == ["length"] * 8
+    assert launch.wait(60) == 0
+    assert not children_titled(launch.pid, "pdserve-")
+
+
+def _netns_available() -> bool:
+    if os.geteuid() != 0 or not Path("/usr/sbin/ip").exists() and not Path("/sbin/ip").exists():
+        return False
+    name = f"pdprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: 10.77.<n>.1 and 10.77.<n>.2."""
+    if not _netns_available():
+        pytest.skip("network namespaces cannot be made here (needs root and iproute2)")
+    tag = os.getpid() % 200 + 20
+    a, b = f"pd-a-{tag}", f"pd-b-{tag}"
+    addr_a, addr_b = f"10.77.{tag}.1", f"10.77.{tag}.2"
+    cmds = [
+        ["ip", "netns", "add", a], ["ip", "netns", "add", b],
+        ["ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"],
+        ["ip", "link", "set", f"va{tag}", "netns", a], ["ip", "link", "set", f"vb{tag}", "netns", b],
+        ["ip", "-n", a, "addr", "add", f"{addr_a}/24", "dev", f"va{tag}"],
+        ["ip", "-n", b, "addr", "add", f"{addr_b}/24", "dev", f"vb{tag}"],
+        ["ip", "-n", a, "link", "set", f"va{tag}", "up"], ["ip", "-n", b, "link", "set", f"vb{tag}", "up"],
+        ["ip", "-n", a, "link", "set", "lo", "up"], ["ip", "-n", b, "link", "set", "lo", "up"],
+    ]  # fmt: skip
+    try:
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield (a, addr_a), (b, addr_b)
+    finally:
+        subprocess.run(["ip", "netns", "del", a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", b], capture_output=True)
+
+
+def test_two_hosts_in_network_namespaces_serve_across_the_link(tmp_path, two_hosts):
+    (ns_a, addr_a), (ns_b, addr_b) = two_hosts
+    http_port, node_port, kv_port = 8000, 5555, 5700  # each namespace has its own ports
+    hosts = HOST.format(name="a", address=addr_a, kv_port=kv_port, roles="prefill_workers = 1")
+    hosts += HOST.format(name="b", address=addr_b, kv_port=kv_port, roles="decode_workers = 1")
+    path = tmp_path / "two-hosts.toml"
+    path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="a", http_port=http_port,
+                                   node_port=node_port, hosts=hosts))  # fmt: skip
+    launches = [
+        subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve", "launch",
+                          str(path), "--host", host], start_new_session=True)
+        for ns, host in ((ns_a, "a"), (ns_b, "b"))
+    ]  # fmt: skip
+    client = (
+        "import httpx, sys, time\n"
+        f"url = 'http://{addr_a}:{http_port}'\n"
+        "for _ in range(600):\n"
+        "    try:\n"
+        "        if httpx.get(url + '/health', timeout=2).status_code == 200: break\n"
+        "    except httpx.HTTPError: pass\n"
+        "    time.sleep(0.3)\n"
+        "r = httpx.post(url + '/v1/completions', timeout=60, json={'model': 'pdserve-tiny',"
+        " 'prompt': 'across the link', 'max_tokens': 8, 'temperature': 0, 'ignore_eos': True})\n"
+        "print(r.status_code, r.json()['usage']['completion_tokens'])\n"
+    )
+    try:
+        res = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", client],
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert res.stdout.split() == ["200", "8"], res.stderr[-2000:]
+        # The decode node lives only in namespace b: the KV pages crossed the veth link.
+        log_b = (tmp_path / "logs" / "pdserve-decode-0.log").read_text()
+        assert "decode node decode-0 serving (transport tcp)" in log_b
+    finally:
+        for proc in launches:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in launches:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
