@@ -1,0 +1,278 @@
+"""KV transfer throughput: for each transport available here, GB/s of moving n blocks of a
+Llama-3-8B-shaped layout (32 layers x K/V x 16 tokens x 8 heads x 128 dims, bf16: 2 MiB a block)
+from this process's pool into a receiver's pool in another process, beside the raw copy of the
+same bytes on the same path: one plain ZeroMQ send of one buffer (tcp), a memcpy into the shared
+segment (shm), a device-to-device copy (cuda_ipc).
+
+    .venv/bin/python -m bench.kv_transfer                       # tcp and shm, 1..256 blocks
+    .venv/bin/python -m bench.kv_transfer --max-blocks 1024 --transports shm
+
+A transfer is timed from send() to the sender seeing the receiver's ack (all pages landed);
+each point is the median of --repeats runs after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+import torch
+import zmq
+
+from engine.kv_cache import KVLayout, KVPool
+from kv_transfer import make_sender
+from kv_transfer.remote import RemoteEndpoint, wait_for
+from kv_transfer.shm import map_pool
+
+LLAMA3_8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+SWEEP = (1, 4, 16, 64, 256, 1024)
+
+
+def _raw_sink(address_pipe) -> None:
+    """Child process: take [total bytes] then messages (zero-copy) until that many bytes came,
+    answer b"ok"; a total of 0 ends it."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    address_pipe.send(f"tcp://127.0.0.1:{port}")
+    while True:
+        total = int.from_bytes(sock.recv(), "little")
+        if total == 0:
+            break
+        got = 0
+        while got < total:
+            got += len(sock.recv(copy=False))
+        sock.send(b"ok")
+    sock.close(linger=0)
+    ctx.term()
+
+
+class RawTcp:
+    """The same bytes from one contiguous buffer to another process over ZeroMQ, zero-copy, to
+    its answer: as one message (the plain send), or cut in messages of `frame_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_raw_sink, args=(child,), daemon=True)
+        self.proc.start()
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.PAIR)
+        self.sock.connect(parent.recv())
+        self.buf = torch.empty(max_bytes, dtype=torch.uint8)
+        self.buf.random_(0, 255)
+
+    def run(self, nbytes: int, frame_bytes: int | None = None) -> None:
+        step = frame_bytes or nbytes
+        self.sock.send(nbytes.to_bytes(8, "little"))
+        for lo in range(0, nbytes, step):
+            self.sock.send(self.buf[lo : min(nbytes, lo + step)].numpy(), copy=False)
+        self.sock.recv()
+
+    def close(self) -> None:
+        self.sock.send((0).to_bytes(8, "little"))
+        self.proc.join(timeout=30)
+        self.sock.close(linger=0)
+        self.zctx.term()
+
+
+class RawMemcpy:
+    """One memcpy (numpy's, on this thread) of a contiguous buffer into the receiver's shared
+    segment, mapped here too."""
+
+    def __init__(self, info: dict, max_bytes: int) -> None:
+        pool = map_pool(info["shm_path"], LLAMA3_8B, info["num_blocks"])
+        self.dst = pool.view(-1).view(torch.uint8).numpy()
+        self.src = torch.empty(max_bytes, dtype=torch.uint8)
+        self.src.random_(0, 255)
+        self.src = self.src.numpy()
+
+    def run(self, nbytes: int) -> None:
+        np.copyto(self.dst[:nbytes], self.src[:nbytes])
+
+    def close(self) -> None:
+        del self.dst
+
+
+class RawDeviceCopy:
+    """A device-to-device copy of the same bytes on the sender's GPU."""
+
+    def __init__(self, device: str, max_bytes: int) -> None:
+        self.device = device
+        self.src = torch.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.dst = torch.empty_like(self.src)
+
+    def run(self, nbytes: int) -> None:
+        self.dst[:nbytes].copy_(self.src[:nbytes])
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        pass
+
+
+def _block_ids(n: int, total: int, pattern: str, rng: random.Random) -> tuple[list, list]:
+    if pattern == "contiguous":
+        return list(range(n)), list(range(total - n, total))
+    return rng.sample(range(total), n), rng.sample(range(total), n)
+
+
+class TransferBench:
+    """One transport: a receiver in a child process, the sender here."""
+
+    def __init__(self, transport: str, max_blocks: int, device: str, chunk_bytes: int) -> None:
+        rx_device = "cuda:1" if transport == "nccl" else device
+        self.remote = RemoteEndpoint("receiver", transport, LLAMA3_8B, max_blocks, device=rx_device)
+        self.pool = KVPool(LLAMA3_8B, max_blocks, device)
+        self.pool.kv.view(torch.int16).random_()  # touch every page, arbitrary bits
+        self.sender = make_sender(transport, self.pool, chunk_bytes=chunk_bytes)
+        self.sender.connect("decode", self.remote.info)
+        self.count = 0
+
+    def run(self, src: list[int], dst: list[int]) -> float:
+        """One transfer; returns the seconds from send() to the sender seeing the ack."""
+        self.count += 1
+        tid = f"bench-{self.count}"
+        self.remote.expect(tid, dst, timeout_s=120.0)  # (a pipe round trip, not timed)
+        t0 = time.perf_counter()
+        self.sender.send(tid, "decode", src, dst, timeout_s=120.0)
+        result = wait_for(self.sender, {}, tid, 120.0)
+        elapsed = time.perf_counter() - t0
+        assert result is not None and result.ok, result
+        assert self.remote.wait(tid, 60.0).ok
+        return elapsed
+
+    def close(self) -> None:
+        self.sender.close()
+        self.remote.close()
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    out = fn()
+    return out if isinstance(out, float) else time.perf_counter() - t0
+
+
+def measure(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each path, interleaved round by round so they share the machine's load."""
+    for fn in fns.values():
+        fn()  # warm-up: first touch of pages, connections
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(_timed(fn))
+    return times
+
+
+def available_transports() -> list[str]:
+    names = ["tcp"]
+    if sys.platform.startswith("linux"):
+        names.append("shm")
+    if torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None:
+        names.append("cuda_ipc")
+        if torch.cuda.device_count() >= 2:
+            names.append("nccl")
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--transports", nargs="*", default=None, help="default: all available")
+    ap.add_argument("--max-blocks", type=int, default=256, help="largest point of the sweep")
+    ap.add_argument("--blocks", type=int, nargs="*", default=None, help="the sweep itself")
+    ap.add_argument("--patterns", nargs="*", default=["contiguous", "random"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunk-mib", type=float, default=8.0, help="tcp / nccl chunk size")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    transports = args.transports or available_transports()
+    sweep = args.blocks or [n for n in SWEEP if n <= args.max_blocks]
+    max_blocks = max(sweep)
+    block = LLAMA3_8B.bytes_per_block
+    nbytes_list = [n * block for n in sweep]
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    print(
+        f"# {shlex.join([os.path.basename(sys.executable), '-m', 'bench.kv_transfer', *sys.argv[1:]])}"
+    )
+    print(
+        f"# {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"cuda {'yes: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no'}"
+    )
+    print(f"# layout {LLAMA3_8B.to_dict()}, {block / 2**20:.0f} MiB per block")
+    chunk_bytes = int(args.chunk_mib * 2**20)
+    print("| transport | blocks | pattern | MiB | transfer GB/s | raw path | raw GB/s | ratio |")
+    print("| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |")
+    rows = []
+    for transport in transports:
+        device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
+        bench = TransferBench(transport, max_blocks, device, chunk_bytes)
+        if transport == "tcp":
+            raw = RawTcp(max(nbytes_list))
+            raws = {
+                "zmq send, 1 message": raw.run,
+                f"zmq send, {args.chunk_mib:g} MiB messages": partial(
+                    raw.run, frame_bytes=chunk_bytes
+                ),
+            }
+        elif transport == "shm":
+            raw = RawMemcpy(bench.remote.info, max(nbytes_list))
+            raws = {"memcpy": raw.run}
+        elif transport == "cuda_ipc":
+            raw = RawDeviceCopy(device, max(nbytes_list))
+            raws = {"d2d copy": raw.run}
+        else:
+            raw, raws = None, {}
+        try:
+            for pattern in args.patterns:
+                for n, nbytes in zip(sweep, nbytes_list):
+                    src, dst = _block_ids(n, max_blocks, pattern, rng)
+                    fns = {"transfer": partial(bench.run, src, dst)}
+                    fns.update({name: partial(f, nbytes) for name, f in raws.items()})
+                    times = measure(fns, args.repeats)
+                    gbs = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+                    for name in raws or {"-": None}:
+                        ratios = [a / b for a, b in zip(times.get(name, []), times["transfer"])]
+                        row = {
+                            "transport": transport,
+                            "pattern": pattern,
+                            "blocks": n,
+                            "MiB": nbytes / 2**20,
+                            "GB/s": gbs["transfer"],
+                            "raw": name,
+                            "raw GB/s": gbs.get(name),
+                            # median over rounds of raw time / transfer time, each round
+                            # measured back to back
+                            "ratio": statistics.median(ratios) if ratios else None,
+                        }
+                        rows.append(row)
+                        raw_gbs = f"{row['raw GB/s']:.2f}" if row["raw GB/s"] else "-"
+                        ratio = f"{row['ratio']:.0%}" if row["ratio"] else "-"
+                        print(
+                            f"| {transport} | {n} | {pattern} | {row['MiB']:.0f} | "
+                            f"{row['GB/s']:.2f} | {name} | {raw_gbs} | {ratio} |",
+                            flush=True,
+                        )
+        finally:
+            if raw is not None:
+                raw.close()
+            bench.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

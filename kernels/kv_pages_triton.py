@@ -1,0 +1,136 @@
+"""Triton kernels for moving KV pages on GPU, with the signatures of `kernels.kv_pages`.
+
+One kernel copies page rows (one K or V page of one block of one layer) from an indexed source
+to an indexed destination; gather, scatter and pool-to-pool copy are its three uses. Pages are
+moved as same-width integers, so every dtype arrives bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_pages import as_block_ids, layer_range
+
+_TILE = 1024
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@triton.jit
+def _copy_pages_kernel(
+    src_ptr,
+    dst_ptr,
+    src_ids_ptr,
+    dst_ids_ptr,
+    src_stride_layer,
+    src_stride_kv,
+    src_stride_block,
+    dst_stride_layer,
+    dst_stride_kv,
+    dst_stride_block,
+    page_numel,
+    TILE: tl.constexpr,
+):
+    i = tl.program_id(0)  # which block of the mapping
+    row = tl.program_id(1)  # which (layer, K/V) page row
+    tile = tl.program_id(2)
+    layer = (row // 2).to(tl.int64)  # int64: offsets of big pools overflow int32
+    kv = (row % 2).to(tl.int64)
+    src_block = tl.load(src_ids_ptr + i).to(tl.int64)
+    dst_block = tl.load(dst_ids_ptr + i).to(tl.int64)
+    src_base = layer * src_stride_layer + kv * src_stride_kv + src_block * src_stride_block
+    dst_base = layer * dst_stride_layer + kv * dst_stride_kv + dst_block * dst_stride_block
+    offs = tile * TILE + tl.arange(0, TILE)
+    mask = offs < page_numel
+    vals = tl.load(src_ptr + src_base + offs, mask=mask)
+    tl.store(dst_ptr + dst_base + offs, vals, mask=mask)
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_WIDTH[t.element_size()])
+
+
+def _launch(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    """src, dst: [L, 2, N, *page] views (pages contiguous); ids index dim 2 of each."""
+    page_numel = src[0, 0, 0].numel()
+    if src[0, 0, 0].stride()[-1] != 1 or not src[0, 0, 0].is_contiguous():
+        raise ValueError("pages must be contiguous")
+    if not dst[0, 0, 0].is_contiguous():
+        raise ValueError("pages must be contiguous")
+    n = src_ids.numel()
+    if n == 0:
+        return
+    grid = (n, src.shape[0] * 2, triton.cdiv(page_numel, _TILE))
+    _copy_pages_kernel[grid](
+        _as_int(src),
+        _as_int(dst),
+        src_ids,
+        dst_ids,
+        src.stride(0),
+        src.stride(1),
+        src.stride(2),
+        dst.stride(0),
+        dst.stride(1),
+        dst.stride(2),
+        page_numel,
+        TILE=_TILE,
+    )
+
+
+def gather_blocks(
+    kv: torch.Tensor,
+    block_ids: torch.Tensor | list[int],
+    layers: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy blocks `block_ids` of layers [l0, l1) into a contiguous [l1-l0, 2, n, ...] buffer."""
+    l0, l1 = layer_range(kv, layers)
+    ids = as_block_ids(block_ids, kv.device)
+    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
+    if out is None:
+        out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    elif tuple(out.shape) != shape or out.dtype != kv.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} {kv.dtype} tensor")
+    positions = torch.arange(ids.numel(), dtype=torch.int64, device=kv.device)
+    _launch(kv[l0:l1], ids, out, positions)
+    return out
+
+
+def scatter_blocks(
+    kv: torch.Tensor,
+    buffer: torch.Tensor,
+    block_ids: torch.Tensor | list[int],
+    layers: tuple[int, int] | None = None,
+) -> None:
+    """Write a [l1-l0, 2, n, ...] buffer into blocks `block_ids` of layers [l0, l1) of `kv`."""
+    l0, l1 = layer_range(kv, layers)
+    ids = as_block_ids(block_ids, kv.device)
+    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
+    if tuple(buffer.shape) != shape or buffer.dtype != kv.dtype:
+        raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} is not {shape} {kv.dtype}")
+    positions = torch.arange(ids.numel(), dtype=torch.int64, device=kv.device)
+    _launch(buffer, positions, kv[l0:l1], ids)
+
+
+def copy_blocks(
+    src_kv: torch.Tensor,
+    src_ids: torch.Tensor | list[int],
+    dst_kv: torch.Tensor,
+    dst_ids: torch.Tensor | list[int],
+    layers: tuple[int, int] | None = None,
+) -> None:
+    """Copy blocks src_ids of src_kv into blocks dst_ids of dst_kv in one pass (dst_kv may be
+    another process's pool mapped through CUDA IPC)."""
+    if src_kv.shape[0] != dst_kv.shape[0] or src_kv.shape[3:] != dst_kv.shape[3:]:
+        raise ValueError(f"pools differ: {tuple(src_kv.shape)} vs {tuple(dst_kv.shape)}")
+    if src_kv.dtype != dst_kv.dtype:
+        raise ValueError(f"pools differ in dtype: {src_kv.dtype} vs {dst_kv.dtype}")
+    l0, l1 = layer_range(src_kv, layers)
+    s_ids = as_block_ids(src_ids, src_kv.device)
+    d_ids = as_block_ids(dst_ids, src_kv.device)
+    if s_ids.numel() != d_ids.numel():
+        raise ValueError(f"{s_ids.numel()} source blocks but {d_ids.numel()} destination blocks")
+    _launch(src_kv[l0:l1], s_ids, dst_kv[l0:l1], d_ids)

@@ -1,0 +1,82 @@
+"""The ZeroMQ control channel every transport shares: a ROUTER in the receiver, a DEALER per
+receiver in the sender, with heartbeats so a silent peer is dropped, plus a thread waker.
+"""
+
+from __future__ import annotations
+
+import os
+import socket as pysocket
+
+import zmq
+
+# ZMTP heartbeats: a peer that stops answering for this long is disconnected, which the sender
+# sees on its monitor socket and the receiver sees as an unroutable peer.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+
+
+def configure(sock: zmq.Socket) -> None:
+    """Options every control socket gets."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    # Queues are bounded by the senders' own in-flight limits, never by dropping messages.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def bind_router(ctx: zmq.Context, address: str, advertise_host: str | None = None) -> tuple:
+    """Bind a ROUTER at `address` (port 0 = any free port); return it and the address to dial."""
+    sock = ctx.socket(zmq.ROUTER)
+    configure(sock)
+    # Sending to a peer that is gone raises EHOSTUNREACH instead of dropping silently.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if address.startswith("tcp://") and address.rsplit(":", 1)[1] == "0":
+        address = address.rsplit(":", 1)[0] + ":*"
+    sock.bind(address)
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    if endpoint.startswith("tcp://"):
+        host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+        if host in ("0.0.0.0", "[::]", "*"):
+            host = advertise_host or pysocket.gethostname()
+        elif advertise_host:
+            host = advertise_host
+        endpoint = f"tcp://{host}:{port}"
+    return sock, endpoint
+
+
+class Waker:
+    """Wakes a thread blocked in zmq.Poller from any other thread (a pipe: no socket sharing)."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def register(self, poller: zmq.Poller) -> None:
+        poller.register(self._r, zmq.POLLIN)
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending, or closed during shutdown
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,104 @@
+"""Pack and unpack pages for every transport: the kernel for the pool's device, and how a send
+is cut into chunks (a range of layers times a slice of the blocks) that pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVLayout
+from kernels import kv_pages
+
+
+def _kernels(device: torch.device):
+    if device.type == "cuda":
+        from kernels import kv_pages_triton
+
+        return kv_pages_triton
+    return kv_pages
+
+
+def gather(kv: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int], out=None):
+    return _kernels(kv.device).gather_blocks(kv, ids, layers, out=out)
+
+
+def scatter(kv: torch.Tensor, buffer: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int]):
+    _kernels(kv.device).scatter_blocks(kv, buffer, ids, layers)
+
+
+def copy(src_kv, src_ids, dst_kv, dst_ids, layers: tuple[int, int]) -> None:
+    _kernels(src_kv.device).copy_blocks(src_kv, src_ids, dst_kv, dst_ids, layers)
+
+
+def write(kv: torch.Tensor, layer: int, kind: int, ids: torch.Tensor, data: torch.Tensor) -> None:
+    """Write data [n, *page] into blocks ids of the K (kind 0) or V (1) pages of one layer."""
+    kv_pages.write_pages(kv[layer, kind], ids, data)
+
+
+def source_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of the runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for b in ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def pool_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], as in KVPool."""
+    return (
+        layout.num_layers,
+        2,
+        num_blocks,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+
+
+def page_bytes(layout: KVLayout) -> int:
+    """Bytes of one block of one layer, K and V."""
+    return layout.bytes_per_block // layout.num_layers
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    layers: tuple[int, int]
+    lo: int  # slice [lo, hi) of the send's block lists
+    hi: int
+
+    def nbytes(self, layout: KVLayout) -> int:
+        return (self.layers[1] - self.layers[0]) * (self.hi - self.lo) * page_bytes(layout)
+
+    def shape(self, layout: KVLayout) -> tuple[int, ...]:
+        return (
+            self.layers[1] - self.layers[0],
+            2,
+            self.hi - self.lo,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
+
+
+def plan_chunks(
+    layout: KVLayout, num_blocks: int, layers: tuple[int, int], chunk_bytes: int
+) -> Iterator[Chunk]:
+    """Cut a send into chunks of about chunk_bytes, layer-major (so the receiver can mark layers
+    arrived in order): whole layers while they fit, else slices of the blocks of one layer."""
+    l0, l1 = layers
+    per_layer = num_blocks * page_bytes(layout)
+    if per_layer <= chunk_bytes:
+        step = max(1, chunk_bytes // per_layer)
+        for a in range(l0, l1, step):
+            yield Chunk((a, min(l1, a + step)), 0, num_blocks)
+        return
+    blocks = max(1, chunk_bytes // page_bytes(layout))
+    for a in range(l0, l1):
+        for lo in range(0, num_blocks, blocks):
+            yield Chunk((a, a + 1), lo, min(num_blocks, lo + blocks))

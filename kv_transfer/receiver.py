@@ -1,0 +1,495 @@
+"""The receiver every transport shares: a ROUTER control socket served by one background thread
+that lands pages, answers senders, enforces timeouts and notices dead peers.
+
+Two ways pages arrive. Push (tcp, nccl): each chunk of a send comes with a Pages header, its
+bytes in the same ZMQ message (tcp) or over NCCL; the thread scatters it into the pool. Direct
+(shm, cuda_ipc): the sender asks with Begin, the thread answers Go once the transfer is expected,
+the sender writes into the mapped pool and says Done. Either way the thread acks each send, and
+a transfer completes when all its layers are in. The step loop only calls expect() and poll().
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import zmq
+
+from engine.kv_cache import KVLayout, KVPool
+from kv_transfer import pages
+from kv_transfer.arrivals import Arrivals, Expected, Unit
+from kv_transfer.base import KVReceiver, TransferResult
+from kv_transfer.channel import Waker, bind_router
+from kv_transfer.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Begin,
+    Done,
+    Go,
+    Hello,
+    Message,
+    Nack,
+    Pages,
+    Ping,
+    ProtocolError,
+    Refuse,
+    Welcome,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Payload:
+    """The bytes of one pushed chunk (one buffer, or one per (layer, K/V, run) when the header
+    has runs), ready now (tcp) or once a device transfer ends (nccl)."""
+
+    def __init__(self, parts: list[torch.Tensor], event: Any = None) -> None:
+        self.parts = parts
+        self.event = event
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class ZmqReceiver(KVReceiver):
+    """Receiver base: subclasses say how the pool is made and how pushed payloads arrive."""
+
+    name = "base"
+
+    def __init__(
+        self,
+        pool: KVPool,
+        address: str = "tcp://127.0.0.1:0",
+        advertise_host: str | None = None,
+        probe_interval_s: float = 0.2,
+        max_held_bytes: int = 1 << 30,
+    ) -> None:
+        self.pool = pool
+        self.layout: KVLayout = pool.layout
+        self._probe_interval_s = probe_interval_s
+        self._max_held_bytes = max_held_bytes
+        self._arrivals = Arrivals(self.layout.num_layers, pool.num_blocks)
+        self._ctx = zmq.Context(io_threads=1)
+        self._router, self.address = bind_router(self._ctx, address, advertise_host)
+        self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
+        self._commands: deque[tuple] = deque()
+        self._results: deque[TransferResult] = deque()  # what poll() hands out
+        self._finished: list[TransferResult] = []  # made this round; out after the stats
+        self._inflight: deque[tuple[bytes, Pages, Payload]] = deque()  # pushed chunks in order
+        self._peers: set[bytes] = set()
+        self._stats = {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0}
+        self._stats_lock = threading.Lock()
+        self._waker = Waker()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}-rx", daemon=True)
+        self._thread.start()
+
+    # -- interface ---------------------------------------------------------------------------
+    def info(self) -> dict:
+        return {
+            "transport": self.name,
+            "protocol": PROTOCOL_VERSION,
+            "layout": self.layout.to_dict(),
+            "num_blocks": self.pool.num_blocks,
+            "address": self.address,
+            **self._info_extra(),
+        }
+
+    def expect(
+        self,
+        transfer_id: str,
+        dst_blocks: list[int],
+        layers: tuple[int, int] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._check_open()
+        rng = self._arrivals.check_request(list(dst_blocks), layers)
+        self._command("expect", transfer_id, [int(b) for b in dst_blocks], rng, timeout_s)
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> None:
+        self._check_open()
+        self._command("cancel", transfer_id, reason)
+
+    def poll(self) -> list[TransferResult]:
+        out = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._command("stop")
+        self._thread.join(timeout=10.0)
+        self._waker.close()
+        if self._thread.is_alive():  # stuck in a copy: leave the context rather than hang
+            log.error("%s receiver thread did not stop", self.name)
+        else:
+            self._ctx.term()
+        self._release()
+
+    # -- transport hooks ---------------------------------------------------------------------
+    def _info_extra(self) -> dict:
+        return {}
+
+    def _welcome(self, peer: bytes, hello: Hello) -> dict:
+        """Extra handshake data for a sender that passed the layout check."""
+        return {}
+
+    def _after_welcome(self, peer: bytes, extra: dict) -> None:
+        pass
+
+    def _receive(self, peer: bytes, msg: Pages, frames: list[zmq.Frame]) -> Payload:
+        raise ProtocolError(f"the {self.name} transport does not push pages")
+
+    def _peer_gone(self, peer: bytes) -> None:
+        pass
+
+    def _release(self) -> None:
+        """Free transport resources after the thread stopped."""
+
+    # -- thread ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} receiver is closed")
+
+    def _command(self, *cmd: Any) -> None:
+        self._commands.append(cmd)
+        self._waker.wake()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        self._waker.register(poller)
+        if self.pool.kv.is_cuda:
+            torch.cuda.set_device(self.pool.kv.device)  # Triton and CuPy use the current one
+        next_probe = time.monotonic() + self._probe_interval_s
+        try:
+            while True:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._waker.fd in events:
+                    self._waker.drain()
+                if self._apply_commands():
+                    break
+                if self._router in events:
+                    self._drain_router()
+                self._land_ready()
+                now = time.monotonic()
+                self._expire(now)
+                if now >= next_probe:
+                    self._probe_peers()
+                    next_probe = now + self._probe_interval_s
+                self._publish_stats()
+        except Exception:  # the thread must not die silently
+            log.exception("%s receiver thread failed", self.name)
+            self._fail_everything("receiver thread failed")
+        finally:
+            self._router.close(linger=0)
+
+    def _poll_timeout_ms(self) -> int:
+        if self._inflight:
+            return 1  # device transfers to watch
+        deadlines = [e.deadline for e in self._arrivals.expected.values()]
+        deadlines += [u.deadline for u in self._arrivals.units.values() if u.state == "waiting"]
+        wait = self._probe_interval_s
+        if deadlines:
+            wait = min(wait, max(0.0, min(deadlines) - time.monotonic()))
+        return max(1, int(wait * 1000))
+
+    def _apply_commands(self) -> bool:
+        while self._commands:
+            cmd = self._commands.popleft()
+            if cmd[0] == "stop":
+                self._fail_everything("receiver closed")
+                return True
+            if cmd[0] == "expect":
+                self._on_expect(*cmd[1:])
+            elif cmd[0] == "cancel":
+                self._end(cmd[1], cmd[2], report=False)
+        return False
+
+    def _drain_router(self) -> None:
+        for _ in range(256):  # then look at timers and commands again
+            try:
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer, body = frames[0].bytes, frames[1:]
+            try:
+                self._on_message(peer, decode(body[0].buffer), body[1:])
+            except ProtocolError as e:
+                log.warning("%s receiver: bad message from %r: %s", self.name, peer, e)
+            except Exception:  # one bad message must not stop the receiver
+                log.exception("%s receiver: handling a message from %r failed", self.name, peer)
+
+    def _send(self, peer: bytes, msg: Message) -> bool:
+        try:
+            self._router.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                self._on_peer_lost(peer, "sender disconnected")
+            return False
+
+    # -- messages ----------------------------------------------------------------------------
+    def _on_message(self, peer: bytes, msg: Message, frames: list[zmq.Frame]) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(peer, msg)
+        elif isinstance(msg, Pages):
+            self._inflight.append((peer, msg, self._receive(peer, msg, frames)))
+            self._land_ready()
+        elif isinstance(msg, Begin):
+            self._on_begin(peer, msg)
+        elif isinstance(msg, Done):
+            self._on_done(peer, msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(peer, msg)
+        else:
+            raise ProtocolError(f"unexpected {msg.KIND} from a sender")
+
+    def _on_hello(self, peer: bytes, hello: Hello) -> None:
+        try:
+            if hello.transport != self.name:
+                raise ValueError(
+                    f"transport mismatch: receiver is {self.name!r}, sender {hello.transport!r}"
+                )
+            self.layout.check_compatible(KVLayout.from_dict(hello.layout))
+            extra = self._welcome(peer, hello)
+        except (ValueError, KeyError, TypeError) as e:
+            msg = str(e) if isinstance(e, ValueError) else f"bad layout: {e!r}"
+            log.warning("%s receiver refuses %s: %s", self.name, hello.sender, msg)
+            self._send(peer, Refuse(msg))
+            return
+        self._peers.add(peer)
+        self._send(peer, Welcome(extra))
+        try:
+            self._after_welcome(peer, extra)
+        except Exception:  # the sender's handshake fails in turn (it times out)
+            log.exception("%s receiver: handshake with %s failed", self.name, hello.sender)
+            self._peers.discard(peer)
+
+    def _open(
+        self, peer: bytes, tid: str, send_id: int, dst, layers, timeout_s, direct: bool
+    ) -> Unit | None:
+        if peer not in self._peers:
+            self._send(peer, Nack(tid, send_id, "sender did not complete the handshake"))
+            return None
+        unit = self._arrivals.open_unit(
+            peer, send_id, tid, list(dst), tuple(layers), timeout_s, time.monotonic(), direct
+        )
+        if isinstance(unit, str):
+            self._send(peer, Nack(tid, send_id, unit))
+            return None
+        return unit
+
+    def _on_begin(self, peer: bytes, msg: Begin) -> None:
+        unit = self._open(
+            peer, msg.transfer_id, msg.send_id, msg.dst, msg.layers, msg.timeout_s, direct=True
+        )
+        if unit is not None and unit.state == "open":
+            self._grant(unit)
+
+    def _grant(self, unit: Unit) -> None:
+        unit.state = "granted"
+        self._send(unit.peer, Go(unit.send_id))
+
+    def _on_done(self, peer: bytes, msg: Done) -> None:
+        unit = self._arrivals.units.get((peer, msg.send_id))
+        if unit is None or unit.state != "granted":
+            return  # the transfer already ended; the sender was told
+        unit.pages = unit.total_pages
+        self._close_unit(unit)
+
+    def _on_abort(self, peer: bytes, msg: Abort) -> None:
+        unit = self._arrivals.units.get((peer, msg.send_id))
+        if unit is not None:
+            self._arrivals.drop_unit(unit)
+        if msg.transfer_id in self._arrivals.expected:
+            self._end(msg.transfer_id, f"sender aborted: {msg.error}", nack=False)
+
+    def _land_ready(self) -> None:
+        """Land the pushed chunks whose bytes are in, in order per sender."""
+        waiting, self._inflight = self._inflight, deque()
+        blocked: set[bytes] = set()
+        later = []
+        for peer, msg, payload in waiting:
+            if peer not in blocked and payload.ready():
+                self._on_pages(peer, msg, payload)
+            else:
+                blocked.add(peer)
+                later.append((peer, msg, payload))
+        # (a peer lost meanwhile has its chunks dropped)
+        self._inflight.extendleft(reversed([e for e in later if e[0] in self._peers]))
+
+    def _on_pages(self, peer: bytes, msg: Pages, payload: Payload) -> None:
+        if msg.first:
+            unit = self._open(
+                peer, msg.transfer_id, msg.send_id, msg.dst, msg.send_layers, msg.timeout_s, False
+            )
+        else:
+            unit = self._arrivals.units.get((peer, msg.send_id))
+        if unit is None:
+            return  # refused or ended: the sender has its Nack
+        if unit.state == "waiting":
+            if self._arrivals.held_bytes + msg.nbytes > self._max_held_bytes:
+                self._arrivals.drop_unit(unit)
+                self._send(
+                    peer,
+                    Nack(unit.transfer_id, unit.send_id, "receiver holds too much unexpected data"),
+                )
+                return
+            unit.held.append((msg, payload))
+            unit.held_bytes += msg.nbytes
+            return
+        self._land(unit, msg, payload)
+
+    def _land(self, unit: Unit, msg: Pages, payload: Payload) -> None:
+        try:
+            self._land_pages(unit, msg, payload)
+        except Exception as e:  # e.g. a chunk that does not fit: this transfer fails, not all
+            log.exception("%s receiver: landing pages of %s failed", self.name, unit.transfer_id)
+            self._end(unit.transfer_id, f"landing pages failed: {e}")
+
+    def _land_pages(self, unit: Unit, msg: Pages, payload: Payload) -> None:
+        kv, dtype, layers = self.pool.kv, self.layout.torch_dtype, tuple(msg.layers)
+        dst = unit.dst_blocks[msg.lo : msg.hi]
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                self._write(kv, dtype, layers, dst, msg, payload)
+        else:
+            self._write(kv, dtype, layers, dst, msg, payload)
+        unit.pages += (layers[1] - layers[0]) * (msg.hi - msg.lo)
+        if msg.last:
+            if self._stream is not None:
+                self._stream.synchronize()  # the pages are in before anyone hears so
+            self._close_unit(unit)
+
+    def _write(self, kv, dtype, layers, dst: list[int], msg: Pages, payload: Payload) -> None:
+        ids = torch.tensor(dst, dtype=torch.int64, device=kv.device)
+        if msg.runs is None:
+            shape = pages.Chunk(layers, msg.lo, msg.hi).shape(self.layout)
+            data = payload.parts[0].view(dtype).view(shape)
+            pages.scatter(kv, self._to_device(data), ids, layers)
+            return
+        parts = iter(payload.parts)
+        for layer in range(*layers):
+            for kind in (0, 1):
+                start = 0
+                for length in msg.runs:
+                    data = next(parts).view(dtype).view(length, *kv.shape[3:])
+                    pages.write(kv, layer, kind, ids[start : start + length], self._to_device(data))
+                    start += length
+
+    def _to_device(self, data: torch.Tensor) -> torch.Tensor:
+        return data if data.device == self.pool.kv.device else data.to(self.pool.kv.device)
+
+    def _close_unit(self, unit: Unit) -> None:
+        error = self._arrivals.close_unit(unit)
+        if error:
+            self._send(unit.peer, Nack(unit.transfer_id, unit.send_id, error))
+            self._end(unit.transfer_id, error)
+            return
+        self._send(unit.peer, Ack(unit.transfer_id, unit.send_id))
+        exp = self._arrivals.expected.get(unit.transfer_id)
+        if exp is not None and exp.complete:
+            self._arrivals.finish(unit.transfer_id, time.monotonic())
+            self._finished.append(TransferResult(unit.transfer_id, True))
+
+    # -- expectations ------------------------------------------------------------------------
+    def _on_expect(
+        self, tid: str, dst: list[int], layers: tuple[int, int], timeout_s: float
+    ) -> None:
+        try:
+            exp = self._arrivals.expect(tid, dst, layers, timeout_s, time.monotonic())
+        except ValueError as e:
+            self._finished.append(TransferResult(tid, False, str(e)))
+            return
+        for unit in self._arrivals.waiting_for(tid):
+            self._admit(unit, exp)
+
+    def _admit(self, unit: Unit, exp: Expected) -> None:
+        error = self._arrivals.admit(unit, exp)
+        if error:
+            self._arrivals.drop_unit(unit)
+            self._send(unit.peer, Nack(unit.transfer_id, unit.send_id, error))
+            return
+        if unit.direct:
+            self._grant(unit)
+            return
+        held, unit.held, unit.held_bytes = unit.held, [], 0
+        for msg, payload in held:
+            if unit.key not in self._arrivals.units:
+                break  # failed while landing
+            self._land(unit, msg, payload)
+
+    def _expire(self, now: float) -> None:
+        exps, units = self._arrivals.expired(now)
+        for exp in exps:
+            self._end(exp.transfer_id, f"timed out waiting for layers {exp.missing_layers}")
+        for unit in units:
+            self._arrivals.drop_unit(unit)
+            self._send(
+                unit.peer,
+                Nack(unit.transfer_id, unit.send_id, "receiver never expected this transfer"),
+            )
+
+    def _end(self, tid: str, error: str, report: bool = True, nack: bool = True) -> None:
+        """Fail (or cancel) a transfer: forget it, tell its senders, report it."""
+        was_expected = tid in self._arrivals.expected
+        units = self._arrivals.finish(tid, time.monotonic())
+        if nack:
+            for unit in units:
+                self._send(unit.peer, Nack(tid, unit.send_id, error))
+        if was_expected and report:
+            log.warning("%s receiver: transfer %s failed: %s", self.name, tid, error)
+            self._finished.append(TransferResult(tid, False, error))
+
+    # -- peers -------------------------------------------------------------------------------
+    def _probe_peers(self) -> None:
+        """Ping every sender: one that is gone is unroutable (EHOSTUNREACH), which fails its
+        transfers at once instead of at their timeouts."""
+        for peer in self._peers | self._arrivals.active_peers:
+            self._send(peer, Ping())
+
+    def _on_peer_lost(self, peer: bytes, why: str) -> None:
+        self._peers.discard(peer)
+        self._inflight = deque(e for e in self._inflight if e[0] != peer)
+        for unit in self._arrivals.peer_units(peer):
+            self._arrivals.drop_unit(unit)
+        for tid in self._arrivals.peer_transfers(peer):
+            self._end(tid, f"{why} ({peer.decode(errors='replace')})", nack=False)
+        self._peer_gone(peer)
+
+    def _fail_everything(self, why: str) -> None:
+        for tid in list(self._arrivals.expected):
+            self._end(tid, why)
+        for unit in list(self._arrivals.units.values()):
+            self._arrivals.drop_unit(unit)
+        self._inflight.clear()
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        stats = {
+            "expected": len(self._arrivals.expected),
+            "units": len(self._arrivals.units),
+            "held_bytes": self._arrivals.held_bytes,
+            "peers": len(self._peers),
+        }
+        with self._stats_lock:
+            self._stats = stats
+        # Results go out only after the stats that follow them, so a caller that sees a result
+        # also sees the state it left (e.g. no outstanding sends).
+        self._results.extend(self._finished)
+        self._finished.clear()

@@ -1,0 +1,522 @@
+"""The sender every transport shares: one background thread owns a DEALER (plus a monitor) per
+receiver, runs the handshake, moves the pages of each send() and collects acks.
+
+Push transports (tcp, nccl) cut a send into chunks (`pages.plan_chunks`) and stream them; direct
+transports (shm, cuda_ipc) send Begin, wait for Go, write into the receiver's mapped pool and
+send Done. Every send ends in exactly one TransferResult: ok on the receiver's Ack; failed on
+Nack, timeout, or when the receiver's connection drops (then its socket and buffers are freed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket as pysocket
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from engine.kv_cache import KVLayout, KVPool
+from kv_transfer import pages
+from kv_transfer.base import KVSender, TransferResult
+from kv_transfer.channel import Waker, configure
+from kv_transfer.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Begin,
+    Done,
+    Go,
+    Hello,
+    Message,
+    Nack,
+    Pages,
+    Ping,
+    ProtocolError,
+    Refuse,
+    Welcome,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SendFailed(Exception):
+    """A send cannot go on (peer gone, timeout); the message is the TransferResult error."""
+
+
+@dataclass(slots=True)
+class Outgoing:
+    send_id: int
+    transfer_id: str
+    peer_id: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    layers: tuple[int, int]
+    timeout_s: float
+    deadline: float
+    ready: Any = None  # CUDA event: the pages are computed (recorded on the caller's stream)
+    state: str = "queued"  # queued | await_go | await_ack
+
+
+@dataclass(slots=True)
+class Peer:
+    peer_id: str
+    info: dict
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    connected: Future
+    deadline: float  # of the handshake
+    welcomed: bool = False
+    waiting: list[Outgoing] = field(default_factory=list)  # sends made during the handshake
+    extra: dict = field(default_factory=dict)  # what the transport keeps per peer
+
+
+class ZmqSender(KVSender):
+    """Sender base: subclasses say how chunks travel (push) or how pages are written (direct)."""
+
+    name = "base"
+    direct = False
+
+    def __init__(
+        self,
+        pool: KVPool,
+        connect_timeout_s: float = 10.0,
+        chunk_bytes: int = 8 << 20,
+        max_inflight_chunks: int = 4,
+    ) -> None:
+        self.pool = pool
+        self.layout: KVLayout = pool.layout
+        self.connect_timeout_s = connect_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.max_inflight_chunks = max_inflight_chunks
+        self.identity = f"{self.name}-{pysocket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._ctx = zmq.Context(io_threads=1)
+        self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
+        self._send_ids = itertools.count(1)
+        self._connections = itertools.count(1)
+        self._known: dict[str, dict] = {}  # peer_id -> receiver info, as seen by callers
+        self._commands: deque[tuple] = deque()
+        self._results: deque[TransferResult] = deque()  # what poll() hands out
+        self._finished: list[TransferResult] = []  # made this round; out after the stats
+        self._peers: dict[str, Peer] = {}  # owned by the thread from here on
+        self._outgoing: dict[int, Outgoing] = {}
+        self._queue: deque[Outgoing] = deque()  # push sends not started yet
+        self._stats = {"outstanding": 0, "peers": 0}
+        self._stats_lock = threading.Lock()
+        self._waker = Waker()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}-tx", daemon=True)
+        self._thread.start()
+
+    # -- interface ---------------------------------------------------------------------------
+    def connect(self, peer_id: str, receiver_info: dict) -> None:
+        self._check_open()
+        if receiver_info.get("transport") != self.name:
+            raise ValueError(
+                f"transport mismatch: sender is {self.name!r}, "
+                f"receiver {receiver_info.get('transport')!r}"
+            )
+        if receiver_info.get("protocol") != PROTOCOL_VERSION:
+            raise ValueError(
+                f"protocol mismatch: {receiver_info.get('protocol')} != {PROTOCOL_VERSION}"
+            )
+        self.layout.check_compatible(KVLayout.from_dict(receiver_info["layout"]))
+        done: Future = Future()
+        self._command("connect", peer_id, receiver_info, done)
+        done.result(timeout=self.connect_timeout_s + 30.0)
+        self._known[peer_id] = receiver_info
+
+    def send(
+        self,
+        transfer_id: str,
+        peer_id: str,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        layers: tuple[int, int] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._check_open()
+        info = self._known.get(peer_id)
+        if info is None:
+            raise ValueError(f"not connected to peer {peer_id!r}")
+        src, dst = [int(b) for b in src_blocks], [int(b) for b in dst_blocks]
+        if len(src) != len(dst) or not src:
+            raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
+        if len(set(dst)) != len(dst):
+            raise ValueError("destination blocks repeat")
+        if any(not 0 <= b < self.pool.num_blocks for b in src):
+            raise ValueError(f"source blocks outside [0, {self.pool.num_blocks})")
+        if any(not 0 <= b < info["num_blocks"] for b in dst):
+            raise ValueError(f"destination blocks outside [0, {info['num_blocks']})")
+        l0, l1 = (0, self.layout.num_layers) if layers is None else (int(layers[0]), int(layers[1]))
+        if not 0 <= l0 < l1 <= self.layout.num_layers:
+            raise ValueError(f"layer range {(l0, l1)} outside [0, {self.layout.num_layers}]")
+        ready = None
+        if self.pool.kv.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.pool.kv.device))
+        out = Outgoing(
+            next(self._send_ids), transfer_id, peer_id, src, dst, (l0, l1), timeout_s,
+            time.monotonic() + timeout_s, ready,
+        )  # fmt: skip
+        self._command("send", out, info)
+
+    def poll(self) -> list[TransferResult]:
+        out = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._command("stop")
+        self._thread.join(timeout=10.0)
+        self._waker.close()
+        if self._thread.is_alive():  # stuck in a copy: leave the context rather than hang
+            log.error("%s sender thread did not stop", self.name)
+            return
+        self._ctx.term()
+
+    # -- transport hooks ---------------------------------------------------------------------
+    def _prepare_peer(self, peer: Peer) -> None:
+        """Before the Hello: map the receiver's memory, etc. Raise to refuse the connection."""
+
+    def _welcomed(self, peer: Peer, extra: dict) -> None:
+        """After the Welcome (e.g. join the NCCL communicator)."""
+
+    def _release_peer(self, peer: Peer) -> None:
+        """Unmap / destroy what _prepare_peer and _welcomed made."""
+
+    def _emit(
+        self, peer: Peer, out: Outgoing, header: Pages, chunk: pages.Chunk, src: torch.Tensor
+    ) -> None:
+        """Push transports: gather one chunk of `out` (src: its source block ids) and put it,
+        after `header`, on the wire. Raise SendFailed to abandon the send."""
+        raise NotImplementedError
+
+    def _write(self, peer: Peer, out: Outgoing) -> None:
+        """Direct transports: copy the pages into the receiver's mapped pool, synchronously."""
+        raise NotImplementedError
+
+    # -- thread ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} sender is closed")
+
+    def _command(self, *cmd: Any) -> None:
+        self._commands.append(cmd)
+        self._waker.wake()
+
+    def _run(self) -> None:
+        if self.pool.kv.is_cuda:
+            torch.cuda.set_device(self.pool.kv.device)  # Triton and CuPy use the current one
+        try:
+            while True:
+                poller = zmq.Poller()
+                self._waker.register(poller)
+                for peer in self._peers.values():
+                    poller.register(peer.sock, zmq.POLLIN)
+                    poller.register(peer.monitor, zmq.POLLIN)
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._waker.fd in events:
+                    self._waker.drain()
+                if self._apply_commands():
+                    break
+                for peer in list(self._peers.values()):
+                    if events.get(peer.monitor):
+                        self._watch(peer)
+                    if peer.peer_id in self._peers and events.get(peer.sock):
+                        self._drain_peer(peer)
+                self._start_queued()
+                self._expire(time.monotonic())
+                self._publish_stats()
+        except Exception:  # the thread must not die silently
+            log.exception("%s sender thread failed", self.name)
+        finally:
+            self._fail_all("sender closed")
+            for peer in list(self._peers.values()):
+                self._drop_peer(peer, "sender closed")
+            self._publish_stats()
+
+    def _poll_timeout_ms(self) -> int:
+        if self._queue:
+            return 0
+        deadlines = [o.deadline for o in self._outgoing.values()]
+        deadlines += [p.deadline for p in self._peers.values() if not p.welcomed]
+        wait = 0.5
+        if deadlines:
+            wait = min(wait, max(0.0, min(deadlines) - time.monotonic()))
+        return max(1, int(wait * 1000))
+
+    def _apply_commands(self) -> bool:
+        while self._commands:
+            cmd = self._commands.popleft()
+            if cmd[0] == "stop":
+                return True
+            if cmd[0] == "connect":
+                self._start_connect(*cmd[1:])
+            elif cmd[0] == "send":
+                try:
+                    self._start_send(*cmd[1:])
+                except Exception as e:  # e.g. the Begin could not be queued
+                    log.exception("%s sender: starting a send failed", self.name)
+                    self._finish(cmd[1], f"send failed: {e}")
+        return False
+
+    def _publish_stats(self) -> None:
+        stats = {
+            "outstanding": len(self._outgoing),
+            "peers": sum(p.welcomed for p in self._peers.values()),
+        }
+        with self._stats_lock:
+            self._stats = stats
+        # Results go out only after the stats that follow them, so a caller that sees a result
+        # also sees the state it left (e.g. no outstanding sends).
+        self._results.extend(self._finished)
+        self._finished.clear()
+
+    # -- peers -------------------------------------------------------------------------------
+    def _start_connect(self, peer_id: str, info: dict, done: Future) -> None:
+        old = self._peers.get(peer_id)
+        if old is not None:
+            self._drop_peer(old, "reconnecting")
+        sock = self._ctx.socket(zmq.DEALER)
+        configure(sock)
+        # A fresh id per connection: a ROUTER refuses an id it still holds for a dropped one.
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.identity}-{next(self._connections)}".encode())
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        peer = Peer(peer_id, info, sock, monitor, done, time.monotonic() + self.connect_timeout_s)
+        self._peers[peer_id] = peer
+        try:
+            self._prepare_peer(peer)
+            sock.connect(info["address"])
+            hello = Hello(
+                self.identity, self.name, self.layout.to_dict(), pysocket.gethostname(), os.getpid()
+            )
+            sock.send(encode(hello))
+        except Exception as e:  # any failure goes to the caller of connect()
+            self._drop_peer(peer, str(e), error=e)
+
+    def _watch(self, peer: Peer) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(peer.monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._drop_peer(peer, f"receiver {peer.peer_id!r} disconnected")
+                return
+
+    def _check_peer(self, peer: Peer, out: Outgoing) -> None:
+        """Between chunks of a long send: raise SendFailed if the peer left or time is up."""
+        self._watch(peer)
+        if self._closed:
+            raise SendFailed("sender closed")
+        if peer.peer_id not in self._peers:
+            raise SendFailed(f"receiver {peer.peer_id!r} disconnected")
+        if time.monotonic() > out.deadline:
+            raise SendFailed(f"timed out after {out.timeout_s}s")
+
+    def _drop_peer(self, peer: Peer, why: str, error: Exception | None = None) -> None:
+        """Forget a peer: fail its sends, close its socket (freeing queued frames) and memory."""
+        if self._peers.get(peer.peer_id) is peer:
+            del self._peers[peer.peer_id]
+        if not peer.connected.done():
+            peer.connected.set_exception(error or ConnectionError(why))
+        for out in [o for o in self._outgoing.values() if o.peer_id == peer.peer_id]:
+            self._finish(out, why)
+        for out in [o for o in self._queue if o.peer_id == peer.peer_id]:
+            self._queue.remove(out)
+        try:
+            self._release_peer(peer)
+        except Exception:  # best effort while tearing down
+            log.exception("%s sender: releasing peer %s", self.name, peer.peer_id)
+        peer.sock.disable_monitor()
+        peer.monitor.close(linger=0)
+        peer.sock.close(linger=0)
+        if peer.welcomed and not self._closed:
+            log.warning("%s sender: dropped peer %s: %s", self.name, peer.peer_id, why)
+
+    def _drain_peer(self, peer: Peer) -> None:
+        while peer.peer_id in self._peers:
+            try:
+                frames = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._on_message(peer, decode(frames[0]))
+            except ProtocolError as e:
+                log.warning("%s sender: bad message from %s: %s", self.name, peer.peer_id, e)
+            except Exception:  # one bad message must not stop the sender
+                log.exception(
+                    "%s sender: handling a message from %s failed", self.name, peer.peer_id
+                )
+
+    def _send_to(self, peer: Peer, msg: Message) -> None:
+        peer.sock.send(encode(msg), flags=zmq.NOBLOCK)
+
+    # -- messages ----------------------------------------------------------------------------
+    def _on_message(self, peer: Peer, msg: Message) -> None:
+        if isinstance(msg, Welcome):
+            try:
+                self._welcomed(peer, msg.extra)
+            except Exception as e:  # goes to the caller of connect()
+                self._drop_peer(peer, f"handshake failed: {e}", error=e)
+                return
+            peer.welcomed = True
+            peer.connected.set_result(None)
+            waiting, peer.waiting = peer.waiting, []
+            for out in waiting:
+                if out.send_id in self._outgoing:
+                    self._start_send(out, peer.info)
+        elif isinstance(msg, Refuse):
+            self._drop_peer(peer, msg.error, error=ValueError(msg.error))
+        elif isinstance(msg, Ack):
+            out = self._outgoing.get(msg.send_id)
+            if out is not None:
+                self._finish(out, None)
+        elif isinstance(msg, Nack):
+            out = self._outgoing.get(msg.send_id)
+            if out is not None:
+                self._finish(out, f"refused by receiver: {msg.error}")
+        elif isinstance(msg, Go):
+            out = self._outgoing.get(msg.send_id)
+            if out is not None and out.state == "await_go":
+                self._do_write(peer, out)
+        elif not isinstance(msg, Ping):
+            raise ProtocolError(f"unexpected {msg.KIND} from a receiver")
+
+    # -- sends -------------------------------------------------------------------------------
+    def _start_send(self, out: Outgoing, info: dict) -> None:
+        self._outgoing[out.send_id] = out
+        peer = self._peers.get(out.peer_id)
+        if peer is None:  # dropped since connect() (died, restarted?): handshake again
+            self._start_connect(out.peer_id, info, Future())
+            peer = self._peers.get(out.peer_id)
+            if peer is None:
+                return  # the handshake failed at once and failed this send with it
+        if not peer.welcomed:
+            peer.waiting.append(out)  # started on the Welcome, failed if the handshake fails
+        elif self.direct:
+            out.state = "await_go"
+            begin = Begin(
+                out.transfer_id, out.send_id, list(out.layers), out.dst_blocks, out.timeout_s
+            )
+            self._send_to(peer, begin)
+        else:
+            self._queue.append(out)
+
+    def _start_queued(self) -> None:
+        """Push the queued sends, one at a time, checking the sockets between two sends."""
+        if not self._queue:
+            return
+        out = self._queue.popleft()
+        peer = self._peers.get(out.peer_id)
+        if peer is None or out.send_id not in self._outgoing:
+            return
+        try:
+            self._push(peer, out)
+        except SendFailed as e:
+            self._fail_send(peer, out, str(e))
+        except Exception as e:  # a failed gather fails this send, not the sender
+            log.exception("%s sender: push of %s failed", self.name, out.transfer_id)
+            self._fail_send(peer, out, f"send failed: {e}")
+
+    def _push(self, peer: Peer, out: Outgoing) -> None:
+        n = len(out.src_blocks)
+        chunks = list(pages.plan_chunks(self.layout, n, out.layers, self.chunk_bytes))
+        if self._stream is None:
+            src = torch.tensor(out.src_blocks, dtype=torch.int64)
+        else:
+            with torch.cuda.stream(self._stream):  # allocated for the stream that reads it
+                src = torch.tensor(out.src_blocks, dtype=torch.int64, device=self.pool.kv.device)
+            self._stream.wait_event(out.ready)
+        for i, chunk in enumerate(chunks):
+            self._check_peer(peer, out)
+            first, last = i == 0, i == len(chunks) - 1
+            header = Pages(
+                out.transfer_id, out.send_id, list(chunk.layers), chunk.lo, chunk.hi,
+                chunk.nbytes(self.layout), first, last,
+                out.dst_blocks if first else None, list(out.layers) if first else None,
+                out.timeout_s,
+            )  # fmt: skip
+            self._emit(peer, out, header, chunk, src[chunk.lo : chunk.hi])
+        out.state = "await_ack"
+
+    def _gather(
+        self, chunk: pages.Chunk, src: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Gather one chunk of pages (on the side stream for GPU pools)."""
+        if self._stream is None:
+            return pages.gather(self.pool.kv, src, chunk.layers, out=out)
+        with torch.cuda.stream(self._stream):
+            return pages.gather(self.pool.kv, src, chunk.layers, out=out)
+
+    def _do_write(self, peer: Peer, out: Outgoing) -> None:
+        try:
+            self._check_peer(peer, out)
+            self._write(peer, out)
+            self._check_peer(peer, out)
+        except SendFailed as e:
+            self._fail_send(peer, out, str(e))
+            return
+        except Exception as e:  # a failed copy fails this send, not the sender
+            log.exception("%s sender: write of %s failed", self.name, out.transfer_id)
+            self._fail_send(peer, out, f"write failed: {e}")
+            return
+        out.state = "await_ack"
+        self._send_to(peer, Done(out.transfer_id, out.send_id))
+
+    def _fail_send(self, peer: Peer, out: Outgoing, why: str) -> None:
+        """Fail one send and tell the receiver (if it is still there) to fail the transfer."""
+        if out.send_id not in self._outgoing:
+            return
+        self._finish(out, why)
+        if peer.peer_id in self._peers:
+            try:
+                self._send_to(peer, Abort(out.transfer_id, out.send_id, why))
+            except zmq.ZMQError:
+                pass
+
+    def _finish(self, out: Outgoing, error: str | None) -> None:
+        if self._outgoing.pop(out.send_id, None) is None:
+            return
+        if error:
+            log.warning("%s sender: send of %s failed: %s", self.name, out.transfer_id, error)
+        self._finished.append(TransferResult(out.transfer_id, error is None, error, out.layers))
+
+    def _expire(self, now: float) -> None:
+        for out in [o for o in self._outgoing.values() if now > o.deadline]:
+            peer = self._peers.get(out.peer_id)
+            if peer is not None:
+                self._fail_send(peer, out, f"timed out after {out.timeout_s}s")
+            else:
+                self._finish(out, f"timed out after {out.timeout_s}s")
+        for peer in [p for p in self._peers.values() if not p.welcomed and now > p.deadline]:
+            self._drop_peer(
+                peer,
+                f"no answer from {peer.info.get('address')} within {self.connect_timeout_s}s",
+                error=TimeoutError(f"handshake with {peer.peer_id!r} timed out"),
+            )
+
+    def _fail_all(self, why: str) -> None:
+        for out in list(self._outgoing.values()):
+            self._finish(out, why)
+        self._queue.clear()

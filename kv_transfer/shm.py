@@ -1,0 +1,128 @@
+"""The shm transport: two processes on one host; the receiver's pool lives in shared memory.
+
+The sender maps the receiver's pool and copies its pages straight into the destination blocks
+(after the receiver's Go); only the Begin / Go / Done / Ack control messages cross a socket.
+The segment is a file in /dev/shm (Linux) unlinked by its owner on close or at exit, and, if the
+owner is killed, by a tiny watchdog process that waits for the owner's end of a pipe to close.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket as pysocket
+import subprocess
+import sys
+import uuid
+
+import torch
+
+from engine.kv_cache import KVLayout, KVPool
+from kv_transfer import pages
+from kv_transfer.receiver import ZmqReceiver
+from kv_transfer.sender import Outgoing, Peer, ZmqSender
+
+SHM_DIR = "/dev/shm"
+# Runs with no site packages: blocks until its stdin (the owner's pipe) closes, then unlinks.
+_WATCHDOG = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "sys.stdin.buffer.read()\n"
+    "try:\n"
+    "    os.unlink(sys.argv[1])\n"
+    "except FileNotFoundError:\n"
+    "    pass\n"
+)
+
+
+def map_pool(path: str, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """Map a pool file shared: the mapping lives as long as the tensor (and its views)."""
+    shape = pages.pool_shape(layout, num_blocks)
+    numel = 1
+    for d in shape:
+        numel *= d
+    return torch.from_file(path, shared=True, size=numel, dtype=layout.torch_dtype).view(shape)
+
+
+class SharedSegment:
+    """A named shared-memory file that never outlives its owner process."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-S", "-c", _WATCHDOG, self.path],
+            stdin=subprocess.PIPE,
+            start_new_session=True,  # a ^C to the owner's group must not kill it first
+        )
+        atexit.register(self.unlink)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        if self._watchdog.poll() is None:
+            self._watchdog.stdin.close()
+            self._watchdog.wait(timeout=10.0)
+        atexit.unregister(self.unlink)
+
+    @property
+    def exists(self) -> bool:
+        return os.path.exists(self.path)
+
+
+class ShmReceiver(ZmqReceiver):
+    name = "shm"
+
+    @classmethod
+    def create(
+        cls, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", **options
+    ) -> ShmReceiver:
+        if torch.device(device).type != "cpu":
+            raise ValueError("the shm transport shares CPU pools only")
+        segment = SharedSegment(layout.bytes_per_block * num_blocks)
+        try:
+            kv = map_pool(segment.path, layout, num_blocks)
+            return cls(KVPool(layout, num_blocks, "cpu", kv=kv), segment, **options)
+        except BaseException:
+            segment.unlink()
+            raise
+
+    def __init__(self, pool: KVPool, segment: SharedSegment, **options) -> None:
+        self.segment = segment
+        super().__init__(pool, **options)
+
+    def _info_extra(self) -> dict:
+        return {"shm_path": self.segment.path, "host": pysocket.gethostname()}
+
+    def _release(self) -> None:
+        # Mappings (ours, the senders') stay valid until unmapped; the name goes now.
+        self.segment.unlink()
+
+
+class ShmSender(ZmqSender):
+    name = "shm"
+    direct = True
+
+    def __init__(self, pool: KVPool, **options) -> None:
+        if pool.kv.device.type != "cpu":
+            raise ValueError("the shm transport shares CPU pools only")
+        super().__init__(pool, **options)
+
+    def _prepare_peer(self, peer: Peer) -> None:
+        info = peer.info
+        if info.get("host") != pysocket.gethostname():
+            raise ValueError(f"shm receiver is on host {info.get('host')!r}, not this one")
+        peer.extra["kv"] = map_pool(info["shm_path"], self.layout, info["num_blocks"])
+
+    def _write(self, peer: Peer, out: Outgoing) -> None:
+        pages.copy(self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers)
+
+    def _release_peer(self, peer: Peer) -> None:
+        peer.extra.clear()  # drops the mapping
