@@ -134,13 +134,11 @@ class Scheduler:
                 num_new = budget
             copies = self._allocate(seq, num_new) if num_new <= budget else None
             if copies is None:
-                # Give back the prefix blocks it matched: a waiting sequence pins nothing.
+                # Give back the prefix blocks it matched: a waiting sequence pins nothing. With
+                # nothing running, the blocks are held by handoffs (prefilled sequences waiting
+                # to be sent, or reserved for arriving KV) and come back when those end.
                 bm.free(seq.block_table)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
-                if not self.running and num_new <= budget:
-                    raise RuntimeError(
-                        f"request {seq.request_id} needs more KV blocks than the pool has"
-                    )
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -149,3 +149,26 @@ def test_generation_stops_at_max_model_len():
     while engine.has_unfinished():
         engine.step()
     assert seq.num_tokens == 24 and seq.finish_reason == "length"
+
+
+def test_prompts_wait_while_handoffs_hold_the_pool():
+    # A prefill node whose blocks all wait for their KV handoff: new prompts queue, they
+    # do not fail, and they run once a handoff releases its blocks.
+    engine = make_engine(num_kv_blocks=8, max_model_len=32)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    held = [engine.add_request(f"held-{i}", list(range(10 + i, 26 + i)), params, prefill_only=True)
+            for i in range(2)]  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert all(s.finish_reason == "prefilled" for s in held)
+    assert engine.block_manager.num_free_blocks == 0
+    late = engine.add_request("late", list(range(40, 50)), params)
+    for _ in range(3):
+        engine.step()
+    assert late.num_computed_tokens == 0 and not late.is_finished
+    engine.release("held-0")
+    while engine.has_unfinished():
+        engine.step()
+    assert late.num_output_tokens == 4
+    engine.release("held-1")
+    assert engine.block_manager.num_free_blocks == 8
