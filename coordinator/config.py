@@ -4,10 +4,9 @@ time-per-output-token. Fields marked live are re-read on SIGHUP; the others need
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import tomllib
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
 DECODE_ROUTING = ("kv_capacity",)
