@@ -127,7 +127,8 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     first_tokens = threading.Barrier(9, timeout=60)
 
     def stream(i: int) -> None:
-        body = {"model": "pdserve-tiny", "prompt": f"stream {i}", "max_tokens": 120,
+        # Long enough that the drain is still under way when the refused request is sent.
+        body = {"model": "pdserve-tiny", "prompt": f"stream {i}", "max_tokens": 800,
                 "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
         count, reason, waited = 0, None, False
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
@@ -147,7 +148,7 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
         t.start()
     first_tokens.wait()
     os.kill(launch.pid, signal.SIGTERM)
-    time.sleep(0.5)
+    time.sleep(0.2)
     refused = complete(url)
     assert refused.status_code == 503 and "retry-after" in refused.headers
     for t in threads:

@@ -1,0 +1,256 @@
+"""Attention kernels against the device's own limits, measured side by side in one run: paged
+decode attention's KV bandwidth as a fraction of a device-to-device copy, and prefill attention's
+TFLOP/s as a fraction of a bf16 matmul; the torch reference is timed on the same inputs.
+
+    .venv/bin/python -m bench.kernels                    # Llama-3-8B attention shapes, bf16
+    .venv/bin/python -m bench.kernels --batches 1,16 --contexts 4096 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Llama-3-8B attention: 32 q heads over 8 KV heads of 128, bf16 pages of 16 tokens.
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+# Decode inputs rotated through in graph timing: several times an H100's 50 MB L2.
+ROTATE_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    batch: int
+    context: int
+    triton_graph_us: float  # per step, launched from a CUDA graph (as the decode loop runs it)
+    triton_eager_us: float  # per step, launched from Python
+    reference_us: float | None
+    kv_gb: float
+    triton_gbps: float
+    fraction_of_copy: float
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    prompts: int
+    prompt_len: int
+    triton_ms: float
+    reference_ms: float | None
+    tflop: float
+    triton_tflops: float
+    fraction_of_matmul: float
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    """Median time of fn in ms, L2 flushed between runs (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _graph_time_ms(fns: list[Callable[[], object]], replays: int = 20) -> float:
+    """Time per call of fns captured back to back in one CUDA graph (no launch overhead)."""
+    for fn in fns:
+        fn()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * len(fns))
+
+
+def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy: bytes read plus bytes written per second, in GB/s."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=DTYPE)
+    b = torch.randn(n, n, device="cuda", dtype=DTYPE)
+    ms = _time_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def paged_inputs(context_lens: list[int], query_lens: list[int], seed: int = 0) -> dict:
+    """One cache holding every sequence's context on shuffled pages, and the batch's queries."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = [-(-n // BLOCK_SIZE) for n in context_lens]
+    num_blocks = sum(blocks) + 1
+    pages = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32, device="cuda")
+    offset = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = pages[offset : offset + n]
+        offset += n
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device="cuda", generator=gen)
+    starts = torch.tensor([0, *query_lens], device="cuda").cumsum(0)
+    return dict(
+        query=query.to(DTYPE),
+        k_cache=torch.randn(shape, device="cuda", generator=gen).to(DTYPE),
+        v_cache=torch.randn(shape, device="cuda", generator=gen).to(DTYPE),
+        block_tables=tables,
+        seq_lens=torch.tensor(context_lens, dtype=torch.int64, device="cuda"),
+        query_start_loc=starts,
+        scale=HEAD_DIM**-0.5,
+        max_query_len=max(query_lens),
+    )
+
+
+def bench_decode(batch: int, context: int, copy_gbps: float, with_reference: bool) -> DecodeResult:
+    from kernels import attention_ref
+    from kernels.triton_ops import TRITON
+
+    inputs = paged_inputs([context] * batch, [1] * batch)
+    kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * inputs["k_cache"].element_size()
+    # Graph replays rotate through enough separate caches that they cannot live in L2.
+    sets = [inputs] + [
+        paged_inputs([context] * batch, [1] * batch, seed)
+        for seed in range(1, min(64, -(-ROTATE_BYTES // kv_bytes)))
+    ]
+    graph_ms = _graph_time_ms([lambda s=s: TRITON.paged_attention(**s) for s in sets])
+    del sets[1:]
+    eager_ms = _time_ms(lambda: TRITON.paged_attention(**inputs))
+    reference_ms = (
+        _time_ms(lambda: attention_ref.paged_attention(**inputs)) if with_reference else None
+    )
+    gbps = kv_bytes / (graph_ms * 1e-3) / 1e9
+    return DecodeResult(
+        batch=batch,
+        context=context,
+        triton_graph_us=graph_ms * 1e3,
+        triton_eager_us=eager_ms * 1e3,
+        reference_us=None if reference_ms is None else reference_ms * 1e3,
+        kv_gb=kv_bytes / 1e9,
+        triton_gbps=gbps,
+        fraction_of_copy=gbps / copy_gbps,
+    )
+
+
+def bench_prefill(
+    prompts: int, prompt_len: int, matmul: float, with_reference: bool
+) -> PrefillResult:
+    from kernels import attention_ref
+    from kernels.triton_ops import TRITON
+
+    inputs = paged_inputs([prompt_len] * prompts, [prompt_len] * prompts)
+    triton_ms = _time_ms(lambda: TRITON.paged_attention(**inputs))
+    reference_ms = (
+        _time_ms(lambda: attention_ref.paged_attention(**inputs)) if with_reference else None
+    )
+    # Causal: query i attends to i + 1 keys; QK^T and PV are 2 flops per multiply-add each.
+    attended = prompt_len * (prompt_len + 1) // 2
+    flop = prompts * 4 * NUM_HEADS * HEAD_DIM * attended
+    tflops = flop / (triton_ms * 1e-3) / 1e12
+    return PrefillResult(
+        prompts=prompts,
+        prompt_len=prompt_len,
+        triton_ms=triton_ms,
+        reference_ms=reference_ms,
+        tflop=flop / 1e12,
+        triton_tflops=tflops,
+        fraction_of_matmul=tflops / matmul,
+    )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=_ints, default=[512, 4096])
+    parser.add_argument("--prefill-prompts", type=_ints, default=[1, 4])
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the torch ref")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.kernels: CUDA is not available; the Triton kernels need an NVIDIA GPU.")
+        return 0
+    import triton
+
+    with_reference = not args.no_reference
+    device = torch.cuda.get_device_name()
+    copy_gbps = copy_bandwidth_gbps()
+    matmul = matmul_tflops()
+    print(
+        f"# {device}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"python {platform.python_version()}"
+    )
+    print(
+        f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write); bf16 matmul: {matmul:.0f} TFLOP/s"
+    )
+    print(
+        f"# attention: {NUM_HEADS} q heads, {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
+        f"{str(DTYPE)[6:]}, block {BLOCK_SIZE}"
+    )
+    print("\n## decode (one query per sequence)\n")
+    print(
+        "| batch | context | triton µs (graph) | triton µs (eager) | torch ref µs "
+        "| KV read GB | GB/s (graph) | of copy BW |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    decode = []
+    for context in args.contexts:
+        for batch in args.batches:
+            r = bench_decode(batch, context, copy_gbps, with_reference)
+            torch.cuda.empty_cache()
+            decode.append(r)
+            ref = "-" if r.reference_us is None else f"{r.reference_us:.1f}"
+            print(
+                f"| {batch} | {context} | {r.triton_graph_us:.1f} | {r.triton_eager_us:.1f} | "
+                f"{ref} | {r.kv_gb:.3f} | "
+                f"{r.triton_gbps:.0f} | {r.fraction_of_copy:.0%} |",
+                flush=True,
+            )
+    print(f"\n## prefill ({args.prompt_len}-token prompts, causal)\n")
+    print("| prompts | triton ms | torch ref ms | TFLOP | TFLOP/s | of matmul |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    prefill = []
+    for prompts in args.prefill_prompts:
+        r = bench_prefill(prompts, args.prompt_len, matmul, with_reference)
+        torch.cuda.empty_cache()
+        prefill.append(r)
+        ref = "-" if r.reference_ms is None else f"{r.reference_ms:.2f}"
+        print(
+            f"| {prompts} | {r.triton_ms:.2f} | {ref} | {r.tflop:.2f} | "
+            f"{r.triton_tflops:.0f} | {r.fraction_of_matmul:.0%} |",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": device,
+                    "command": " ".join(["python -m bench.kernels", *(argv or sys.argv[1:])]),
+                    "copy_gbps": copy_gbps,
+                    "matmul_tflops": matmul,
+                    "decode": [asdict(r) for r in decode],
+                    "prefill": [asdict(r) for r in prefill],
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

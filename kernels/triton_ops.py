@@ -1,0 +1,19 @@
+"""The Triton op table for CUDA tensors: the same calls and return conventions as the torch
+references in `kernels.ops.REFERENCE`, which stay the ground truth in tests."""
+
+from __future__ import annotations
+
+from kernels.ops import Ops
+from kernels.triton_attention import paged_attention
+from kernels.triton_kv import store_kv
+from kernels.triton_norm import fused_add_rms_norm, rms_norm
+from kernels.triton_rotary import apply_rotary
+
+TRITON = Ops(
+    name="triton",
+    store_kv=store_kv,
+    paged_attention=paged_attention,
+    rms_norm=rms_norm,
+    fused_add_rms_norm=fused_add_rms_norm,
+    apply_rotary=apply_rotary,
+)

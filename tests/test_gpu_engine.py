@@ -1,0 +1,195 @@
+"""On CUDA, the engine running the Triton kernels generates what the CPU reference generates, and
+each compiled kernel matches its torch reference at serving shapes (long contexts, Llama-3 heads).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from engine import LLM, SamplingParams
+from kernels import attention_ref, norm_ref, rotary_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+NEW_TOKENS = 24
+# GPU exp2 is approximate (a couple of float32 ulps) and contexts here run to thousands of keys.
+ATTENTION_TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _prompts() -> list[list[int]]:
+    prompts = random_prompts(3, [3, 17, 40, 75])
+    # Shares 48 tokens (three 16-token blocks) with the previous prompt: a prefix-cache hit.
+    prompts.append(prompts[-1][:48] + random_prompts(4, [9])[0])
+    return prompts
+
+
+def _generate(model: str | None, device: str, **options: object) -> list[list[int]]:
+    llm = LLM(model, device=device, dtype="float32", **options)
+    if device == "cuda":
+        assert llm.engine.ops.name == "triton"
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(_prompts(), params)]
+
+
+# --- the engine end to end ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_engine_greedy_matches_cpu_reference(checkpoint_dir, family, block_size):
+    # A 32-token budget chunks the longer prompts, so extend steps read earlier chunks' pages.
+    model = str(checkpoint_dir(family))
+    options = dict(block_size=block_size, num_kv_blocks=2048 // block_size)
+    options["max_num_batched_tokens"] = 32
+    expected = _generate(model, "cpu", **options)
+    assert _generate(model, "cuda", kernel_backend="triton", **options) == expected
+
+
+def test_triton_engine_on_the_default_tiny_model_matches_cpu_reference():
+    options = dict(num_kv_blocks=256)
+    expected = _generate(None, "cpu", **options)
+    assert _generate(None, "cuda", kernel_backend="triton", **options) == expected
+
+
+# --- kernels at serving shapes ------------------------------------------------------------------
+
+
+def _paged_inputs(
+    context_lens: list[int],
+    query_lens: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> dict:
+    """Every context on shuffled pages of one cache (block 0 unused), tables padded with 0."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    blocks = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks) + 2
+    pages = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).tolist()
+    tables = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32)
+    for b, n in enumerate(blocks):
+        tables[b, :n] = torch.tensor(pages[:n], dtype=torch.int32)
+        pages = pages[n:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, device="cuda", generator=gen)
+    return dict(
+        query=query.to(dtype),
+        k_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
+        v_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
+        block_tables=tables.cuda(),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.tensor([0, *query_lens], device="cuda").cumsum(0),
+        scale=head_dim**-0.5,
+        max_query_len=max(query_lens),
+    )
+
+
+def _check_attention(args: dict) -> None:
+    from kernels.triton_ops import TRITON
+
+    got = TRITON.paged_attention(**args)
+    expected = attention_ref.paged_attention(**args)
+    torch.testing.assert_close(got, expected, **ATTENTION_TOL[got.dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((8, 1), 64), ((16, 16), 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_attention_matches_reference_at_long_contexts(dtype, heads, head_dim, block_size):
+    contexts = [1, 15, 16, 17, 500, 1023, 2048, 4097]
+    _check_attention(
+        _paged_inputs(contexts, [1] * len(contexts), heads, head_dim, block_size, dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((8, 1), 64)])
+def test_prefill_attention_matches_reference_on_a_mixed_batch(dtype, heads, head_dim):
+    # A 2k prompt, a chunk after 1000 cached tokens, decodes, and a chunk after an aligned prefix.
+    contexts, queries = [2048, 1300, 700, 33, 512], [2048, 300, 1, 1, 256]
+    _check_attention(_paged_inputs(contexts, queries, heads, head_dim, 16, dtype))
+
+
+def test_decode_attention_replays_in_a_cuda_graph():
+    from kernels.triton_ops import TRITON
+
+    args = _paged_inputs([4000, 3000, 2500, 900], [1] * 4, (32, 8), 128, 16, torch.bfloat16)
+    TRITON.paged_attention(**args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = TRITON.paged_attention(**args)
+    graph.replay()
+    torch.testing.assert_close(
+        out, attention_ref.paged_attention(**args), **ATTENTION_TOL[torch.bfloat16]
+    )
+    # New lengths, pages and queries written into the captured buffers: the replay follows them.
+    args["seq_lens"].copy_(torch.tensor([17, 2999, 1, 900]))
+    args["block_tables"][0, :250] = args["block_tables"][0, :250].flip(0)
+    args["query"].normal_()
+    graph.replay()
+    torch.testing.assert_close(
+        out, attention_ref.paged_attention(**args), **ATTENTION_TOL[torch.bfloat16]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_norms_and_rotary_match_reference_at_model_shapes(dtype):
+    from kernels.triton_ops import TRITON
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    tokens, num_heads, num_kv_heads, head_dim, hidden = 300, 32, 8, 128, 4096
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    # store_kv from strided views of a fused qkv, with padding slots.
+    qkv = randn(tokens, num_heads + 2 * num_kv_heads, head_dim)
+    key = qkv[:, num_heads : num_heads + num_kv_heads]
+    value = qkv[:, num_heads + num_kv_heads :]
+    slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:tokens]
+    slots[::7] = -1
+    caches = [
+        torch.zeros(64, 16, num_kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(4)
+    ]
+    attention_ref.store_kv(key, value, caches[0], caches[1], slots)
+    TRITON.store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+    # Rotary rounds where the reference rounds: bit for bit in half precision.
+    positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=gen)
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim))
+    freqs = torch.arange(8192, device="cuda")[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    q, k = qkv[:, :num_heads], key
+    expected_q, expected_k = rotary_ref.apply_rotary(q.clone(), k.clone(), positions, cos_sin)
+    TRITON.apply_rotary(q, k, positions, cos_sin)
+    if dtype == torch.float32:
+        torch.testing.assert_close(q, expected_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k, expected_k, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+    # Norms: within one unit in the last place (reductions sum in another order).
+    x, residual = randn(tokens, hidden), randn(tokens, hidden)
+    weight = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(
+        TRITON.rms_norm(x, weight, 1e-5), norm_ref.rms_norm(x, weight, 1e-5), **tol
+    )
+    normed, summed = TRITON.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_summed = norm_ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **tol)

@@ -1,0 +1,469 @@
+"""Every Triton kernel equals its torch reference, checked on CPU through Triton's interpreter.
+
+Triton chooses interpreter or compiler once, when it is imported, so the kernel checks run in a
+child pytest process started with TRITON_INTERPRET=1; this process (and every other test module)
+keeps the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import attention_ref, norm_ref, rotary_ref
+
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parent.parent
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Attention against the reference run in the same dtype, on outputs of magnitude up to ~3.
+# float32 differs only in summation order (worst seen: 1.3e-6). In half precision both sides
+# round, the kernel also its softmax weights before P @ V (as flash attention does); worst seen:
+# bfloat16 1.6e-2 (two units in the last place near 2), float16 2e-3.
+ATTENTION_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+# Norms and rotary round where the reference rounds, so on a GPU they match it to the last bit up
+# to summation order. Triton's interpreter, though, converts float32 to bfloat16 by truncation
+# (GPUs round to nearest even), so here bfloat16 may be two units in the last place off (values
+# up to ~4); float16 conversions are exact in the interpreter and rotary is compared bit for bit.
+ROUNDING_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (num_heads, num_kv_heads): GQA ratios 1, 4 and 8.
+HEADS = [(2, 2), (4, 1), (8, 1)]
+# Attention shapes: every GQA ratio x (head dim, block size) pairing in float32; in each half
+# precision dtype every ratio once, the pairings spread over them (the interpreter is slow).
+SHAPES = [(torch.float32, h, 64, 16) for h in HEADS] + [(torch.float32, h, 128, 32) for h in HEADS]
+SHAPES += [
+    (torch.bfloat16, HEADS[0], 64, 16),
+    (torch.bfloat16, HEADS[1], 128, 32),
+    (torch.bfloat16, HEADS[2], 64, 32),
+    (torch.float16, HEADS[0], 128, 32),
+    (torch.float16, HEADS[1], 64, 16),
+    (torch.float16, HEADS[2], 128, 16),
+]
+
+
+SHAPE_IDS = [f"{str(d)[6:]}-gqa{h[0] // h[1]}-d{hd}-b{bs}" for d, h, hd, bs in SHAPES]
+
+
+def interpreted(test):
+    """A kernel check: collected only in the child process that runs under the interpreter."""
+    return test if INTERPRETED else None
+
+
+@pytest.fixture(scope="module")
+def tk() -> SimpleNamespace:
+    from kernels import triton_attention
+    from kernels.triton_ops import TRITON
+
+    return SimpleNamespace(ops=TRITON, attention=triton_attention)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child process")
+def test_kernels_match_references_under_the_triton_interpreter():
+    # Runs every @interpreted test below; a failure shows the child's report.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def _paged_inputs(
+    context_lens: list[int],
+    query_lens: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> dict:
+    """Caches with every sequence's context on shuffled pages (block 0 left unused, as padding
+    points there), block tables padded with 0, and queries for each sequence's last tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    blocks = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks) + 2
+    pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32)
+    for b, n in enumerate(blocks):
+        tables[b, :n] = torch.tensor(pages[:n], dtype=torch.int32)
+        pages = pages[n:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *query_lens]).cumsum(0)
+    return dict(
+        query=query,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables,
+        seq_lens=torch.tensor(context_lens, dtype=torch.int64),
+        query_start_loc=starts.to(torch.int64),
+        scale=head_dim**-0.5,
+        max_query_len=max(query_lens),
+    )
+
+
+def _assert_attention_close(actual: torch.Tensor, args: dict) -> None:
+    expected = attention_ref.paged_attention(**args)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **ATTENTION_TOL[actual.dtype])
+
+
+# --- decode -------------------------------------------------------------------------------------
+
+# Contexts end mid-block for block sizes 16 and 32, and the longest spans several splits.
+DECODE_CONTEXTS = [300, 17, 129]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,heads,head_dim,block_size", SHAPES, ids=SHAPE_IDS)
+def test_split_decode_matches_reference(tk, dtype, heads, head_dim, block_size):
+    args = _paged_inputs(DECODE_CONTEXTS, [1, 1, 1], heads, head_dim, block_size, dtype)
+    max_context = args["block_tables"].shape[1] * block_size
+    block_n = tk.attention.decode_config(head_dim, dtype).block_n
+    num_splits, _ = tk.attention.plan_decode_splits(
+        3, heads[1], max_context, block_n, tk.attention.DEFAULT_SM_COUNT
+    )
+    assert num_splits > 1
+    _assert_attention_close(tk.ops.paged_attention(**args), args)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_with_many_splits_and_empty_ones(tk, dtype):
+    # 32-token splits: the 300-token context uses 10, the 5-token one 1, the rest are empty.
+    args = _paged_inputs([300, 5, 64, 33], [1] * 4, (4, 1), 64, 16, dtype, seed=1)
+    out = torch.empty_like(args["query"])
+    tk.attention.paged_decode_attention(
+        args["query"],
+        args["k_cache"],
+        args["v_cache"],
+        args["block_tables"],
+        args["seq_lens"],
+        args["scale"],
+        out,
+        partition=32,
+        config=tk.attention.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
+    )
+    _assert_attention_close(out, args)
+
+
+@interpreted
+def test_short_decode_batch_takes_the_single_split_path(tk):
+    args = _paged_inputs([7, 16, 33], [1, 1, 1], (4, 1), 64, 16, torch.float32, seed=2)
+    block_n = tk.attention.decode_config(64, torch.float32).block_n
+    plan = tk.attention.plan_decode_splits(3, 1, 48, block_n, tk.attention.DEFAULT_SM_COUNT)
+    assert plan[0] == 1
+    _assert_attention_close(tk.ops.paged_attention(**args), args)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checked in the parent process")
+def test_decode_split_plan_fills_the_device_and_covers_the_context():
+    from kernels.triton_attention import plan_decode_splits
+
+    # Llama-3-8B shapes on an H100: batch 1 at 4k context is split, batch 256 is not.
+    splits, partition = plan_decode_splits(1, 8, 4096, 64, 132)
+    assert splits > 8 and partition % 64 == 0 and splits * partition >= 4096
+    assert plan_decode_splits(256, 8, 4096, 64, 132)[0] == 1
+    for context in (1, 17, 128, 129, 4097):
+        splits, partition = plan_decode_splits(2, 2, context, 32, 132)
+        assert (splits - 1) * partition < context <= splits * partition
+
+
+# --- prefill / extend ---------------------------------------------------------------------------
+
+# A fresh prompt ending mid-block, a chunk after a prefix-cache hit that ends mid-block, a decode
+# riding along in the mixed batch, and a chunk after a block-aligned prior context.
+MIXED_CONTEXTS = [37, 61, 50, 48]
+MIXED_QUERIES = [37, 21, 1, 16]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,heads,head_dim,block_size", SHAPES, ids=SHAPE_IDS)
+def test_mixed_prefill_batch_matches_reference(tk, dtype, heads, head_dim, block_size):
+    args = _paged_inputs(MIXED_CONTEXTS, MIXED_QUERIES, heads, head_dim, block_size, dtype)
+    _assert_attention_close(tk.ops.paged_attention(**args), args)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "dtype,heads",
+    [
+        (torch.float32, (2, 2)),
+        (torch.float32, (8, 2)),
+        (torch.bfloat16, (8, 2)),
+        (torch.float16, (2, 2)),
+    ],
+    ids=["float32-gqa1", "float32-gqa4", "bfloat16-gqa4", "float16-gqa1"],
+)
+def test_prefill_with_small_tiles_spanning_many_pages(tk, dtype, heads):
+    # 16-row tiles: chunks span several query tiles (found by the kernel's binary search) and key
+    # tiles (unmasked below the diagonal, masked on it); one sequence schedules no tokens.
+    contexts, queries = [45, 50, 9, 33, 40], [45, 18, 0, 1, 17]
+    args = _paged_inputs(contexts, queries, heads, 64, 16, dtype, seed=3)
+    out = torch.empty_like(args["query"])
+    tk.attention.paged_prefill_attention(
+        args["query"],
+        args["k_cache"],
+        args["v_cache"],
+        args["block_tables"],
+        args["seq_lens"],
+        args["query_start_loc"],
+        args["scale"],
+        out,
+        config=tk.attention.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
+    )
+    _assert_attention_close(out, args)
+
+
+@interpreted
+@pytest.mark.parametrize("head_dim", [8, 96])
+def test_attention_reads_strided_queries_and_odd_head_dims(tk, head_dim):
+    # The engine passes q as a view of the fused qkv; head dims pad up to a power of two >= 16.
+    args = _paged_inputs([20, 9], [20, 9], (4, 2), head_dim, 16, torch.float32, seed=4)
+    qkv = torch.randn(29, 8, head_dim)
+    qkv[:, :4] = args["query"]
+    args["query"] = qkv[:, :4]
+    _assert_attention_close(tk.ops.paged_attention(**args), args)
+    decode = _paged_inputs([20, 9], [1, 1], (4, 2), head_dim, 16, torch.float32, seed=5)
+    _assert_attention_close(tk.ops.paged_attention(**decode), decode)
+
+
+# --- store_kv -----------------------------------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_writes_slots_and_skips_padding(tk, dtype):
+    gen = torch.Generator().manual_seed(6)
+    num_kv_heads, head_dim = 2, 64
+    qkv = torch.randn(5, 8, head_dim, generator=gen).to(dtype)
+    key, value = qkv[:, 4:6], qkv[:, 6:8]  # strided views, as the engine passes them
+    slots = torch.tensor([3, 17, -1, 40, 31])
+    caches = [torch.zeros(4, 16, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    attention_ref.store_kv(key, value, caches[0], caches[1], slots)
+    tk.ops.store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+# --- norms --------------------------------------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_reference_on_rows_and_head_views(tk, dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = (2 * torch.randn(5, 96, generator=gen)).to(dtype)
+    weight = torch.rand(96, generator=gen).add(0.5).to(dtype)
+    torch.testing.assert_close(
+        tk.ops.rms_norm(x, weight, 1e-6), norm_ref.rms_norm(x, weight, 1e-6), **ROUNDING_TOL[dtype]
+    )
+    # q/k norm: over head_dim of a [T, H, D] view of the fused qkv.
+    qkv = torch.randn(5, 6, 32, generator=gen).to(dtype)
+    q, head_weight = qkv[:, :4], weight[:32]
+    got = tk.ops.rms_norm(q, head_weight, 1e-6)
+    torch.testing.assert_close(got, norm_ref.rms_norm(q, head_weight, 1e-6), **ROUNDING_TOL[dtype])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_returns_norm_and_sum_leaving_inputs(tk, dtype):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    residual = torch.randn(7, 64, generator=gen).to(dtype)
+    weight = torch.rand(64, generator=gen).add(0.5).to(dtype)
+    x0, r0 = x.clone(), residual.clone()
+    normed, summed = tk.ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_normed, ref_summed = norm_ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(summed, ref_summed, **ROUNDING_TOL[dtype])
+    else:
+        assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **ROUNDING_TOL[dtype])
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+# --- rotary -------------------------------------------------------------------------------------
+
+
+def _cos_sin(max_pos: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_rotary_rotates_qkv_views_in_place(tk, dtype, head_dim):
+    gen = torch.Generator().manual_seed(9)
+    num_heads, num_kv_heads = 4, 1
+    qkv = torch.randn(6, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 2, 40, 41, 99])
+    cos_sin = _cos_sin(128, head_dim)
+    q, k = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    expected_q, expected_k = rotary_ref.apply_rotary(q.clone(), k.clone(), positions, cos_sin)
+    v_before = qkv[:, num_heads + num_kv_heads :].clone()
+    got_q, got_k = tk.ops.apply_rotary(q, k, positions, cos_sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    if dtype == torch.float16:
+        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    else:
+        torch.testing.assert_close(q, expected_q, **ROUNDING_TOL[dtype])
+        torch.testing.assert_close(k, expected_k, **ROUNDING_TOL[dtype])
+    assert torch.equal(qkv[:, num_heads + num_kv_heads :], v_before)
+
+
+# --- the op table in the engine -----------------------------------------------------------------
+
+
+@interpreted
+def test_engine_with_triton_ops_generates_what_the_reference_does(tk, monkeypatch):
+    # The whole model through the Triton op table (interpreted): chunked prefill, a prefix-cache
+    # hit between the two prompts, decode steps and the engine's strided qkv views.
+    from engine import LLM, SamplingParams, llm_engine
+
+    prompts = [list(range(5, 40)), list(range(5, 21)) + [7, 8, 9]]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    options = dict(num_kv_blocks=32, max_num_batched_tokens=24, block_size=16)
+    expected = [o.token_ids for o in LLM(None, **options).generate(prompts, params)]
+    monkeypatch.setattr(llm_engine, "select_ops", lambda device, backend: tk.ops)
+    llm = LLM(None, **options)
+    assert llm.engine.ops.name == "triton"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+# --- compiling for a GPU without one -----------------------------------------------------------
+
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+TRITON_TYPES.update({torch.int32: "i32", torch.int64: "i64"})
+
+
+def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
+    """Compile one recorded launch for an H100 as Triton's launcher would specialize it (16-byte
+    aligned pointers, ints divisible by 16 marked so) and fail on any compile error or spill."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip(kernel.arg_names, args), **kwargs)
+    if "UPCAST_DOT" in values:  # the launches were recorded off-GPU; compile the GPU variant
+        values["UPCAST_DOT"] = False
+        exact = values["k_cache_ptr"].dtype == torch.float32
+        values["DOT_PRECISION"] = "ieee" if exact else None
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if name in kwargs:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:  # the launcher turns ints equal to 1 into constants
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        cubin = scratch / f"{kernel.__name__}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True
+        ).stdout
+        assert "STACK:0 " in usage, f"{kernel.__name__} spills registers: {usage}"
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checked in the parent process")
+def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
+    # The interpreter runs kernels as Python; this catches what only the compiler rejects.
+    dtype = torch.bfloat16
+    from kernels import triton_attention, triton_kv, triton_norm, triton_rotary
+    from kernels.triton_ops import TRITON
+
+    pytest.importorskip("triton.backends.nvidia")
+    launches = []
+
+    def recorder(kernel):
+        def record(*args, grid, warmup, **kwargs) -> None:
+            launches.append((kernel, args, kwargs))
+
+        return record
+
+    for module in (triton_attention, triton_kv, triton_norm, triton_rotary):
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                kernel = getattr(module, name)
+                monkeypatch.setattr(kernel, "run", recorder(kernel))
+    heads, kv_heads, head_dim, hidden = 32, 8, 128, 4096
+    decode = _paged_inputs([4000, 70], [1, 1], (heads, kv_heads), head_dim, 16, dtype)
+    short = _paged_inputs([40, 70], [1, 1], (heads, kv_heads), head_dim, 16, dtype)
+    prefill = _paged_inputs([2048, 90], [2048, 30], (heads, kv_heads), head_dim, 16, dtype)
+    for args in (decode, short, prefill):
+        TRITON.paged_attention(**args)
+    qkv = torch.zeros(4, heads + 2 * kv_heads, head_dim, dtype=dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    TRITON.store_kv(k, v, decode["k_cache"], decode["v_cache"], torch.arange(4))
+    TRITON.apply_rotary(q, k, torch.arange(4), torch.zeros(8, head_dim))
+    x, weight = torch.zeros(4, hidden, dtype=dtype), torch.ones(hidden, dtype=dtype)
+    TRITON.rms_norm(x, weight, 1e-5)
+    TRITON.fused_add_rms_norm(x, x, weight, 1e-5)
+    # Split decode + its reduce, single-split decode, prefill, store_kv, rotary, the two norms.
+    assert len(launches) == 8
+    for kernel, args, kwargs in launches:
+        _compile_for_sm90(kernel, args, kwargs, tmp_path)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checked in the parent process")
+def test_triton_ops_import_without_interpreter_and_cpu_never_loads_them():
+    code = (
+        "import sys\n"
+        "from kernels.ops import select_ops\n"
+        "assert select_ops('cpu').name == 'torch'\n"
+        "assert not [m for m in sys.modules if m.startswith('kernels.triton')]\n"
+        "from kernels.triton_ops import TRITON\n"
+        "assert TRITON.name == 'triton'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - start < 60
