@@ -1,0 +1,249 @@
+"""Disaggregated against colocated serving, and continuous against static batching, in one run:
+starts each pdserve configuration with `pdserve serve`, sweeps the same request rates against it
+(a mostly-short workload with long prompts arriving mid-stream, and the same without them), and
+writes the results JSON, the figure, and the table in docs/benchmarks.md.
+
+    .venv/bin/python -m bench.compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.serving.bench_model import BENCH_NAME, ensure_bench_model
+from bench.serving.load_generator import LoadConfig
+from bench.serving.metrics import SLO
+from bench.serving.pdserve_server import PdserveServer, PdserveSystem
+from bench.serving.plots import plot_sweeps
+from bench.serving.report import aims, interference_table, results_table
+from bench.serving.sweep import run_sweep
+from bench.serving.workload import SyntheticWorkload
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- serving-results:begin -->", "<!-- serving-results:end -->"
+
+# The same node settings for every system; prefix caching stays on (prompts are random, so no
+# request shares a prefix with another).
+NODE_CONFIG = {"num_kv_blocks": 2048, "max_num_batched_tokens": 2048, "max_num_seqs": 256}
+SYSTEMS = {
+    "disaggregated": PdserveSystem("disaggregated", prefill_nodes=1, decode_nodes=1),
+    "colocated": PdserveSystem("colocated", decode_nodes=2, colocated=True),
+    "colocated-static": PdserveSystem(
+        "colocated-static", decode_nodes=2, colocated=True, scheduling_policy="static"
+    ),
+}
+# Not run unless named: prompts under 256 tokens prefilled on the decode node itself.
+SYSTEMS["disaggregated-conditional"] = PdserveSystem(
+    "disaggregated-conditional", config={"conditional_disagg_threshold": 256}
+)
+DEFAULT_SYSTEMS = ["disaggregated", "colocated", "colocated-static"]
+# Every system runs both; short-only is the reference for the TPOT interference of long prompts.
+VARIANTS = ("mixed", "short-only")
+
+
+def workloads(args: argparse.Namespace) -> dict[str, SyntheticWorkload]:
+    mixed = SyntheticWorkload(
+        short_prompt_len=args.short_prompt_len,
+        short_output_len=args.short_output_len,
+        long_fraction=args.long_fraction,
+        long_prompt_len=args.long_prompt_len,
+        long_output_len=args.long_output_len,
+    )
+    short = SyntheticWorkload(
+        short_prompt_len=args.short_prompt_len, short_output_len=args.short_output_len
+    )
+    return {"mixed": mixed, "short-only": short}
+
+
+def num_requests(args: argparse.Namespace, rate: float) -> int:
+    return max(args.min_requests, round(rate * args.duration_s))
+
+
+def machine() -> dict:
+    def run(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    cpu = next((line.split(":", 1)[1].strip() for line in run(["lscpu"]).splitlines()
+                if line.startswith("Model name")), platform.processor())  # fmt: skip
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "uptime_before": run(["uptime"]),
+    }
+
+
+async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
+    loads = workloads(args)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    warmup = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(8, 8)).sample(
+        4, args.seed + 1_000_003
+    )
+    sweeps = []
+    for name in args.systems:
+        system = dataclasses.replace(SYSTEMS[name], config={**NODE_CONFIG, **SYSTEMS[name].config})
+        started = time.monotonic()
+        with PdserveServer(system, work_dir, model=args.model) as server:
+            print(f"== {name}: {' '.join(server.command)}", flush=True)
+            # logprobs: every token in its own chunk, even one that is not yet a whole character.
+            cfg = LoadConfig(server.base_url, seed=args.seed, progress=not args.no_progress,
+                             extra_body={"logprobs": 0})  # fmt: skip
+            for variant in VARIANTS:
+                workload = loads[variant]
+                sweep = await run_sweep(
+                    lambda seed, rate, w=workload: w.sample(num_requests(args, rate), seed),
+                    args.rates,
+                    cfg,
+                    slo,
+                    label=f"{name} ({variant})",
+                    warmup_specs=warmup,
+                    system=name,
+                    variant=variant,
+                )
+                sweep["command"] = server.command
+                sweeps.append(sweep)
+        print(f"== {name} done in {time.monotonic() - started:.0f} s", flush=True)
+    return sweeps
+
+
+def compact(results: dict) -> dict:
+    """The results without each request's inter-token gaps (their distribution is in every
+    summary) and with times to the microsecond, so the file stays small enough to keep."""
+    for sweep in results["sweeps"]:
+        for point in sweep["points"]:
+            for request in point["requests"]:
+                request.pop("itl", None)
+
+    def rounded(x: object) -> object:
+        if isinstance(x, float):
+            return round(x, 6)
+        if isinstance(x, dict):
+            return {k: rounded(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rounded(v) for v in x]
+        return x
+
+    return rounded(results)  # type: ignore[return-value]
+
+
+def markdown(results: dict, args: argparse.Namespace) -> str:
+    sweeps, m = results["sweeps"], results["machine"]
+    systems = list(dict.fromkeys(s["system"] for s in sweeps))
+    static = "colocated-static" if "colocated-static" in systems else None
+    lines = [
+        f"Measured {results['date']} on {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, "
+        f"torch {m['torch']} (CPU), every process on the same cores.",
+        f"Load before: `{m['uptime_before']}`; after: `{m['uptime_after']}`.",
+        "",
+        f"Command: `{results['command']}` ({results['elapsed_s'] / 60:.1f} min). "
+        f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms. "
+        f"Requests per rate: {args.duration_s:g} s of arrivals, at least {args.min_requests}. "
+        "Every token streamed in its own chunk (`logprobs: 0`).",
+        "",
+        f"![serving sweep]({os.path.relpath(args.plot, Path(args.doc).parent)})",
+        "",
+        results_table(sweeps),
+        "",
+        interference_table(sweeps, systems),
+        "",
+        *aims(sweeps, "disaggregated", "colocated", static, args.latency_limits_ms),
+    ]
+    return "\n".join(lines)
+
+
+def update_doc(doc: Path, block: str) -> None:
+    """Replace the results block of the doc's Serving section (created if missing)."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    fenced = f"{BEGIN}\n{block}\n{END}"
+    if BEGIN in text and END in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: fenced, text,
+                      flags=re.S)  # fmt: skip
+    else:
+        text = text.rstrip("\n") + f"\n\n## Serving\n\n{fenced}\n"
+    doc.write_text(text)
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def length_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=DEFAULT_SYSTEMS)
+    p.add_argument("--rates", type=floats, default=[2.0, 4.0, 6.0, 8.0, 10.0])
+    p.add_argument("--duration-s", type=float, default=20.0, help="of arrivals per rate")
+    p.add_argument("--min-requests", type=int, default=60, help="per rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64))
+    p.add_argument("--short-output-len", type=length_range, default=(32, 96))
+    p.add_argument("--long-fraction", type=float, default=0.15)
+    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900))
+    p.add_argument("--long-output-len", type=length_range, default=(8, 16))
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=25.0)
+    p.add_argument("--latency-limits-ms", type=floats, default=[1000.0, 2000.0, 3000.0],
+                   help="P99 end-to-end latencies at which continuous and static are compared")  # fmt: skip
+    p.add_argument("--model", default="pdserve-bench",
+                   help="checkpoint directory, pdserve-tiny, or pdserve-bench (generated)")  # fmt: skip
+    p.add_argument("--results", default=str(REPO_ROOT / "bench/results/serving_compare.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "docs/serving_sweep.png"))
+    p.add_argument("--doc", default=str(REPO_ROOT / "docs/benchmarks.md"))
+    p.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
+    p.add_argument("--work-dir", default=None, help="configs and logs (default: a temp dir)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started = time.monotonic()
+    results: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    results["command"] = "python -m bench.compare " + " ".join(argv or sys.argv[1:])
+    results["settings"] = {k: v for k, v in vars(args).items()}
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+    print(f"configs and logs in {work}", flush=True)
+    if args.model == BENCH_NAME:
+        args.model = str(ensure_bench_model())
+    results["model"] = args.model
+    results["sweeps"] = asyncio.run(compare(args, work))
+    results["machine"]["uptime_after"] = machine()["uptime_before"]
+    results["elapsed_s"] = time.monotonic() - started
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(compact(results)))
+    title = (f"pdserve on {results['machine']['cores']} CPU cores: mixed workload (solid) "
+             f"and short-only (dashed)")  # fmt: skip
+    plot_sweeps(results["sweeps"], args.plot, title)
+    block = markdown(results, args)
+    print(block)
+    if not args.no_doc:
+        update_doc(Path(args.doc), block)
+    print(f"wrote {args.results}, {args.plot}" + ("" if args.no_doc else f", {args.doc}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""Load generator for any OpenAI-compatible completions endpoint: streams requests at a given rate
+(Poisson or gamma arrivals) or concurrency, and reports TTFT, TPOT, ITL, latency, throughput and
+goodput. Several rates (`--rate 1,2,4`) make a sweep; `--plot` draws it.
+
+    python -m bench.serve_load --base-url http://127.0.0.1:8000 --rate 4 --num-requests 100 \\
+        --slo-ttft-ms 500 --slo-tpot-ms 50 --output run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from pathlib import Path
+
+from bench.serving.load_generator import LoadConfig, format_summary, run_load
+from bench.serving.metrics import SLO
+from bench.serving.plots import plot_sweeps
+from bench.serving.sweep import run_sweep
+from bench.serving.workload import (
+    RequestSpec,
+    SyntheticWorkload,
+    approximate_token_count,
+    load_sharegpt,
+    load_tokenizer,
+)
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """`N` or `LO:HI`."""
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def rates(text: str) -> list[float]:
+    return [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base-url", required=True, help="http://HOST:PORT (with or without /v1)")
+    p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    p.add_argument("--rate", type=rates, default=[math.inf], help="req/s, or a,b,c for a sweep")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-requests", type=int, default=100, help="per rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first")
+    p.add_argument("--slo-ttft-ms", type=float, required=True)
+    p.add_argument("--slo-tpot-ms", type=float, required=True)
+    p.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (or its folder) for ShareGPT lengths"
+    )
+    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64))
+    p.add_argument("--short-output-len", type=length_range, default=(64, 128))
+    p.add_argument("--long-fraction", type=float, default=0.0)
+    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900))
+    p.add_argument("--long-output-len", type=length_range, default=(8, 16))
+    p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
+    p.add_argument("--token-id-range", type=length_range, default=(10, 500))
+    p.add_argument("--no-usage", action="store_true", help="do not ask for stream usage")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="ask for logprobs, so that every token comes in a chunk of its own")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--label", default="server")
+    p.add_argument("--output", default=None, help="results JSON")
+    p.add_argument("--plot", default=None, help="PNG of the sweep")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def sampler(args: argparse.Namespace):  # noqa: ANN201
+    """(seed, rate) -> that point's requests."""
+    if args.dataset == "sharegpt":
+        if not args.dataset_path:
+            raise SystemExit("--dataset sharegpt needs --dataset-path")
+        count = load_tokenizer(args.tokenizer) if args.tokenizer else approximate_token_count
+        return lambda seed, rate: load_sharegpt(args.dataset_path, args.num_requests, seed, count)
+    workload = SyntheticWorkload(
+        short_prompt_len=args.short_prompt_len,
+        short_output_len=args.short_output_len,
+        long_fraction=args.long_fraction,
+        long_prompt_len=args.long_prompt_len,
+        long_output_len=args.long_output_len,
+        prompt_format=args.prompt_format,
+        token_id_range=args.token_id_range,
+    )
+    return lambda seed, rate: workload.sample(args.num_requests, seed)
+
+
+def warmup_specs(args: argparse.Namespace) -> list[RequestSpec]:
+    workload = SyntheticWorkload(
+        short_prompt_len=(16, 16), short_output_len=(8, 8), prompt_format=args.prompt_format
+    )
+    return workload.sample(args.warmup, seed=args.seed + 1_000_003)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sample = sampler(args)
+    cfg = LoadConfig(
+        base_url=args.base_url,
+        model=args.model,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        include_usage=not args.no_usage,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+        extra_body={} if args.logprobs is None else {"logprobs": args.logprobs},
+    )
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    if len(args.rate) == 1 and not args.plot:
+        cfg.rate = args.rate[0]
+        result = asyncio.run(run_load(sample(args.seed, cfg.rate), cfg, slo, warmup_specs(args)))
+        print(format_summary(result["summary"]))
+    else:
+        result = asyncio.run(run_sweep(sample, args.rate, cfg, slo, args.label, warmup_specs(args)))
+        if args.plot:
+            print(plot_sweeps([result], args.plot, args.label))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
