@@ -77,7 +77,10 @@ class CoordinatorConfig:
     )
     enable_prefix_caching: bool = _fixed(True, "reuse KV of shared prompt prefixes")
     max_model_len: int | None = _fixed(None, "context limit (default: the model's)")
-    scheduling_policy: str = _fixed("continuous", "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)")
+    scheduling_policy: str = _fixed(
+        "continuous",
+        "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)",
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
