@@ -3,6 +3,8 @@ slots, block tables), runs the model over the paged pool and returns last-positi
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from engine.forward_batch import AttentionBatch
@@ -26,38 +28,58 @@ class ModelRunner:
         """Returns input ids, positions, the attention batch and the indices (into out.scheduled)
         of sequences that sample; their logits rows come in that order."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
+        # Python arrays, not lists: they turn into tensors by a copy of their bytes, not element
+        # by element, which matters at a few hundred sequences per step.
+        input_ids = array("q")
+        positions = array("q")
+        slots = array("q")
+        seq_lens = array("q")
+        query_start = array("q", [0])
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        max_query_len = 1
         for index, item in enumerate(out.scheduled):
             seq = item.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
+            start, n = seq.num_computed_tokens, item.num_new_tokens
+            end = start + n
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if n == 1:  # a decode: the common case at large batch, kept to a few appends
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                max_query_len = max(max_query_len, n)
             seq_lens.append(end)
-            query_start.append(query_start[-1] + item.num_new_tokens)
+            query_start.append(query_start[-1] + n)
             tables.append(table)
-            if item.samples:
+            if end == seq.num_tokens:  # ScheduledSeq.samples: the chunk reaches the end
                 sample_rows.append(index)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
+        width = max(map(len, tables))
+        padding = array("i", bytes(4 * width))
+        flat = array("i")
+        for table in tables:
+            flat.extend(table)
+            flat.extend(padding[: width - len(table)])
         batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(flat).view(-1, width),
+            seq_lens=self._tensor(seq_lens),
+            query_start_loc=self._tensor(query_start),
+            max_query_len=max_query_len,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        ids = self._tensor(input_ids)
+        pos = self._tensor(positions)
         return ids, pos, batch, sample_rows
+
+    def _tensor(self, values: array) -> torch.Tensor:
+        """int64 ("q") or int32 ("i") values on the device; the tensor keeps the array alive."""
+        dtype = torch.long if values.typecode == "q" else torch.int32
+        if not values:
+            return torch.empty(0, dtype=dtype, device=self.device)
+        return torch.frombuffer(values, dtype=dtype).to(self.device)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
@@ -68,7 +90,10 @@ class ModelRunner:
         hidden = self.model(ids, pos, batch, self.pool, self.ops)
         if not sample_rows:
             return torch.empty(0), sample_rows
-        last = batch.query_start_loc[1:] - 1
-        rows = last[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[rows])
+        if len(sample_rows) == hidden.shape[0]:  # all decodes: row i is sequence i's last token
+            logits = self.model.compute_logits(hidden)
+        else:
+            last = batch.query_start_loc[1:] - 1
+            rows = last[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden[rows])
         return logits.cpu(), sample_rows

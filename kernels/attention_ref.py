@@ -39,9 +39,68 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: in
     batch = block_tables.shape[0]
     block_size = cache.shape[1]
     num_blocks_needed = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks_needed].clamp(min=0).long()
-    gathered = cache[tables]  # [B, nb, block_size, H, D]
-    return gathered.reshape(batch, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
+    ids = block_tables[:, :num_blocks_needed].clamp(min=0).reshape(-1)
+    gathered = cache.index_select(0, ids)  # [B * nb, block_size, H, D]
+    return gathered.view(batch, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
+
+
+# Decode attention gathers each group of sequences' K/V into a buffer this size at most, so the
+# buffer stays in cache while attention reads it: the pool is then read from memory once.
+DECODE_GROUP_BYTES = 4 << 20
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence attending to all seq_lens[b] cached tokens.
+
+    query: [B, num_heads, head_dim]. Sequences go in groups of similar length, each padded only
+    to its own longest, so little is gathered beyond the real context.
+    """
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    gqa = num_heads != num_kv_heads
+    order = sorted(range(batch), key=seq_lens.__getitem__)
+    token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, batch):
+        padded = -(-seq_lens[order[i]] // block_size) * block_size
+        if (i - start + 1) * padded * token_bytes > DECODE_GROUP_BYTES:
+            groups.append((start, i))
+            start = i
+    groups.append((start, batch))
+    index = torch.tensor(order, device=query.device)
+    tables = block_tables.index_select(0, index).clamp_(min=0)  # padding may be -1
+    lens = torch.tensor([seq_lens[b] for b in order], device=query.device)
+    q = query.index_select(0, index).unsqueeze(2).to(k_cache.dtype)  # [B, H, 1, D]
+    outs = []
+    for start, end in groups:
+        n = end - start
+        num_blocks = -(-seq_lens[order[end - 1]] // block_size)
+        ids = tables[start:end, :num_blocks].reshape(-1)
+        width = num_blocks * block_size
+        keys = k_cache.index_select(0, ids).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, ids).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+        mask = torch.arange(width, device=query.device)[None, :] < lens[start:end, None]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[start:end],
+                keys,
+                values,
+                attn_mask=mask[:, None, None, :],
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
+    out = torch.empty_like(query)
+    out.index_copy_(0, index, torch.cat(outs).squeeze(2).to(query.dtype))
+    return out
 
 
 def paged_attention(
@@ -65,35 +124,38 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     batch = seq_lens.shape[0]
-    out = torch.empty_like(query)
     if num_tokens == 0:
-        return out
+        return torch.empty_like(query)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    gqa = num_heads != num_kv_heads
-    if max_query_len == 1:
-        # Decode-only batch: one query per sequence, attended in one padded batched call.
-        max_len = int(seq_lens.max())
-        keys = _gather_context(k_cache, block_tables, max_len).transpose(1, 2)
-        values = _gather_context(v_cache, block_tables, max_len).transpose(1, 2)
-        positions = torch.arange(max_len, device=query.device)
-        mask = positions[None, :] < seq_lens[:, None].to(query.device)  # [B, max_len]
-        q = query.view(batch, 1, num_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.to(keys.dtype),
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        return o.transpose(1, 2).reshape(num_tokens, num_heads, head_dim).to(query.dtype)
-    starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if max_query_len == 1 and num_tokens == batch:
+        # Decode-only batch: one query per sequence.
+        return _decode_attention(query, k_cache, v_cache, block_tables, lens, scale)
+    out = torch.empty_like(query)
+    gqa = num_heads != num_kv_heads
+    starts = query_start_loc.tolist()
+    # Single-query rows (decodes in a step that also prefills) go through the batched path.
+    single = [b for b in range(batch) if starts[b + 1] - starts[b] == 1]
+    if single:
+        rows = torch.tensor(single, device=query.device)
+        tokens = torch.tensor([starts[b] for b in single], device=query.device)
+        out.index_copy_(
+            0,
+            tokens,
+            _decode_attention(
+                query.index_select(0, tokens),
+                k_cache,
+                v_cache,
+                block_tables.index_select(0, rows),
+                [lens[b] for b in single],
+                scale,
+            ),
+        )
     for b in range(batch):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len <= 1:
             continue
         ctx = lens[b]
         keys = _gather_context(k_cache, block_tables[b : b + 1], ctx).transpose(1, 2)
