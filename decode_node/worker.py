@@ -8,12 +8,11 @@ Loop: receive messages -> poll arriving KV -> step the engine -> send tokens -> 
 from __future__ import annotations
 
 import logging
-import signal
 
 from engine import protocol
 from engine.kv_cache import KVLayout, KVPool
 from engine.llm_engine import LLMEngine, RequestRejected
-from engine.node_link import NodeLink
+from engine.node_link import NodeLink, stop_on_signals
 from engine.node_options import NodeOptions
 from engine.protocol import (
     Abort,
@@ -173,7 +172,7 @@ def serve(options: NodeOptions, colocated: bool = False) -> None:
     link = NodeLink(options.coordinator, options.node_id, role, options.heartbeat_interval_s)
     transport = "none" if colocated else options.transport
     node = DecodeNode(engine, link, receiver, options.transfer_timeout_s, transport)
-    install_signal_handlers(node)
+    stop_on_signals(node)
     logger.info("%s node %s serving (transport %s)", role, options.node_id, transport)
     node.run()
 
@@ -181,11 +180,3 @@ def serve(options: NodeOptions, colocated: bool = False) -> None:
 def receiver_options(options: NodeOptions) -> dict:
     # Every transport's receiver has a control socket; tcp carries the pages on it too.
     return {"address": f"tcp://{options.kv_host}:{options.kv_port}"}
-
-
-def install_signal_handlers(node: DecodeNode) -> None:
-    def stop(signum, frame):  # noqa: ARG001
-        node.running = False
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)

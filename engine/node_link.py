@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -119,3 +120,13 @@ class NodeLink:
         if self._heartbeats.is_alive():
             self._heartbeats.join(2)
         self.sock.close(0)
+
+
+def stop_on_signals(node: object) -> None:
+    """SIGTERM or SIGINT ends a node's loop after its current step (node.running = False)."""
+
+    def stop(signum: int, frame: object) -> None:  # noqa: ARG001
+        node.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)

@@ -1,13 +1,22 @@
 """The ZeroMQ control channel every transport shares: a ROUTER in the receiver, a DEALER per
-receiver in the sender, with heartbeats so a silent peer is dropped, plus a thread waker.
+receiver in the sender, with heartbeats so a silent peer is dropped, a thread waker, and the
+command thread both endpoints run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket as pysocket
+import threading
+from collections import deque
+from typing import Any
 
 import zmq
+
+from kv_transfer.base import TransferResult
+
+log = logging.getLogger(__name__)
 
 # ZMTP heartbeats: a peer that stops answering for this long is disconnected, which the sender
 # sees on its monitor socket and the receiver sees as an unroutable peer.
@@ -80,3 +89,56 @@ class Waker:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class CommandThread:
+    """What a sender and a receiver share: a background thread fed by a command queue (woken
+    through a Waker), results handed to the step loop by poll(), stats read under a lock."""
+
+    name: str
+    _role = "thread"
+
+    def _start_thread(self, stats: dict[str, int]) -> None:
+        self._commands: deque[tuple] = deque()
+        self._results: deque[TransferResult] = deque()  # what poll() hands out
+        self._finished: list[TransferResult] = []  # made this round; out after the stats
+        self._stats = stats
+        self._stats_lock = threading.Lock()
+        self._waker = Waker()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-{self.name}-{self._role}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _command(self, *cmd: Any) -> None:
+        self._commands.append(cmd)
+        self._waker.wake()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} {self._role} is closed")
+
+    def poll(self) -> list[TransferResult]:
+        out = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def _stop_thread(self) -> bool:
+        """Stop the thread; False if it is stuck (its context must then be left, not termed)."""
+        self._closed = True
+        self._command("stop")
+        self._thread.join(timeout=10.0)
+        self._waker.close()
+        if self._thread.is_alive():  # stuck in a copy: leave the context rather than hang
+            log.error("%s %s thread did not stop", self.name, self._role)
+            return False
+        return True

@@ -11,7 +11,6 @@ a transfer completes when all its layers are in. The step loop only calls expect
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from typing import Any
@@ -23,7 +22,7 @@ from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
 from kv_transfer.arrivals import Arrivals, Expected, Unit
 from kv_transfer.base import KVReceiver, TransferResult
-from kv_transfer.channel import Waker, bind_router
+from kv_transfer.channel import CommandThread, bind_router
 from kv_transfer.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -58,10 +57,11 @@ class Payload:
         return self.event is None or self.event.query()
 
 
-class ZmqReceiver(KVReceiver):
+class ZmqReceiver(CommandThread, KVReceiver):
     """Receiver base: subclasses say how the pool is made and how pushed payloads arrive."""
 
     name = "base"
+    _role = "receiver"
 
     def __init__(
         self,
@@ -79,17 +79,9 @@ class ZmqReceiver(KVReceiver):
         self._ctx = zmq.Context(io_threads=1)
         self._router, self.address = bind_router(self._ctx, address, advertise_host)
         self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
-        self._commands: deque[tuple] = deque()
-        self._results: deque[TransferResult] = deque()  # what poll() hands out
-        self._finished: list[TransferResult] = []  # made this round; out after the stats
         self._inflight: deque[tuple[bytes, Pages, Payload]] = deque()  # pushed chunks in order
         self._peers: set[bytes] = set()
-        self._stats = {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0}
-        self._stats_lock = threading.Lock()
-        self._waker = Waker()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}-rx", daemon=True)
-        self._thread.start()
+        self._start_thread({"expected": 0, "units": 0, "held_bytes": 0, "peers": 0})
 
     # -- interface ---------------------------------------------------------------------------
     def info(self) -> dict:
@@ -117,26 +109,10 @@ class ZmqReceiver(KVReceiver):
         self._check_open()
         self._command("cancel", transfer_id, reason)
 
-    def poll(self) -> list[TransferResult]:
-        out = []
-        while self._results:
-            out.append(self._results.popleft())
-        return out
-
-    def stats(self) -> dict[str, int]:
-        with self._stats_lock:
-            return dict(self._stats)
-
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._command("stop")
-        self._thread.join(timeout=10.0)
-        self._waker.close()
-        if self._thread.is_alive():  # stuck in a copy: leave the context rather than hang
-            log.error("%s receiver thread did not stop", self.name)
-        else:
+        if self._stop_thread():
             self._ctx.term()
         self._release()
 
@@ -161,14 +137,6 @@ class ZmqReceiver(KVReceiver):
         """Free transport resources after the thread stopped."""
 
     # -- thread ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{self.name} receiver is closed")
-
-    def _command(self, *cmd: Any) -> None:
-        self._commands.append(cmd)
-        self._waker.wake()
-
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)

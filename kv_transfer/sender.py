@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import socket as pysocket
-import threading
 import time
 import uuid
 from collections import deque
@@ -28,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
 from kv_transfer.base import KVSender, TransferResult
-from kv_transfer.channel import Waker, configure
+from kv_transfer.channel import CommandThread, configure
 from kv_transfer.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -82,10 +81,11 @@ class Peer:
     extra: dict = field(default_factory=dict)  # what the transport keeps per peer
 
 
-class ZmqSender(KVSender):
+class ZmqSender(CommandThread, KVSender):
     """Sender base: subclasses say how chunks travel (push) or how pages are written (direct)."""
 
     name = "base"
+    _role = "sender"
     direct = False
 
     def __init__(
@@ -106,18 +106,10 @@ class ZmqSender(KVSender):
         self._send_ids = itertools.count(1)
         self._connections = itertools.count(1)
         self._known: dict[str, dict] = {}  # peer_id -> receiver info, as seen by callers
-        self._commands: deque[tuple] = deque()
-        self._results: deque[TransferResult] = deque()  # what poll() hands out
-        self._finished: list[TransferResult] = []  # made this round; out after the stats
         self._peers: dict[str, Peer] = {}  # owned by the thread from here on
         self._outgoing: dict[int, Outgoing] = {}
         self._queue: deque[Outgoing] = deque()  # push sends not started yet
-        self._stats = {"outstanding": 0, "peers": 0}
-        self._stats_lock = threading.Lock()
-        self._waker = Waker()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"kv-{self.name}-tx", daemon=True)
-        self._thread.start()
+        self._start_thread({"outstanding": 0, "peers": 0})
 
     # -- interface ---------------------------------------------------------------------------
     def connect(self, peer_id: str, receiver_info: dict) -> None:
@@ -172,27 +164,11 @@ class ZmqSender(KVSender):
         )  # fmt: skip
         self._command("send", out, info)
 
-    def poll(self) -> list[TransferResult]:
-        out = []
-        while self._results:
-            out.append(self._results.popleft())
-        return out
-
-    def stats(self) -> dict[str, int]:
-        with self._stats_lock:
-            return dict(self._stats)
-
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._command("stop")
-        self._thread.join(timeout=10.0)
-        self._waker.close()
-        if self._thread.is_alive():  # stuck in a copy: leave the context rather than hang
-            log.error("%s sender thread did not stop", self.name)
-            return
-        self._ctx.term()
+        if self._stop_thread():
+            self._ctx.term()
 
     # -- transport hooks ---------------------------------------------------------------------
     def _prepare_peer(self, peer: Peer) -> None:
@@ -216,14 +192,6 @@ class ZmqSender(KVSender):
         raise NotImplementedError
 
     # -- thread ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{self.name} sender is closed")
-
-    def _command(self, *cmd: Any) -> None:
-        self._commands.append(cmd)
-        self._waker.wake()
-
     def _run(self) -> None:
         if self.pool.kv.is_cuda:
             torch.cuda.set_device(self.pool.kv.device)  # Triton and CuPy use the current one

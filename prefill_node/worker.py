@@ -7,11 +7,10 @@ Loop: receive messages -> step the engine -> report first tokens -> poll sends -
 from __future__ import annotations
 
 import logging
-import signal
 
 from engine import protocol
 from engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
-from engine.node_link import NodeLink
+from engine.node_link import NodeLink, stop_on_signals
 from engine.node_options import NodeOptions
 from engine.protocol import (
     Abort,
@@ -149,19 +148,11 @@ class PrefillNode:
         self.link.close()
 
 
-def install_signal_handlers(node: PrefillNode | object) -> None:
-    def stop(signum, frame):  # noqa: ARG001
-        node.running = False
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-
 def serve(options: NodeOptions) -> None:
     """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
     engine = LLMEngine(options.engine)
     link = NodeLink(options.coordinator, options.node_id, "prefill", options.heartbeat_interval_s)
     node = PrefillNode(engine, link, options.transport)
-    install_signal_handlers(node)
+    stop_on_signals(node)
     logger.info("prefill node %s serving (transport %s)", options.node_id, options.transport)
     node.run()
