@@ -93,11 +93,12 @@ def cpu_cluster(tmp_path):
             proc.wait()
 
 
-def metric(url: str, name: str, node: str) -> float:
+def metric(url: str, name: str, node: str) -> float | None:
+    """The gauge's value, or None while the coordinator has no such node registered."""
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith(f'{name}{{node="{node}"}}'):
             return float(line.split()[-1])
-    raise AssertionError(f"{name} for {node} not in /metrics")
+    return None
 
 
 def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(cpu_cluster):
@@ -115,7 +116,8 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         pids = children_titled(launch.pid, "pdserve-decode-1")
-        if pids and pids != [victim] and metric(url, "pdserve_kv_blocks_total", "decode-1") > 0:
+        registered = metric(url, "pdserve_kv_blocks_total", "decode-1")
+        if pids and pids != [victim] and registered:
             break
         time.sleep(0.3)
     assert pids and pids != [victim]
