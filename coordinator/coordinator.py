@@ -300,17 +300,10 @@ class Coordinator:
                     state.wire_id,
                     token_ids,
                     len(token_ids) - 1,  # the last token's KV is computed by the decode node
-                    self._decode_params(state).to_dict(),
+                    state.remaining_params(counted_outputs=1).to_dict(),
                     generator_offset=len(state.output_token_ids),
                 ),
             )
-
-    @staticmethod
-    def _decode_params(state: RequestState) -> SamplingParams:
-        """The decode node counts the token just sampled as its first output."""
-        d = state.params.to_dict()
-        d["max_tokens"] = state.params.max_tokens - len(state.output_token_ids) + 1
-        return SamplingParams.from_dict(d)
 
     # --- node messages -------------------------------------------------------------------------
 
@@ -450,9 +443,7 @@ class Coordinator:
             stalled = now - last - tick_s
             last = now
             if stalled > 0.5:
-                # The coordinator itself was not listening: that silence is not the nodes'.
-                for node in self.nodes.alive():
-                    node.last_seen += stalled
+                self.nodes.forgive(stalled)
                 continue
             for node in self.nodes.expire(self.config.heartbeat_timeout_s):
                 self._on_node_dead(node)

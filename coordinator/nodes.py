@@ -38,10 +38,6 @@ class NodeState:
         return self.role in ("decode", "colocated")
 
     @property
-    def prefills(self) -> bool:
-        return self.role in ("prefill", "colocated")
-
-    @property
     def available_blocks(self) -> int:
         return self.free_blocks - self.reserved_blocks
 
@@ -94,6 +90,13 @@ class NodeRegistry:
         node = self.nodes.get(node_id)
         if node is not None and node.alive:
             node.last_seen = time.monotonic()
+
+    def forgive(self, seconds: float) -> None:
+        """The coordinator was not listening for `seconds` (a stalled loop): that silence is not
+        the nodes'."""
+        for node in self.nodes.values():
+            if node.alive:
+                node.last_seen += seconds
 
     def expire(self, timeout_s: float) -> list[NodeState]:
         """Mark nodes silent past timeout_s dead; returns the newly dead."""

@@ -58,10 +58,12 @@ class RequestState:
     def done(self) -> bool:
         return self.phase is Phase.DONE
 
-    def remaining_params(self) -> SamplingParams:
-        """Params for re-prefilling prompt + tokens already streamed after a node failure."""
+    def remaining_params(self, counted_outputs: int = 0) -> SamplingParams:
+        """Params for continuing from prompt + the tokens already streamed, on a node that counts
+        the last `counted_outputs` of those as its own outputs (a decode node taking a handoff
+        counts the first token; a re-prefill counts none)."""
         d = self.params.to_dict()
-        d["max_tokens"] = self.params.max_tokens - len(self.output_token_ids)
+        d["max_tokens"] = self.params.max_tokens - len(self.output_token_ids) + counted_outputs
         return SamplingParams.from_dict(d)
 
     def resume_token_ids(self) -> list[int]:

@@ -55,7 +55,7 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
             tables.append(table)
-            if end == seq.num_tokens:  # ScheduledSeq.samples: the chunk reaches the end
+            if end == seq.num_tokens:  # the chunk reaches the end: a token is sampled
                 sample_rows.append(index)
         width = max(map(len, tables))
         padding = array("i", bytes(4 * width))

@@ -18,12 +18,7 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    num_new_tokens: int  # a chunk reaching the end of the sequence samples a token after it
 
 
 @dataclass(slots=True)
@@ -166,11 +161,9 @@ class Scheduler:
 
     def postprocess(
         self, out: SchedulerOutput, sampled: dict[int, int], max_model_len: int
-    ) -> list[Sequence]:
+    ) -> None:
         """Advance computed counts, append sampled tokens (keyed by index in out.scheduled),
-        register full blocks in the prefix cache, and finish what is done. Returns the
-        sequences that got a new token this step."""
-        updated = []
+        register full blocks in the prefix cache, and finish what is done."""
         for index, item in enumerate(out.scheduled):
             seq = item.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -182,9 +175,7 @@ class Scheduler:
             if index not in sampled:
                 continue
             seq.append_token(sampled[index])
-            updated.append(seq)
             reason = seq.check_stop(max_model_len)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
-        return updated

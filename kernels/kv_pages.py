@@ -53,6 +53,26 @@ def _np_rows(rows: torch.Tensor):
     return rows.view(torch.uint8).numpy().view(np.dtype((np.void, row_bytes))).reshape(-1)
 
 
+def gather_buffer(
+    kv: torch.Tensor, ids: torch.Tensor, l0: int, l1: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The [l1-l0, 2, n, ...] buffer a gather fills: `out` once checked, or a new one."""
+    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
+    if out is None:
+        return torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    if tuple(out.shape) != shape or out.dtype != kv.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} {kv.dtype} tensor")
+    return out
+
+
+def check_scatter_buffer(
+    kv: torch.Tensor, buffer: torch.Tensor, ids: torch.Tensor, l0: int, l1: int
+) -> None:
+    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
+    if tuple(buffer.shape) != shape or buffer.dtype != kv.dtype:
+        raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} is not {shape} {kv.dtype}")
+
+
 def gather_blocks(
     kv: torch.Tensor,
     block_ids: torch.Tensor | list[int],
@@ -62,11 +82,7 @@ def gather_blocks(
     """Copy blocks `block_ids` of layers [l0, l1) into a contiguous [l1-l0, 2, n, ...] buffer."""
     l0, l1 = layer_range(kv, layers)
     ids = as_block_ids(block_ids, kv.device)
-    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
-    if out is None:
-        out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    elif tuple(out.shape) != shape or out.dtype != kv.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {shape} {kv.dtype} tensor")
+    out = gather_buffer(kv, ids, l0, l1, out)
     src = kv[l0:l1]
     row_ids = _row_ids(ids, (l1 - l0) * 2, kv.shape[2])
     if kv.device.type == "cpu":
@@ -86,9 +102,7 @@ def scatter_blocks(
     """Write a [l1-l0, 2, n, ...] buffer into blocks `block_ids` of layers [l0, l1) of `kv`."""
     l0, l1 = layer_range(kv, layers)
     ids = as_block_ids(block_ids, kv.device)
-    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
-    if tuple(buffer.shape) != shape or buffer.dtype != kv.dtype:
-        raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} is not {shape} {kv.dtype}")
+    check_scatter_buffer(kv, buffer, ids, l0, l1)
     if ids.numel() == 0:
         return
     dst = _rows(kv[l0:l1])

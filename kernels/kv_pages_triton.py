@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_pages import as_block_ids, layer_range
+from kernels.kv_pages import as_block_ids, check_scatter_buffer, gather_buffer, layer_range
 
 _TILE = 1024
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -89,11 +89,7 @@ def gather_blocks(
     """Copy blocks `block_ids` of layers [l0, l1) into a contiguous [l1-l0, 2, n, ...] buffer."""
     l0, l1 = layer_range(kv, layers)
     ids = as_block_ids(block_ids, kv.device)
-    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
-    if out is None:
-        out = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-    elif tuple(out.shape) != shape or out.dtype != kv.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {shape} {kv.dtype} tensor")
+    out = gather_buffer(kv, ids, l0, l1, out)
     positions = torch.arange(ids.numel(), dtype=torch.int64, device=kv.device)
     _launch(kv[l0:l1], ids, out, positions)
     return out
@@ -108,9 +104,7 @@ def scatter_blocks(
     """Write a [l1-l0, 2, n, ...] buffer into blocks `block_ids` of layers [l0, l1) of `kv`."""
     l0, l1 = layer_range(kv, layers)
     ids = as_block_ids(block_ids, kv.device)
-    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
-    if tuple(buffer.shape) != shape or buffer.dtype != kv.dtype:
-        raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} is not {shape} {kv.dtype}")
+    check_scatter_buffer(kv, buffer, ids, l0, l1)
     positions = torch.arange(ids.numel(), dtype=torch.int64, device=kv.device)
     _launch(buffer, positions, kv[l0:l1], ids)
 

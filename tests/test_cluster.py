@@ -42,13 +42,25 @@ async def run_all(addr: str, prompts, params) -> list[tuple[list[int], str]]:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_one_prefill_one_decode_matches_offline_greedy(transport, offline):
+def test_one_prefill_one_decode_matches_offline(transport, offline):
     prompts = make_prompts(8, seed=1)
     expected = expected_outputs(offline, prompts, GREEDY)
+    # A seeded sampled request: its first token is drawn on the prefill node, the rest on the
+    # decode node, which skips that draw, so the stream is the offline one.
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    (expected_seeded,) = expected_outputs(offline, prompts[:1], seeded)
     with Cluster(1, 1, transport=transport) as cluster:
-        results = asyncio.run(run_all(cluster.client_addr, prompts, GREEDY))
+
+        async def both() -> tuple[list, tuple]:
+            return await asyncio.gather(
+                run_all(cluster.client_addr, prompts, GREEDY),
+                run_all(cluster.client_addr, prompts[:1], seeded),
+            )
+
+        results, (seeded_result,) = asyncio.run(both())
         assert [tokens for tokens, _ in results] == expected
         assert all(reason == "length" for _, reason in results)
+        assert seeded_result[0] == expected_seeded
         cluster.wait_until_idle()
 
 

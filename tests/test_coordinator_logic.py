@@ -166,3 +166,29 @@ def test_sighup_reload_applies_live_fields_only(tmp_path):
     assert coordinator.reload_config() == ["admission_watermark"]
     assert coordinator.config.admission_watermark == 0.3
     assert coordinator.config.max_num_seqs == 8  # a node setting: restart to change
+
+
+def _registry_with(node_id: str = "d0") -> NodeRegistry:
+    registry = NodeRegistry()
+    registry.register(Register(node_id, "decode", "m", {"block_size": 4}, 64, 512, "tcp"), b"d0")
+    return registry
+
+
+def test_a_resent_load_snapshot_keeps_the_reservations_made_since():
+    registry = _registry_with()
+    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0, seq=1))
+    node = registry.nodes["d0"]
+    node.reserved_blocks = 10  # admitted since that report
+    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0, seq=1))  # the node is mid-step
+    assert node.reserved_blocks == 10 and node.available_blocks == 50
+    registry.heartbeat(Heartbeat("d0", 50, 64, 2, 0, 0, seq=2))  # a fresh snapshot
+    assert node.reserved_blocks == 0 and node.available_blocks == 50
+
+
+def test_a_stalled_coordinator_does_not_count_its_own_silence_against_nodes():
+    registry = _registry_with()
+    registry.nodes["d0"].last_seen -= 10  # 10 s without a heartbeat processed...
+    registry.forgive(9.5)  # ...9.5 of which the coordinator was not listening
+    assert registry.expire(timeout_s=3) == []
+    registry.nodes["d0"].last_seen -= 5
+    assert [n.node_id for n in registry.expire(timeout_s=3)] == ["d0"]
