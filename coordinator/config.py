@@ -81,6 +81,14 @@ class CoordinatorConfig:
         "continuous",
         "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)",
     )
+    kernel_backend: str = _fixed(
+        "auto",
+        "attention/norm/rotary kernels: auto (Triton on CUDA) | torch (the reference) | triton",
+    )
+    enforce_eager: bool = _fixed(False, "run decode steps eagerly, never from CUDA graphs")
+    cuda_graph_max_batch_size: int = _fixed(
+        256, "largest decode batch captured as a CUDA graph (capped at max_num_seqs)"
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
@@ -137,5 +145,6 @@ class CoordinatorConfig:
         """What nodes are started with."""
         names = ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                  "kv_cache_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                 "max_model_len", "scheduling_policy")  # fmt: skip
+                 "max_model_len", "scheduling_policy", "kernel_backend", "enforce_eager",
+                 "cuda_graph_max_batch_size")  # fmt: skip
         return {n: getattr(self, n) for n in names}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -24,6 +25,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
     kernel_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False  # never replay decode steps from CUDA graphs
+    cuda_graph_max_batch_size: int = 256  # largest decode batch captured (capped at max_num_seqs)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -34,7 +37,16 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
+            )
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "cuda_graph_max_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -101,9 +101,23 @@ class LLMEngine:
                 capacity,
                 capacity,
             )
+        if self._use_cuda_graphs():
+            self.runner.capture_decode_graphs(
+                min(config.cuda_graph_max_batch_size, config.max_num_seqs), self.max_model_len
+            )
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
         self.seqs: dict[str, Sequence] = {}
         self.stats = StepStats()
+
+    def _use_cuda_graphs(self) -> bool:
+        """Graphs need CUDA and kernels free of host syncs: the Triton ones, not the reference
+        (which reads sequence lengths on the host to group its gathers)."""
+        if self.config.enforce_eager or not self.device.startswith("cuda"):
+            return False
+        if self.ops.name != "triton":
+            logger.info("decode steps run eagerly: CUDA graphs need the triton kernel backend")
+            return False
+        return True
 
     def _num_blocks_from_budget(self, device: str) -> int:
         if device.startswith("cuda"):

@@ -11,16 +11,21 @@ from engine.models.llama import LlamaForCausalLM
 from engine.weights import iter_weights
 
 
-def load_model(model_dir: str | Path, dtype: str, device: str) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_pretrained(model_dir)
+def build_model(cfg: ModelConfig, dtype: str, device: str) -> LlamaForCausalLM:
+    """The module on `device` in `dtype` with uninitialised weights (the rotary table in
+    float32), ready for `load_weights` or, in benchmarks, random values."""
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device)
-    model.cos_sin = LlamaForCausalLM._rotary_table(cfg).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.to(torch_dtype)
-    model.cos_sin = model.cos_sin.float()
-    model.load_weights(iter_weights(model_dir, torch_dtype))
+    model.cos_sin = LlamaForCausalLM._rotary_table(cfg).to(device)
     return model.eval()
+
+
+def load_model(model_dir: str | Path, dtype: str, device: str) -> LlamaForCausalLM:
+    model = build_model(ModelConfig.from_pretrained(model_dir), dtype, device)
+    model.load_weights(iter_weights(model_dir, getattr(torch, dtype)))
+    return model

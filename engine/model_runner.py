@@ -7,6 +7,7 @@ from array import array
 
 import torch
 
+from engine.decode_graphs import DecodeGraphs
 from engine.forward_batch import AttentionBatch
 from engine.kv_cache import KVPool
 from engine.models.llama import LlamaForCausalLM
@@ -21,6 +22,20 @@ class ModelRunner:
         self.ops = ops
         self.device = torch.device(device)
         self.block_size = pool.layout.block_size
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs."""
+        graphs = DecodeGraphs(
+            self.model,
+            self.pool,
+            self.ops,
+            self.device,
+            max_batch_size,
+            -(-max_model_len // self.block_size),
+        )
+        graphs.capture()
+        self.decode_graphs = graphs
 
     def prepare(
         self, out: SchedulerOutput
@@ -87,7 +102,16 @@ class ModelRunner:
         for src, dst in out.block_copies:
             self.pool.kv[:, :, dst].copy_(self.pool.kv[:, :, src])
         ids, pos, batch, sample_rows = self.prepare(out)
-        hidden = self.model(ids, pos, batch, self.pool, self.ops)
+        graphs = self.decode_graphs
+        decode_only = batch.max_query_len == 1
+        if (
+            graphs is not None
+            and decode_only
+            and graphs.fits(len(out.scheduled), batch.block_tables.shape[1])
+        ):
+            hidden = graphs.run(ids, pos, batch)
+        else:
+            hidden = self.model(ids, pos, batch, self.pool, self.ops)
         if not sample_rows:
             return torch.empty(0), sample_rows
         if len(sample_rows) == hidden.shape[0]:  # all decodes: row i is sequence i's last token

@@ -20,6 +20,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--cuda-graph-max-batch-size", type=int, default=256)
 
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202
@@ -38,6 +41,9 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        kernel_backend=args.kernel_backend,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
     )
 
 

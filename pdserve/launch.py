@@ -31,6 +31,10 @@ def engine_args(cfg: EngineConfig) -> list[str]:
     args += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     args += ["--scheduling-policy", cfg.scheduling_policy]
+    args += ["--kernel-backend", cfg.kernel_backend]
+    args += ["--cuda-graph-max-batch-size", str(cfg.cuda_graph_max_batch_size)]
+    if cfg.enforce_eager:
+        args.append("--enforce-eager")
     if cfg.model:
         args += ["--model", cfg.model]
     for flag, value in (

@@ -61,6 +61,54 @@ def test_triton_engine_on_the_default_tiny_model_matches_cpu_reference():
     assert _generate(None, "cuda", kernel_backend="triton", **options) == expected
 
 
+def _generate_staggered(model: str, device: str, **options: object) -> tuple[list, LLM]:
+    """Different output lengths, so the decode batch shrinks through several captured sizes."""
+    llm = LLM(model, device=device, dtype="float32", **options)
+    prompts = _prompts() + random_prompts(5, [6, 23, 51])
+    params = [
+        SamplingParams(max_tokens=4 + 5 * i, temperature=0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    return [o.token_ids for o in llm.generate(prompts, params)], llm
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_graph_decode_matches_cpu_reference(checkpoint_dir, family, enforce_eager):
+    # 8 sequences: graphs of 1, 2, 4 and 6 rows, so 8 and 7 run eagerly, 5 and 6 replay size 6, 3 and
+    # 4 replay size 4: padded replays, an eager fallback, and the prefill steps between them.
+    model = str(checkpoint_dir(family))
+    options = dict(num_kv_blocks=512, max_num_batched_tokens=64)
+    expected, _ = _generate_staggered(model, "cpu", **options)
+    got, llm = _generate_staggered(
+        model,
+        "cuda",
+        kernel_backend="triton",
+        enforce_eager=enforce_eager,
+        cuda_graph_max_batch_size=6,
+        **options,
+    )
+    assert got == expected
+    graphs = llm.engine.runner.decode_graphs
+    if enforce_eager:
+        assert graphs is None
+    else:
+        assert graphs.sizes == [1, 2, 4, 6] and graphs.replays > 0
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_reference_backend_on_cuda_runs_eagerly():
+    llm = LLM(None, device="cuda", dtype="float32", kernel_backend="torch", num_kv_blocks=64)
+    assert llm.engine.ops.name == "torch" and llm.engine.runner.decode_graphs is None
+
+
+def test_bfloat16_is_the_default_on_cuda():
+    llm = LLM(None, device="cuda", num_kv_blocks=64)
+    assert llm.engine.pool.kv.dtype == torch.bfloat16
+    assert next(llm.engine.model.parameters()).dtype == torch.bfloat16
+
+
 # --- kernels at serving shapes ------------------------------------------------------------------
 
 

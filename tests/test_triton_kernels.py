@@ -359,6 +359,28 @@ def test_engine_with_triton_ops_generates_what_the_reference_does(tk, monkeypatc
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
 
 
+@interpreted
+def test_padded_decode_inputs_through_triton_ops_generate_what_the_reference_does(tk):
+    # What a CUDA graph replays, run eagerly: the decode kernel over block tables as wide as
+    # max_model_len, 4 sequences, then 3 padded to 4 rows (the 4th row left by the larger step
+    # becomes slot -1 with one token of context), then 2 and 1.
+    from engine import LLM, SamplingParams
+    from engine.decode_graphs import DecodeGraphs
+
+    prompts = [list(range(5, 30)), list(range(40, 47)), list(range(9, 27)), list(range(60, 81))]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 3, 4, 2)]
+    options = dict(num_kv_blocks=16, block_size=16)
+    expected = [o.token_ids for o in LLM(None, **options).generate(prompts, params)]
+    llm = LLM(None, **options)
+    runner = llm.engine.runner
+    runner.ops = tk.ops
+    runner.decode_graphs = DecodeGraphs(
+        runner.model, runner.pool, tk.ops, runner.device, 4, -(-llm.engine.max_model_len // 16)
+    )
+    assert runner.decode_graphs.inputs.block_tables.shape == (4, 16)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
 # --- compiling for a GPU without one -----------------------------------------------------------
 
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

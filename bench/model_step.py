@@ -1,0 +1,365 @@
+"""Whole-model step times against the device's own limits, side by side in one run.
+
+A Llama-3-8B-shaped model with random weights runs its steps through `ModelRunner.run`, as the
+engine runs them (batch preparation, the forward, logits, the copy of logits to the host):
+- decode: one new token for each of `batch` sequences holding `context` tokens, replayed from a
+  CUDA graph and launched eagerly; the bytes a step must read (every weight once, the embedding
+  and KV rows it uses) over the step time, as a fraction of a measured device-to-device copy;
+- prefill: `prompts` prompts of `prompt_len` tokens in one step, its matmul and attention FLOPs
+  over the step time, as a fraction of a measured bf16 matmul.
+
+    python -m bench.model_step                                  # on a GPU: Llama-3-8B, bf16
+    python -m bench.model_step --json out.json --batches 1,64 --contexts 4096
+    python -m bench.model_step --preset tiny --device cpu       # the script itself, on a CPU
+
+A combination whose weights and KV do not fit the device is listed as such and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.decode_graphs import DecodeGraphs
+from engine.kv_cache import KVLayout, KVPool
+from engine.loader import build_model
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence
+from kernels.ops import select_ops
+
+PRESETS = {
+    # meta-llama/Meta-Llama-3-8B's config.json, weights aside.
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+    ),
+}
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    batch: int
+    context: int
+    graph_ms: float | None  # per step, forward replayed from a CUDA graph (None off CUDA)
+    eager_ms: float  # per step, every kernel launched from Python
+    bytes_gb: float  # weights + embedding rows + KV read per step
+    gbps: float  # bytes over the faster step time
+    fraction_of_copy: float
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    prompts: int
+    prompt_len: int
+    ms: float
+    tflop: float
+    tflops: float
+    fraction_of_matmul: float
+
+
+def model_config(preset: str) -> ModelConfig:
+    shape = PRESETS[preset]
+    return ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            **shape,
+        }
+    )
+
+
+def random_model(cfg: ModelConfig, dtype: str, device: str, seed: int) -> LlamaForCausalLM:
+    """Weights ~ N(0, 0.02), norms 1: real data through every kernel (zeros can run faster)."""
+    model = build_model(cfg, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+# --- device ceilings and timing -----------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, device: str, repeats: int, warmup: int = 3) -> float:
+    """Median wall time of fn in ms, the device synchronised around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_gbps(device: str, num_bytes: int, repeats: int) -> float:
+    """A large device-to-device copy: bytes read plus bytes written per second, in GB/s."""
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, repeats)
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(device: str, dtype: torch.dtype, n: int, repeats: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = median_ms(lambda: a @ b, device, repeats)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# --- steps --------------------------------------------------------------------------------------
+
+
+def free_bytes(device: str) -> int | None:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    return None
+
+
+def kv_pool(cfg: ModelConfig, dtype: str, num_blocks: int, device: str) -> KVPool:
+    layout = KVLayout(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype)
+    pool = KVPool(layout, num_blocks, device)
+    pool.kv.normal_()
+    return pool
+
+
+def sequences(
+    batch: int, context: int, new_tokens: int, vocab: int, gen: torch.Generator
+) -> tuple[list[Sequence], int]:
+    """`batch` sequences with `context` tokens computed and `new_tokens` to compute, on shuffled
+    pages of one pool (block 0 left unused). Returns them and the pool's block count."""
+    blocks = -(-(context + new_tokens) // BLOCK_SIZE)
+    num_blocks = batch * blocks + 1
+    pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    seqs = []
+    for b in range(batch):
+        tokens = torch.randint(3, vocab, (context + new_tokens,), generator=gen).tolist()
+        seq = Sequence(f"s{b}", tokens, params)
+        seq.num_computed_tokens = context
+        seq.block_table = pages[b * blocks : (b + 1) * blocks]
+        seqs.append(seq)
+    return seqs, num_blocks
+
+
+def decode_bytes(model: LlamaForCausalLM, pool: KVPool, batch: int, context: int) -> int:
+    """What one decode step must read: every weight once except the embedding table, of which
+    only `batch` rows; every sequence's K and V for its context and new token."""
+    cfg = model.config
+    elem = pool.kv.element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= model.embed_tokens.weight.numel() * elem - batch * cfg.hidden_size * elem
+    per_token_kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    return weights + batch * (context + 1) * per_token_kv
+
+
+def prefill_flop(cfg: ModelConfig, prompts: int, prompt_len: int) -> float:
+    """Matmul FLOPs of the layers for every token, the LM head for each prompt's last token, and
+    causal attention (QK^T and PV over the lower triangle)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    layer_params = h * (q + 2 * kv) + q * h + 3 * h * inter
+    tokens = prompts * prompt_len
+    linear = 2 * cfg.num_layers * layer_params * tokens + 2 * h * cfg.vocab_size * prompts
+    attention = cfg.num_layers * prompts * 2 * cfg.num_heads * cfg.head_dim * prompt_len**2
+    return float(linear + attention)
+
+
+def bench_decode(
+    model: LlamaForCausalLM,
+    dtype: str,
+    device: str,
+    batch: int,
+    context: int,
+    max_model_len: int,
+    copy: float,
+    repeats: int,
+) -> DecodeResult:
+    cfg = model.config
+    gen = torch.Generator().manual_seed(batch * 100003 + context)
+    seqs, num_blocks = sequences(batch, context, 1, cfg.vocab_size, gen)
+    pool = kv_pool(cfg, dtype, num_blocks, device)
+    runner = ModelRunner(model, pool, select_ops(device), device)
+    step = SchedulerOutput(scheduled=[ScheduledSeq(s, 1) for s in seqs])
+    eager_ms = median_ms(lambda: runner.run(step), device, repeats)
+    graph_ms = None
+    if device.startswith("cuda"):
+        # One graph, at this batch, over block tables as wide as the engine makes them.
+        width = -(-max_model_len // BLOCK_SIZE)
+        graphs = DecodeGraphs(model, pool, runner.ops, runner.device, batch, width, [batch])
+        graphs.capture()
+        runner.decode_graphs = graphs
+        graph_ms = median_ms(lambda: runner.run(step), device, repeats)
+        assert graphs.replays > 0
+    num_bytes = decode_bytes(model, pool, batch, context)
+    best = min(eager_ms, graph_ms or eager_ms)
+    gbps = num_bytes / (best * 1e-3) / 1e9
+    return DecodeResult(batch, context, graph_ms, eager_ms, num_bytes / 1e9, gbps, gbps / copy)
+
+
+def bench_prefill(
+    model: LlamaForCausalLM,
+    dtype: str,
+    device: str,
+    prompts: int,
+    prompt_len: int,
+    matmul: float,
+    repeats: int,
+) -> PrefillResult:
+    cfg = model.config
+    gen = torch.Generator().manual_seed(prompts * 7919 + prompt_len)
+    seqs, num_blocks = sequences(prompts, 0, prompt_len, cfg.vocab_size, gen)
+    pool = kv_pool(cfg, dtype, num_blocks, device)
+    runner = ModelRunner(model, pool, select_ops(device), device)
+    step = SchedulerOutput(scheduled=[ScheduledSeq(s, prompt_len) for s in seqs])
+    ms = median_ms(lambda: runner.run(step), device, repeats)
+    flop = prefill_flop(cfg, prompts, prompt_len)
+    tflops = flop / (ms * 1e-3) / 1e12
+    return PrefillResult(prompts, prompt_len, ms, flop / 1e12, tflops, tflops / matmul)
+
+
+def fits(model: LlamaForCausalLM, cfg: ModelConfig, tokens: int, dtype: str, device: str) -> bool:
+    free = free_bytes(device)
+    if free is None:
+        return True
+    elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    kv = tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    return kv < 0.85 * free  # leave room for activations and the graph pool
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=_ints, default=[512, 4096])
+    parser.add_argument("--prefill-prompts", type=_ints, default=[1, 4])
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = args.device
+    on_cuda = device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    torch_dtype = getattr(torch, dtype)
+    cfg = model_config(args.preset)
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    name = torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu"
+    copy = copy_gbps(device, (2 << 30) if on_cuda else (128 << 20), args.repeats)
+    matmul = matmul_tflops(device, torch_dtype, 8192 if on_cuda else 1024, args.repeats)
+    model = random_model(cfg, dtype, device, args.seed)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"# {name}; torch {torch.__version__}, python {platform.python_version()}")
+    print(f"# copy: {copy:.0f} GB/s (read + write); {dtype} matmul: {matmul:.1f} TFLOP/s")
+    print(
+        f"# {args.preset}: {params / 1e9:.2f}B parameters, {dtype}, block {BLOCK_SIZE}, "
+        f"graph block tables for {max_model_len} tokens, kernels {select_ops(device).name}"
+    )
+    print("\n## decode step (one new token per sequence)\n")
+    print("| batch | context | graph ms | eager ms | GB read | GB/s | of copy |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    decode = []
+    for context in args.contexts:
+        for batch in args.batches:
+            if not fits(model, cfg, batch * (context + BLOCK_SIZE), dtype, device):
+                print(f"| {batch} | {context} | KV does not fit | | | | |", flush=True)
+                continue
+            r = bench_decode(
+                model, dtype, device, batch, context, max_model_len, copy, args.repeats
+            )
+            decode.append(r)
+            graph = "-" if r.graph_ms is None else f"{r.graph_ms:.3f}"
+            print(
+                f"| {batch} | {context} | {graph} | {r.eager_ms:.3f} | {r.bytes_gb:.2f} | "
+                f"{r.gbps:.0f} | {r.fraction_of_copy:.0%} |",
+                flush=True,
+            )
+            if on_cuda:
+                torch.cuda.empty_cache()
+    print(f"\n## prefill step ({args.prompt_len}-token prompts)\n")
+    print("| prompts | ms | TFLOP | TFLOP/s | of matmul |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    prefill = []
+    for prompts in args.prefill_prompts:
+        r = bench_prefill(model, dtype, device, prompts, args.prompt_len, matmul, args.repeats)
+        prefill.append(r)
+        print(
+            f"| {prompts} | {r.ms:.2f} | {r.tflop:.2f} | {r.tflops:.1f} | "
+            f"{r.fraction_of_matmul:.0%} |",
+            flush=True,
+        )
+        if on_cuda:
+            torch.cuda.empty_cache()
+    results = {
+        "device": name,
+        "command": " ".join(["python -m bench.model_step", *(argv or sys.argv[1:])]),
+        "preset": args.preset,
+        "dtype": dtype,
+        "copy_gbps": copy,
+        "matmul_tflops": matmul,
+        "decode": [asdict(r) for r in decode],
+        "prefill": [asdict(r) for r in prefill],
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

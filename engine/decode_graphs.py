@@ -1,0 +1,154 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step launches a few hundred small kernels; at small batches launching them from Python
+costs more than running them. At start-up the model's forward is captured once per batch size in
+`capture_sizes` over static input buffers; a decode-only step of n sequences is then copied into
+those buffers, padded to the smallest captured size that holds it, and replayed as one graph.
+
+Padding rows write no KV (slot -1), attend to the first token of whatever block their table row
+names (a read of the pool, never a write) and are dropped before sampling. The buffers' block
+tables are as wide as `max_model_len` needs, so one graph serves every context length.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from engine.forward_batch import AttentionBatch
+from engine.kv_cache import KVPool
+from engine.models.llama import LlamaForCausalLM
+from kernels.ops import Ops
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8, and max_batch_size itself: at most 7 padding rows at
+    and above 8 sequences, so a replay wastes at most ~12 % of a step's rows there."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = [s for s in (1, 2, 4) if s < max_batch_size]
+    sizes += range(8, max_batch_size, 8)
+    sizes.append(max_batch_size)
+    return sizes
+
+
+def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest of the ascending `sizes` that holds num_seqs rows; None when none does."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeInputs:
+    """Static buffers a captured graph reads: one row per sequence, `max_batch_size` rows."""
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        rows = max_batch_size
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(rows, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.long, device=device)
+
+    def view(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """The first `size` rows as the model's inputs (always the same tensors for one size)."""
+        batch = AttentionBatch(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            max_query_len=1,
+        )
+        return self.input_ids[:size], self.positions[:size], batch
+
+    def load(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, size: int
+    ) -> None:
+        """Copy a decode batch of n <= size rows in; rows n..size become padding."""
+        n = input_ids.shape[0]
+        width = batch.block_tables.shape[1]
+        if n > size or size > self.max_batch_size:
+            raise ValueError(f"{n} rows do not fit a captured size of {size}")
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"block tables of {width} blocks exceed {self.max_blocks_per_seq}")
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        # Columns past `width` keep older ids: attention reads a row only up to its seq_len.
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+        # Rows that held real sequences in an earlier, larger step must not write their slots.
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[n:size].fill_(1)
+
+
+class DecodeGraphs:
+    """The model's decode forward at each captured batch size, and the step that replays it."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        ops: Ops,
+        device: torch.device,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        sizes: list[int] | None = None,
+    ) -> None:
+        """sizes: the batch sizes to capture (default `capture_sizes(max_batch_size)`)."""
+        self.model = model
+        self.pool = pool
+        self.ops = ops
+        self.sizes = sorted(sizes) if sizes else capture_sizes(max_batch_size)
+        if self.sizes[-1] > max_batch_size:
+            raise ValueError(f"size {self.sizes[-1]} exceeds max_batch_size {max_batch_size}")
+        self.inputs = DecodeInputs(max_batch_size, max_blocks_per_seq, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids, pos, batch = self.inputs.view(size)
+        return self.model(ids, pos, batch, self.pool, self.ops)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool. The
+        inputs then hold padding only: the warm-up and capture runs write no KV."""
+        mempool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # compiles the kernels and creates library handles outside
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured decode graphs for batch sizes %s", self.sizes)
+
+    def fits(self, num_seqs: int, width: int) -> bool:
+        return num_seqs <= self.sizes[-1] and width <= self.inputs.max_blocks_per_seq
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Final hidden states [n, hidden] of a decode-only batch of n sequences. A size without
+        a captured graph (nothing is captured off CUDA) runs eagerly on the same padded rows."""
+        n = input_ids.shape[0]
+        size = padded_size(n, self.sizes)
+        if size is None:
+            raise ValueError(f"{n} sequences exceed the largest captured size {self.sizes[-1]}")
+        self.inputs.load(input_ids, positions, batch, size)
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)[:n]
+        graph.replay()
+        self.replays += 1
+        return self.outputs[size][:n]
