@@ -387,8 +387,8 @@ class Coordinator:
     def _on_admitted(self, node: NodeState, msg: Admitted) -> None:
         state = self.by_wire.get(msg.request_id)
         if state is None or state.decode_node != node.node_id or state.phase is not Phase.ADMITTING:
-            if msg.ok:
-                self._send(node, Abort(msg.request_id))
+            if msg.ok:  # a reservation nobody will send KV into
+                self._send(node, Abort(msg.request_id, kv_unsent=True))
             return
         if not msg.ok:
             # The node had less room than it reported: retry first in line after its next report.
@@ -482,10 +482,14 @@ class Coordinator:
     def _release_everywhere(self, state: RequestState) -> None:
         """Tell every live node that holds part of this attempt to free it."""
         self.admission.remove(state.wire_id)
+        # Admitted but SendKV not yet sent (it goes out when the decode node confirms): no KV
+        # will come, and the decode node may free its reservation at once.
+        kv_unsent = state.phase is Phase.ADMITTING
         for node_id in {state.prefill_node, state.decode_node} - {None}:
             node = self.nodes.nodes.get(node_id)
             if node is not None and node.alive:
-                self._send(node, Abort(state.wire_id))
+                unsent = kv_unsent and node_id == state.decode_node
+                self._send(node, Abort(state.wire_id, kv_unsent=unsent))
 
     # --- events ----------------------------------------------------------------------------------
 

@@ -62,7 +62,12 @@ class DecodeNode:
         elif isinstance(msg, Admit):
             self._admit(msg)
         elif isinstance(msg, Abort):
-            if msg.request_id in self.incoming:
+            if msg.request_id in self.incoming and msg.kv_unsent:
+                # No sender was asked for this KV: nothing can write into the blocks.
+                self.receiver.cancel(msg.request_id, "aborted before its KV was sent")
+                self.engine.drop_transfer(self.incoming.pop(msg.request_id))
+                self.cancelled.discard(msg.request_id)
+            elif msg.request_id in self.incoming:
                 # The sender may still be writing into its blocks: free them once it ends.
                 self.cancelled.add(msg.request_id)
             else:

@@ -162,6 +162,9 @@ class SendKV(Message):
 class Abort(Message):
     TYPE: ClassVar[str] = "abort"
     request_id: str
+    # To a decode node that reserved blocks for this request's KV: no sender was ever asked to
+    # send it, so the reservation can go at once instead of waiting for a transfer to land.
+    kv_unsent: bool = False
 
 
 @dataclass
