@@ -47,6 +47,10 @@ SYSTEMS = {
 SYSTEMS["disaggregated-conditional"] = PdserveSystem(
     "disaggregated-conditional", config={"conditional_disagg_threshold": 256}
 )
+# Not run unless named: SendKV handled only between the prefill node's steps (no handoff thread).
+SYSTEMS["disaggregated-between-steps"] = PdserveSystem(
+    "disaggregated-between-steps", config={"kv_handoff": "between-steps"}
+)
 DEFAULT_SYSTEMS = ["disaggregated", "colocated", "colocated-static"]
 # Every system runs both; short-only is the reference for the TPOT interference of long prompts.
 VARIANTS = ("mixed", "short-only")

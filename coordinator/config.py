@@ -10,6 +10,7 @@ from pathlib import Path
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
 DECODE_ROUTING = ("kv_capacity",)
+KV_HANDOFF = ("immediate", "between-steps")
 
 
 def _live(default, doc: str):  # noqa: ANN001, ANN202
@@ -81,6 +82,10 @@ class CoordinatorConfig:
         "continuous",
         "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)",
     )
+    kv_handoff: str = _fixed(
+        "immediate",
+        "prefill nodes start a KV send as SendKV arrives, on a thread beside the step (immediate), or only between steps (between-steps; for comparison)",
+    )
     kernel_backend: str = _fixed(
         "auto",
         "attention/norm/rotary kernels: auto (Triton on CUDA) | torch (the reference) | triton",
@@ -95,6 +100,8 @@ class CoordinatorConfig:
             raise ValueError(
                 f"prefill_routing must be one of {PREFILL_ROUTING}, got {self.prefill_routing!r}"
             )
+        if self.kv_handoff not in KV_HANDOFF:
+            raise ValueError(f"kv_handoff must be one of {KV_HANDOFF}, got {self.kv_handoff!r}")
         if self.decode_routing not in DECODE_ROUTING:
             raise ValueError(
                 f"decode_routing must be one of {DECODE_ROUTING}, got {self.decode_routing!r}"

@@ -32,6 +32,7 @@ from engine.protocol import (
     Event,
     FirstToken,
     Generate,
+    HandoffReady,
     Heartbeat,
     Prefill,
     Register,
@@ -93,6 +94,8 @@ class Coordinator:
         self.affinity = PrefixAffinity()
         self.requests: dict[str, RequestState] = {}  # by request id
         self.by_wire: dict[str, RequestState] = {}  # by the id of its current attempt
+        # Prefill nodes' handoff sockets (node id -> ZMQ identity): SendKV goes there.
+        self.handoff_identities: dict[str, bytes] = {}
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self.node_endpoint = ""
@@ -332,6 +335,9 @@ class Coordinator:
                         node.node_id, node.role, node.num_blocks, node.transport)  # fmt: skip
             self._pump_admission()
             return
+        if isinstance(msg, HandoffReady):  # may come before or after its node's Register
+            self.handoff_identities[msg.node_id] = identity
+            return
         if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
             if self.nodes.heartbeat(msg) is None:
                 # Declared dead (or never registered) but alive: make it start afresh.
@@ -401,7 +407,10 @@ class Coordinator:
             self._requeue(state, "prefill node lost before its KV was sent")
             return
         state.phase = Phase.TRANSFERRING
-        self._send(prefill, SendKV(state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks))
+        send_kv = SendKV(state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks)
+        handoff = self.handoff_identities.get(prefill.node_id)
+        if handoff is None or not self._send(prefill, send_kv, handoff):
+            self._send(prefill, send_kv)  # handled between the prefill node's steps
 
     def _on_transfer_done(self, node: NodeState, msg: TransferDone) -> None:
         state = self.by_wire.get(msg.request_id)
@@ -539,11 +548,15 @@ class Coordinator:
             except Exception:  # an observer must never cost a request its events
                 logger.exception("[%s] listener failed on %s", state.request_id, name)
 
-    def _send(self, node: NodeState, msg: protocol.Message) -> None:
+    def _send(self, node: NodeState, msg: protocol.Message, identity: bytes | None = None) -> bool:
+        """To the node's main socket, or to another of its sockets by identity."""
         try:
-            self.node_sock.send_multipart([node.identity, protocol.encode(msg)], zmq.NOBLOCK)
+            frames = [identity or node.identity, protocol.encode(msg)]
+            self.node_sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # unroutable (gone) or full: the heartbeat timeout decides
             logger.warning("could not send %s to %s: %s", msg.TYPE, node.node_id, exc)
+            return False
+        return True
 
     # --- remote clients --------------------------------------------------------------------------
 

@@ -17,4 +17,6 @@ class NodeOptions:
     kv_port: int = 0  # 0: any free port (reported to the coordinator at registration)
     heartbeat_interval_s: float = 0.5
     transfer_timeout_s: float = 30.0
+    # Prefill nodes: start a KV send as SendKV arrives (a thread), or between steps.
+    kv_handoff: str = "immediate"  # immediate | between-steps
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -60,6 +60,15 @@ class Heartbeat(Message):
 
 
 @dataclass
+class HandoffReady(Message):
+    """From a prefill node's handoff socket: send SendKV here, where a thread starts the send
+    at once instead of after the node's current step."""
+
+    TYPE: ClassVar[str] = "handoff_ready"
+    node_id: str
+
+
+@dataclass
 class FirstToken(Message):
     """Prefill done and the first token sampled; its KV waits for admission to a decode node."""
 
@@ -209,7 +218,7 @@ class Event(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Register, Heartbeat, FirstToken, Admitted, TransferDone, Tokens, RequestError,
+        Register, Heartbeat, HandoffReady, FirstToken, Admitted, TransferDone, Tokens, RequestError,
         Prefill, Generate, Admit, SendKV, Abort, Shutdown, Reset, Submit, Event,
     )
 }  # fmt: skip

@@ -78,6 +78,7 @@ def _node(args: argparse.Namespace) -> int:
         kv_port=args.kv_port,
         heartbeat_interval_s=args.heartbeat_interval,
         transfer_timeout_s=args.transfer_timeout,
+        kv_handoff=getattr(args, "kv_handoff", "immediate"),
         engine=_engine_config(args),
     )
     if args.command == "prefill":
@@ -213,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transfer-timeout", type=float, default=30.0)
         if verb == "decode":
             p.add_argument("--colocated", action="store_true", help="prefill here too")
+        else:
+            p.add_argument(
+                "--kv-handoff",
+                default="immediate",
+                choices=["immediate", "between-steps"],
+                help="start a KV send as soon as it is asked for (a thread), or between steps",
+            )
         _add_engine_args(p)
         p.set_defaults(func=_node)
     return parser

@@ -20,6 +20,7 @@ ROLE_OVERRIDES = {
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "num_kv_blocks": "--num-kv-blocks",
     "kv_cache_bytes": "--kv-cache-bytes",
+    "cuda_graph_max_batch_size": "--cuda-graph-max-batch-size",
 }
 TOP_KEYS = {"model", "dtype", "block_size", "log_dir", "coordinator_config", "transport",
             "coordinator", "host"}  # fmt: skip

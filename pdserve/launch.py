@@ -58,6 +58,7 @@ class NodeSpec:
     transport: str = "tcp"
     heartbeat_interval_s: float = 0.5
     transfer_timeout_s: float = 30.0
+    kv_handoff: str = "immediate"  # prefill nodes: immediate | between-steps
     env: dict[str, str] = field(default_factory=dict)
 
     def command(self) -> list[str]:
@@ -68,6 +69,8 @@ class NodeSpec:
         cmd += ["--transfer-timeout", str(self.transfer_timeout_s)]
         if self.role == "colocated":
             cmd.append("--colocated")
+        if self.role == "prefill" and self.kv_handoff != "immediate":
+            cmd += ["--kv-handoff", self.kv_handoff]
         return cmd + engine_args(self.engine)
 
 

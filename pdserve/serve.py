@@ -62,7 +62,10 @@ def node_specs(
         return [
             NodeSpec("colocated", f"colocated-{i}", **common) for i in range(options.decode_nodes)
         ]
-    specs = [NodeSpec("prefill", f"prefill-{i}", **common) for i in range(options.prefill_nodes)]
+    specs = [
+        NodeSpec("prefill", f"prefill-{i}", kv_handoff=config.kv_handoff, **common)
+        for i in range(options.prefill_nodes)
+    ]
     specs += [NodeSpec("decode", f"decode-{i}", **common) for i in range(options.decode_nodes)]
     return specs
 

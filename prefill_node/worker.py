@@ -2,11 +2,16 @@
 it is sampled, and ships the sequence's KV pages to the decode node the coordinator admitted it to.
 
 Loop: receive messages -> step the engine -> report first tokens -> poll sends -> heartbeat.
+SendKV usually arrives on the handoff socket instead (`prefill_node/handoff.py`), whose thread
+starts the send during a step; a lock keeps that thread and the loop from deciding about the same
+sequence at once, and only the loop frees blocks or talks on the main socket.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 
 from engine import protocol
 from engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
@@ -24,6 +29,7 @@ from engine.protocol import (
 )
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVSender, make_sender
+from prefill_node.handoff import HandoffListener
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,11 @@ class PrefillNode:
         self.connected: set[tuple[str, str]] = set()
         self.sending: set[str] = set()  # prefilled sequences whose KV is on its way
         self.running = True
+        self.handoff: HandoffListener | None = None
+        # Held by whoever reads or changes `sending`, `senders` or a prefilled sequence's fate.
+        self._lock = threading.Lock()
+        # Sends that could not start: (request id, error, free its blocks), for the loop to settle.
+        self._failed_starts: deque[tuple[str, str, bool]] = deque()
 
     def handle(self, msg: protocol.Message) -> None:
         if isinstance(msg, Prefill):
@@ -53,7 +64,8 @@ class PrefillNode:
             except (RequestRejected, ValueError, TypeError) as exc:
                 self.link.send(RequestError(msg.request_id, str(exc), retryable=False))
         elif isinstance(msg, SendKV):
-            self._send_kv(msg)
+            self.start_send(msg)
+            self._settle_failed_starts()
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
         elif isinstance(msg, Shutdown):
@@ -62,37 +74,51 @@ class PrefillNode:
             for request_id in list(self.engine.seqs):
                 self._abort(request_id)
             self.link.register(self.engine, self.transport)
+            if self.handoff is not None:
+                self.handoff.announce()
         else:
             logger.warning("prefill node ignores %s", msg.TYPE)
 
-    def _send_kv(self, msg: SendKV) -> None:
-        seq = self.engine.seqs.get(msg.request_id)
-        if seq is None or seq.finish_reason != "prefilled" or msg.request_id in self.sending:
-            self.link.send(TransferDone(msg.request_id, False, "no prefilled KV held here"))
-            return
-        try:
-            sender = self._sender_for(msg.receiver_info.get("transport", self.transport))
-            if (sender.name, msg.decode_node) not in self.connected:
-                sender.connect(msg.decode_node, msg.receiver_info)
-                self.connected.add((sender.name, msg.decode_node))
-            sender.send(
-                msg.request_id, msg.decode_node, list(seq.block_table), list(msg.dst_blocks)
-            )
-        except Exception as exc:  # a bad peer must not take the node down
-            logger.exception("[%s] send to %s failed to start", msg.request_id, msg.decode_node)
-            self.engine.release(msg.request_id)
-            self.link.send(TransferDone(msg.request_id, False, f"send failed: {exc}"))
-            return
-        self.sending.add(msg.request_id)
+    def start_send(self, msg: SendKV) -> None:
+        """Start shipping a prefilled sequence's KV; safe from the handoff thread during a step
+        (the sequence is finished, so the step neither reads nor changes its blocks)."""
+        with self._lock:
+            seq = self.engine.seqs.get(msg.request_id)
+            if seq is None or seq.finish_reason != "prefilled" or msg.request_id in self.sending:
+                self._failed_starts.append((msg.request_id, "no prefilled KV held here", False))
+                return
+            try:
+                sender = self._sender_for(msg.receiver_info.get("transport", self.transport))
+                if (sender.name, msg.decode_node) not in self.connected:
+                    sender.connect(msg.decode_node, msg.receiver_info)
+                    self.connected.add((sender.name, msg.decode_node))
+                sender.send(
+                    msg.request_id, msg.decode_node, list(seq.block_table), list(msg.dst_blocks)
+                )
+            except Exception as exc:  # a bad peer must not take the node down
+                logger.exception("[%s] send to %s failed to start", msg.request_id, msg.decode_node)
+                self._failed_starts.append((msg.request_id, f"send failed: {exc}", True))
+                return
+            self.sending.add(msg.request_id)
+
+    def _settle_failed_starts(self) -> None:
+        while self._failed_starts:
+            request_id, error, release = self._failed_starts.popleft()
+            if release:
+                with self._lock:
+                    if request_id not in self.sending and request_id in self.engine.seqs:
+                        self.engine.release(request_id)
+            self.link.send(TransferDone(request_id, False, error))
 
     def _abort(self, request_id: str) -> None:
-        seq = self.engine.seqs.get(request_id)
-        if seq is None or request_id in self.sending:
-            return  # unknown, or its blocks are freed when the send in flight ends
-        if seq.finish_reason == "prefilled":
-            self.engine.release(request_id)
-        else:
-            self.engine.abort(request_id)
+        with self._lock:
+            seq = self.engine.seqs.get(request_id)
+            if seq is None or request_id in self.sending:
+                return  # unknown, or its blocks are freed when the send in flight ends
+            if seq.finish_reason == "prefilled":
+                self.engine.release(request_id)
+            else:
+                self.engine.abort(request_id)
 
     def _report_first_tokens(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -120,11 +146,13 @@ class PrefillNode:
         return self.senders[transport]
 
     def _poll_sends(self) -> None:
-        results = [r for sender in self.senders.values() for r in sender.poll()]
+        with self._lock:
+            results = [r for sender in self.senders.values() for r in sender.poll()]
+            for result in results:
+                self.sending.discard(result.transfer_id)
+                if result.transfer_id in self.engine.seqs:
+                    self.engine.release(result.transfer_id)
         for result in results:
-            self.sending.discard(result.transfer_id)
-            if result.transfer_id in self.engine.seqs:
-                self.engine.release(result.transfer_id)
             self.link.send(TransferDone(result.transfer_id, result.ok, result.error))
 
     def step(self) -> None:
@@ -133,18 +161,24 @@ class PrefillNode:
             self.handle(msg)
         if self.engine.has_unfinished():
             self._report_first_tokens(self.engine.step())
+        self._settle_failed_starts()
         self._poll_sends()
         self.link.update_load(self.engine, len(self.sending))
 
     def run(self) -> None:
         self.link.register(self.engine, self.transport)
+        if self.handoff is not None:
+            self.handoff.start()
         while self.running:
             self.step()
         self.close()
 
     def close(self) -> None:
-        for sender in self.senders.values():
-            sender.close()
+        if self.handoff is not None:
+            self.handoff.close()
+        with self._lock:
+            for sender in self.senders.values():
+                sender.close()
         self.link.close()
 
 
@@ -153,6 +187,9 @@ def serve(options: NodeOptions) -> None:
     engine = LLMEngine(options.engine)
     link = NodeLink(options.coordinator, options.node_id, "prefill", options.heartbeat_interval_s)
     node = PrefillNode(engine, link, options.transport)
+    if options.kv_handoff == "immediate":
+        node.handoff = HandoffListener(options.coordinator, options.node_id, node.start_send)
     stop_on_signals(node)
-    logger.info("prefill node %s serving (transport %s)", options.node_id, options.transport)
+    logger.info("prefill node %s serving (transport %s, KV handoff %s)",
+                options.node_id, options.transport, options.kv_handoff)  # fmt: skip
     node.run()

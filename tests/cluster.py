@@ -26,6 +26,7 @@ class Cluster:
         colocated: bool = False,
         config: CoordinatorConfig | None = None,
         log_dir: Path | None = None,
+        kv_handoff: str = "immediate",
         **engine_options: object,
     ) -> None:
         ensure_tiny_model()  # once here, not raced by every node
@@ -33,6 +34,7 @@ class Cluster:
         self.num_decode = decode
         self.colocated = colocated
         self.transport = transport
+        self.kv_handoff = kv_handoff
         self.config = config or CoordinatorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
         options = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=256)
         options.update(engine_options)
@@ -74,7 +76,10 @@ class Cluster:
             return [
                 NodeSpec("colocated", f"colocated-{i}", **common) for i in range(self.num_decode)
             ]
-        specs = [NodeSpec("prefill", f"prefill-{i}", **common) for i in range(self.num_prefill)]
+        specs = [
+            NodeSpec("prefill", f"prefill-{i}", kv_handoff=self.kv_handoff, **common)
+            for i in range(self.num_prefill)
+        ]
         return specs + [NodeSpec("decode", f"decode-{i}", **common) for i in range(self.num_decode)]
 
     def call(self, coro, timeout: float = 300):  # noqa: ANN001, ANN201

@@ -41,15 +41,18 @@ async def run_all(addr: str, prompts, params) -> list[tuple[list[int], str]]:
         return await asyncio.gather(*(client.complete(p, params) for p in prompts))
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_one_prefill_one_decode_matches_offline(transport, offline):
+@pytest.mark.parametrize(
+    "transport,kv_handoff",
+    [("tcp", "immediate"), ("shm", "immediate"), ("tcp", "between-steps")],
+)
+def test_one_prefill_one_decode_matches_offline(transport, kv_handoff, offline):
     prompts = make_prompts(8, seed=1)
     expected = expected_outputs(offline, prompts, GREEDY)
     # A seeded sampled request: its first token is drawn on the prefill node, the rest on the
     # decode node, which skips that draw, so the stream is the offline one.
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
     (expected_seeded,) = expected_outputs(offline, prompts[:1], seeded)
-    with Cluster(1, 1, transport=transport) as cluster:
+    with Cluster(1, 1, transport=transport, kv_handoff=kv_handoff) as cluster:
 
         async def both() -> tuple[list, tuple]:
             return await asyncio.gather(
@@ -62,6 +65,9 @@ def test_one_prefill_one_decode_matches_offline(transport, offline):
         assert all(reason == "length" for _, reason in results)
         assert seeded_result[0] == expected_seeded
         cluster.wait_until_idle()
+        # Immediate: the handoff socket announced itself, and SendKV went there from then on.
+        handoff = cluster.coordinator.handoff_identities
+        assert ("prefill-0" in handoff) == (kv_handoff == "immediate")
 
 
 def test_short_prompts_are_prefilled_on_the_decode_node(offline):

@@ -105,6 +105,8 @@ def latencies(results: Sequence[RequestResult]) -> dict:
         "count": len(results),
         "ttft_ms": distribution([r.ttft for r in results], 1e3),
         "tpot_ms": distribution([r.tpot for r in results if r.output_len > 1], 1e3),
+        # First to second token: on a disaggregated cluster, the KV handoff's share of latency.
+        "first_itl_ms": distribution([r.itl[0] for r in results if r.itl], 1e3),
         "e2el_ms": distribution([r.latency for r in results], 1e3),
     }
 
