@@ -37,3 +37,14 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
 def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
+
+
+class RecordingLink:
+    """Stands in for a node's coordinator link in single-node tests: keeps what the node sends."""
+
+    def __init__(self, node_id: str = "node-under-test") -> None:
+        self.node_id = node_id
+        self.sent: list = []
+
+    def send(self, msg: object) -> None:
+        self.sent.append(msg)

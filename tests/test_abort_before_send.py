@@ -11,6 +11,7 @@ import time
 
 import zmq
 from cluster import Cluster
+from conftest import RecordingLink
 
 from decode_node.worker import DecodeNode
 from engine import SamplingParams, protocol
@@ -78,16 +79,6 @@ def test_coordinator_marks_an_abort_before_the_kv_was_sent():
             decode.close()
 
 
-class RecordingLink:
-    node_id = "decode-under-test"
-
-    def __init__(self) -> None:
-        self.sent: list[protocol.Message] = []
-
-    def send(self, msg: protocol.Message) -> None:
-        self.sent.append(msg)
-
-
 def _decode_node() -> tuple[DecodeNode, LLMEngine]:
     receivers = []
 
@@ -96,7 +87,7 @@ def _decode_node() -> tuple[DecodeNode, LLMEngine]:
         return receivers[0].pool
 
     engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=32, block_size=8), pool_factory)
-    return DecodeNode(engine, RecordingLink(), receivers[0], 30.0, "tcp"), engine
+    return DecodeNode(engine, RecordingLink("decode-under-test"), receivers[0], 30.0, "tcp"), engine
 
 
 def _admit(node: DecodeNode, request_id: str) -> None:

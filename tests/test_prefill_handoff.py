@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import zmq
+from conftest import RecordingLink
 
 from engine import SamplingParams, protocol
 from engine.config import EngineConfig
@@ -50,19 +51,9 @@ def test_listener_announces_itself_and_hands_over_send_orders():
         router.close(0)
 
 
-class RecordingLink:
-    node_id = "prefill-under-test"
-
-    def __init__(self) -> None:
-        self.sent: list[protocol.Message] = []
-
-    def send(self, msg: protocol.Message) -> None:
-        self.sent.append(msg)
-
-
 def test_a_send_that_cannot_start_is_settled_by_the_loop():
     engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=32, block_size=8))
-    node = PrefillNode(engine, RecordingLink(), "tcp")
+    node = PrefillNode(engine, RecordingLink("prefill-under-test"), "tcp")
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("held", list(range(5, 30)), params, prefill_only=True)
     while engine.has_unfinished():
