@@ -261,7 +261,7 @@ def bench_prefill(
     return PrefillResult(prompts, prompt_len, ms, flop / 1e12, tflops, tflops / matmul)
 
 
-def fits(model: LlamaForCausalLM, cfg: ModelConfig, tokens: int, dtype: str, device: str) -> bool:
+def fits(cfg: ModelConfig, tokens: int, dtype: str, device: str) -> bool:
     free = free_bytes(device)
     if free is None:
         return True
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     decode = []
     for context in args.contexts:
         for batch in args.batches:
-            if not fits(model, cfg, batch * (context + BLOCK_SIZE), dtype, device):
+            if not fits(cfg, batch * (context + BLOCK_SIZE), dtype, device):
                 print(f"| {batch} | {context} | KV does not fit | | | | |", flush=True)
                 continue
             r = bench_decode(

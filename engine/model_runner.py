@@ -40,8 +40,9 @@ class ModelRunner:
     def prepare(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
-        """Returns input ids, positions, the attention batch and the indices (into out.scheduled)
-        of sequences that sample; their logits rows come in that order."""
+        """Returns input ids, positions, the attention batch (all on the host: the step copies
+        them to the device once, into the model's inputs or a graph's) and the indices (into
+        out.scheduled) of sequences that sample; their logits rows come in that order."""
         bs = self.block_size
         # Python arrays, not lists: they turn into tensors by a copy of their bytes, not element
         # by element, which matters at a few hundred sequences per step.
@@ -89,12 +90,22 @@ class ModelRunner:
         pos = self._tensor(positions)
         return ids, pos, batch, sample_rows
 
-    def _tensor(self, values: array) -> torch.Tensor:
-        """int64 ("q") or int32 ("i") values on the device; the tensor keeps the array alive."""
+    @staticmethod
+    def _tensor(values: array) -> torch.Tensor:
+        """int64 ("q") or int32 ("i") values, sharing the array's memory (and keeping it alive)."""
         dtype = torch.long if values.typecode == "q" else torch.int32
         if not values:
-            return torch.empty(0, dtype=dtype, device=self.device)
-        return torch.frombuffer(values, dtype=dtype).to(self.device)
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(values, dtype=dtype)
+
+    def _to_device(self, batch: AttentionBatch) -> AttentionBatch:
+        return AttentionBatch(
+            slot_mapping=batch.slot_mapping.to(self.device),
+            block_tables=batch.block_tables.to(self.device),
+            seq_lens=batch.seq_lens.to(self.device),
+            query_start_loc=batch.query_start_loc.to(self.device),
+            max_query_len=batch.max_query_len,
+        )
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
@@ -109,15 +120,16 @@ class ModelRunner:
             and decode_only
             and graphs.fits(len(out.scheduled), batch.block_tables.shape[1])
         ):
-            hidden = graphs.run(ids, pos, batch)
+            hidden = graphs.run(ids, pos, batch)  # copies the host inputs into its buffers
         else:
-            hidden = self.model(ids, pos, batch, self.pool, self.ops)
+            ids, pos = ids.to(self.device), pos.to(self.device)
+            hidden = self.model(ids, pos, self._to_device(batch), self.pool, self.ops)
         if not sample_rows:
             return torch.empty(0), sample_rows
         if len(sample_rows) == hidden.shape[0]:  # all decodes: row i is sequence i's last token
             logits = self.model.compute_logits(hidden)
         else:
             last = batch.query_start_loc[1:] - 1
-            rows = last[torch.tensor(sample_rows, device=self.device)]
+            rows = last[torch.tensor(sample_rows)].to(self.device)
             logits = self.model.compute_logits(hidden[rows])
         return logits.cpu(), sample_rows

@@ -12,6 +12,7 @@ from conftest import random_prompts
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs, DecodeInputs, capture_sizes, padded_size
+from engine.forward_batch import AttentionBatch
 from engine.llm_engine import LLMEngine
 
 BLOCK = 4
@@ -80,6 +81,18 @@ def test_padded_decode_steps_generate_the_same_tokens(options):
     assert run_workload(small) == expected
 
 
+def decode_batch(slots: list[int], tables: torch.Tensor) -> AttentionBatch:
+    """One decode row per slot, one token of context each."""
+    n = len(slots)
+    return AttentionBatch(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_tables=tables,
+        seq_lens=torch.ones(n, dtype=torch.long),
+        query_start_loc=torch.arange(n + 1),
+        max_query_len=1,
+    )
+
+
 def test_padding_rows_never_write_kv_left_by_a_larger_step():
     engine = make_engine(None)
     runner = engine.runner
@@ -89,23 +102,13 @@ def test_padding_rows_never_write_kv_left_by_a_larger_step():
     ids = torch.tensor([5, 6, 7, 8])
     pos = torch.tensor([0, 0, 0, 0])
     tables = torch.arange(1, 5, dtype=torch.int32).view(4, 1)
+    slots = [block * BLOCK for block in range(1, 5)]
 
-    def batch(n: int):
-        from engine.forward_batch import AttentionBatch
-
-        return AttentionBatch(
-            slot_mapping=tables[:n, 0].long() * BLOCK,
-            block_tables=tables[:n],
-            seq_lens=torch.ones(n, dtype=torch.long),
-            query_start_loc=torch.arange(n + 1),
-            max_query_len=1,
-        )
-
-    assert graphs.run(ids, pos, batch(4)).shape == (4, hidden)
+    assert graphs.run(ids, pos, decode_batch(slots, tables)).shape == (4, hidden)
     k_cache, v_cache = runner.pool.layer(0)
     k_cache[4].fill_(float("nan"))
     v_cache[4].fill_(float("nan"))
-    out = graphs.run(ids[:3], pos[:3], batch(3))
+    out = graphs.run(ids[:3], pos[:3], decode_batch(slots[:3], tables[:3]))
     assert out.shape == (3, hidden) and bool(out.isfinite().all())
     assert bool(k_cache[4].isnan().all()) and bool(v_cache[4].isnan().all())
     assert graphs.inputs.slot_mapping[3] == -1 and graphs.inputs.seq_lens[3] == 1
@@ -113,22 +116,13 @@ def test_padding_rows_never_write_kv_left_by_a_larger_step():
 
 def test_decode_inputs_refuse_what_does_not_fit():
     inputs = DecodeInputs(4, 8, torch.device("cpu"))
-    from engine.forward_batch import AttentionBatch
-
-    def batch(n: int, width: int):
-        return AttentionBatch(
-            slot_mapping=torch.zeros(n, dtype=torch.long),
-            block_tables=torch.zeros(n, width, dtype=torch.int32),
-            seq_lens=torch.ones(n, dtype=torch.long),
-            query_start_loc=torch.arange(n + 1),
-            max_query_len=1,
-        )
-
     ids = torch.zeros(3, dtype=torch.long)
+    narrow = torch.zeros(3, 2, dtype=torch.int32)
+    wide = torch.zeros(3, 9, dtype=torch.int32)
     with pytest.raises(ValueError, match="do not fit"):
-        inputs.load(ids, ids, batch(3, 2), 2)
+        inputs.load(ids, ids, decode_batch([0, 0, 0], narrow), 2)
     with pytest.raises(ValueError, match="exceed 8"):
-        inputs.load(ids, ids, batch(3, 9), 4)
+        inputs.load(ids, ids, decode_batch([0, 0, 0], wide), 4)
 
 
 def test_cpu_engine_captures_no_graphs():

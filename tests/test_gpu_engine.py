@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts
+from paged_inputs import paged_inputs
 
 from engine import LLM, SamplingParams
 from kernels import attention_ref, norm_ref, rotary_ref
@@ -112,39 +113,6 @@ def test_bfloat16_is_the_default_on_cuda():
 # --- kernels at serving shapes ------------------------------------------------------------------
 
 
-def _paged_inputs(
-    context_lens: list[int],
-    query_lens: list[int],
-    heads: tuple[int, int],
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> dict:
-    """Every context on shuffled pages of one cache (block 0 unused), tables padded with 0."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    num_heads, num_kv_heads = heads
-    blocks = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(blocks) + 2
-    pages = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).tolist()
-    tables = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32)
-    for b, n in enumerate(blocks):
-        tables[b, :n] = torch.tensor(pages[:n], dtype=torch.int32)
-        pages = pages[n:]
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, device="cuda", generator=gen)
-    return dict(
-        query=query.to(dtype),
-        k_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
-        v_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
-        block_tables=tables.cuda(),
-        seq_lens=torch.tensor(context_lens, dtype=torch.int64, device="cuda"),
-        query_start_loc=torch.tensor([0, *query_lens], device="cuda").cumsum(0),
-        scale=head_dim**-0.5,
-        max_query_len=max(query_lens),
-    )
-
-
 def _check_attention(args: dict) -> None:
     from kernels.triton_ops import TRITON
 
@@ -159,7 +127,9 @@ def _check_attention(args: dict) -> None:
 def test_decode_attention_matches_reference_at_long_contexts(dtype, heads, head_dim, block_size):
     contexts = [1, 15, 16, 17, 500, 1023, 2048, 4097]
     _check_attention(
-        _paged_inputs(contexts, [1] * len(contexts), heads, head_dim, block_size, dtype)
+        paged_inputs(
+            contexts, [1] * len(contexts), heads, head_dim, block_size, dtype, device="cuda"
+        )
     )
 
 
@@ -168,13 +138,15 @@ def test_decode_attention_matches_reference_at_long_contexts(dtype, heads, head_
 def test_prefill_attention_matches_reference_on_a_mixed_batch(dtype, heads, head_dim):
     # A 2k prompt, a chunk after 1000 cached tokens, decodes, and a chunk after an aligned prefix.
     contexts, queries = [2048, 1300, 700, 33, 512], [2048, 300, 1, 1, 256]
-    _check_attention(_paged_inputs(contexts, queries, heads, head_dim, 16, dtype))
+    _check_attention(paged_inputs(contexts, queries, heads, head_dim, 16, dtype, device="cuda"))
 
 
 def test_decode_attention_replays_in_a_cuda_graph():
     from kernels.triton_ops import TRITON
 
-    args = _paged_inputs([4000, 3000, 2500, 900], [1] * 4, (32, 8), 128, 16, torch.bfloat16)
+    args = paged_inputs(
+        [4000, 3000, 2500, 900], [1] * 4, (32, 8), 128, 16, torch.bfloat16, device="cuda"
+    )
     TRITON.paged_attention(**args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

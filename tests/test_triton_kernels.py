@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from paged_inputs import paged_inputs
 
 from kernels import attention_ref, norm_ref, rotary_ref
 
@@ -92,43 +93,6 @@ def test_kernels_match_references_under_the_triton_interpreter():
 # --- inputs -------------------------------------------------------------------------------------
 
 
-def _paged_inputs(
-    context_lens: list[int],
-    query_lens: list[int],
-    heads: tuple[int, int],
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> dict:
-    """Caches with every sequence's context on shuffled pages (block 0 left unused, as padding
-    points there), block tables padded with 0, and queries for each sequence's last tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    num_heads, num_kv_heads = heads
-    blocks = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(blocks) + 2
-    pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32)
-    for b, n in enumerate(blocks):
-        tables[b, :n] = torch.tensor(pages[:n], dtype=torch.int32)
-        pages = pages[n:]
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
-    starts = torch.tensor([0, *query_lens]).cumsum(0)
-    return dict(
-        query=query,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_tables=tables,
-        seq_lens=torch.tensor(context_lens, dtype=torch.int64),
-        query_start_loc=starts.to(torch.int64),
-        scale=head_dim**-0.5,
-        max_query_len=max(query_lens),
-    )
-
-
 def _assert_attention_close(actual: torch.Tensor, args: dict) -> None:
     expected = attention_ref.paged_attention(**args)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
@@ -144,7 +108,7 @@ DECODE_CONTEXTS = [300, 17, 129]
 @interpreted
 @pytest.mark.parametrize("dtype,heads,head_dim,block_size", SHAPES, ids=SHAPE_IDS)
 def test_split_decode_matches_reference(tk, dtype, heads, head_dim, block_size):
-    args = _paged_inputs(DECODE_CONTEXTS, [1, 1, 1], heads, head_dim, block_size, dtype)
+    args = paged_inputs(DECODE_CONTEXTS, [1, 1, 1], heads, head_dim, block_size, dtype)
     max_context = args["block_tables"].shape[1] * block_size
     block_n = tk.attention.decode_config(head_dim, dtype).block_n
     num_splits, _ = tk.attention.plan_decode_splits(
@@ -158,7 +122,7 @@ def test_split_decode_matches_reference(tk, dtype, heads, head_dim, block_size):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_with_many_splits_and_empty_ones(tk, dtype):
     # 32-token splits: the 300-token context uses 10, the 5-token one 1, the rest are empty.
-    args = _paged_inputs([300, 5, 64, 33], [1] * 4, (4, 1), 64, 16, dtype, seed=1)
+    args = paged_inputs([300, 5, 64, 33], [1] * 4, (4, 1), 64, 16, dtype, seed=1)
     out = torch.empty_like(args["query"])
     tk.attention.paged_decode_attention(
         args["query"],
@@ -176,7 +140,7 @@ def test_decode_with_many_splits_and_empty_ones(tk, dtype):
 
 @interpreted
 def test_short_decode_batch_takes_the_single_split_path(tk):
-    args = _paged_inputs([7, 16, 33], [1, 1, 1], (4, 1), 64, 16, torch.float32, seed=2)
+    args = paged_inputs([7, 16, 33], [1, 1, 1], (4, 1), 64, 16, torch.float32, seed=2)
     block_n = tk.attention.decode_config(64, torch.float32).block_n
     plan = tk.attention.plan_decode_splits(3, 1, 48, block_n, tk.attention.DEFAULT_SM_COUNT)
     assert plan[0] == 1
@@ -207,7 +171,7 @@ MIXED_QUERIES = [37, 21, 1, 16]
 @interpreted
 @pytest.mark.parametrize("dtype,heads,head_dim,block_size", SHAPES, ids=SHAPE_IDS)
 def test_mixed_prefill_batch_matches_reference(tk, dtype, heads, head_dim, block_size):
-    args = _paged_inputs(MIXED_CONTEXTS, MIXED_QUERIES, heads, head_dim, block_size, dtype)
+    args = paged_inputs(MIXED_CONTEXTS, MIXED_QUERIES, heads, head_dim, block_size, dtype)
     _assert_attention_close(tk.ops.paged_attention(**args), args)
 
 
@@ -226,7 +190,7 @@ def test_prefill_with_small_tiles_spanning_many_pages(tk, dtype, heads):
     # 16-row tiles: chunks span several query tiles (found by the kernel's binary search) and key
     # tiles (unmasked below the diagonal, masked on it); one sequence schedules no tokens.
     contexts, queries = [45, 50, 9, 33, 40], [45, 18, 0, 1, 17]
-    args = _paged_inputs(contexts, queries, heads, 64, 16, dtype, seed=3)
+    args = paged_inputs(contexts, queries, heads, 64, 16, dtype, seed=3)
     out = torch.empty_like(args["query"])
     tk.attention.paged_prefill_attention(
         args["query"],
@@ -246,12 +210,12 @@ def test_prefill_with_small_tiles_spanning_many_pages(tk, dtype, heads):
 @pytest.mark.parametrize("head_dim", [8, 96])
 def test_attention_reads_strided_queries_and_odd_head_dims(tk, head_dim):
     # The engine passes q as a view of the fused qkv; head dims pad up to a power of two >= 16.
-    args = _paged_inputs([20, 9], [20, 9], (4, 2), head_dim, 16, torch.float32, seed=4)
+    args = paged_inputs([20, 9], [20, 9], (4, 2), head_dim, 16, torch.float32, seed=4)
     qkv = torch.randn(29, 8, head_dim)
     qkv[:, :4] = args["query"]
     args["query"] = qkv[:, :4]
     _assert_attention_close(tk.ops.paged_attention(**args), args)
-    decode = _paged_inputs([20, 9], [1, 1], (4, 2), head_dim, 16, torch.float32, seed=5)
+    decode = paged_inputs([20, 9], [1, 1], (4, 2), head_dim, 16, torch.float32, seed=5)
     _assert_attention_close(tk.ops.paged_attention(**decode), decode)
 
 
@@ -453,9 +417,9 @@ def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
                 kernel = getattr(module, name)
                 monkeypatch.setattr(kernel, "run", recorder(kernel))
     heads, kv_heads, head_dim, hidden = 32, 8, 128, 4096
-    decode = _paged_inputs([4000, 70], [1, 1], (heads, kv_heads), head_dim, 16, dtype)
-    short = _paged_inputs([40, 70], [1, 1], (heads, kv_heads), head_dim, 16, dtype)
-    prefill = _paged_inputs([2048, 90], [2048, 30], (heads, kv_heads), head_dim, 16, dtype)
+    decode = paged_inputs([4000, 70], [1, 1], (heads, kv_heads), head_dim, 16, dtype)
+    short = paged_inputs([40, 70], [1, 1], (heads, kv_heads), head_dim, 16, dtype)
+    prefill = paged_inputs([2048, 90], [2048, 30], (heads, kv_heads), head_dim, 16, dtype)
     for args in (decode, short, prefill):
         TRITON.paged_attention(**args)
     qkv = torch.zeros(4, heads + 2 * kv_heads, head_dim, dtype=dtype)
