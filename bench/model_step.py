@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cluster.sampling_params import SamplingParams
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVLayout, KVPool
 from engine.loader import build_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from kernels.ops import select_ops

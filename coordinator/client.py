@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
+from cluster.codec import ProtocolError
+from cluster.sampling_params import SamplingParams
 from coordinator.coordinator import SubmitError
-from engine import protocol
-from engine.protocol import Abort, Event, Submit
-from engine.sampling_params import SamplingParams
 
 
 class CoordinatorClient:
@@ -39,9 +39,12 @@ class CoordinatorClient:
 
     async def _read(self) -> None:
         while True:
-            frame = await self.sock.recv()
-            event = protocol.decode_or_log(frame, "coordinator")
-            if isinstance(event, Event) and event.request_id in self.streams:
+            frames = await self.sock.recv_multipart()
+            try:
+                event = client_events.decode(frames[-1])
+            except ProtocolError:
+                continue  # not ours; the coordinator sends nothing else
+            if event.request_id in self.streams:
                 self.streams[event.request_id].put_nowait(event)
 
     async def generate(
@@ -52,7 +55,7 @@ class CoordinatorClient:
         request_id = request_id or f"client-{uuid.uuid4().hex[:16]}"
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self.streams[request_id] = queue
-        await self.sock.send(protocol.encode(Submit(request_id, list(token_ids), params.to_dict())))
+        await self.sock.send(client_requests.encode(Submit(request_id, list(token_ids), params)))
         finished = False
         try:
             while True:
@@ -68,7 +71,7 @@ class CoordinatorClient:
             self.streams.pop(request_id, None)
             if not finished:  # the caller stopped reading: free its blocks everywhere
                 with contextlib.suppress(zmq.ZMQError):
-                    await self.sock.send(protocol.encode(Abort(request_id)))
+                    await self.sock.send(client_requests.encode(Cancel(request_id)))
 
     async def complete(self, token_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
         """Collects a whole request: (output token ids, finish reason)."""
@@ -80,7 +83,7 @@ class CoordinatorClient:
         return tokens, reason
 
     async def abort(self, request_id: str) -> None:
-        await self.sock.send(protocol.encode(Abort(request_id)))
+        await self.sock.send(client_requests.encode(Cancel(request_id)))
 
     async def close(self) -> None:
         if self._reader is not None:

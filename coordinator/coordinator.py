@@ -19,32 +19,33 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from coordinator.admission import AdmissionQueue, Candidate
-from coordinator.config import CoordinatorConfig
-from coordinator.nodes import NodeRegistry, NodeState
-from coordinator.request_state import PENDING_PHASES, Phase, RequestState
-from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
-from engine import protocol
-from engine.protocol import (
+from cluster import node_messages
+from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
+from cluster.codec import ProtocolError
+from cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
-    Event,
     FirstToken,
     Generate,
     HandoffReady,
     Heartbeat,
+    NodeRole,
     Prefill,
     Register,
     RequestError,
     Reset,
     SendKV,
     Shutdown,
-    Submit,
     Tokens,
     TransferDone,
 )  # fmt: skip
-from engine.sampling_params import SamplingParams
+from cluster.sampling_params import SamplingParams
+from coordinator.admission import AdmissionQueue, Candidate
+from coordinator.config import CoordinatorConfig
+from coordinator.nodes import NodeRegistry, NodeState
+from coordinator.request_state import PENDING_PHASES, Phase, RequestState
+from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class Coordinator:
         decoders = self.nodes.decode_nodes()
         if not decoders:
             return False
-        if any(n.role == "decode" for n in decoders):
+        if any(n.role is NodeRole.DECODE for n in decoders):
             return bool(self.nodes.prefill_nodes()) or self.config.conditional_disagg_threshold > 0
         return True
 
@@ -255,8 +256,7 @@ class Coordinator:
             node.reserved_blocks += -(-len(token_ids) // node.block_size)
             node.assigned_prefill_tokens += len(token_ids)
             self._send(
-                node,
-                Generate(state.wire_id, token_ids, params.to_dict(), len(state.output_token_ids)),
+                node, Generate(state.wire_id, token_ids, params, len(state.output_token_ids))
             )
             return
         if self.config.prefill_routing == "prefix_affinity":
@@ -271,9 +271,7 @@ class Coordinator:
             node = least_loaded(prefillers)
         state.phase, state.prefill_node, state.decode_node = Phase.PREFILLING, node.node_id, None
         node.assigned_prefill_tokens += len(token_ids)
-        self._send(
-            node, Prefill(state.wire_id, token_ids, params.to_dict(), len(state.output_token_ids))
-        )
+        self._send(node, Prefill(state.wire_id, token_ids, params, len(state.output_token_ids)))
 
     def _prefill_locally(self, token_ids: list[int], prefillers: list[NodeState]) -> bool:
         """Conditional disaggregation: short prompts, or every prefill queue over its limit."""
@@ -285,11 +283,11 @@ class Coordinator:
 
     def _choose_local(self, token_ids: list[int]) -> NodeState | None:
         nodes = self.nodes.decode_nodes()
-        colocated = [n for n in nodes if n.role == "colocated"]
+        colocated = [n for n in nodes if n.role is NodeRole.COLOCATED]
         return most_free_blocks(colocated or nodes)
 
     def _pump_admission(self) -> None:
-        decoders = [n for n in self.nodes.decode_nodes() if n.role == "decode"]
+        decoders = [n for n in self.nodes.decode_nodes() if n.role is NodeRole.DECODE]
         for candidate, node in self.admission.admit(decoders, self.config.admission_watermark):
             state = self.by_wire.get(candidate.request_id)
             if state is None or state.phase is not Phase.WAITING_ADMISSION:
@@ -303,8 +301,10 @@ class Coordinator:
                     state.wire_id,
                     token_ids,
                     len(token_ids) - 1,  # the last token's KV is computed by the decode node
-                    state.remaining_params(counted_outputs=1).to_dict(),
-                    generator_offset=len(state.output_token_ids),
+                    state.remaining_params(counted_outputs=1),
+                    # The decode node counts the last token as its own first output.
+                    output_offset=len(state.output_token_ids) - 1,
+                    transfer_timeout_s=self.config.transfer_timeout_s,
                 ),
             )
 
@@ -312,16 +312,20 @@ class Coordinator:
 
     async def _node_loop(self) -> None:
         while True:
-            identity, frame = await self.node_sock.recv_multipart()
-            msg = protocol.decode_or_log(frame, identity.decode(errors="replace"))
-            if msg is None:
+            identity, *frames = await self.node_sock.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise ProtocolError(f"{len(frames)} frames, expected 1")
+                msg = node_messages.reports.decode(frames[0])
+            except ProtocolError as exc:
+                logger.warning("dropped malformed message from %r: %s", identity, exc)
                 continue
             try:
                 self._on_node_message(identity, msg)
             except Exception:  # one bad message must not stop the coordinator
                 logger.exception("error handling %s from %r", msg.TYPE, identity)
 
-    def _on_node_message(self, identity: bytes, msg: protocol.Message) -> None:
+    def _on_node_message(self, identity: bytes, msg: node_messages.Message) -> None:
         node_id = identity.decode(errors="replace")
         if isinstance(msg, Register):
             old = self.nodes.nodes.get(msg.node_id)
@@ -344,7 +348,7 @@ class Coordinator:
                 logger.warning("node %s is not registered: resetting it", msg.node_id)
                 with contextlib.suppress(zmq.ZMQError):
                     self.node_sock.send_multipart(
-                        [msg.node_id.encode(), protocol.encode(Reset())], zmq.NOBLOCK
+                        [msg.node_id.encode(), node_messages.orders.encode(Reset())], zmq.NOBLOCK
                     )
             self._pump_admission()
             return
@@ -381,8 +385,9 @@ class Coordinator:
         node.assigned_prefill_tokens = max(
             0, node.assigned_prefill_tokens - len(state.resume_token_ids())
         )
+        finish_reason = msg.finish_reason.value if msg.finish_reason is not None else None
         self._emit_tokens(
-            state, [msg.token_id], msg.finish_reason, [msg.logprobs] if msg.logprobs else []
+            state, [msg.token_id], finish_reason, [msg.logprobs] if msg.logprobs else []
         )
         if state.done:
             return
@@ -407,7 +412,10 @@ class Coordinator:
             self._requeue(state, "prefill node lost before its KV was sent")
             return
         state.phase = Phase.TRANSFERRING
-        send_kv = SendKV(state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks)
+        send_kv = SendKV(
+            state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks,
+            self.config.transfer_timeout_s,
+        )  # fmt: skip
         handoff = self.handoff_identities.get(prefill.node_id)
         if handoff is None or not self._send(prefill, send_kv, handoff):
             self._send(prefill, send_kv)  # handled between the prefill node's steps
@@ -424,13 +432,16 @@ class Coordinator:
             self._requeue(state, f"KV transfer failed on {node.node_id}: {msg.error}")
 
     def _on_tokens(self, node: NodeState, msg: Tokens) -> None:
-        for request_id, token_id, finish_reason, logprobs in msg.items:
-            state = self.by_wire.get(request_id)
+        for item in msg.items:
+            state = self.by_wire.get(item.request_id)
             if state is None or state.decode_node != node.node_id or state.done:
                 continue  # a stale attempt on a node the request has left
             if state.phase is not Phase.DECODING:
                 state.phase = Phase.DECODING
-            self._emit_tokens(state, [token_id], finish_reason, [logprobs] if logprobs else [])
+            reason = item.finish_reason.value if item.finish_reason is not None else None
+            self._emit_tokens(
+                state, [item.token_id], reason, [item.logprobs] if item.logprobs else []
+            )
 
     def _on_request_error(self, node: NodeState, msg: RequestError) -> None:
         state = self.by_wire.get(msg.request_id)
@@ -548,10 +559,12 @@ class Coordinator:
             except Exception:  # an observer must never cost a request its events
                 logger.exception("[%s] listener failed on %s", state.request_id, name)
 
-    def _send(self, node: NodeState, msg: protocol.Message, identity: bytes | None = None) -> bool:
+    def _send(
+        self, node: NodeState, msg: node_messages.Message, identity: bytes | None = None
+    ) -> bool:
         """To the node's main socket, or to another of its sockets by identity."""
         try:
-            frames = [identity or node.identity, protocol.encode(msg)]
+            frames = [identity or node.identity, node_messages.orders.encode(msg)]
             self.node_sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # unroutable (gone) or full: the heartbeat timeout decides
             logger.warning("could not send %s to %s: %s", msg.TYPE, node.node_id, exc)
@@ -563,22 +576,27 @@ class Coordinator:
     async def _client_loop(self) -> None:
         forwarders: set[asyncio.Task] = set()
         while True:
-            identity, frame = await self.client_sock.recv_multipart()
-            msg = protocol.decode_or_log(frame, "client")
+            identity, *frames = await self.client_sock.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise ProtocolError(f"{len(frames)} frames, expected 1")
+                msg = client_requests.decode(frames[0])
+            except ProtocolError as exc:
+                logger.warning("dropped malformed message from client %r: %s", identity, exc)
+                continue
             if isinstance(msg, Submit):
                 task = asyncio.create_task(self._serve_client(identity, msg))
                 forwarders.add(task)
                 task.add_done_callback(forwarders.discard)
-            elif isinstance(msg, Abort):
+            elif isinstance(msg, Cancel):
                 await self.abort(msg.request_id)
 
     async def _serve_client(self, identity: bytes, msg: Submit) -> None:
         async def reply(event: Event) -> None:
-            await self.client_sock.send_multipart([identity, protocol.encode(event)])
+            await self.client_sock.send_multipart([identity, client_events.encode(event)])
 
         try:
-            params = SamplingParams.from_dict(msg.params)
-            handle = await self.submit(msg.token_ids, params, msg.request_id)
+            handle = await self.submit(msg.token_ids, msg.params, msg.request_id)
         except SubmitError as exc:
             await reply(Event(msg.request_id, error=str(exc), error_code=exc.code))
             return

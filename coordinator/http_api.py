@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.client_messages import Event
+from cluster.sampling_params import SamplingParams
 from coordinator.coordinator import Coordinator, RequestHandle, SubmitError
 from coordinator.detokenizer import IncrementalDetokenizer, TokenVocabulary
 from coordinator.metrics import CONTENT_TYPE, Metrics
@@ -35,8 +37,6 @@ from coordinator.openai_protocol import (
     validation_error,
 )  # fmt: skip
 from coordinator.stop_strings import StopStringMatcher
-from engine.protocol import Event
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -202,8 +202,8 @@ class ChoiceStream:
             pieces.append(self.stop.feed(self.detokenizer.step(token_id)))
             if self.want_logprobs and i < len(event.logprobs) and event.logprobs[i]:
                 lp = event.logprobs[i]
-                top = [(int(t), _logprob(v)) for t, v in lp.get("top") or []]
-                logprobs.append(TokenLogprob(token_id, _logprob(lp["token"][1]), top, offset))
+                top = [(t, _logprob(v)) for t, v in lp.top]
+                logprobs.append(TokenLogprob(token_id, _logprob(lp.logprob), top, offset))
             if self.stop.stopped:
                 self.finish_reason = "stop"
                 return ChoiceDelta(self.index, "".join(pieces), logprobs, "stop")

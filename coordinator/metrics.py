@@ -52,7 +52,7 @@ class ClusterCollector:
             "pdserve_node_up", "1 while a node is alive", labels=["node", "role"]
         )
         for node in list(c.nodes.nodes.values()):
-            alive.add_metric([node.node_id, node.role], 1.0 if node.alive else 0.0)
+            alive.add_metric([node.node_id, node.role.value], 1.0 if node.alive else 0.0)
             if not node.alive:
                 continue
             free.add_metric([node.node_id], node.free_blocks)

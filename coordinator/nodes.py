@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.protocol import Heartbeat, Register
+from cluster.node_messages import Heartbeat, NodeRole, Register
 
 
 @dataclass(slots=True)
 class NodeState:
     node_id: str
-    role: str  # prefill | decode | colocated
+    role: NodeRole
     identity: bytes  # its ZMQ routing id
     num_blocks: int
     block_size: int
@@ -35,7 +35,7 @@ class NodeState:
 
     @property
     def decodes(self) -> bool:
-        return self.role in ("decode", "colocated")
+        return self.role.decodes
 
     @property
     def available_blocks(self) -> int:
@@ -56,7 +56,7 @@ class NodeRegistry:
             role=msg.role,
             identity=identity,
             num_blocks=msg.num_blocks,
-            block_size=msg.kv_layout["block_size"],
+            block_size=msg.block_size,
             max_model_len=msg.max_model_len,
             transport=msg.transport,
             receiver_info=msg.receiver_info,
@@ -110,7 +110,7 @@ class NodeRegistry:
         return [n for n in self.nodes.values() if n.alive and (predicate is None or predicate(n))]
 
     def prefill_nodes(self) -> list[NodeState]:
-        return self.alive(lambda n: n.role == "prefill")
+        return self.alive(lambda n: n.role is NodeRole.PREFILL)
 
     def decode_nodes(self) -> list[NodeState]:
         return self.alive(lambda n: n.decodes)

@@ -8,8 +8,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.protocol import Event
-from engine.sampling_params import SamplingParams
+from cluster.client_messages import Event
+from cluster.sampling_params import SamplingParams
 
 
 class Phase(enum.Enum):
@@ -62,9 +62,8 @@ class RequestState:
         """Params for continuing from prompt + the tokens already streamed, on a node that counts
         the last `counted_outputs` of those as its own outputs (a decode node taking a handoff
         counts the first token; a re-prefill counts none)."""
-        d = self.params.to_dict()
-        d["max_tokens"] = self.params.max_tokens - len(self.output_token_ids) + counted_outputs
-        return SamplingParams.from_dict(d)
+        remaining = self.params.max_tokens - len(self.output_token_ids) + counted_outputs
+        return self.params.replace(max_tokens=remaining)
 
     def resume_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

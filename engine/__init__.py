@@ -1,6 +1,24 @@
-"""What every node runs: the model, the paged KV pool, scheduling, sampling, the offline API."""
+"""What every node runs: the model, the paged KV pool, scheduling, sampling, the offline API.
 
-from engine.llm import LLM, CompletionOutput
-from engine.sampling_params import SamplingParams
+`LLM` and `CompletionOutput` load on first use, so importing a light part of the engine (its
+config, tokenizer or block manager) does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cluster.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm import LLM, CompletionOutput
 
 __all__ = ["LLM", "CompletionOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    if name in ("LLM", "CompletionOutput"):
+        from engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.tiny_model import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from kernels.ops import select_ops
@@ -39,10 +39,24 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop | length | abort
     logprobs: list[dict] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # A prefill-only request's KV, left in these blocks: the engine no longer tracks them, and
+    # the caller frees them (block_manager.free) once the handoff is over.
+    held_blocks: list[int] | None = None
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    prefix_hits: int
+    prefix_misses: int
 
 
 @dataclass(slots=True)
@@ -138,88 +152,84 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prefill_only: bool = False,
-        generator_offset: int = 0,
+        output_offset: int = 0,
     ) -> Sequence:
-        """Queue a request. With prefill_only, it finishes after its first token with reason
-        "prefilled" (unless it truly stopped) and keeps its blocks until `release`.
-        generator_offset: random draws this request already used on other nodes."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
-        seq.skip_draws(generator_offset, self.model.config.vocab_size)
+        """Queue a request. A prefill_only one leaves the engine after its first token (unless
+        that token ends it): its output carries the blocks holding its KV, now the caller's to
+        free. output_offset: outputs of this request sampled before (on another node)."""
+        seq = self.new_sequence(request_id, prompt_token_ids, params, output_offset=output_offset)
+        seq.prefill_only = prefill_only
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def _new_sequence(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prefill_only: bool = False,
-    ) -> Sequence:
-        if request_id in self.seqs:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise RequestRejected("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, leaving no room to generate"
-            )
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and len(prompt_token_ids) > budget:
-            raise RequestRejected(
-                f"prompt has {len(prompt_token_ids)} tokens, over max_num_batched_tokens={budget} "
-                "with chunked prefill disabled"
-            )
-        return Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, prefill_only)
-
-    def release(self, request_id: str) -> None:
-        """Free the blocks a prefilled sequence kept for its handoff."""
-        seq = self.seqs.pop(request_id)
-        self.block_manager.free(seq.block_table)
-
-    # --- KV handoff, receiving side ------------------------------------------------------------
-
-    def reserve_transfer(
+    def new_sequence(
         self,
         request_id: str,
         token_ids: list[int],
-        num_computed: int,
         params: SamplingParams,
-        generator_offset: int = 0,
-    ) -> Sequence | None:
-        """Allocate blocks for a sequence whose first num_computed tokens' KV will arrive from
-        another node. Returns None (nothing held) when the pool has no room."""
-        seq = self._new_sequence(request_id, token_ids[:num_computed], params)
-        seq.token_ids = list(token_ids)
-        if self.block_manager.allocate_slots(seq.block_table, num_computed) is None:
-            return None
-        seq.num_computed_tokens = num_computed
-        seq.skip_draws(generator_offset, self.model.config.vocab_size)
-        self.seqs[request_id] = seq
+        num_computed: int | None = None,
+        output_offset: int = 0,
+    ) -> Sequence:
+        """A validated sequence, not yet scheduled. With num_computed, the first num_computed
+        tokens are its prompt and already have KV (it arrives from another node) and the rest
+        are outputs; `add_running` starts it once the KV is in."""
+        prompt = token_ids if num_computed is None else token_ids[:num_computed]
+        if request_id in self.seqs:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise RequestRejected("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {len(prompt)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, leaving no room to generate"
+            )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(prompt) > budget:
+            raise RequestRejected(
+                f"prompt has {len(prompt)} tokens, over max_num_batched_tokens={budget} "
+                "with chunked prefill disabled"
+            )
+        seq = Sequence(request_id, prompt, params, self.eos_token_ids, output_offset=output_offset)
+        if num_computed is not None:
+            seq.token_ids = list(token_ids)
+            seq.num_computed_tokens = num_computed
+        seq.skip_draws(self.model.config.vocab_size)
         return seq
 
-    def start_transferred(self, seq: Sequence) -> None:
-        """Its KV has fully arrived: it joins the running batch at the next step."""
+    def add_running(self, seq: Sequence) -> None:
+        """Join the running batch at the next step: a sequence whose blocks hold its KV."""
+        if seq.request_id in self.seqs:
+            raise RequestRejected(f"request id {seq.request_id!r} is already in use")
+        self.seqs[seq.request_id] = seq
         self.scheduler.add_running(seq)
-
-    def drop_transfer(self, seq: Sequence) -> None:
-        """A handoff that failed or was aborted: free its blocks."""
-        self.seqs.pop(seq.request_id, None)
-        self.block_manager.free(seq.block_table)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        if seq.finish_reason == "prefilled":
-            self.block_manager.free(seq.block_table)
-        else:
-            self.scheduler.abort(request_id)
+        self.scheduler.abort(request_id)
         return True
+
+    def load(self) -> EngineLoad:
+        """What a node reports to the coordinator about this engine."""
+        sched = self.scheduler
+        bm = self.block_manager
+        queued = sum(s.num_uncomputed_tokens for s in sched.waiting) + sum(
+            s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1
+        )
+        return EngineLoad(
+            free_blocks=bm.num_free_blocks,
+            total_blocks=bm.num_blocks,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            queued_prefill_tokens=queued,
+            prefix_hits=bm.prefix_hits,
+            prefix_misses=bm.prefix_misses,
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -256,17 +266,19 @@ class LLMEngine:
             lp = logprobs.get(index)
             if lp is not None:
                 seq.output_logprobs.append(lp)
+            prefilled = seq.status is SequenceStatus.PREFILLED
             outputs.append(
                 RequestOutput(
                     seq.request_id,
                     [seq.token_ids[-1]],
-                    seq.is_finished,
+                    seq.is_finished or prefilled,
                     seq.finish_reason,
                     [lp] if lp is not None else [],
                     seq.num_prompt_tokens,
                     seq.num_cached_tokens,
+                    seq.block_table if prefilled else None,
                 )
             )
-            if seq.is_finished and seq.finish_reason != "prefilled":
+            if seq.is_finished or prefilled:
                 self.seqs.pop(seq.request_id, None)
         return outputs

@@ -82,8 +82,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if reason != "prefilled":  # a prefilled sequence's blocks wait for their handoff
-            self.block_manager.free(seq.block_table)
+        self.block_manager.free(seq.block_table)
         self.static_batch.discard(seq.request_id)
 
     # --- one step ----------------------------------------------------------------------------
@@ -179,3 +178,8 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
+            elif seq.prefill_only:
+                # Its KV leaves for a decode node: out of the batch, blocks kept by the caller.
+                self.running.remove(seq)
+                seq.status = SequenceStatus.PREFILLED
+                self.static_batch.discard(seq.request_id)

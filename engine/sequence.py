@@ -4,18 +4,18 @@ block table. Everything derivable from those is a property."""
 from __future__ import annotations
 
 import enum
-import itertools
 
 import torch
 
-from engine.sampling_params import SamplingParams
-
-_arrival = itertools.count()
+from cluster.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # A prefill-only sequence that sampled its first token: out of the batch, its blocks kept
+    # for a KV handoff.
+    PREFILLED = "prefilled"
     FINISHED = "finished"
 
 
@@ -27,6 +27,7 @@ class Sequence:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         prefill_only: bool = False,
+        output_offset: int = 0,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -37,23 +38,25 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.block_table: list[int] = []
-        self.finish_reason: str | None = None
-        self.arrival = next(_arrival)
+        self.finish_reason: str | None = None  # stop | length | abort
         self.num_preemptions = 0
-        # On a prefill node: finish after the first token and keep the blocks for the handoff.
+        # On a prefill node: leave the batch after the first token, keeping the blocks.
         self.prefill_only = prefill_only
+        # Outputs of this request sampled before this sequence's own (on another node, or by an
+        # earlier attempt): seeded sampling goes on from there.
+        self.output_offset = output_offset
         self.output_logprobs: list[dict] = []
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
-    def skip_draws(self, num_draws: int, vocab_size: int) -> None:
-        """Advance a seeded generator past the draws of tokens sampled elsewhere (before a
-        handoff or a retry), so the stream continues as if it had never moved."""
+    def skip_draws(self, vocab_size: int) -> None:
+        """Advance a seeded generator past the draws of the outputs sampled before this
+        sequence's next token, so the stream continues as if it had never moved."""
         if self.generator is None or self.params.greedy:
             return
         scratch = torch.empty(vocab_size)
-        for _ in range(num_draws):
+        for _ in range(self.sample_index):
             scratch.exponential_(generator=self.generator)
 
     @property
@@ -67,6 +70,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def sample_index(self) -> int:
+        """Which output of the request the next sampled token is (0 for the first)."""
+        return self.output_offset + self.num_output_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -86,7 +94,7 @@ class Sequence:
             return "stop"
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
-        return "prefilled" if self.prefill_only else None
+        return None
 
     def __repr__(self) -> str:
         return (

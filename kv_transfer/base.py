@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from engine.kv_cache import KVPool
 
 
+class TransportFailed(RuntimeError):
+    """The endpoint's thread died: every pending and later transfer on it fails with this."""
+
+
 @dataclass(slots=True)
 class TransferResult:
     """A transfer (receiver side) or one send() of it (sender side) that finished.
@@ -31,6 +35,12 @@ class KVReceiver(ABC):
 
     name: str
     pool: KVPool
+
+    @property
+    def failed(self) -> str | None:
+        """Why this endpoint stopped working (its thread died), or None. Once set, every
+        pending transfer has failed and every later `expect` raises TransportFailed."""
+        return None
 
     @abstractmethod
     def info(self) -> dict:
@@ -77,6 +87,12 @@ class KVSender(ABC):
 
     name: str
     pool: KVPool
+
+    @property
+    def failed(self) -> str | None:
+        """Why this endpoint stopped working (its thread died), or None. Once set, every
+        pending transfer has failed and every later `send` raises TransportFailed."""
+        return None
 
     @abstractmethod
     def connect(self, peer_id: str, receiver_info: dict) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from kv_transfer.base import TransferResult
+from kv_transfer.base import TransferResult, TransportFailed
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class CommandThread:
         self._stats_lock = threading.Lock()
         self._waker = Waker()
         self._closed = False
+        self._failure: str | None = None  # why the thread died, once it has
         self._thread = threading.Thread(
             target=self._run, name=f"kv-{self.name}-{self._role}", daemon=True
         )
@@ -118,7 +119,14 @@ class CommandThread:
         self._commands.append(cmd)
         self._waker.wake()
 
+    @property
+    def failed(self) -> str | None:
+        """Why this endpoint's thread died (None while it runs): the endpoint is unusable."""
+        return self._failure
+
     def _check_open(self) -> None:
+        if self._failure is not None:
+            raise TransportFailed(self._failure)
         if self._closed:
             raise RuntimeError(f"{self.name} {self._role} is closed")
 

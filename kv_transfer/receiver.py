@@ -160,9 +160,10 @@ class ZmqReceiver(CommandThread, KVReceiver):
                     self._probe_peers()
                     next_probe = now + self._probe_interval_s
                 self._publish_stats()
-        except Exception:  # the thread must not die silently
+        except Exception as e:  # the thread must not die silently
             log.exception("%s receiver thread failed", self.name)
-            self._fail_everything("receiver thread failed")
+            self._failure = f"{self.name} receiver thread failed: {e!r}"
+            self._fail_everything(self._failure)
         finally:
             self._router.close(linger=0)
 

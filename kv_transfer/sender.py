@@ -215,8 +215,9 @@ class ZmqSender(CommandThread, KVSender):
                 self._start_queued()
                 self._expire(time.monotonic())
                 self._publish_stats()
-        except Exception:  # the thread must not die silently
+        except Exception as e:  # the thread must not die silently
             log.exception("%s sender thread failed", self.name)
+            self._failure = f"{self.name} sender thread failed: {e!r}"
         finally:
             self._fail_all("sender closed")
             for peer in list(self._peers.values()):

@@ -68,7 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from engine.node_options import NodeOptions
+    from cluster.node_options import NodeOptions
 
     options = NodeOptions(
         coordinator=args.coordinator,
@@ -77,18 +77,16 @@ def _node(args: argparse.Namespace) -> int:
         kv_host=args.kv_host,
         kv_port=args.kv_port,
         heartbeat_interval_s=args.heartbeat_interval,
-        transfer_timeout_s=args.transfer_timeout,
         kv_handoff=getattr(args, "kv_handoff", "immediate"),
-        engine=_engine_config(args),
     )
     if args.command == "prefill":
         from prefill_node.worker import serve
 
-        serve(options)
+        serve(options, _engine_config(args))
     else:
         from decode_node.worker import serve
 
-        serve(options, colocated=args.colocated)
+        serve(options, _engine_config(args), colocated=args.colocated)
     return 0
 
 
@@ -211,7 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver binds")
         p.add_argument("--kv-port", type=int, default=0, help="port of the KV receiver (0: any)")
         p.add_argument("--heartbeat-interval", type=float, default=0.5)
-        p.add_argument("--transfer-timeout", type=float, default=30.0)
         if verb == "decode":
             p.add_argument("--colocated", action="store_true", help="prefill here too")
         else:

@@ -57,7 +57,6 @@ class NodeSpec:
     engine: EngineConfig
     transport: str = "tcp"
     heartbeat_interval_s: float = 0.5
-    transfer_timeout_s: float = 30.0
     kv_handoff: str = "immediate"  # prefill nodes: immediate | between-steps
     env: dict[str, str] = field(default_factory=dict)
 
@@ -66,7 +65,6 @@ class NodeSpec:
         cmd = [sys.executable, "-m", "pdserve", verb, "--coordinator", self.coordinator]
         cmd += ["--node-id", self.node_id, "--transport", self.transport]
         cmd += ["--heartbeat-interval", str(self.heartbeat_interval_s)]
-        cmd += ["--transfer-timeout", str(self.transfer_timeout_s)]
         if self.role == "colocated":
             cmd.append("--colocated")
         if self.role == "prefill" and self.kv_handoff != "immediate":

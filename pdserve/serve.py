@@ -56,7 +56,6 @@ def node_specs(
         engine=engine,
         transport=options.transport,
         heartbeat_interval_s=config.heartbeat_interval_s,
-        transfer_timeout_s=config.transfer_timeout_s,
     )
     if options.colocated:
         return [

@@ -10,16 +10,29 @@ from __future__ import annotations
 import time
 
 import zmq
-from cluster import Cluster
 from conftest import RecordingLink
+from local_cluster import Cluster
 
+from cluster.node_messages import (
+    Abort,
+    Admit,
+    Admitted,
+    FirstToken,
+    Heartbeat,
+    Message,
+    NodeRole,
+    Prefill,
+    Register,
+    orders,
+    reports,
+)  # fmt: skip
 from decode_node.worker import DecodeNode
-from engine import SamplingParams, protocol
+from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.kv_cache import KVLayout
 from engine.llm_engine import LLMEngine
-from engine.protocol import Abort, Admit, Admitted, FirstToken, Heartbeat, Prefill, Register
 from kv_transfer import make_receiver
+from kv_transfer.handoff import HandoffState
 
 LAYOUT = KVLayout(2, 8, 2, 32, "float32")
 
@@ -33,18 +46,22 @@ class ScriptedNode:
         self.sock.setsockopt(zmq.IDENTITY, node_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        info = {"transport": "tcp", "address": "tcp://127.0.0.1:1"} if role == "decode" else {}
-        self.send(Register(node_id, role, "pdserve-tiny", LAYOUT.to_dict(), 64, 1024, "tcp", info))
+        decode = role is NodeRole.DECODE
+        info = {"transport": "tcp", "address": "tcp://127.0.0.1:1"} if decode else {}
+        self.send(
+            Register(node_id, role, "pdserve-tiny", LAYOUT.block_size, 64, 1024, "tcp",
+                     LAYOUT.to_dict(), info)
+        )  # fmt: skip
         self.send(Heartbeat(node_id, 64, 64, 0, 0, 0, seq=1))
 
-    def send(self, msg: protocol.Message) -> None:
-        self.sock.send(protocol.encode(msg))
+    def send(self, msg: Message) -> None:
+        self.sock.send(reports.encode(msg))
 
-    def expect(self, kind: type, timeout_s: float = 10.0) -> protocol.Message:
+    def expect(self, kind: type, timeout_s: float = 10.0) -> Message:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(100):
-                msg = protocol.decode(self.sock.recv())
+                msg = orders.decode(self.sock.recv())
                 if isinstance(msg, kind):
                     return msg
         raise AssertionError(f"{self.node_id} got no {kind.__name__}")
@@ -56,8 +73,8 @@ class ScriptedNode:
 def test_coordinator_marks_an_abort_before_the_kv_was_sent():
     with Cluster(prefill=0, decode=0) as cluster:
         endpoint = cluster.coordinator.node_endpoint
-        prefill = ScriptedNode(endpoint, "scripted-prefill", "prefill")
-        decode = ScriptedNode(endpoint, "scripted-decode", "decode")
+        prefill = ScriptedNode(endpoint, "scripted-prefill", NodeRole.PREFILL)
+        decode = ScriptedNode(endpoint, "scripted-decode", NodeRole.DECODE)
         try:
             cluster.call(cluster.coordinator.wait_for_nodes(1, 1, 10))
             params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -87,11 +104,11 @@ def _decode_node() -> tuple[DecodeNode, LLMEngine]:
         return receivers[0].pool
 
     engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=32, block_size=8), pool_factory)
-    return DecodeNode(engine, RecordingLink("decode-under-test"), receivers[0], 30.0, "tcp"), engine
+    return DecodeNode(engine, RecordingLink("decode-under-test"), receivers[0]), engine
 
 
 def _admit(node: DecodeNode, request_id: str) -> None:
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True).to_dict()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     node.handle(Admit(request_id, list(range(5, 25)) + [30], 20, params))
     assert node.link.sent[-1] == Admitted(request_id, True, node.link.sent[-1].dst_blocks)
 
@@ -103,16 +120,16 @@ def test_decode_node_frees_an_unsent_reservation_at_once():
         _admit(node, "unsent")
         assert blocks.num_free_blocks == blocks.num_blocks - 3
         node.handle(Abort("unsent", kv_unsent=True))
-        assert blocks.num_free_blocks == blocks.num_blocks and not node.incoming
+        assert blocks.num_free_blocks == blocks.num_blocks and node.handoff.num_pending == 0
         node.handle(Abort("unsent"))  # the coordinator may say it twice: a no-op
         time.sleep(0.3)
-        node._poll_arrivals()
+        node._take_in_arrivals()
         assert not engine.seqs and not [m for m in node.link.sent if not isinstance(m, Admitted)]
 
         # Without the mark, a sender may be writing: the blocks wait for the transfer to end.
         _admit(node, "maybe-sent")
         node.handle(Abort("maybe-sent"))
-        assert "maybe-sent" in node.incoming and "maybe-sent" in node.cancelled
+        assert node.handoff.handoffs["maybe-sent"].state is HandoffState.CANCELLED
         assert blocks.num_free_blocks == blocks.num_blocks - 3
     finally:
         node.receiver.close()

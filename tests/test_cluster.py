@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-from cluster import Cluster
+from local_cluster import Cluster
 
 from coordinator.client import CoordinatorClient
 from coordinator.config import CoordinatorConfig

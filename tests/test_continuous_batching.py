@@ -156,19 +156,22 @@ def test_prompts_wait_while_handoffs_hold_the_pool():
     # do not fail, and they run once a handoff releases its blocks.
     engine = make_engine(num_kv_blocks=8, max_model_len=32)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    held = [engine.add_request(f"held-{i}", list(range(10 + i, 26 + i)), params, prefill_only=True)
-            for i in range(2)]  # fmt: skip
+    for i in range(2):
+        engine.add_request(f"held-{i}", list(range(10 + i, 26 + i)), params, prefill_only=True)
+    held = {}
     while engine.has_unfinished():
-        engine.step()
-    assert all(s.finish_reason == "prefilled" for s in held)
-    assert engine.block_manager.num_free_blocks == 0
+        for out in engine.step():
+            held[out.request_id] = out.held_blocks
+    # Each left the engine with its KV in 4 blocks (16 prompt tokens + its first token).
+    assert sorted(held) == ["held-0", "held-1"] and all(len(b) == 4 for b in held.values())
+    assert not engine.seqs and engine.block_manager.num_free_blocks == 0
     late = engine.add_request("late", list(range(40, 50)), params)
     for _ in range(3):
         engine.step()
     assert late.num_computed_tokens == 0 and not late.is_finished
-    engine.release("held-0")
+    engine.block_manager.free(held["held-0"])  # its handoff ended
     while engine.has_unfinished():
         engine.step()
     assert late.num_output_tokens == 4
-    engine.release("held-1")
+    engine.block_manager.free(held["held-1"])
     assert engine.block_manager.num_free_blocks == 8

@@ -5,15 +5,25 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from cluster import node_messages
+from cluster.codec import ProtocolError
+from cluster.node_messages import (
+    FinishReason,
+    Heartbeat,
+    NodeRole,
+    Register,
+    TokenItem,
+    TokenLogprobs,
+    Tokens,
+)  # fmt: skip
 from coordinator.admission import AdmissionQueue, Candidate
 from coordinator.config import CoordinatorConfig
 from coordinator.nodes import NodeRegistry, NodeState
 from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
-from engine import protocol
-from engine.protocol import Heartbeat, ProtocolError, Register, Tokens
 
 
 def node(node_id: str, role: str = "decode", free: int = 100, total: int = 100, **kw) -> NodeState:
+    role = NodeRole(role)
     return NodeState(
         node_id=node_id, role=role, identity=node_id.encode(), num_blocks=total, block_size=4,
         max_model_len=512, transport="tcp", receiver_info={}, kv_layout={}, free_blocks=free, **kw,
@@ -23,25 +33,30 @@ def node(node_id: str, role: str = "decode", free: int = 100, total: int = 100, 
 # --- protocol ----------------------------------------------------------------------------------
 
 
-def test_every_message_type_round_trips():
-    msg = Tokens("decode-0", [["r#0", 5, None, None], ["r#1", 7, "stop", {"token": [7, -0.1]}]])
-    assert protocol.decode(protocol.encode(msg)) == msg
+def test_tokens_round_trip():
+    lp = TokenLogprobs(7, -0.1, [(7, -0.1), (3, -2.5)])
+    msg = Tokens("decode-0", [TokenItem("r#0", 5), TokenItem("r#1", 7, FinishReason.STOP, lp)])
+    assert node_messages.reports.decode(node_messages.reports.encode(msg)) == msg
+
+
+V = node_messages.NODE_PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize(
     "frame",
     [
+        b"",
         b"\xc1garbage",
         msgpack.packb([1, 2, 3]),
-        msgpack.packb({"v": 99, "type": "abort", "request_id": "x"}),
-        msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "nonsense"}),
-        msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "abort", "bogus": 1}),
+        msgpack.packb([99, {"type": "abort", "request_id": "x"}]),
+        msgpack.packb([V, {"type": "nonsense"}]),
+        msgpack.packb([V, {"type": "abort", "request_id": "x", "bogus": 1}]),
+        msgpack.packb([V, {"type": "abort", "request_id": 5}]),
     ],
 )
-def test_malformed_frames_are_refused_and_dropped_in_loops(frame):
+def test_malformed_frames_are_refused(frame):
     with pytest.raises(ProtocolError):
-        protocol.decode(frame)
-    assert protocol.decode_or_log(frame) is None
+        node_messages.orders.decode(frame)
 
 
 # --- routing -----------------------------------------------------------------------------------
@@ -112,7 +127,7 @@ def test_an_idle_node_takes_a_sequence_bigger_than_its_headroom():
 
 def test_registry_marks_silent_nodes_dead():
     registry = NodeRegistry()
-    reg = Register("d0", "decode", "m", {"block_size": 4}, 64, 512, "tcp")
+    reg = Register("d0", NodeRole.DECODE, "m", 4, 64, 512, "tcp")
     registry.register(reg, b"d0")
     registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0))
     assert registry.nodes["d0"].free_blocks == 60
@@ -170,7 +185,7 @@ def test_sighup_reload_applies_live_fields_only(tmp_path):
 
 def _registry_with(node_id: str = "d0") -> NodeRegistry:
     registry = NodeRegistry()
-    registry.register(Register(node_id, "decode", "m", {"block_size": 4}, 64, 512, "tcp"), b"d0")
+    registry.register(Register(node_id, NodeRole.DECODE, "m", 4, 64, 512, "tcp"), b"d0")
     return registry
 
 

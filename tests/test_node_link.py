@@ -6,27 +6,23 @@ import time
 
 import zmq
 
-from engine import protocol
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.node_link import NodeLink
-from engine.protocol import Heartbeat
+from cluster.node_link import NodeLink
+from cluster.node_messages import Heartbeat, reports
 
 
 def test_heartbeats_continue_while_the_step_loop_is_busy():
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    engine = LLMEngine(EngineConfig(num_kv_blocks=16))
-    link = NodeLink(f"tcp://127.0.0.1:{port}", "n0", "decode", heartbeat_interval_s=0.05)
+    link = NodeLink(f"tcp://127.0.0.1:{port}", "n0", heartbeat_interval_s=0.05)
     try:
-        link.update_load(engine)
+        link.set_load(Heartbeat("n0", 16, 16, 0, 0, 0))
         time.sleep(1.0)  # one long step: the loop does not run, nothing refreshes the load
         link.close()  # stops the heartbeat thread; what it sent is queued at the router
         beats = []
         while router.poll(200):
             identity, frame = router.recv_multipart()
-            beats.append((identity, protocol.decode(frame)))
+            beats.append((identity, reports.decode(frame)))
     finally:
         link.close()
         router.close(0)

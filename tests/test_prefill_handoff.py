@@ -8,18 +8,18 @@ import threading
 import zmq
 from conftest import RecordingLink
 
-from engine import SamplingParams, protocol
+from cluster.node_messages import HandoffReady, Message, SendKV, TransferDone, orders, reports
+from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.protocol import HandoffReady, SendKV, TransferDone
-from prefill_node.handoff import HandoffListener
+from prefill_node.handoff_socket import HandoffSocket
 from prefill_node.worker import PrefillNode
 
 
-def _recv(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, protocol.Message]:
+def _recv(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, Message]:
     assert sock.poll(timeout_ms), "nothing arrived"
     identity, frame = sock.recv_multipart()
-    return identity, protocol.decode(frame)
+    return identity, reports.decode(frame)
 
 
 def test_listener_announces_itself_and_hands_over_send_orders():
@@ -34,16 +34,17 @@ def test_listener_announces_itself_and_hands_over_send_orders():
         received.append((msg, threading.current_thread().name))
         arrived.set()
 
-    listener = HandoffListener(f"tcp://127.0.0.1:{port}", "p0", on_send_kv)
+    listener = HandoffSocket(f"tcp://127.0.0.1:{port}", "p0", on_send_kv)
     try:
         listener.start()
         identity, hello = _recv(router)
         assert identity == b"p0/handoff" and hello == HandoffReady("p0")
         order = SendKV("r1", "d0", {"transport": "tcp"}, [4, 5])
-        router.send_multipart([identity, protocol.encode(order)])
+        router.send_multipart([identity, orders.encode(order)])
         assert arrived.wait(5)
         assert received == [(order, "kv-handoff")]  # on the listener's thread
         router.send_multipart([identity, b"\xc1 not a message"])  # dropped, thread lives on
+        router.send_multipart([identity, b"two", b"frames"])
         listener.announce()
         assert _recv(router) == (identity, HandoffReady("p0"))
     finally:
@@ -57,25 +58,27 @@ def test_a_send_that_cannot_start_is_settled_by_the_loop():
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("held", list(range(5, 30)), params, prefill_only=True)
     while engine.has_unfinished():
-        engine.step()
+        node._report_first_tokens(engine.step())
+    node.link.sent.clear()  # the FirstToken
     blocks = engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks - 4  # 25 prompt tokens, held
 
     # From another thread, as the handoff socket's: an unknown request, then a receiver that
     # speaks another protocol version. Nothing is freed or reported until the loop settles them.
-    orders = [
+    send_orders = [
         SendKV("unknown", "d0", {"transport": "tcp"}, [1]),
         SendKV("held", "d0", {"transport": "tcp", "protocol": -1}, [1, 2, 3, 4]),
     ]
-    worker = threading.Thread(target=lambda: [node.start_send(o) for o in orders])
+    worker = threading.Thread(target=lambda: [node.send_kv(o) for o in send_orders])
     worker.start()
     worker.join(10)
     assert node.link.sent == [] and blocks.num_free_blocks == blocks.num_blocks - 4
-    node._settle_failed_starts()
-    assert [(m.request_id, m.ok) for m in node.link.sent] == [("unknown", False), ("held", False)]
-    assert all(isinstance(m, TransferDone) for m in node.link.sent)
-    assert node.link.sent[0].error == "no prefilled KV held here"
-    assert node.link.sent[1].error.startswith("send failed: protocol mismatch")
-    assert blocks.num_free_blocks == blocks.num_blocks and not engine.seqs and not node.sending
-    for sender in node.senders.values():
-        sender.close()
+    node._report_handoffs()
+    sent = sorted(node.link.sent, key=lambda m: m.request_id)
+    assert [(m.request_id, m.ok) for m in sent] == [("held", False), ("unknown", False)]
+    assert all(isinstance(m, TransferDone) for m in sent)
+    assert sent[1].error == "no prefilled KV held here"
+    assert sent[0].error.startswith("send failed: protocol mismatch")
+    assert blocks.num_free_blocks == blocks.num_blocks and not engine.seqs
+    assert node.handoff.num_pending == 0
+    node.handoff.close()

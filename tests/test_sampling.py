@@ -125,15 +125,15 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 
 def test_a_seeded_request_resumed_elsewhere_continues_its_random_stream(llm):
-    # The retry path: prompt + the k tokens already streamed, with the k draws they used skipped.
+    # The retry path: prompt + the k tokens already streamed, sampled on from output k.
     full = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
     (whole,) = llm.generate([PROMPT], full)
     k = 6
     resumed_prompt = whole.prompt_token_ids + whole.token_ids[:k]
     rest = SamplingParams(max_tokens=20 - k, temperature=1.0, seed=7, ignore_eos=True)
     engine = llm.engine
-    resumed = engine.add_request("resumed", resumed_prompt, rest, generator_offset=k)
-    restarted = engine.add_request("restarted", resumed_prompt, rest)  # no draws skipped
+    resumed = engine.add_request("resumed", resumed_prompt, rest, output_offset=k)
+    restarted = engine.add_request("restarted", resumed_prompt, rest)  # from output 0 again
     while engine.has_unfinished():
         engine.step()
     assert resumed.output_token_ids == whole.token_ids[k:]

@@ -35,7 +35,9 @@ class Cluster:
         self.colocated = colocated
         self.transport = transport
         self.kv_handoff = kv_handoff
-        self.config = config or CoordinatorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
+        self.config = config or CoordinatorConfig(
+            heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, transfer_timeout_s=10.0
+        )
         options = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=256)
         options.update(engine_options)
         self.engine = EngineConfig(device="cpu", **options)
@@ -70,7 +72,6 @@ class Cluster:
             engine=self.engine,
             transport=self.transport,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
-            transfer_timeout_s=10.0,
         )
         if self.colocated:
             return [

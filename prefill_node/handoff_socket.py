@@ -16,15 +16,15 @@ from collections.abc import Callable
 
 import zmq
 
-from engine import protocol
-from engine.protocol import HandoffReady, SendKV
+from cluster.codec import MalformedLog, ProtocolError
+from cluster.node_messages import HandoffReady, SendKV, orders, reports
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
 
 
-class HandoffListener:
+class HandoffSocket:
     def __init__(
         self, coordinator_addr: str, node_id: str, on_send_kv: Callable[[SendKV], None]
     ) -> None:
@@ -34,6 +34,7 @@ class HandoffListener:
         self.on_send_kv = on_send_kv
         self._announce = threading.Event()
         self._stopped = threading.Event()
+        self._malformed = MalformedLog(logger, f"handoff socket of {node_id}")
         self._thread = threading.Thread(target=self._run, name="kv-handoff", daemon=True)
 
     def start(self) -> None:
@@ -53,16 +54,23 @@ class HandoffListener:
             while not self._stopped.is_set():
                 if self._announce.is_set():
                     self._announce.clear()
-                    sock.send(protocol.encode(HandoffReady(self.node_id)))
+                    sock.send(reports.encode(HandoffReady(self.node_id)))
                 if not sock.poll(POLL_MS):
                     continue
-                msg = protocol.decode_or_log(sock.recv(), "coordinator")
+                frames = sock.recv_multipart()
+                try:
+                    if len(frames) != 1:
+                        raise ProtocolError(f"{len(frames)} frames, expected 1")
+                    msg = orders.decode(frames[0])
+                except ProtocolError as exc:
+                    self._malformed("coordinator", str(exc))
+                    continue
                 if isinstance(msg, SendKV):
                     try:
                         self.on_send_kv(msg)
-                    except Exception:  # the listener outlives one bad send
+                    except Exception:  # the socket outlives one bad send
                         logger.exception("[%s] starting the KV send failed", msg.request_id)
-                elif msg is not None:
+                else:
                     logger.warning("handoff socket ignores %s", msg.TYPE)
         except zmq.ZMQError as exc:
             if not self._stopped.is_set():

@@ -1,19 +1,19 @@
-"""Per-request sampling parameters, validated when made so bad values never reach a batch."""
+"""Per-request sampling parameters: validated when made or decoded off the wire, so bad values
+never reach a batch. They travel inside the coordinator's messages to the nodes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no limit
     min_p: float = 0.0
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -52,9 +52,14 @@ class SamplingParams:
             or self.repetition_penalty != 1
         )
 
+    def replace(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed, validated like a new one."""
+        return SamplingParams(**{**msgspec.structs.asdict(self), **changes})
+
     def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return msgspec.structs.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
-        return cls(**{k: v for k, v in d.items() if k in cls.__slots__})
+        """Unknown keys are ignored; a bad value raises ValueError naming the field."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__struct_fields__})

@@ -1,0 +1,105 @@
+"""A node's connection to the coordinator: a ZMQ DEALER that registers and hands received orders
+to the node's loop between steps, and a heartbeat thread that reports the node's load on a socket
+of its own, so a long step never makes a busy node look dead."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from cluster.codec import MalformedLog, ProtocolError
+from cluster.node_messages import Heartbeat, Message, Register, orders, reports
+
+logger = logging.getLogger(__name__)
+
+
+class NodeLink:
+    def __init__(
+        self, coordinator_addr: str, node_id: str, heartbeat_interval_s: float = 0.5
+    ) -> None:
+        self.node_id = node_id
+        self.coordinator_addr = coordinator_addr
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, node_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(coordinator_addr)
+        self.malformed = MalformedLog(logger, f"node {node_id}")
+        self._last_load = 0.0
+        self._load: Heartbeat | None = None
+        self._stopped = threading.Event()
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True)
+
+    def register(self, msg: Register) -> None:
+        self.send(msg)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(reports.encode(msg))
+
+    def receive(self, timeout_ms: int) -> list[Message]:
+        """Every order waiting now, after waiting up to timeout_ms for the first; malformed
+        frames (of any shape) are dropped and logged once."""
+        messages: list[Message] = []
+        if not self.sock.poll(timeout_ms):
+            return messages
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            try:
+                if len(frames) != 1:
+                    raise ProtocolError(f"{len(frames)} frames, expected 1")
+                messages.append(orders.decode(frames[0]))
+            except ProtocolError as exc:
+                self.malformed("coordinator", str(exc))
+
+    def load_due(self, now: float | None = None) -> bool:
+        """Whether a fresh load snapshot is wanted (at most one per heartbeat interval)."""
+        now = time.monotonic() if now is None else now
+        return self._load is None or now - self._last_load >= self.heartbeat_interval_s
+
+    def set_load(self, load: Heartbeat) -> None:
+        """The snapshot the heartbeat thread reports from now on (its seq is set here)."""
+        self._last_load = time.monotonic()
+        seq = (self._load.seq + 1) if self._load is not None else 1
+        self._load = msgspec.structs.replace(load, node_id=self.node_id, seq=seq)
+        if not self._heartbeats.is_alive() and not self._stopped.is_set():
+            self._heartbeats.start()
+
+    def _heartbeat_loop(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.node_id}/heartbeat".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.coordinator_addr)
+        try:
+            while not self._stopped.wait(self.heartbeat_interval_s):
+                load = self._load
+                if load is not None:
+                    sock.send(reports.encode(load), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close(0)
+
+    def close(self) -> None:
+        self._stopped.set()
+        if self._heartbeats.is_alive():
+            self._heartbeats.join(2)
+        self.sock.close(0)
+
+
+def stop_on_signals(node: object) -> None:
+    """SIGTERM or SIGINT ends a node's loop after its current step (node.running = False)."""
+
+    def stop(signum: int, frame: object) -> None:  # noqa: ARG001
+        node.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)

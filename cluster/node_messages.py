@@ -1,0 +1,204 @@
+"""The wire protocol between the coordinator and its nodes: each message a struct with explicit,
+typed fields. Nodes decode only what the coordinator sends, and the coordinator only what nodes
+send, so a message going the wrong way is refused like any other malformed frame."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from cluster.codec import Codec, Message
+from cluster.sampling_params import SamplingParams
+
+NODE_PROTOCOL_VERSION = 2
+
+
+class NodeRole(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"  # both phases in one engine
+
+    @property
+    def decodes(self) -> bool:
+        return self is not NodeRole.PREFILL
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_tokens or the context is used up
+    ABORT = "abort"  # ended by the coordinator or the node
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The sampled token's logprob and the `top` most likely tokens', as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One sequence's new token in a decode step."""
+
+    request_id: str
+    token_id: int
+    finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None
+
+
+# --- node -> coordinator -------------------------------------------------------------------------
+
+
+class Register(Message, tag="register"):
+    node_id: str
+    role: NodeRole
+    model: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    transport: str  # what its KV receiver speaks ("none" for a node that receives no KV)
+    kv_layout: dict[str, Any] = {}
+    receiver_info: dict[str, Any] = {}  # decode nodes: what senders connect to
+    pid: int = 0
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """A node's load, from its heartbeat socket; a resent snapshot repeats its `seq`."""
+
+    node_id: str
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    pending_transfers: int = 0
+    seq: int = 0
+    kv_error: str | None = None  # the node's KV transport failed: route no handoffs to it
+
+
+class HandoffReady(Message, tag="handoff_ready"):
+    """From a prefill node's handoff socket: send SendKV here, where a thread starts the send
+    at once instead of after the node's current step."""
+
+    node_id: str
+
+
+class FirstToken(Message, tag="first_token"):
+    """Prefill done and the first token sampled. With no finish reason, the node holds the KV
+    (num_blocks of it) for a handoff to the decode node the coordinator admits it to."""
+
+    request_id: str
+    token_id: int
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    num_blocks: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Admitted(Message, tag="admitted"):
+    """A decode node reserved destination blocks (or could not: ok=False)."""
+
+    request_id: str
+    ok: bool
+    dst_blocks: list[int] = []
+
+
+class TransferDone(Message, tag="transfer_done"):
+    """Either side reports how a KV handoff ended."""
+
+    request_id: str
+    ok: bool
+    error: str | None = None
+
+
+class Tokens(Message, tag="tokens"):
+    """All new tokens of one decode step."""
+
+    node_id: str
+    items: list[TokenItem] = []
+
+
+class RequestError(Message, tag="error"):
+    request_id: str
+    message: str
+    retryable: bool = True
+
+
+# --- coordinator -> node -------------------------------------------------------------------------
+
+
+class Prefill(Message, tag="prefill"):
+    """Prefill these tokens, sample the first token, and hold the KV for a handoff."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    # Outputs of this request sampled before token_ids' end (a retry resumes from them): seeded
+    # sampling continues the same stream from there.
+    output_offset: int = 0
+
+
+class Generate(Message, tag="generate"):
+    """Run the whole request here (colocated, or conditional disaggregation)."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    output_offset: int = 0
+
+
+class Admit(Message, tag="admit"):
+    """Reserve blocks for a prefilled sequence whose KV will arrive from a prefill node."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + the outputs so far
+    num_computed: int  # tokens whose KV is transferred (all but the last)
+    params: SamplingParams
+    output_offset: int = 0  # outputs before token_ids[num_computed:]
+    transfer_timeout_s: float = 30.0
+
+
+class SendKV(Message, tag="send_kv"):
+    """Ship a prefilled sequence's KV to a decode node's reserved blocks."""
+
+    request_id: str
+    decode_node: str
+    receiver_info: dict[str, Any]
+    dst_blocks: list[int]
+    transfer_timeout_s: float = 30.0
+
+
+class Abort(Message, tag="abort"):
+    request_id: str
+    # To a decode node that reserved blocks for this request's KV: no sender was ever asked to
+    # send it, so the reservation can go at once instead of waiting for a transfer to land.
+    kv_unsent: bool = False
+
+
+class Shutdown(Message, tag="shutdown"):
+    pass
+
+
+class Reset(Message, tag="reset"):
+    """The coordinator declared this node dead and moved its requests: drop them all and
+    register again."""
+
+
+NodeReport = (
+    Register | Heartbeat | HandoffReady | FirstToken | Admitted | TransferDone | Tokens
+    | RequestError
+)  # fmt: skip
+NodeOrder = Prefill | Generate | Admit | SendKV | Abort | Shutdown | Reset
+
+NODE_REPORTS: tuple[type[Message], ...] = (
+    Register, Heartbeat, HandoffReady, FirstToken, Admitted, TransferDone, Tokens, RequestError,
+)  # fmt: skip
+NODE_ORDERS: tuple[type[Message], ...] = (Prefill, Generate, Admit, SendKV, Abort, Shutdown, Reset)
+
+# What the coordinator decodes, and what a node decodes.
+reports = Codec("node report", NODE_PROTOCOL_VERSION, NODE_REPORTS)
+orders = Codec("node order", NODE_PROTOCOL_VERSION, NODE_ORDERS)

@@ -1,0 +1,53 @@
+"""What a node tells the coordinator about its engine: its registration, its load, and a sampled
+token's logprobs, as the wire messages that carry them."""
+
+from __future__ import annotations
+
+import os
+
+from cluster.node_messages import Heartbeat, NodeRole, Register, TokenLogprobs
+from engine.llm_engine import LLMEngine
+
+
+def wire_logprobs(logprobs: list[dict]) -> TokenLogprobs | None:
+    """The engine's logprobs of a sampled token, as they travel."""
+    if not logprobs:
+        return None
+    lp = logprobs[0]
+    token_id, logprob = lp["token"]
+    return TokenLogprobs(token_id, logprob, [(t, v) for t, v in lp["top"]])
+
+
+def engine_registration(
+    engine: LLMEngine, node_id: str, role: NodeRole, transport: str, receiver_info: dict
+) -> Register:
+    return Register(
+        node_id=node_id,
+        role=role,
+        model=str(engine.config.model or "pdserve-tiny"),
+        block_size=engine.layout.block_size,
+        num_blocks=engine.block_manager.num_blocks,
+        max_model_len=engine.max_model_len,
+        transport=transport,
+        kv_layout=engine.layout.to_dict(),
+        receiver_info=receiver_info,
+        pid=os.getpid(),
+    )
+
+
+def engine_heartbeat(
+    engine: LLMEngine, node_id: str, pending_transfers: int, kv_error: str | None = None
+) -> Heartbeat:
+    load = engine.load()
+    return Heartbeat(
+        node_id=node_id,
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+        running=load.running,
+        waiting=load.waiting,
+        queued_prefill_tokens=load.queued_prefill_tokens,
+        prefix_hits=load.prefix_hits,
+        prefix_misses=load.prefix_misses,
+        pending_transfers=pending_transfers,
+        kv_error=kv_error,
+    )
