@@ -4,7 +4,6 @@ coordinator at scrape time, and request latency histograms fed by the coordinato
 from __future__ import annotations
 
 import logging
-import time
 
 from prometheus_client import (
     CollectorRegistry,
@@ -129,12 +128,11 @@ class Metrics:
         self.prompt_tokens.inc(len(state.prompt_token_ids))
         num_out = len(state.output_token_ids)
         self.generation_tokens.inc(num_out)
-        if reason not in ("stop", "length"):
+        if reason not in ("stop", "length") or state.finished_at is None:
             return
-        now = time.monotonic()
-        self.e2e.observe(now - state.arrival)
+        self.e2e.observe(state.finished_at - state.arrival)
         if state.first_token_at is not None and num_out > 1:
-            self.tpot.observe((now - state.first_token_at) / (num_out - 1))
+            self.tpot.observe((state.finished_at - state.first_token_at) / (num_out - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

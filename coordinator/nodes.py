@@ -1,10 +1,10 @@
 """The coordinator's view of its nodes: what each registered, its last reported load, and
-whether it is alive (a node silent past the heartbeat timeout is dead)."""
+whether it is alive (a node silent past the heartbeat timeout is dead). Time is given, never
+read: the registry runs under a real or a simulated clock alike."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.node_messages import Heartbeat, NodeRole, Register
 
@@ -22,7 +22,7 @@ class NodeState:
     kv_layout: dict
     pid: int = 0
     alive: bool = True
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = 0.0
     free_blocks: int = 0
     running: int = 0
     waiting: int = 0
@@ -32,6 +32,7 @@ class NodeState:
     reserved_blocks: int = 0  # admitted since its last report, not yet in free_blocks
     assigned_prefill_tokens: int = 0  # routed since its last report
     load_seq: int = -1  # the last load snapshot applied
+    kv_error: str | None = None  # its KV receiver failed: admit no handoffs to it
 
     @property
     def decodes(self) -> bool:
@@ -50,7 +51,7 @@ class NodeRegistry:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
 
-    def register(self, msg: Register, identity: bytes) -> NodeState:
+    def register(self, msg: Register, identity: bytes, now: float) -> NodeState:
         node = NodeState(
             node_id=msg.node_id,
             role=msg.role,
@@ -62,16 +63,18 @@ class NodeRegistry:
             receiver_info=msg.receiver_info,
             kv_layout=msg.kv_layout,
             pid=msg.pid,
+            last_seen=now,
             free_blocks=msg.num_blocks,
         )
         self.nodes[msg.node_id] = node
         return node
 
-    def heartbeat(self, msg: Heartbeat) -> NodeState | None:
+    def heartbeat(self, msg: Heartbeat, now: float) -> NodeState | None:
         node = self.nodes.get(msg.node_id)
         if node is None or not node.alive:
             return None
-        node.last_seen = time.monotonic()
+        node.last_seen = now
+        node.kv_error = msg.kv_error
         if msg.seq == node.load_seq:
             return node  # alive, but busy in a step: keep the reservations made since
         node.load_seq = msg.seq
@@ -86,10 +89,10 @@ class NodeRegistry:
         node.assigned_prefill_tokens = 0
         return node
 
-    def touch(self, node_id: str) -> None:
+    def touch(self, node_id: str, now: float) -> None:
         node = self.nodes.get(node_id)
         if node is not None and node.alive:
-            node.last_seen = time.monotonic()
+            node.last_seen = now
 
     def forgive(self, seconds: float) -> None:
         """The coordinator was not listening for `seconds` (a stalled loop): that silence is not
@@ -98,9 +101,8 @@ class NodeRegistry:
             if node.alive:
                 node.last_seen += seconds
 
-    def expire(self, timeout_s: float) -> list[NodeState]:
+    def expire(self, timeout_s: float, now: float) -> list[NodeState]:
         """Mark nodes silent past timeout_s dead; returns the newly dead."""
-        now = time.monotonic()
         dead = [n for n in self.nodes.values() if n.alive and now - n.last_seen > timeout_s]
         for node in dead:
             node.alive = False
@@ -114,3 +116,7 @@ class NodeRegistry:
 
     def decode_nodes(self) -> list[NodeState]:
         return self.alive(lambda n: n.decodes)
+
+    def kv_receivers(self) -> list[NodeState]:
+        """Decode nodes that can take a prefilled sequence's KV now."""
+        return self.alive(lambda n: n.role is NodeRole.DECODE and n.kv_error is None)

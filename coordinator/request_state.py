@@ -1,14 +1,11 @@
 """One request as the coordinator tracks it: where it is in the pipeline, which nodes hold it,
-the tokens already streamed, and the queue its client reads events from."""
+the tokens already streamed, and when each of those things happened."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import time
 from dataclasses import dataclass, field
 
-from cluster.client_messages import Event
 from cluster.sampling_params import SamplingParams
 
 
@@ -36,7 +33,7 @@ class RequestState:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    arrival: float  # when the coordinator took it
     output_token_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.PREFILLING
     attempt: int = 0
@@ -44,8 +41,9 @@ class RequestState:
     decode_node: str | None = None
     num_blocks: int = 0
     num_cached_tokens: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    handoff_started: float = 0.0  # when its current KV handoff began (admission sent)
     first_token_at: float | None = None
+    finished_at: float | None = None
     finish_reason: str | None = None
 
     @property

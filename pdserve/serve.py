@@ -69,7 +69,9 @@ def node_specs(
     return specs
 
 
-async def serve_async(options: ServeOptions) -> None:
+async def serve_async(options: ServeOptions) -> int:
+    """Serve until stopped; 0 after a clean stop, 1 if the coordinator failed (its supervisor,
+    if any, restarts it)."""
     config = (
         CoordinatorConfig.from_toml(options.config_path)
         if options.config_path
@@ -111,6 +113,12 @@ async def serve_async(options: ServeOptions) -> None:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     loop.add_signal_handler(signal.SIGHUP, coordinator.reload_config)
+
+    async def stop_on_failure() -> None:
+        await coordinator.failed.wait()
+        stop.set()
+
+    watchdog = asyncio.create_task(stop_on_failure())
     try:
         if options.start_nodes:
             for spec in node_specs(options, config, coordinator.node_endpoint):
@@ -131,8 +139,13 @@ async def serve_async(options: ServeOptions) -> None:
         print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
         await run_frontend(coordinator, options, stop, http_sock)
     finally:
+        watchdog.cancel()
         await coordinator.stop()
         group.stop()
+    if coordinator.failure is not None:
+        logger.critical("exiting: %r", coordinator.failure)
+        return 1
+    return 0
 
 
 async def run_frontend(
@@ -152,5 +165,4 @@ async def run_frontend(
 
 
 def run_serve(options: ServeOptions) -> int:
-    asyncio.run(serve_async(options))
-    return 0
+    return asyncio.run(serve_async(options))

@@ -193,11 +193,6 @@ class TestTwoByTwo:
         expected = expected_outputs(offline, prompts, params)
         coordinator = cluster.coordinator
 
-        def declare_dead() -> None:
-            node = coordinator.nodes.nodes["decode-1"]
-            node.alive = False
-            coordinator._on_node_dead(node)
-
         async def run() -> list[list[int]]:
             async with CoordinatorClient(cluster.client_addr) as client:
                 tasks = [asyncio.create_task(client.complete(p, params)) for p in prompts]
@@ -206,7 +201,7 @@ class TestTwoByTwo:
                     for s in list(coordinator.requests.values())
                 ):
                     await asyncio.sleep(0.005)
-                cluster.loop_call(declare_dead)
+                cluster.loop_call(lambda: coordinator.declare_dead("decode-1"))
                 return [tokens for tokens, _ in await asyncio.gather(*tasks)]
 
         assert asyncio.run(run()) == expected

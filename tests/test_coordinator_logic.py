@@ -128,12 +128,11 @@ def test_an_idle_node_takes_a_sequence_bigger_than_its_headroom():
 def test_registry_marks_silent_nodes_dead():
     registry = NodeRegistry()
     reg = Register("d0", NodeRole.DECODE, "m", 4, 64, 512, "tcp")
-    registry.register(reg, b"d0")
-    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0))
+    registry.register(reg, b"d0", now=1000.0)
+    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0), now=1010.0)
     assert registry.nodes["d0"].free_blocks == 60
-    assert registry.expire(timeout_s=60) == []
-    registry.nodes["d0"].last_seen -= 120
-    assert [n.node_id for n in registry.expire(timeout_s=60)] == ["d0"]
+    assert registry.expire(timeout_s=60, now=1069.0) == []
+    assert [n.node_id for n in registry.expire(timeout_s=60, now=1071.0)] == ["d0"]
     assert registry.decode_nodes() == []
 
 
@@ -185,25 +184,23 @@ def test_sighup_reload_applies_live_fields_only(tmp_path):
 
 def _registry_with(node_id: str = "d0") -> NodeRegistry:
     registry = NodeRegistry()
-    registry.register(Register(node_id, NodeRole.DECODE, "m", 4, 64, 512, "tcp"), b"d0")
+    registry.register(Register(node_id, NodeRole.DECODE, "m", 4, 64, 512, "tcp"), b"d0", 0.0)
     return registry
 
 
 def test_a_resent_load_snapshot_keeps_the_reservations_made_since():
     registry = _registry_with()
-    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0, seq=1))
+    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0, seq=1), now=1.0)
     node = registry.nodes["d0"]
     node.reserved_blocks = 10  # admitted since that report
-    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0, seq=1))  # the node is mid-step
+    registry.heartbeat(Heartbeat("d0", 60, 64, 1, 0, 0, seq=1), now=2.0)  # the node is mid-step
     assert node.reserved_blocks == 10 and node.available_blocks == 50
-    registry.heartbeat(Heartbeat("d0", 50, 64, 2, 0, 0, seq=2))  # a fresh snapshot
+    registry.heartbeat(Heartbeat("d0", 50, 64, 2, 0, 0, seq=2), now=3.0)  # a fresh snapshot
     assert node.reserved_blocks == 0 and node.available_blocks == 50
 
 
 def test_a_stalled_coordinator_does_not_count_its_own_silence_against_nodes():
-    registry = _registry_with()
-    registry.nodes["d0"].last_seen -= 10  # 10 s without a heartbeat processed...
-    registry.forgive(9.5)  # ...9.5 of which the coordinator was not listening
-    assert registry.expire(timeout_s=3) == []
-    registry.nodes["d0"].last_seen -= 5
-    assert [n.node_id for n in registry.expire(timeout_s=3)] == ["d0"]
+    registry = _registry_with()  # last heard of at 0
+    registry.forgive(9.5)  # 10 s on, 9.5 of which the coordinator was not listening
+    assert registry.expire(timeout_s=3, now=10.0) == []
+    assert [n.node_id for n in registry.expire(timeout_s=3, now=15.0)] == ["d0"]

@@ -1,0 +1,152 @@
+"""The coordinator's shell on real sockets: junk of any shape at its ports is dropped and logged
+once per peer, and a task of its that dies makes the process exit non-zero instead of serving
+errors forever."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from cluster.client_messages import Submit, client_requests
+from cluster.codec import MAX_FRAME_BYTES
+from cluster.node_messages import (
+    NODE_PROTOCOL_VERSION,
+    Abort,
+    Heartbeat,
+    NodeRole,
+    Register,
+    orders,
+    reports,
+)  # fmt: skip
+from cluster.sampling_params import SamplingParams
+from coordinator.config import CoordinatorConfig
+from coordinator.coordinator import Coordinator
+
+V = NODE_PROTOCOL_VERSION
+JUNK: list[list[bytes]] = [
+    [b"\xc1 not msgpack"],
+    [b"a", b"b", b"c"],  # several frames: this once stopped the coordinator serving
+    [b""],
+    [b"", b""],
+    [b"\x00" * (MAX_FRAME_BYTES + 1)],  # over the codec's limit
+    [msgpack.packb([V, {"type": "heartbeat", "node_id": 5}])],  # a wrong type
+    [msgpack.packb([V + 1, {"type": "shutdown"}])],  # another protocol version
+    [orders.encode(Abort("x"))],  # an order, sent the wrong way
+    [reports.encode(Heartbeat("nobody", 1, 1, 0, 0, 0))],  # a valid report from a stranger
+]
+
+
+async def _poll_until(condition, timeout_s: float = 20.0) -> None:  # noqa: ANN001
+    async def wait() -> None:
+        while not condition():
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(wait(), timeout_s)
+
+
+def test_junk_of_any_shape_is_dropped_and_logged_once_per_peer(caplog):
+    async def run() -> None:
+        coordinator = Coordinator(
+            CoordinatorConfig(heartbeat_timeout_s=30),
+            client_addr="tcp://127.0.0.1:0",
+        )
+        await coordinator.start()
+        ctx = zmq.asyncio.Context.instance()
+        strangers = []
+        try:
+            for endpoint in (coordinator.node_endpoint, coordinator.client_endpoint):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)
+                strangers.append(sock)
+                for frames in JUNK:
+                    await sock.send_multipart(frames)
+            # A node registers after all that, and a client's request reaches it.
+            node = ctx.socket(zmq.DEALER)
+            node.setsockopt(zmq.IDENTITY, b"d0")
+            node.setsockopt(zmq.LINGER, 0)
+            node.connect(coordinator.node_endpoint)
+            strangers.append(node)
+            register = Register("d0", NodeRole.COLOCATED, "m", 4, 64, 1024, "none")
+            await node.send(reports.encode(register))
+            await coordinator.wait_for_nodes(0, 1, timeout_s=20)
+            client = strangers[1]
+            params = SamplingParams(max_tokens=2, temperature=0)
+            await client.send(client_requests.encode(Submit("r1", [5, 6, 7], params)))
+            assert await node.poll(20_000), "the coordinator stopped routing requests"
+            generate = orders.decode(await node.recv())
+            assert generate.request_id == "r1#0" and generate.token_ids == [5, 6, 7]
+            await _poll_until(lambda: coordinator._malformed_clients.total >= len(JUNK) - 1)
+            assert not coordinator.failed.is_set()
+            assert all(not task.done() for task in coordinator._tasks)
+        finally:
+            for sock in strangers:
+                sock.close(0)
+            await coordinator.stop(shutdown_nodes=False)
+
+    with caplog.at_level(logging.WARNING, logger="coordinator.coordinator"):
+        asyncio.run(run())
+    dropped = [r for r in caplog.records if "dropped a malformed message" in r.getMessage()]
+    # One line per peer and socket, however many junk messages each sent.
+    assert len(dropped) == 2, [r.getMessage() for r in dropped]
+
+
+def test_a_task_that_dies_marks_the_coordinator_failed(caplog):
+    async def run() -> BaseException | None:
+        coordinator = Coordinator(CoordinatorConfig())
+        await coordinator.start()
+        try:
+            coordinator.node_sock.close(0)  # its receive loop can no longer go on
+            await asyncio.wait_for(coordinator.failed.wait(), 20)
+            return coordinator.failure
+        finally:
+            for task in coordinator._tasks:
+                task.cancel()
+
+    with caplog.at_level(logging.CRITICAL, logger="coordinator.coordinator"):
+        failure = asyncio.run(run())
+    assert isinstance(failure, zmq.ZMQError)
+    assert any("coordinator-nodes died" in r.getMessage() for r in caplog.records)
+
+
+def test_serve_exits_non_zero_when_a_coordinator_task_dies(monkeypatch):
+    from pdserve.serve import ServeOptions, serve_async
+
+    async def broken_clock(self: Coordinator) -> None:
+        await asyncio.sleep(0.2)
+        raise RuntimeError("a bug in the clock loop")
+
+    monkeypatch.setattr(Coordinator, "_clock_loop", broken_clock)
+    options = ServeOptions(start_nodes=False, port=0, node_port=0)
+    assert asyncio.run(asyncio.wait_for(serve_async(options), 60)) == 1
+
+
+@pytest.mark.parametrize("frames", JUNK[:4], ids=["garbage", "multi-frame", "empty", "two-empty"])
+def test_a_node_drops_junk_from_the_coordinator(frames):
+    from cluster.node_link import NodeLink
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    link = NodeLink(f"tcp://127.0.0.1:{port}", "n0")
+    try:
+        link.send(Heartbeat("n0", 1, 1, 0, 0, 0))  # so the router knows its identity
+        assert router.poll(5000)
+        identity, _ = router.recv_multipart()
+        router.send_multipart([identity, *frames])
+        router.send_multipart([identity, orders.encode(Abort("r1"))])
+        received: list = []
+        for _ in range(50):
+            received += link.receive(100)
+            if received:
+                break
+        assert received == [Abort("r1")]
+        assert link.malformed.total == 1
+    finally:
+        link.close()
+        router.close(0)
