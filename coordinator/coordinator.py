@@ -234,11 +234,7 @@ class Coordinator:
 
     def _deliver(self, out: Outbox) -> None:
         for identity, msg in out.orders:
-            try:
-                frame = node_messages.orders.encode(msg)
-                self.node_sock.send_multipart([identity, frame], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # unroutable (gone) or full
-                logger.warning("could not send %s to %r: %s", msg.TYPE, identity, exc)
+            if not self._send_order(identity, msg):
                 self._deliver(self.core.on_undeliverable(identity, msg, time.monotonic()))
         for event in out.events:
             stream = self._streams.get(event.request_id)
@@ -247,6 +243,23 @@ class Coordinator:
             stream.put_nowait(event)
             if event.finish_reason is not None or event.error is not None:
                 del self._streams[event.request_id]
+
+    def _send_order(self, identity: bytes, msg: Message) -> bool:
+        """False when the order cannot be sent: no socket of that identity is connected."""
+        frames = [identity, node_messages.orders.encode(msg)]
+        # zmq.asyncio reports a failed send through the future it returns, not by raising.
+        sent = self.node_sock.send_multipart(frames, zmq.NOBLOCK)
+        if not sent.done():  # queued behind a busy pipe: its outcome comes later
+            sent.add_done_callback(lambda f: self._log_send_failure(f, identity, msg))
+            return True
+        return not self._log_send_failure(sent, identity, msg)
+
+    @staticmethod
+    def _log_send_failure(sent: asyncio.Future, identity: bytes, msg: Message) -> bool:
+        if sent.cancelled() or sent.exception() is None:
+            return False
+        logger.warning("could not send %s to %r: %s", msg.TYPE, identity, sent.exception())
+        return True
 
     # --- loops -----------------------------------------------------------------------------------
 

@@ -7,10 +7,10 @@ import asyncio
 import random
 import time
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from junk_frames import JUNK
 from local_cluster import Cluster
 
 from coordinator.client import CoordinatorClient
@@ -126,26 +126,34 @@ def test_abort_mid_stream_frees_blocks_on_both_nodes_and_flood_is_refused():
         assert len(tokens) == 16  # still healthy
 
 
-def test_malformed_messages_are_dropped_by_nodes_and_coordinator():
+def test_junk_to_every_port_is_dropped_and_the_cluster_serves_on():
     with Cluster(1, 1) as cluster:
         coordinator = cluster.coordinator
+        handoff = coordinator.handoff_identities["prefill-0"]
+        kv_address = cluster.node("decode-0").receiver_info["address"]
 
-        async def garbage() -> None:
-            for node in coordinator.nodes.alive():  # coordinator -> node
-                for frame in (b"\x00junk", msgpack.packb({"v": 1, "type": "prefill", "x": 1})):
-                    await coordinator.node_sock.send_multipart([node.identity, frame])
-            ctx = zmq.asyncio.Context.instance()  # a stranger -> coordinator
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(coordinator.node_endpoint)
-            await sock.send(b"\xc1not msgpack")
-            await sock.send(msgpack.packb({"v": 1, "type": "tokens", "node_id": "nobody"}))
-            await asyncio.sleep(0.3)
-            sock.close(0)
+        async def junk() -> None:
+            # coordinator -> each node's main socket and the prefill node's handoff socket
+            identities = [n.identity for n in coordinator.nodes.alive()] + [handoff]
+            for identity in identities:
+                for frames in JUNK:
+                    await coordinator.node_sock.send_multipart([identity, *frames])
+            # a stranger -> the coordinator's node and client ports, and the decode node's KV port
+            ctx = zmq.asyncio.Context.instance()
+            for endpoint in (coordinator.node_endpoint, coordinator.client_endpoint, kv_address):
+                sock = ctx.socket(zmq.DEALER)
+                sock.connect(endpoint)
+                for frames in JUNK:
+                    await sock.send_multipart(frames)
+                await asyncio.sleep(0.3)
+                sock.close(0)
 
-        cluster.call(garbage())
-        tokens, _ = asyncio.run(run_all(cluster.client_addr, [[5, 6, 7]], GREEDY))[0]
-        assert len(tokens) == 16
+        cluster.call(junk())
+        prompts = make_prompts(3, seed=8)
+        results = asyncio.run(run_all(cluster.client_addr, prompts, GREEDY))
+        assert all(len(tokens) == 16 for tokens, _ in results)
         assert all(p.poll() is None for p in cluster.group.procs.values())
+        assert not coordinator.failed.is_set()
         cluster.wait_until_idle()
 
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from junk_frames import JUNK
 
 from cluster.client_messages import Submit, client_requests
-from cluster.codec import MAX_FRAME_BYTES
 from cluster.node_messages import (
-    NODE_PROTOCOL_VERSION,
     Abort,
     Heartbeat,
     NodeRole,
@@ -26,19 +24,6 @@ from cluster.node_messages import (
 from cluster.sampling_params import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
-
-V = NODE_PROTOCOL_VERSION
-JUNK: list[list[bytes]] = [
-    [b"\xc1 not msgpack"],
-    [b"a", b"b", b"c"],  # several frames: this once stopped the coordinator serving
-    [b""],
-    [b"", b""],
-    [b"\x00" * (MAX_FRAME_BYTES + 1)],  # over the codec's limit
-    [msgpack.packb([V, {"type": "heartbeat", "node_id": 5}])],  # a wrong type
-    [msgpack.packb([V + 1, {"type": "shutdown"}])],  # another protocol version
-    [orders.encode(Abort("x"))],  # an order, sent the wrong way
-    [reports.encode(Heartbeat("nobody", 1, 1, 0, 0, 0))],  # a valid report from a stranger
-]
 
 
 async def _poll_until(condition, timeout_s: float = 20.0) -> None:  # noqa: ANN001
@@ -150,3 +135,40 @@ def test_a_node_drops_junk_from_the_coordinator(frames):
     finally:
         link.close()
         router.close(0)
+
+
+def test_send_kv_for_a_closed_handoff_socket_goes_to_the_node_s_main_socket():
+    from cluster.node_messages import HandoffReady, SendKV
+    from coordinator.core import Outbox
+
+    async def run() -> object:
+        coordinator = Coordinator(CoordinatorConfig(heartbeat_timeout_s=30))
+        await coordinator.start()
+        ctx = zmq.asyncio.Context.instance()
+        main, handoff = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            for sock, identity in ((main, b"p0"), (handoff, b"p0/handoff")):
+                sock.setsockopt(zmq.IDENTITY, identity)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(coordinator.node_endpoint)
+            await main.send(reports.encode(Register("p0", NodeRole.PREFILL, "m", 4, 64, 1024, "x")))
+            await handoff.send(reports.encode(HandoffReady("p0")))
+            await _poll_until(
+                lambda: "p0" in coordinator.handoff_identities and coordinator.nodes.prefill_nodes()
+            )
+            handoff.close(0)
+            await _poll_until(
+                lambda: coordinator._send_order(b"p0/handoff", Abort("probe")) is False
+            )
+            order = SendKV("r1#0", "d0", {}, [1, 2])
+            coordinator._deliver(Outbox(orders=[(b"p0/handoff", order)]))
+            while True:  # the probes' Aborts came through the handoff socket, not this one
+                assert await main.poll(10_000), "no SendKV reached the main socket"
+                msg = orders.decode(await main.recv())
+                if not isinstance(msg, Abort):
+                    return msg
+        finally:
+            main.close(0)
+            await coordinator.stop(shutdown_nodes=False)
+
+    assert asyncio.run(run()) == SendKV("r1#0", "d0", {}, [1, 2])
