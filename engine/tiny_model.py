@@ -9,9 +9,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
 
 TINY_NAME = "pdserve-tiny"
 TINY_VERSION = "1"
@@ -87,6 +88,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
 
 def random_llama_weights(cfg: dict, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
     """Hugging Face-named tensors of a Llama-shaped model, normal(0, std), norms at one."""
+    import torch  # here, not at the top: a coordinator resolves the model without torch
+
     gen = torch.Generator().manual_seed(seed)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
@@ -116,6 +119,9 @@ def random_llama_weights(cfg: dict, seed: int, std: float = 0.02) -> dict[str, t
 
 
 def write_checkpoint(out_dir: Path, cfg: dict, seed: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = random_llama_weights(cfg, seed)
     dtype = getattr(torch, cfg.get("torch_dtype", "float32"))

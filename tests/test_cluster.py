@@ -4,7 +4,9 @@ over real transports, clients over real sockets, on CPU."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -217,6 +219,27 @@ class TestTwoByTwo:
         while not cluster.node("decode-1").alive and time.monotonic() < deadline:
             time.sleep(0.1)
         assert cluster.node("decode-1").alive  # it was reset and registered again
+        cluster.wait_until_idle()
+
+    def test_a_frozen_then_killed_prefill_node_s_requests_are_prefilled_elsewhere(
+        self, cluster, offline
+    ):
+        prompts = make_prompts(8, seed=9, lo=20, hi=40)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        expected = expected_outputs(offline, prompts, params)
+        routed = []
+        listener = lambda name, s: routed.append(s.prefill_node) if name == "submitted" else None  # noqa: E731
+        cluster.coordinator.listeners.append(listener)
+        victim = cluster.group.procs["prefill-1"]
+        os.kill(victim.pid, signal.SIGSTOP)  # silent from now on, its sockets still open
+        try:
+            results = asyncio.run(run_all(cluster.client_addr, prompts, params))
+        finally:
+            cluster.coordinator.listeners.remove(listener)
+            cluster.kill("prefill-1")
+        assert "prefill-1" in routed  # some went to it before it was declared dead
+        assert [tokens for tokens, _ in results] == expected
+        assert not cluster.node("prefill-1").alive
         cluster.wait_until_idle()
 
     def test_killed_decode_node_requests_finish_elsewhere_without_gaps(self, cluster, offline):
