@@ -52,6 +52,16 @@ class DecodeNode:
         self._kv_error_logged = False
         self.running = True
 
+    def _handle_safely(self, msg: Message) -> None:
+        """One order that cannot be carried out must not end the node's loop."""
+        try:
+            self.handle(msg)
+        except Exception:
+            request_id = getattr(msg, "request_id", None)
+            logger.exception("[%s] handling %s failed", request_id or "-", msg.TYPE)
+            if request_id is not None:
+                self.link.send(RequestError(request_id, f"{msg.TYPE} failed on this node"))
+
     def handle(self, msg: Message) -> None:
         if isinstance(msg, Generate):
             try:
@@ -93,7 +103,11 @@ class DecodeNode:
             return
         arrived, failed = self.handoff.poll()
         for seq in arrived:
-            self.engine.add_running(seq)
+            try:
+                self.engine.add_running(seq)
+            except RequestRejected as exc:  # its id is taken: it cannot run here
+                self.engine.block_manager.free(seq.block_table)
+                self.link.send(TransferDone(seq.request_id, False, str(exc)))
         for end in failed:
             self.link.send(TransferDone(end.request_id, False, end.error))
 
@@ -121,7 +135,7 @@ class DecodeNode:
         unfinished = self.engine.has_unfinished()
         expecting = self.handoff is not None and self.handoff.num_pending > 0
         for msg in self.link.receive(0 if unfinished else (1 if expecting else 5)):
-            self.handle(msg)
+            self._handle_safely(msg)
         self._take_in_arrivals()
         if self.engine.has_unfinished():
             outputs = self.engine.step()
