@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
+from bench.kv_remote import RemoteEndpoint, pool_bytes, wait_for
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import KVReceiver, KVSender, TransferResult, make_receiver, make_sender
-from kv_transfer.remote import RemoteEndpoint, pool_bytes, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
