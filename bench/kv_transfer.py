@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import zmq
 
+from bench.kv_remote import RemoteEndpoint, wait_for
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import make_sender
-from kv_transfer.remote import RemoteEndpoint, wait_for
 from kv_transfer.shm import map_pool
 
 LLAMA3_8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")

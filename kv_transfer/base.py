@@ -1,7 +1,8 @@
 """The transport interface: a KVReceiver in the decode node, a KVSender in the prefill node.
 
 Node code is written against these two classes and `make_receiver` / `make_sender`; a transport
-is added by writing one receiver and one sender class (see `kv_transfer/__init__.py`).
+is added by writing one receiver and one sender class (see `kv_transfer/__init__.py`). No method
+waits on a peer: what happens on the network is reported by `poll()`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from engine.kv_cache import KVPool
 
 
 class TransportFailed(RuntimeError):
-    """The endpoint's thread died: every pending and later transfer on it fails with this."""
+    """Raised by every call on an endpoint whose thread died (the message is its `failed`)."""
 
 
 @dataclass(slots=True)
@@ -39,7 +40,8 @@ class KVReceiver(ABC):
     @property
     def failed(self) -> str | None:
         """Why this endpoint stopped working (its thread died), or None. Once set, every
-        pending transfer has failed and every later `expect` raises TransportFailed."""
+        transfer pending then has failed with it (poll() hands those results out) and every
+        later `expect` or `cancel` raises TransportFailed."""
         return None
 
     @abstractmethod
@@ -57,15 +59,18 @@ class KVReceiver(ABC):
         """Announce a transfer into dst_blocks; it completes once every layer in range arrived.
 
         Pages are never written into blocks no expect() has named: data that comes first waits.
+        Returns at once; ValueError for bad blocks or layers, TransportFailed once failed.
         """
 
     @abstractmethod
     def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
-        """Forget an expected transfer (its blocks are about to be reused); senders are told."""
+        """Forget an expected transfer (its blocks are about to be reused); senders are told.
+        No result is reported for it. TransportFailed once failed."""
 
     @abstractmethod
     def poll(self) -> list[TransferResult]:
-        """Non-blocking: transfers completed or failed (timeout, peer died) since the last poll."""
+        """Non-blocking: transfers completed or failed (timeout, peer died, endpoint failed)
+        since the last poll; one result per expect(). Works after the endpoint failed."""
 
     @abstractmethod
     def stats(self) -> dict[str, int]:
@@ -90,13 +95,21 @@ class KVSender(ABC):
 
     @property
     def failed(self) -> str | None:
-        """Why this endpoint stopped working (its thread died), or None. Once set, every
-        pending transfer has failed and every later `send` raises TransportFailed."""
+        """Why this endpoint stopped working (its thread died), or None. Once set, every send
+        pending then has failed with it (poll() hands those results out) and every later
+        `connect` or `send` raises TransportFailed."""
         return None
 
     @abstractmethod
     def connect(self, peer_id: str, receiver_info: dict) -> None:
-        """Handshake with a receiver; a mismatched layout raises ValueError naming the field."""
+        """Start the handshake with a receiver and return at once.
+
+        Checked here: transport, protocol version and layout (ValueError naming the field),
+        and what the transport needs (e.g. the same host for shm). The receiver checks the
+        layout again; sends made before its Welcome wait for it and fail (reported by poll())
+        if it refuses or does not answer within connect_timeout_s. Connecting again with the
+        same info is a no-op; with other info (the receiver moved) the sender reconnects.
+        """
 
     @abstractmethod
     def send(
@@ -110,12 +123,15 @@ class KVSender(ABC):
     ) -> None:
         """Start moving src_blocks (layers in range) into the peer's dst_blocks; returns at once.
 
-        The source blocks must stay untouched until poll() reports this send.
+        The source blocks must stay untouched until poll() reports this send. ValueError for
+        bad arguments or a peer never connected; TransportFailed once failed; every other
+        failure (refused, timed out, peer gone, handshake failed) is a result of poll().
         """
 
     @abstractmethod
     def poll(self) -> list[TransferResult]:
-        """Sends acknowledged by the receiver (ok: source blocks may be freed) or failed."""
+        """Sends acknowledged by the receiver (ok: source blocks may be freed) or failed; one
+        result per send(). Works after the endpoint failed."""
 
     @abstractmethod
     def stats(self) -> dict[str, int]:

@@ -24,8 +24,9 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 
 
-def configure(sock: zmq.Socket) -> None:
-    """Options every control socket gets."""
+def configure(sock: zmq.Socket, max_frame_bytes: int) -> None:
+    """Options every control socket gets; a peer that sends a frame over max_frame_bytes is
+    disconnected by ZeroMQ before the frame is read into memory."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
@@ -33,12 +34,15 @@ def configure(sock: zmq.Socket) -> None:
     # Queues are bounded by the senders' own in-flight limits, never by dropping messages.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
 
 
-def bind_router(ctx: zmq.Context, address: str, advertise_host: str | None = None) -> tuple:
+def bind_router(
+    ctx: zmq.Context, address: str, max_frame_bytes: int, advertise_host: str | None = None
+) -> tuple[zmq.Socket, str]:
     """Bind a ROUTER at `address` (port 0 = any free port); return it and the address to dial."""
     sock = ctx.socket(zmq.ROUTER)
-    configure(sock)
+    configure(sock, max_frame_bytes)
     # Sending to a peer that is gone raises EHOSTUNREACH instead of dropping silently.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if address.startswith("tcp://") and address.rsplit(":", 1)[1] == "0":
@@ -93,13 +97,20 @@ class Waker:
 
 class CommandThread:
     """What a sender and a receiver share: a background thread fed by a command queue (woken
-    through a Waker), results handed to the step loop by poll(), stats read under a lock."""
+    through a Waker), results handed to the step loop by poll(), stats read under a lock.
+
+    A thread that raises marks its endpoint failed: every transfer pending on it, and every
+    command it will never apply, fails with the reason (still handed out by poll()), and every
+    later call raises TransportFailed."""
 
     name: str
     _role = "thread"
 
     def _start_thread(self, stats: dict[str, int]) -> None:
         self._commands: deque[tuple] = deque()
+        # Taken to queue a command and to fail for good, so no command slips in after the
+        # thread has given up on the queue (it would never get a result).
+        self._command_lock = threading.Lock()
         self._results: deque[TransferResult] = deque()  # what poll() hands out
         self._finished: list[TransferResult] = []  # made this round; out after the stats
         self._stats = stats
@@ -112,11 +123,27 @@ class CommandThread:
         )
         self._thread.start()
 
+    # -- subclass hooks ----------------------------------------------------------------------
     def _run(self) -> None:
         raise NotImplementedError
 
+    def _fail_pending(self, why: str) -> None:
+        """Fail every transfer the thread holds (results into _finished, peers told if they can
+        be); called on the thread as it dies."""
+        raise NotImplementedError
+
+    def _never_applied(self, cmd: tuple, why: str) -> TransferResult | None:
+        """The result owed for a queued command the dead thread will never apply."""
+        return None
+
+    def _publish_stats(self) -> None:
+        self._hand_out()
+
+    # -- callers' side -----------------------------------------------------------------------
     def _command(self, *cmd: Any) -> None:
-        self._commands.append(cmd)
+        with self._command_lock:
+            self._check_open()
+            self._commands.append(cmd)
         self._waker.wake()
 
     @property
@@ -143,10 +170,36 @@ class CommandThread:
     def _stop_thread(self) -> bool:
         """Stop the thread; False if it is stuck (its context must then be left, not termed)."""
         self._closed = True
-        self._command("stop")
+        self._commands.append(("stop",))
+        self._waker.wake()
         self._thread.join(timeout=10.0)
         self._waker.close()
         if self._thread.is_alive():  # stuck in a copy: leave the context rather than hang
             log.error("%s %s thread did not stop", self.name, self._role)
             return False
         return True
+
+    # -- thread's side -----------------------------------------------------------------------
+    def _hand_out(self) -> None:
+        self._results.extend(self._finished)
+        self._finished.clear()
+
+    def _die(self, error: Exception) -> None:
+        """The thread raised: refuse every later call, fail what is pending and what is queued,
+        and hand the results out (poll() works on without the thread)."""
+        log.error("%s %s thread failed", self.name, self._role, exc_info=error)
+        why = f"{self.name} {self._role} thread failed: {error!r}"
+        with self._command_lock:
+            self._failure = why
+            queued = list(self._commands)
+            self._commands.clear()
+        try:
+            self._fail_pending(why)
+        except Exception:  # what could be failed is in _finished; the rest is lost with it
+            log.exception("%s %s: failing pending transfers", self.name, self._role)
+        self._finished += [r for cmd in queued if (r := self._never_applied(cmd, why)) is not None]
+        try:
+            self._publish_stats()
+        except Exception:  # the results go out regardless
+            log.exception("%s %s: publishing stats", self.name, self._role)
+        self._hand_out()

@@ -83,11 +83,13 @@ class CudaIpcSender(ZmqSender):
         self._device = pool.kv.device.index if pool.kv.device.index is not None else 0
         super().__init__(pool, **options)
 
+    def _check_receiver(self, info: dict) -> None:
+        if info.get("host") != pysocket.gethostname():
+            raise ValueError(f"cuda_ipc receiver is on host {info.get('host')!r}, not this one")
+
     def _prepare_peer(self, peer: Peer) -> None:
         cupy = _cupy()
         info = peer.info
-        if info.get("host") != pysocket.gethostname():
-            raise ValueError(f"cuda_ipc receiver is on host {info.get('host')!r}, not this one")
         with cupy.cuda.Device(self._device):
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(info["ipc_handle"])
         peer.extra["ptr"] = ptr

@@ -17,7 +17,7 @@ import zmq
 
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer.pages import Chunk
-from kv_transfer.protocol import Hello, Pages, ProtocolError, encode
+from kv_transfer.protocol import Hello, Pages, ProtocolError, control
 from kv_transfer.receiver import Payload, ZmqReceiver
 from kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
 
@@ -76,6 +76,10 @@ class NcclReceiver(ZmqReceiver):
         comm = self._comms.get(peer)
         if comm is None:
             raise ProtocolError("pages over NCCL before the communicator was made")
+        if frames:
+            raise ProtocolError(
+                f"pages header followed by {len(frames)} frames (NCCL carries them)"
+            )
         # Receives and scatters share one stream (and the buffer is allocated for it), so the
         # buffer is not reused before the scatter that reads it has run.
         with torch.cuda.stream(self._stream):
@@ -127,7 +131,7 @@ class NcclSender(ZmqSender):
             self._lent = [(e, t) for e, t in self._lent if not e.query()]
         data = self._gather(chunk, src)
         try:
-            peer.sock.send(encode(header), zmq.NOBLOCK)
+            peer.sock.send(control.encode(header), zmq.NOBLOCK)
         except zmq.Again as e:
             raise SendFailed(f"receiver {peer.peer_id!r} is not reachable") from e
         comm, stream = peer.extra["comm"], self._stream.cuda_stream

@@ -1,4 +1,5 @@
-"""Control messages between a KV sender and receiver: msgpack maps with a version and a kind.
+"""Control messages between a KV sender and receiver, on the codec of every pdserve wire protocol
+(`cluster.codec`): typed structs, so a frame with a field of the wrong type or range is refused.
 
 Sender to receiver: Hello, Pages (header of a chunk of pages that follows in the same ZMQ
 message or over NCCL), Begin / Done (a direct write into a mapped pool), Abort.
@@ -7,42 +8,45 @@ Receiver to sender: Welcome / Refuse (handshake), Go (write now), Ack / Nack (pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Annotated, Any
 
-import msgpack
+from msgspec import Meta
 
-PROTOCOL_VERSION = 1
+from cluster.codec import Codec, Message, ProtocolError
+from engine.kv_cache import KVLayout
+
+KV_PROTOCOL_VERSION = 2  # 2: msgspec structs in the cluster codec's [version, message] envelope
+
+# Control frames hold block lists at most (a send's destination blocks); page bytes travel in
+# frames of their own, so a larger control frame is junk.
+MAX_CONTROL_BYTES = 4 << 20
+
+Count = Annotated[int, Meta(ge=0)]
+LayerRange = tuple[Count, Count]  # [start, end), not empty
 
 
-class ProtocolError(RuntimeError):
-    """A message that is not ours or from another protocol version."""
+def _check_range(what: str, rng: tuple[int, int]) -> None:
+    if rng[0] >= rng[1]:
+        raise ValueError(f"empty {what} range {list(rng)}")
 
 
-@dataclass(slots=True)
-class Hello:
-    KIND: ClassVar[str] = "hello"
+class Hello(Message, tag="hello"):
     sender: str
     transport: str
-    layout: dict
+    layout: KVLayout
     host: str
     pid: int
 
 
-@dataclass(slots=True)
-class Welcome:
-    KIND: ClassVar[str] = "welcome"
-    extra: dict = field(default_factory=dict)
+class Welcome(Message, tag="welcome"):
+    extra: dict[str, Any] = {}  # what the transport hands over (e.g. NCCL's unique id)
 
 
-@dataclass(slots=True)
-class Refuse:
-    KIND: ClassVar[str] = "refuse"
+class Refuse(Message, tag="refuse"):
     error: str
 
 
-@dataclass(slots=True)
-class Pages:
+class Pages(Message, tag="pages"):
     """One chunk of a send: layers [layers) x dst[lo:hi] of that send, K and V.
 
     The first chunk of a send opens it (dst, send_layers, timeout_s set); the last one closes it.
@@ -51,96 +55,97 @@ class Pages:
     straight from the sender's pool.
     """
 
-    KIND: ClassVar[str] = "pages"
     transfer_id: str
-    send_id: int
-    layers: list[int]
-    lo: int
-    hi: int
-    nbytes: int
+    send_id: Count
+    layers: LayerRange
+    lo: Count
+    hi: Count
+    nbytes: Count
     first: bool
     last: bool
-    dst: list[int] | None = None
-    send_layers: list[int] | None = None
+    dst: list[Count] | None = None
+    send_layers: LayerRange | None = None
     timeout_s: float = 30.0
-    runs: list[int] | None = None
+    runs: list[Annotated[int, Meta(gt=0)]] | None = None
+
+    def __post_init__(self) -> None:  # runs at decode too: a ValueError refuses the frame
+        _check_range("layer", self.layers)
+        if self.lo >= self.hi:
+            raise ValueError(f"empty block slice [{self.lo}, {self.hi})")
+        if self.first and (self.dst is None or self.send_layers is None):
+            raise ValueError("the first chunk of a send names its dst blocks and layers")
+        if self.send_layers is not None:
+            _check_range("send layer", self.send_layers)
 
 
-@dataclass(slots=True)
-class Begin:
+class Begin(Message, tag="begin"):
     """Ask to write layers x dst of a transfer straight into the receiver's (mapped) pool."""
 
-    KIND: ClassVar[str] = "begin"
     transfer_id: str
-    send_id: int
-    layers: list[int]
-    dst: list[int]
+    send_id: Count
+    layers: LayerRange
+    dst: list[Count]
     timeout_s: float = 30.0
 
-
-@dataclass(slots=True)
-class Go:
-    KIND: ClassVar[str] = "go"
-    send_id: int
+    def __post_init__(self) -> None:
+        _check_range("layer", self.layers)
 
 
-@dataclass(slots=True)
-class Done:
-    KIND: ClassVar[str] = "done"
+class Go(Message, tag="go"):
+    send_id: Count
+
+
+class Done(Message, tag="done"):
     transfer_id: str
-    send_id: int
+    send_id: Count
 
 
-@dataclass(slots=True)
-class Abort:
-    KIND: ClassVar[str] = "abort"
+class Abort(Message, tag="abort"):
     transfer_id: str
-    send_id: int
+    send_id: Count
     error: str
 
 
-@dataclass(slots=True)
-class Ack:
-    KIND: ClassVar[str] = "ack"
+class Ack(Message, tag="ack"):
     transfer_id: str
-    send_id: int
+    send_id: Count
 
 
-@dataclass(slots=True)
-class Nack:
-    KIND: ClassVar[str] = "nack"
+class Nack(Message, tag="nack"):
     transfer_id: str
-    send_id: int
+    send_id: Count
     error: str
 
 
-@dataclass(slots=True)
-class Ping:
-    KIND: ClassVar[str] = "ping"
+class Ping(Message, tag="ping"):
+    pass
 
 
-Message = Hello | Welcome | Refuse | Pages | Begin | Go | Done | Abort | Ack | Nack | Ping
-_KINDS: dict[str, type] = {
-    cls.KIND: cls
-    for cls in (Hello, Welcome, Refuse, Pages, Begin, Go, Done, Abort, Ack, Nack, Ping)
-}
+ControlMessage = Hello | Welcome | Refuse | Pages | Begin | Go | Done | Abort | Ack | Nack | Ping
 
+# Both directions on one codec: each side refuses what should not come its way when it handles it.
+control: Codec[Message] = Codec(
+    "kv control",
+    KV_PROTOCOL_VERSION,
+    (Hello, Welcome, Refuse, Pages, Begin, Go, Done, Abort, Ack, Nack, Ping),
+    max_bytes=MAX_CONTROL_BYTES,
+)
 
-def encode(msg: Message) -> bytes:
-    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
-    body["v"] = PROTOCOL_VERSION
-    body["kind"] = msg.KIND
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def decode(data: bytes | memoryview) -> Message:
-    try:
-        body = msgpack.unpackb(data, raw=False)
-        version, kind = body.pop("v"), body.pop("kind")
-    except Exception as e:  # any garbage is a protocol error
-        raise ProtocolError(f"undecodable control message: {e}") from e
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} != {PROTOCOL_VERSION}")
-    if kind not in _KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    return _KINDS[kind](**body)
+__all__ = [
+    "KV_PROTOCOL_VERSION",
+    "MAX_CONTROL_BYTES",
+    "Abort",
+    "Ack",
+    "Begin",
+    "ControlMessage",
+    "Done",
+    "Go",
+    "Hello",
+    "Nack",
+    "Pages",
+    "Ping",
+    "ProtocolError",
+    "Refuse",
+    "Welcome",
+    "control",
+]

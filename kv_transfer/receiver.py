@@ -6,6 +6,7 @@ bytes in the same ZMQ message (tcp) or over NCCL; the thread scatters it into th
 (shm, cuda_ipc): the sender asks with Begin, the thread answers Go once the transfer is expected,
 the sender writes into the mapped pool and says Done. Either way the thread acks each send, and
 a transfer completes when all its layers are in. The step loop only calls expect() and poll().
+Whatever else arrives (junk of any shape, from anyone) is dropped and logged once per peer.
 """
 
 from __future__ import annotations
@@ -18,28 +19,28 @@ from typing import Any
 import torch
 import zmq
 
+from cluster.codec import MalformedLog, ProtocolError, peer_name
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
 from kv_transfer.arrivals import Arrivals, Expected, Unit
 from kv_transfer.base import KVReceiver, TransferResult
 from kv_transfer.channel import CommandThread, bind_router
 from kv_transfer.protocol import (
-    PROTOCOL_VERSION,
+    KV_PROTOCOL_VERSION,
+    MAX_CONTROL_BYTES,
     Abort,
     Ack,
     Begin,
+    ControlMessage,
     Done,
     Go,
     Hello,
-    Message,
     Nack,
     Pages,
     Ping,
-    ProtocolError,
     Refuse,
     Welcome,
-    decode,
-    encode,
+    control,
 )
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,10 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self._max_held_bytes = max_held_bytes
         self._arrivals = Arrivals(self.layout.num_layers, pool.num_blocks)
         self._ctx = zmq.Context(io_threads=1)
-        self._router, self.address = bind_router(self._ctx, address, advertise_host)
+        self._router, self.address = bind_router(
+            self._ctx, address, self._max_frame_bytes(), advertise_host
+        )
+        self._malformed = MalformedLog(log, f"{self.name} KV receiver")
         self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
         self._inflight: deque[tuple[bytes, Pages, Payload]] = deque()  # pushed chunks in order
         self._peers: set[bytes] = set()
@@ -87,10 +91,11 @@ class ZmqReceiver(CommandThread, KVReceiver):
     def info(self) -> dict:
         return {
             "transport": self.name,
-            "protocol": PROTOCOL_VERSION,
+            "protocol": KV_PROTOCOL_VERSION,
             "layout": self.layout.to_dict(),
             "num_blocks": self.pool.num_blocks,
             "address": self.address,
+            "max_frame_bytes": self._max_frame_bytes(),
             **self._info_extra(),
         }
 
@@ -113,12 +118,17 @@ class ZmqReceiver(CommandThread, KVReceiver):
         if self._closed:
             return
         if self._stop_thread():
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # (the router a dead thread could not close, too)
         self._release()
 
     # -- transport hooks ---------------------------------------------------------------------
     def _info_extra(self) -> dict:
         return {}
+
+    def _max_frame_bytes(self) -> int:
+        """The largest frame the router takes (ZeroMQ drops a peer that sends more): control
+        messages only, unless pages travel over the socket."""
+        return MAX_CONTROL_BYTES
 
     def _welcome(self, peer: bytes, hello: Hello) -> dict:
         """Extra handshake data for a sender that passed the layout check."""
@@ -128,6 +138,8 @@ class ZmqReceiver(CommandThread, KVReceiver):
         pass
 
     def _receive(self, peer: bytes, msg: Pages, frames: list[zmq.Frame]) -> Payload:
+        """Push transports: the bytes of a chunk whose header was checked against the layout;
+        raise ProtocolError if the frames do not fit it."""
         raise ProtocolError(f"the {self.name} transport does not push pages")
 
     def _peer_gone(self, peer: bytes) -> None:
@@ -141,10 +153,10 @@ class ZmqReceiver(CommandThread, KVReceiver):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         self._waker.register(poller)
-        if self.pool.kv.is_cuda:
-            torch.cuda.set_device(self.pool.kv.device)  # Triton and CuPy use the current one
         next_probe = time.monotonic() + self._probe_interval_s
         try:
+            if self.pool.kv.is_cuda:
+                torch.cuda.set_device(self.pool.kv.device)  # Triton and CuPy use the current one
             while True:
                 events = dict(poller.poll(self._poll_timeout_ms()))
                 if self._waker.fd in events:
@@ -161,9 +173,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
                     next_probe = now + self._probe_interval_s
                 self._publish_stats()
         except Exception as e:  # the thread must not die silently
-            log.exception("%s receiver thread failed", self.name)
-            self._failure = f"{self.name} receiver thread failed: {e!r}"
-            self._fail_everything(self._failure)
+            self._die(e)
         finally:
             self._router.close(linger=0)
 
@@ -182,12 +192,23 @@ class ZmqReceiver(CommandThread, KVReceiver):
             cmd = self._commands.popleft()
             if cmd[0] == "stop":
                 self._fail_everything("receiver closed")
+                self._publish_stats()
                 return True
             if cmd[0] == "expect":
-                self._on_expect(*cmd[1:])
+                try:
+                    self._on_expect(*cmd[1:])
+                except Exception as e:  # this expect fails, not the receiver
+                    log.exception("%s receiver: expect of %s failed", self.name, cmd[1])
+                    self._fail_expect(cmd[1], f"expect failed: {e!r}")
             elif cmd[0] == "cancel":
                 self._end(cmd[1], cmd[2], report=False)
         return False
+
+    def _fail_pending(self, why: str) -> None:
+        self._fail_everything(why)
+
+    def _never_applied(self, cmd: tuple, why: str) -> TransferResult | None:
+        return TransferResult(cmd[1], False, why) if cmd[0] == "expect" else None
 
     def _drain_router(self) -> None:
         for _ in range(256):  # then look at timers and commands again
@@ -195,17 +216,19 @@ class ZmqReceiver(CommandThread, KVReceiver):
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            peer, body = frames[0].bytes, frames[1:]
+            peer = frames[0].bytes
             try:
-                self._on_message(peer, decode(body[0].buffer), body[1:])
-            except ProtocolError as e:
-                log.warning("%s receiver: bad message from %r: %s", self.name, peer, e)
-            except Exception:  # one bad message must not stop the receiver
+                if len(frames) < 2:
+                    raise ProtocolError("a routing id and no message")
+                self._on_message(peer, control.decode(frames[1].buffer), frames[2:])
+            except ProtocolError as e:  # logged once per peer, counted after that
+                self._malformed(peer_name(peer), str(e))
+            except Exception:  # a bug, not junk: it must not stop the receiver either
                 log.exception("%s receiver: handling a message from %r failed", self.name, peer)
 
-    def _send(self, peer: bytes, msg: Message) -> bool:
+    def _send(self, peer: bytes, msg: ControlMessage) -> bool:
         try:
-            self._router.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
+            self._router.send_multipart([peer, control.encode(msg)], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
@@ -213,12 +236,16 @@ class ZmqReceiver(CommandThread, KVReceiver):
             return False
 
     # -- messages ----------------------------------------------------------------------------
-    def _on_message(self, peer: bytes, msg: Message, frames: list[zmq.Frame]) -> None:
-        if isinstance(msg, Hello):
-            self._on_hello(peer, msg)
-        elif isinstance(msg, Pages):
+    def _on_message(self, peer: bytes, msg: ControlMessage, frames: list[zmq.Frame]) -> None:
+        if isinstance(msg, Pages):
+            self._check_chunk(msg)
             self._inflight.append((peer, msg, self._receive(peer, msg, frames)))
             self._land_ready()
+            return
+        if frames:
+            raise ProtocolError(f"{msg.TYPE} followed by {len(frames)} more frames")
+        if isinstance(msg, Hello):
+            self._on_hello(peer, msg)
         elif isinstance(msg, Begin):
             self._on_begin(peer, msg)
         elif isinstance(msg, Done):
@@ -226,7 +253,20 @@ class ZmqReceiver(CommandThread, KVReceiver):
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
         else:
-            raise ProtocolError(f"unexpected {msg.KIND} from a sender")
+            raise ProtocolError(f"unexpected {msg.TYPE} from a sender")
+
+    def _check_chunk(self, msg: Pages) -> None:
+        """A chunk's header must describe pages of this pool: its payload is sized from it."""
+        if msg.layers[1] > self.layout.num_layers or msg.hi > self.pool.num_blocks:
+            raise ProtocolError(
+                f"pages chunk of layers {list(msg.layers)} x blocks [{msg.lo}, {msg.hi}) is "
+                f"outside a pool of {self.layout.num_layers} layers x {self.pool.num_blocks}"
+            )
+        nbytes = pages.Chunk(msg.layers, msg.lo, msg.hi).nbytes(self.layout)
+        if msg.nbytes != nbytes:
+            raise ProtocolError(f"pages chunk says {msg.nbytes} bytes, its pages are {nbytes}")
+        if msg.runs is not None and sum(msg.runs) != msg.hi - msg.lo:
+            raise ProtocolError(f"runs {msg.runs[:8]} do not cover blocks [{msg.lo}, {msg.hi})")
 
     def _on_hello(self, peer: bytes, hello: Hello) -> None:
         try:
@@ -234,7 +274,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
                 raise ValueError(
                     f"transport mismatch: receiver is {self.name!r}, sender {hello.transport!r}"
                 )
-            self.layout.check_compatible(KVLayout.from_dict(hello.layout))
+            self.layout.check_compatible(hello.layout)
             extra = self._welcome(peer, hello)
         except (ValueError, KeyError, TypeError) as e:
             msg = str(e) if isinstance(e, ValueError) else f"bad layout: {e!r}"
@@ -285,6 +325,8 @@ class ZmqReceiver(CommandThread, KVReceiver):
         unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is not None:
             self._arrivals.drop_unit(unit)
+        elif peer not in self._peers:
+            return  # a stranger cannot end someone else's transfer
         if msg.transfer_id in self._arrivals.expected:
             self._end(msg.transfer_id, f"sender aborted: {msg.error}", nack=False)
 
@@ -311,6 +353,15 @@ class ZmqReceiver(CommandThread, KVReceiver):
             unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is None:
             return  # refused or ended: the sender has its Nack
+        if msg.transfer_id != unit.transfer_id:
+            self._fail_unit(unit, f"pages of {msg.transfer_id!r} in a send of another transfer")
+            return
+        if msg.layers[0] < unit.layers[0] or msg.layers[1] > unit.layers[1]:
+            self._fail_unit(unit, f"pages of layers {list(msg.layers)} outside the send's")
+            return
+        if msg.hi > len(unit.dst_blocks):
+            self._fail_unit(unit, f"pages of blocks up to {msg.hi} of a send of fewer")
+            return
         if unit.state == "waiting":
             if self._arrivals.held_bytes + msg.nbytes > self._max_held_bytes:
                 self._arrivals.drop_unit(unit)
@@ -363,6 +414,14 @@ class ZmqReceiver(CommandThread, KVReceiver):
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:
         return data if data.device == self.pool.kv.device else data.to(self.pool.kv.device)
+
+    def _fail_unit(self, unit: Unit, why: str) -> None:
+        """A send that went wrong: refuse it, and fail its transfer if it is expected."""
+        if unit.transfer_id in self._arrivals.expected:
+            self._end(unit.transfer_id, why)  # Nacks every send of it, this one too
+            return
+        self._arrivals.drop_unit(unit)
+        self._send(unit.peer, Nack(unit.transfer_id, unit.send_id, why))
 
     def _close_unit(self, unit: Unit) -> None:
         error = self._arrivals.close_unit(unit)
@@ -441,13 +500,25 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._end(tid, f"{why} ({peer.decode(errors='replace')})", nack=False)
         self._peer_gone(peer)
 
-    def _fail_everything(self, why: str) -> None:
-        for tid in list(self._arrivals.expected):
+    def _fail_expect(self, tid: str, why: str) -> None:
+        if tid in self._arrivals.expected:
             self._end(tid, why)
-        for unit in list(self._arrivals.units.values()):
-            self._arrivals.drop_unit(unit)
+        else:
+            self._finished.append(TransferResult(tid, False, why))
+
+    def _fail_everything(self, why: str) -> None:
+        """The thread ends: fail every transfer and send (results first, then senders told)."""
+        now = time.monotonic()
+        units: list[Unit] = []
+        for tid in list(self._arrivals.expected):
+            units += self._arrivals.finish(tid, now)
+            self._finished.append(TransferResult(tid, False, why))
+        units += list(self._arrivals.units.values())
+        self._arrivals.units.clear()
         self._inflight.clear()
-        self._publish_stats()
+        for unit in units:
+            self._send(unit.peer, Nack(unit.transfer_id, unit.send_id, why))
+        self._peers.clear()  # the router closes next
 
     def _publish_stats(self) -> None:
         stats = {
@@ -460,5 +531,4 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._stats = stats
         # Results go out only after the stats that follow them, so a caller that sees a result
         # also sees the state it left (e.g. no outstanding sends).
-        self._results.extend(self._finished)
-        self._finished.clear()
+        self._hand_out()

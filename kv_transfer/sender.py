@@ -1,6 +1,9 @@
 """The sender every transport shares: one background thread owns a DEALER (plus a monitor) per
 receiver, runs the handshake, moves the pages of each send() and collects acks.
 
+connect() only checks the receiver's info and returns; the thread says Hello, and sends made
+before the Welcome wait for it (failing if the receiver refuses or does not answer in time).
+
 Push transports (tcp, nccl) cut a send into chunks (`pages.plan_chunks`) and stream them; direct
 transports (shm, cuda_ipc) send Begin, wait for Go, write into the receiver's mapped pool and
 send Done. Every send ends in exactly one TransferResult: ok on the receiver's Ack; failed on
@@ -16,7 +19,6 @@ import socket as pysocket
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,27 +26,27 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from cluster.codec import MalformedLog, ProtocolError
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
 from kv_transfer.base import KVSender, TransferResult
 from kv_transfer.channel import CommandThread, configure
 from kv_transfer.protocol import (
-    PROTOCOL_VERSION,
+    KV_PROTOCOL_VERSION,
+    MAX_CONTROL_BYTES,
     Abort,
     Ack,
     Begin,
+    ControlMessage,
     Done,
     Go,
     Hello,
-    Message,
     Nack,
     Pages,
     Ping,
-    ProtocolError,
     Refuse,
     Welcome,
-    decode,
-    encode,
+    control,
 )
 
 log = logging.getLogger(__name__)
@@ -74,10 +76,9 @@ class Peer:
     info: dict
     sock: zmq.Socket
     monitor: zmq.Socket
-    connected: Future
     deadline: float  # of the handshake
     welcomed: bool = False
-    waiting: list[Outgoing] = field(default_factory=list)  # sends made during the handshake
+    waiting: list[Outgoing] = field(default_factory=list)  # sends made before the Welcome
     extra: dict = field(default_factory=dict)  # what the transport keeps per peer
 
 
@@ -109,25 +110,28 @@ class ZmqSender(CommandThread, KVSender):
         self._peers: dict[str, Peer] = {}  # owned by the thread from here on
         self._outgoing: dict[int, Outgoing] = {}
         self._queue: deque[Outgoing] = deque()  # push sends not started yet
+        self._malformed = MalformedLog(log, f"{self.name} KV sender")
         self._start_thread({"outstanding": 0, "peers": 0})
 
     # -- interface ---------------------------------------------------------------------------
     def connect(self, peer_id: str, receiver_info: dict) -> None:
         self._check_open()
+        if self._known.get(peer_id) == receiver_info:
+            return  # connected, or the handshake is under way: sends wait for it
         if receiver_info.get("transport") != self.name:
             raise ValueError(
                 f"transport mismatch: sender is {self.name!r}, "
                 f"receiver {receiver_info.get('transport')!r}"
             )
-        if receiver_info.get("protocol") != PROTOCOL_VERSION:
+        if receiver_info.get("protocol") != KV_PROTOCOL_VERSION:
             raise ValueError(
-                f"protocol mismatch: {receiver_info.get('protocol')} != {PROTOCOL_VERSION}"
+                f"protocol mismatch: {receiver_info.get('protocol')} != {KV_PROTOCOL_VERSION}"
             )
         self.layout.check_compatible(KVLayout.from_dict(receiver_info["layout"]))
-        done: Future = Future()
-        self._command("connect", peer_id, receiver_info, done)
-        done.result(timeout=self.connect_timeout_s + 30.0)
-        self._known[peer_id] = receiver_info
+        self._check_receiver(receiver_info)
+        info = dict(receiver_info)
+        self._command("connect", peer_id, info)
+        self._known[peer_id] = info
 
     def send(
         self,
@@ -168,9 +172,12 @@ class ZmqSender(CommandThread, KVSender):
         if self._closed:
             return
         if self._stop_thread():
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # (the sockets a dead thread could not close, too)
 
     # -- transport hooks ---------------------------------------------------------------------
+    def _check_receiver(self, info: dict) -> None:
+        """In connect(): raise ValueError if this receiver cannot be reached by this transport."""
+
     def _prepare_peer(self, peer: Peer) -> None:
         """Before the Hello: map the receiver's memory, etc. Raise to refuse the connection."""
 
@@ -193,9 +200,9 @@ class ZmqSender(CommandThread, KVSender):
 
     # -- thread ------------------------------------------------------------------------------
     def _run(self) -> None:
-        if self.pool.kv.is_cuda:
-            torch.cuda.set_device(self.pool.kv.device)  # Triton and CuPy use the current one
         try:
+            if self.pool.kv.is_cuda:
+                torch.cuda.set_device(self.pool.kv.device)  # Triton and CuPy use the current one
             while True:
                 poller = zmq.Poller()
                 self._waker.register(poller)
@@ -210,18 +217,20 @@ class ZmqSender(CommandThread, KVSender):
                 for peer in list(self._peers.values()):
                     if events.get(peer.monitor):
                         self._watch(peer)
-                    if peer.peer_id in self._peers and events.get(peer.sock):
+                    if self._peers.get(peer.peer_id) is peer and events.get(peer.sock):
                         self._drain_peer(peer)
                 self._start_queued()
                 self._expire(time.monotonic())
                 self._publish_stats()
         except Exception as e:  # the thread must not die silently
-            log.exception("%s sender thread failed", self.name)
-            self._failure = f"{self.name} sender thread failed: {e!r}"
+            self._die(e)
         finally:
             self._fail_all("sender closed")
             for peer in list(self._peers.values()):
-                self._drop_peer(peer, "sender closed")
+                try:
+                    self._drop_peer(peer, "sender closed")
+                except Exception:  # close the others regardless
+                    log.exception("%s sender: closing peer %s", self.name, peer.peer_id)
             self._publish_stats()
 
     def _poll_timeout_ms(self) -> int:
@@ -242,12 +251,17 @@ class ZmqSender(CommandThread, KVSender):
             if cmd[0] == "connect":
                 self._start_connect(*cmd[1:])
             elif cmd[0] == "send":
-                try:
-                    self._start_send(*cmd[1:])
-                except Exception as e:  # e.g. the Begin could not be queued
-                    log.exception("%s sender: starting a send failed", self.name)
-                    self._finish(cmd[1], f"send failed: {e}")
+                self._start_or_fail(*cmd[1:])
         return False
+
+    def _fail_pending(self, why: str) -> None:
+        self._fail_all(why)
+
+    def _never_applied(self, cmd: tuple, why: str) -> TransferResult | None:
+        if cmd[0] != "send":
+            return None
+        out: Outgoing = cmd[1]
+        return TransferResult(out.transfer_id, False, why, out.layers)
 
     def _publish_stats(self) -> None:
         stats = {
@@ -258,30 +272,31 @@ class ZmqSender(CommandThread, KVSender):
             self._stats = stats
         # Results go out only after the stats that follow them, so a caller that sees a result
         # also sees the state it left (e.g. no outstanding sends).
-        self._results.extend(self._finished)
-        self._finished.clear()
+        self._hand_out()
 
     # -- peers -------------------------------------------------------------------------------
-    def _start_connect(self, peer_id: str, info: dict, done: Future) -> None:
+    def _start_connect(self, peer_id: str, info: dict) -> None:
         old = self._peers.get(peer_id)
         if old is not None:
-            self._drop_peer(old, "reconnecting")
+            if old.info == info:
+                return  # already connected or connecting there
+            self._drop_peer(old, f"receiver {peer_id!r} moved to {info.get('address')}")
         sock = self._ctx.socket(zmq.DEALER)
-        configure(sock)
+        configure(sock, MAX_CONTROL_BYTES)  # only control messages come back
         # A fresh id per connection: a ROUTER refuses an id it still holds for a dropped one.
         sock.setsockopt(zmq.ROUTING_ID, f"{self.identity}-{next(self._connections)}".encode())
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-        peer = Peer(peer_id, info, sock, monitor, done, time.monotonic() + self.connect_timeout_s)
+        peer = Peer(peer_id, info, sock, monitor, time.monotonic() + self.connect_timeout_s)
         self._peers[peer_id] = peer
         try:
             self._prepare_peer(peer)
             sock.connect(info["address"])
             hello = Hello(
-                self.identity, self.name, self.layout.to_dict(), pysocket.gethostname(), os.getpid()
+                self.identity, self.name, self.layout, pysocket.gethostname(), os.getpid()
             )
-            sock.send(encode(hello))
-        except Exception as e:  # any failure goes to the caller of connect()
-            self._drop_peer(peer, str(e), error=e)
+            sock.send(control.encode(hello))
+        except Exception as e:  # fails the sends waiting for this peer
+            self._drop_peer(peer, f"connecting to {peer_id!r} failed: {e}")
 
     def _watch(self, peer: Peer) -> None:
         while True:
@@ -298,17 +313,17 @@ class ZmqSender(CommandThread, KVSender):
         self._watch(peer)
         if self._closed:
             raise SendFailed("sender closed")
-        if peer.peer_id not in self._peers:
+        if self._peers.get(peer.peer_id) is not peer:
             raise SendFailed(f"receiver {peer.peer_id!r} disconnected")
         if time.monotonic() > out.deadline:
             raise SendFailed(f"timed out after {out.timeout_s}s")
 
-    def _drop_peer(self, peer: Peer, why: str, error: Exception | None = None) -> None:
+    def _drop_peer(self, peer: Peer, why: str) -> None:
         """Forget a peer: fail its sends, close its socket (freeing queued frames) and memory."""
         if self._peers.get(peer.peer_id) is peer:
             del self._peers[peer.peer_id]
-        if not peer.connected.done():
-            peer.connected.set_exception(error or ConnectionError(why))
+        if not self._closed and self._failure is None:
+            log.warning("%s sender: dropped peer %s: %s", self.name, peer.peer_id, why)
         for out in [o for o in self._outgoing.values() if o.peer_id == peer.peer_id]:
             self._finish(out, why)
         for out in [o for o in self._queue if o.peer_id == peer.peer_id]:
@@ -320,43 +335,44 @@ class ZmqSender(CommandThread, KVSender):
         peer.sock.disable_monitor()
         peer.monitor.close(linger=0)
         peer.sock.close(linger=0)
-        if peer.welcomed and not self._closed:
-            log.warning("%s sender: dropped peer %s: %s", self.name, peer.peer_id, why)
 
     def _drain_peer(self, peer: Peer) -> None:
-        while peer.peer_id in self._peers:
+        while self._peers.get(peer.peer_id) is peer:
             try:
                 frames = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                self._on_message(peer, decode(frames[0]))
-            except ProtocolError as e:
-                log.warning("%s sender: bad message from %s: %s", self.name, peer.peer_id, e)
-            except Exception:  # one bad message must not stop the sender
+                if len(frames) != 1:
+                    raise ProtocolError(f"{len(frames)} frames, expected 1")
+                self._on_message(peer, control.decode(frames[0]))
+            except ProtocolError as e:  # logged once per receiver, counted after that
+                self._malformed(peer.peer_id, str(e))
+            except Exception:  # a bug, not junk: it must not stop the sender either
                 log.exception(
                     "%s sender: handling a message from %s failed", self.name, peer.peer_id
                 )
 
-    def _send_to(self, peer: Peer, msg: Message) -> None:
-        peer.sock.send(encode(msg), flags=zmq.NOBLOCK)
+    def _send_to(self, peer: Peer, msg: ControlMessage) -> None:
+        peer.sock.send(control.encode(msg), flags=zmq.NOBLOCK)
 
     # -- messages ----------------------------------------------------------------------------
-    def _on_message(self, peer: Peer, msg: Message) -> None:
+    def _on_message(self, peer: Peer, msg: ControlMessage) -> None:
         if isinstance(msg, Welcome):
+            if peer.welcomed:
+                raise ProtocolError("a second Welcome")
             try:
                 self._welcomed(peer, msg.extra)
-            except Exception as e:  # goes to the caller of connect()
-                self._drop_peer(peer, f"handshake failed: {e}", error=e)
+            except Exception as e:  # fails the sends waiting for the handshake
+                self._drop_peer(peer, f"handshake with {peer.peer_id!r} failed: {e!r}")
                 return
             peer.welcomed = True
-            peer.connected.set_result(None)
             waiting, peer.waiting = peer.waiting, []
             for out in waiting:
                 if out.send_id in self._outgoing:
-                    self._start_send(out, peer.info)
+                    self._start_or_fail(out, peer.info)
         elif isinstance(msg, Refuse):
-            self._drop_peer(peer, msg.error, error=ValueError(msg.error))
+            self._drop_peer(peer, f"refused by receiver {peer.peer_id!r}: {msg.error}")
         elif isinstance(msg, Ack):
             out = self._outgoing.get(msg.send_id)
             if out is not None:
@@ -370,14 +386,21 @@ class ZmqSender(CommandThread, KVSender):
             if out is not None and out.state == "await_go":
                 self._do_write(peer, out)
         elif not isinstance(msg, Ping):
-            raise ProtocolError(f"unexpected {msg.KIND} from a receiver")
+            raise ProtocolError(f"unexpected {msg.TYPE} from a receiver")
 
     # -- sends -------------------------------------------------------------------------------
+    def _start_or_fail(self, out: Outgoing, info: dict) -> None:
+        try:
+            self._start_send(out, info)
+        except Exception as e:  # e.g. the Begin could not be queued: this send fails
+            log.exception("%s sender: starting a send of %s failed", self.name, out.transfer_id)
+            self._finish(out, f"send failed: {e}")
+
     def _start_send(self, out: Outgoing, info: dict) -> None:
         self._outgoing[out.send_id] = out
         peer = self._peers.get(out.peer_id)
         if peer is None:  # dropped since connect() (died, restarted?): handshake again
-            self._start_connect(out.peer_id, info, Future())
+            self._start_connect(out.peer_id, info)
             peer = self._peers.get(out.peer_id)
             if peer is None:
                 return  # the handshake failed at once and failed this send with it
@@ -385,9 +408,7 @@ class ZmqSender(CommandThread, KVSender):
             peer.waiting.append(out)  # started on the Welcome, failed if the handshake fails
         elif self.direct:
             out.state = "await_go"
-            begin = Begin(
-                out.transfer_id, out.send_id, list(out.layers), out.dst_blocks, out.timeout_s
-            )
+            begin = Begin(out.transfer_id, out.send_id, out.layers, out.dst_blocks, out.timeout_s)
             self._send_to(peer, begin)
         else:
             self._queue.append(out)
@@ -421,9 +442,9 @@ class ZmqSender(CommandThread, KVSender):
             self._check_peer(peer, out)
             first, last = i == 0, i == len(chunks) - 1
             header = Pages(
-                out.transfer_id, out.send_id, list(chunk.layers), chunk.lo, chunk.hi,
+                out.transfer_id, out.send_id, chunk.layers, chunk.lo, chunk.hi,
                 chunk.nbytes(self.layout), first, last,
-                out.dst_blocks if first else None, list(out.layers) if first else None,
+                out.dst_blocks if first else None, out.layers if first else None,
                 out.timeout_s,
             )  # fmt: skip
             self._emit(peer, out, header, chunk, src[chunk.lo : chunk.hi])
@@ -458,7 +479,7 @@ class ZmqSender(CommandThread, KVSender):
         if out.send_id not in self._outgoing:
             return
         self._finish(out, why)
-        if peer.peer_id in self._peers:
+        if self._peers.get(peer.peer_id) is peer:
             try:
                 self._send_to(peer, Abort(out.transfer_id, out.send_id, why))
             except zmq.ZMQError:
@@ -479,11 +500,11 @@ class ZmqSender(CommandThread, KVSender):
             else:
                 self._finish(out, f"timed out after {out.timeout_s}s")
         for peer in [p for p in self._peers.values() if not p.welcomed and now > p.deadline]:
+            address = peer.info.get("address")
             self._drop_peer(
-                peer,
-                f"no answer from {peer.info.get('address')} within {self.connect_timeout_s}s",
-                error=TimeoutError(f"handshake with {peer.peer_id!r} timed out"),
-            )
+                peer, f"handshake with {peer.peer_id!r}: no answer from {address} within "
+                f"{self.connect_timeout_s}s"
+            )  # fmt: skip
 
     def _fail_all(self, why: str) -> None:
         for out in list(self._outgoing.values()):

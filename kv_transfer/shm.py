@@ -115,10 +115,12 @@ class ShmSender(ZmqSender):
             raise ValueError("the shm transport shares CPU pools only")
         super().__init__(pool, **options)
 
-    def _prepare_peer(self, peer: Peer) -> None:
-        info = peer.info
+    def _check_receiver(self, info: dict) -> None:
         if info.get("host") != pysocket.gethostname():
             raise ValueError(f"shm receiver is on host {info.get('host')!r}, not this one")
+
+    def _prepare_peer(self, peer: Peer) -> None:
+        info = peer.info
         peer.extra["kv"] = map_pool(info["shm_path"], self.layout, info["num_blocks"])
 
     def _write(self, peer: Peer, out: Outgoing) -> None:

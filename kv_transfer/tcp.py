@@ -1,9 +1,10 @@
 """The tcp transport: pages travel as ZeroMQ frames, between any two hosts, for CPU or GPU pools.
 
 Each send is cut into chunks of about `chunk_bytes` (whole layers, or part of the blocks of one
-layer); a chunk is a two-frame message [Pages header (msgpack), pages] sent zero-copy from a
-staging buffer the sender gathered into, and scattered by the receiver as it lands, so gather,
-wire and scatter overlap. GPU pools are staged through pinned host buffers on both sides.
+layer); a chunk is a two-frame message [Pages header, pages] sent zero-copy from a staging
+buffer the sender gathered into, and scattered by the receiver as it lands, so gather, wire and
+scatter overlap. GPU pools are staged through pinned host buffers on both sides. The receiver's
+socket takes frames up to `max_frame_bytes` (its info says so; a sender checks its chunks fit).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import zmq
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
 from kv_transfer.pages import Chunk
-from kv_transfer.protocol import Pages, ProtocolError, encode
+from kv_transfer.protocol import MAX_CONTROL_BYTES, Pages, ProtocolError, control
 from kv_transfer.receiver import Payload, ZmqReceiver
 from kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
 
@@ -66,16 +67,26 @@ class TcpReceiver(ZmqReceiver):
     ) -> TcpReceiver:
         return cls(KVPool(layout, num_blocks, device), **options)
 
-    def __init__(self, pool: KVPool, **options) -> None:
+    def __init__(self, pool: KVPool, max_frame_bytes: int = 256 << 20, **options) -> None:
+        """max_frame_bytes bounds what one peer can make the socket take in at once; senders'
+        chunk_bytes must fit in it."""
+        self.max_frame_bytes = max(max_frame_bytes, MAX_CONTROL_BYTES)
         self._pinned: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._pinned_next = 0
         super().__init__(pool, **options)
 
+    def _max_frame_bytes(self) -> int:
+        return self.max_frame_bytes
+
     def _receive(self, peer: bytes, msg: Pages, frames: list[zmq.Frame]) -> Payload:
-        expected = 1 if msg.runs is None else (msg.layers[1] - msg.layers[0]) * 2 * len(msg.runs)
-        if len(frames) != expected or sum(len(f) for f in frames) != msg.nbytes:
-            got = [len(f) for f in frames]
-            raise ProtocolError(f"pages chunk of {msg.nbytes} bytes came as frames {got}")
+        if msg.runs is None:
+            sizes = [msg.nbytes]
+        else:
+            half_page = pages.page_bytes(self.layout) // 2  # K or V of one block
+            sizes = [n * half_page for _ in range(*msg.layers) for _ in (0, 1) for n in msg.runs]
+        got = [len(f) for f in frames]
+        if got != sizes:
+            raise ProtocolError(f"pages chunk of frames {sizes[:8]} came as {got[:8]}")
         return Payload([torch.frombuffer(f.buffer, dtype=torch.uint8) for f in frames])
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:
@@ -114,6 +125,16 @@ class TcpSender(ZmqSender):
         self.min_pool_frame = min_pool_frame
         self._ring = StagingRing(self.max_inflight_chunks, self.chunk_bytes, pool.kv.is_cuda)
 
+    def _check_receiver(self, info: dict) -> None:
+        # A chunk is at most chunk_bytes, or one page of one layer where that is more.
+        largest = max(self.chunk_bytes, pages.page_bytes(self.layout))
+        limit = info.get("max_frame_bytes")
+        if limit is not None and largest > limit:
+            raise ValueError(
+                f"chunks of up to {largest} bytes (chunk_bytes {self.chunk_bytes}) exceed the "
+                f"receiver's max_frame_bytes {limit}"
+            )
+
     def _emit(
         self, peer: Peer, out: Outgoing, header: Pages, chunk: Chunk, src: torch.Tensor
     ) -> None:
@@ -129,7 +150,7 @@ class TcpSender(ZmqSender):
             shape = chunk.shape(self.layout)
             self._gather(chunk, src, out=buf.view(self.layout.torch_dtype).view(shape))
         try:
-            peer.sock.send(encode(header), zmq.SNDMORE | zmq.NOBLOCK)
+            peer.sock.send(control.encode(header), zmq.SNDMORE | zmq.NOBLOCK)
             tracker = peer.sock.send(buf.numpy(), zmq.NOBLOCK, copy=False, track=True)
         except zmq.Again as e:
             raise SendFailed(f"receiver {peer.peer_id!r} is not reachable") from e
@@ -156,7 +177,7 @@ class TcpSender(ZmqSender):
         ]
         header.runs = [n for _, n in runs]
         try:
-            peer.sock.send(encode(header), zmq.SNDMORE | zmq.NOBLOCK)
+            peer.sock.send(control.encode(header), zmq.SNDMORE | zmq.NOBLOCK)
             peer.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again as e:
             raise SendFailed(f"receiver {peer.peer_id!r} is not reachable") from e

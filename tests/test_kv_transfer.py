@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from bench.kv_remote import RemoteEndpoint, pool_bytes, wait_for
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import KVReceiver, KVSender, TransferResult, make_receiver, make_sender
-from kv_transfer.remote import RemoteEndpoint, pool_bytes, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -161,7 +162,7 @@ def test_killed_sender_fails_its_transfers_on_the_receiver_within_the_timeout(
             child.send("t-half", "decode-0", [3, 4], [1, 2], layers=(0, 2))
             assert child.wait("t-half", 10.0).ok  # half the layers are in
             child.send("t-early", "decode-0", [5], [7])  # not expected yet: held, not written
-            _wait_until(lambda: receiver.stats()["units"] == 1)
+            wait_until(lambda: receiver.stats()["units"] == 1)
             start = time.monotonic()
             child.kill()
             result = wait_result(receiver, "t-half", timeout_s + 2.0)
@@ -169,7 +170,7 @@ def test_killed_sender_fails_its_transfers_on_the_receiver_within_the_timeout(
             assert time.monotonic() - start < timeout_s
         finally:
             child.close()
-        _wait_until(
+        wait_until(
             lambda: receiver.stats() == {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0}
         )
 
@@ -188,7 +189,7 @@ def test_killed_receiver_fails_the_send_within_the_timeout_and_frees_its_memory(
             sender.connect("decode-0", child.info)
             # Never expected by the receiver, so never acked: it is in flight when the peer dies.
             sender.send("t-orphan", "decode-0", [0, 1], [5, 6], timeout_s=timeout_s)
-            _wait_until(lambda: sender.stats()["outstanding"] == 1)
+            wait_until(lambda: sender.stats() == {"outstanding": 1, "peers": 1})
             start = time.monotonic()
             child.kill()
             result = wait_result(sender, "t-orphan", timeout_s + 2.0)
@@ -196,11 +197,11 @@ def test_killed_receiver_fails_the_send_within_the_timeout_and_frees_its_memory(
             assert time.monotonic() - start < timeout_s
             assert sender.stats() == {"outstanding": 0, "peers": 0}
             if transport == "tcp":
-                _wait_until(sender._ring.idle)  # staging buffers given back by ZeroMQ
+                wait_until(sender._ring.idle)  # staging buffers given back by ZeroMQ
     finally:
         child.close()
     if transport == "shm":  # the killed owner's segment is unlinked by its watchdog
-        _wait_until(lambda: not os.path.exists(child.info["shm_path"]))
+        wait_until(lambda: not os.path.exists(child.info["shm_path"]))
 
 
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)  # both ends in this process
@@ -210,8 +211,19 @@ def test_mismatched_layout_is_refused_naming_the_field_on_both_sides(transport: 
             with pytest.raises(ValueError, match="head_dim"):
                 sender.connect("decode-0", receiver.info())  # checked by the sender
             forged = {**receiver.info(), "layout": layout(head_dim=16).to_dict()}
-            with pytest.raises(ValueError, match="head_dim"):
-                sender.connect("decode-0", forged)  # checked by the receiver
+            sender.connect("decode-0", forged)  # checked by the receiver, in the handshake
+            sender.send("t-forged", "decode-0", [0], [1])
+            result = wait_result(sender, "t-forged", 10.0)
+            assert not result.ok and "refused" in result.error and "head_dim" in result.error
+            assert sender.stats() == {"outstanding": 0, "peers": 0}
+
+
+def test_a_tcp_sender_whose_chunks_exceed_the_receivers_frame_limit_is_refused_at_connect() -> None:
+    with make_receiver("tcp", layout(), NUM_BLOCKS, max_frame_bytes=8 << 20) as receiver:
+        assert receiver.info()["max_frame_bytes"] == 8 << 20
+        with make_sender("tcp", KVPool(layout(), NUM_BLOCKS), chunk_bytes=16 << 20) as sender:
+            with pytest.raises(ValueError, match="chunk_bytes"):
+                sender.connect("decode-0", receiver.info())
 
 
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)  # both ends in this process
@@ -223,7 +235,7 @@ def test_pages_for_an_unannounced_transfer_wait_and_never_touch_the_pool(transpo
             sender.connect("decode-0", receiver.info())
             empty = blocks_bits(receiver.pool.kv, [8, 9])
             sender.send("t-wait", "decode-0", [2, 3], [8, 9])
-            _wait_until(lambda: receiver.stats()["units"] == 1)
+            wait_until(lambda: receiver.stats()["units"] == 1)
             assert blocks_bits(receiver.pool.kv, [8, 9]) == empty
             receiver.expect("t-wait", [8, 9])
             assert wait_result(receiver, "t-wait", 10.0).ok
@@ -247,7 +259,7 @@ def test_late_pages_for_a_timed_out_transfer_are_refused(transport: str) -> None
             assert blocks_bits(receiver.pool.kv, [4]) == empty
 
 
-def _wait_until(condition, timeout_s: float = 10.0) -> None:
+def wait_until(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -76,7 +76,7 @@ def _process_context():
     forks from it ready (a fresh spawn spends seconds importing torch); spawn elsewhere."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["kv_transfer.remote", "kv_transfer.tcp", "kv_transfer.shm"])
+        ctx.set_forkserver_preload(["bench.kv_remote", "kv_transfer.tcp", "kv_transfer.shm"])
         return ctx
     return mp.get_context("spawn")
 
