@@ -72,7 +72,6 @@ class PrefillHandoff:
         # One sender per transport, made on first use: each decode node's receiver says which
         # it speaks (a deployment may mix cuda_ipc within a host and nccl across).
         self.senders: dict[str, KVSender] = {}
-        self._peers: set[tuple[str, str]] = set()  # (transport, decode node) connected
         self._failed_starts: list[HandoffEnd] = []  # sends that could not start
         self._refused: list[HandoffEnd] = []  # orders for KV not held here (nothing to free)
         self._lock = threading.Lock()
@@ -111,16 +110,14 @@ class PrefillHandoff:
             except Exception as exc:  # e.g. a transport this host cannot load
                 self._fail_start(handoff, f"send failed: {exc}")
                 return
-            connect = (transport, decode_node) not in self._peers
-            self._peers.add((transport, decode_node))
         try:
-            if connect:
-                sender.connect(decode_node, receiver_info)
+            # Returns at once: a no-op for a connected receiver, a new handshake for one that
+            # moved (a restarted decode node); the send waits for it on the sender's thread.
+            sender.connect(decode_node, receiver_info)
             sender.send(request_id, decode_node, handoff.blocks, dst_blocks, timeout_s=timeout_s)
         except Exception as exc:  # a bad peer must not take the node down
             logger.warning("[%s] send to %s failed to start: %s", request_id, decode_node, exc)
             with self._lock:
-                self._peers.discard((transport, decode_node))
                 self._fail_start(handoff, f"send failed: {exc}")
 
     def _fail_start(self, handoff: Handoff, error: str) -> None:
@@ -169,7 +166,6 @@ class PrefillHandoff:
             if sender.failed is not None:
                 logger.error("KV sender (%s) failed: %s; replacing it", transport, sender.failed)
                 del self.senders[transport]
-                self._peers = {p for p in self._peers if p[0] != transport}
                 sender.close()
 
     def _sender(self, transport: str) -> KVSender:

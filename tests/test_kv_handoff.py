@@ -154,3 +154,74 @@ def test_kv_of_a_cancelled_reservation_never_starts_a_sequence(sides):
     sides.run_until(lambda e, a, f: sides.decode.num_pending == 0)
     assert arrived == [] and sides.dst_blocks.num_free_blocks == BLOCKS
     assert sides.src_blocks.num_free_blocks == BLOCKS
+
+
+def fail_thread_once(monkeypatch: pytest.MonkeyPatch, endpoint: object) -> None:
+    """Make the endpoint's thread raise at its next round (`_expire` runs every round)."""
+    original = endpoint._expire
+    fired = []
+
+    def expire_then_fail(now: float) -> None:
+        if fired:
+            return original(now)
+        fired.append(True)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(endpoint, "_expire", expire_then_fail)
+
+
+def test_a_failed_sender_fails_its_sends_and_is_replaced(sides, monkeypatch):
+    sides.prefilled("r1")
+    sides.prefill.send("r1", "d0", sides.receiver.info(), [0, 1, 2], timeout_s=30)  # not expected
+    sender = sides.prefill.senders["tcp"]
+    fail_thread_once(monkeypatch, sender)
+    ends, _, _ = sides.run_until(lambda e, a, f: e)
+    assert [(e.request_id, e.ok) for e in ends] == [("r1", False)]
+    assert "injected failure" in ends[0].error
+    assert sides.src_blocks.num_free_blocks == BLOCKS and "tcp" not in sides.prefill.senders
+    # The next handoff gets a fresh sender and goes through.
+    sides.prefilled("r2")
+    _, dst = sides.incoming("r2")
+    sides.prefill.send("r2", "d0", sides.receiver.info(), dst, timeout_s=10)
+    ends, arrived, _ = sides.run_until(lambda e, a, f: e and a)
+    assert [(e.request_id, e.ok) for e in ends] == [("r2", True)]
+    assert sides.prefill.senders["tcp"] is not sender
+
+
+def test_a_decode_node_whose_receiver_failed_reports_it_and_takes_no_more_handoffs(monkeypatch):
+    from conftest import RecordingLink
+
+    from cluster.node_messages import Admit, Admitted, TransferDone
+    from decode_node.worker import DecodeNode
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.node_reports import engine_heartbeat
+
+    receivers = []
+
+    def pool_factory(layout, num_blocks):  # noqa: ANN001, ANN202
+        receivers.append(make_receiver("tcp", layout, num_blocks))
+        return receivers[0].pool
+
+    engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=32, block_size=8), pool_factory)
+    node = DecodeNode(engine, RecordingLink("d0"), receivers[0])
+    blocks = engine.block_manager
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    try:
+        node.handle(Admit("r1", list(range(5, 25)) + [30], 20, params))
+        assert node.link.sent[-1].ok and blocks.num_free_blocks == 32 - 3
+        fail_thread_once(monkeypatch, receivers[0])
+        deadline = time.monotonic() + 20
+        while not any(isinstance(m, TransferDone) for m in node.link.sent):
+            assert time.monotonic() < deadline, node.link.sent
+            node._take_in_arrivals()
+            time.sleep(0.01)
+        done = node.link.sent[-1]
+        assert (done.request_id, done.ok) == ("r1", False) and "injected failure" in done.error
+        assert blocks.num_free_blocks == 32 and node.handoff.num_pending == 0
+        # The coordinator hears of it with every heartbeat, and admissions are refused.
+        assert "injected failure" in engine_heartbeat(engine, "d0", 0, node.kv_error).kv_error
+        node.handle(Admit("r2", list(range(5, 25)) + [30], 20, params))
+        assert node.link.sent[-1] == Admitted("r2", False) and blocks.num_free_blocks == 32
+    finally:
+        receivers[0].close()
