@@ -110,8 +110,6 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [num_sampling, vocab] float32 on CPU, indices of sampling sequences)."""
-        for src, dst in out.block_copies:
-            self.pool.kv[:, :, dst].copy_(self.pool.kv[:, :, src])
         ids, pos, batch, sample_rows = self.prepare(out)
         graphs = self.decode_graphs
         decode_only = batch.max_query_len == 1
