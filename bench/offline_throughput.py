@@ -342,7 +342,7 @@ def profile_decode_steps(
     for i, prompt in enumerate(prompts):
         seq = Sequence(f"decode-{i}", prompt + [rng.randrange(4, 1000)], params)
         seq.block_table = []
-        if engine.block_manager.allocate_slots(seq.block_table, len(prompt), 0) is None:
+        if not engine.block_manager.allocate_slots(seq.block_table, len(prompt), 0):
             raise RuntimeError("the KV pool is too small for the decode profile")
         seq.num_computed_tokens = len(prompt)
         engine.seqs[seq.request_id] = seq

@@ -1,7 +1,6 @@
 """Bookkeeping of the paged KV pool: which physical blocks each sequence holds, and prefix caching.
 
-Pure Python: it hands out block ids and copy-on-write pairs; the model runner and the transports
-move the bytes. Full blocks are keyed by a hash chained over (parent hash, token ids).
+Pure Python: it hands out block ids; the model runner and the transports move the bytes. Full blocks are keyed by a hash chained over (parent hash, token ids).
 """
 
 from __future__ import annotations
@@ -78,10 +77,9 @@ class BlockManager:
     def blocks_needed(
         self, block_table: list[int], num_tokens: int, num_tokens_held: int | None = None
     ) -> int:
-        """New blocks that allocate_slots with the same arguments would take (a CoW copy is one)."""
-        held = self._tokens_held(block_table, num_tokens_held)
-        new = max(0, -(-num_tokens // self.block_size) - len(block_table))
-        return new + (1 if self._needs_copy(block_table, num_tokens, held) else 0)
+        """New blocks that allocate_slots with the same arguments would take."""
+        self._tokens_held(block_table, num_tokens_held)
+        return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
     def allocate_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Take references on the longest cached chain of full blocks that prefixes token_ids.
@@ -112,25 +110,14 @@ class BlockManager:
 
     def allocate_slots(
         self, block_table: list[int], num_tokens: int, num_tokens_held: int | None = None
-    ) -> list[tuple[int, int]] | None:
-        """Grow block_table in place to hold num_tokens; None (and no change) if blocks run out.
-
-        Returns (src, dst) pairs whose pages the caller must copy: a shared partial block is
-        replaced by a private copy before it is written (copy-on-write after fork).
-        """
-        held = self._tokens_held(block_table, num_tokens_held)
-        if not self.can_allocate(self.blocks_needed(block_table, num_tokens, held)):
-            return None
-        copies: list[tuple[int, int]] = []
-        if self._needs_copy(block_table, num_tokens, held):
-            src = block_table[-1]
-            dst = self._allocate_fresh()
-            self._ref[src] -= 1  # was shared, so it stays referenced by the other tables
-            block_table[-1] = dst
-            copies.append((src, dst))
+    ) -> bool:
+        """Grow block_table in place to hold num_tokens: True if it did, False (and no change)
+        if blocks run out."""
+        if not self.can_allocate(self.blocks_needed(block_table, num_tokens, num_tokens_held)):
+            return False
         while len(block_table) * self.block_size < num_tokens:
             block_table.append(self._allocate_fresh())
-        return copies
+        return True
 
     def cache_full_blocks(
         self, block_table: list[int], token_ids: Sequence[int], num_computed_tokens: int
@@ -182,15 +169,6 @@ class BlockManager:
                 self._free.append(block)
         block_table.clear()
 
-    def fork(self, block_table: list[int]) -> list[int]:
-        """A new table sharing every block of block_table (parallel sampling)."""
-        for block in block_table:
-            if self._ref[block] == 0:
-                raise ValueError(f"cannot fork a table holding free block {block}")
-        for block in block_table:
-            self._ref[block] += 1
-        return list(block_table)
-
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody references; referenced ones stay registered."""
         while self._evictable:
@@ -208,10 +186,6 @@ class BlockManager:
                 f"of {self.block_size}"
             )
         return held
-
-    def _needs_copy(self, block_table: list[int], num_tokens: int, held: int) -> bool:
-        """Whether writing tokens held..num_tokens would write into a shared partial block."""
-        return num_tokens > held and held % self.block_size != 0 and self._ref[block_table[-1]] > 1
 
     def _is_registered(self, block: int) -> bool:
         h = self._hash.get(block)

@@ -197,7 +197,6 @@ class LLMEngine:
         if num_computed is not None:
             seq.token_ids = list(token_ids)
             seq.num_computed_tokens = num_computed
-        seq.skip_draws(self.model.config.vocab_size)
         return seq
 
     def add_running(self, seq: Sequence) -> None:
@@ -243,6 +242,7 @@ class LLMEngine:
             return []
         t1 = time.perf_counter()
         logits, sample_rows = self.runner.run(out)
+        # On a GPU this is launch time: the sampler's copy of the token ids waits for the kernels.
         t2 = time.perf_counter()
         outputs = self._sample_and_update(out, logits, sample_rows)
         t3 = time.perf_counter()

@@ -109,9 +109,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Returns (logits [num_sampling, vocab] float32 on CPU, indices of sampling sequences)."""
-        for src, dst in out.block_copies:
-            self.pool.kv[:, :, dst].copy_(self.pool.kv[:, :, src])
+        """Returns (logits [num_sampling, vocab] float32 on the model's device, indices of
+        sampling sequences): the sampler runs where the logits are, so only token ids come back."""
         ids, pos, batch, sample_rows = self.prepare(out)
         graphs = self.decode_graphs
         decode_only = batch.max_query_len == 1
@@ -125,11 +124,11 @@ class ModelRunner:
             ids, pos = ids.to(self.device), pos.to(self.device)
             hidden = self.model(ids, pos, self._to_device(batch), self.pool, self.ops)
         if not sample_rows:
-            return torch.empty(0), sample_rows
+            return torch.empty(0, device=self.device), sample_rows
         if len(sample_rows) == hidden.shape[0]:  # all decodes: row i is sequence i's last token
             logits = self.model.compute_logits(hidden)
         else:
             last = batch.query_start_loc[1:] - 1
             rows = last[torch.tensor(sample_rows)].to(self.device)
             logits = self.model.compute_logits(hidden[rows])
-        return logits.cpu(), sample_rows
+        return logits, sample_rows

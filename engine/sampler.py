@@ -1,13 +1,19 @@
-"""Batched sampling from last-position logits: penalties, temperature, top-k, top-p, min-p, greedy
-rows by argmax, seeded rows from their own generator, and optional logprobs."""
+"""Batched sampling where the logits are (the model's device): penalties, temperature, top-k,
+top-p, min-p, greedy rows by argmax, seeded rows from counter-based noise, optional logprobs.
+Only the chosen token ids and the requested logprobs come back to the host."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
 
 from engine.sequence import Sequence
+
+MASK32 = 0xFFFFFFFF
+HASH_MULTIPLIER = 0x45D9F3B
+KEY_START = 0x9E3779B9  # 2**32 / the golden ratio: any nonzero 32-bit start would do
 
 
 @dataclass(slots=True)
@@ -16,23 +22,51 @@ class SampleResult:
     logprobs: list[dict | None]  # per sequence: {"token": (id, lp), "top": [(id, lp), ...]}
 
 
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x's rows at the ascending indices `rows`: x itself when that is all of them (no copy)."""
+    return x if len(rows) == x.shape[0] else x[_index(rows, x.device)]
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over output tokens; repetition penalty (as in HF's
-    processor) over prompt and output tokens."""
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if not p.has_penalties:
-            continue
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-            vals = logits[row, seen]
-            logits[row, seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-        if seq.num_output_tokens and (p.presence_penalty or p.frequency_penalty):
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long)
-            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    """In place, on the rows whose sequences have them: OpenAI presence/frequency penalties over
+    output tokens; repetition penalty (as in HF's processor) over prompt and output tokens."""
+    rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    penalized = [seqs[i] for i in rows]
+    params = [s.params for s in penalized]
+    width = max(s.num_tokens for s in penalized)
+    # Token ids padded with `vocab`: pads count in an extra column that is dropped.
+    padding = array("q", [vocab]) * width
+    flat = array("q")
+    for seq in penalized:
+        flat.extend(seq.token_ids)
+        flat.extend(padding[: width - seq.num_tokens])
+    ids = torch.frombuffer(flat, dtype=torch.long).view(len(rows), width).to(device)
+    index = _index(rows, device)
+    values = logits[index]
+    if any(p.repetition_penalty != 1 for p in params):
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
+        rep = rep.to(device)[:, None]
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+        seen = seen.scatter_(1, ids, True)[:, :vocab]
+        penalized_values = torch.where(values > 0, values / rep, values * rep)
+        values = torch.where(seen, penalized_values, values)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        num_prompt = _index([s.num_prompt_tokens for s in penalized], device)
+        is_output = torch.arange(width, device=device) >= num_prompt[:, None]
+        counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=device)
+        counts = counts.scatter_add_(1, ids, is_output.to(logits.dtype))[:, :vocab]
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)
+        values -= frequency.to(device)[:, None] * counts
+        values -= presence.to(device)[:, None] * (counts > 0)
+    logits[index] = values
     return logits
 
 
@@ -41,7 +75,7 @@ def filter_probs(
 ) -> torch.Tensor:
     """Zero out tokens outside each row's top-k, nucleus top-p and min-p sets; renormalize.
 
-    top_k: [B] int (<= 0 means off); top_p, min_p: [B] float.
+    top_k: [B] int (<= 0 means off); top_p, min_p: [B] float; all on probs' device.
     """
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
@@ -81,44 +115,114 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return start + x.gather(1, cols).argmax(dim=-1)
 
 
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2**32), in place: two multiply-xorshift
+    rounds. int64 keeps every product below 2**59, so nothing overflows on any device."""
+    for _ in range(2):
+        x.bitwise_xor_(x >> 16).mul_(HASH_MULTIPLIER).bitwise_and_(MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def seeded_noise(
+    seeds: list[int], sample_indexes: list[int], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise [len(seeds), vocab_size] float32 for the exponential race: entry (r, v) is a
+    pure function of (seeds[r] mod 2**64, sample_indexes[r], v), so a seeded request's n-th output
+    draws the same noise whatever batch, row or node samples it."""
+    keys = torch.tensor(
+        [[s & MASK32, (s >> 32) & MASK32, i & MASK32] for s, i in zip(seeds, sample_indexes)],
+        dtype=torch.long,
+    ).to(device)
+    # Chained from a nonzero start: hash32 fixes 0, and seed 0 at sample 0 must not key to 0.
+    key = torch.full_like(keys[:, 0], KEY_START)
+    for word in keys.unbind(1):
+        key = hash32(key ^ word)
+    bits = hash32(key[:, None] ^ torch.arange(vocab_size, device=device))
+    # The top 23 bits to the midpoints of 2**23 equal cells of (0, 1): exact in float32, so u is
+    # never 0 or 1 and the noise is finite and positive.
+    u = ((bits >> 9) * 2 + 1).float().mul_(2.0**-24)
+    return u.log_().neg_()
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Token ids [B] drawn from the B rows' tempered, filtered distributions."""
+    device = logits.device
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).to(device)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        probs = filter_probs(
+            probs,
+            _index([p.top_k for p in params], device),
+            torch.tensor([p.top_p for p in params], dtype=probs.dtype).to(device),
+            torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(device),
+        )
+    # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Unseeded rows draw E from
+    # the device's generator; seeded rows take noise keyed by (seed, sample index, token).
+    seeded = [j for j, p in enumerate(params) if p.seed is not None]
+    noise = torch.empty_like(probs)
+    if len(seeded) < len(seqs):
+        noise.exponential_()
+    if seeded:
+        noise[_index(seeded, device)] = seeded_noise(
+            [params[j].seed for j in seeded],
+            [seqs[j].sample_index for j in seeded],
+            probs.shape[1],
+            device,
+        )
+    return argmax_rows(probs.div_(noise))
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
+) -> list[dict]:
+    """Each row's chosen-token logprob and top n, found on the device and copied in two pieces.
+
+    raw: [B, vocab] log-softmax; tokens: the B chosen ids on raw's device, token_ids on the host.
+    """
+    num_top = max(s.params.logprobs or 0 for s in seqs)
+    top = raw.topk(num_top, dim=-1)
+    chosen = raw.gather(1, tokens[:, None])
+    values = torch.cat([chosen, top.values], dim=1).tolist()
+    top_ids = top.indices.tolist()
+    result = []
+    for seq, token, row_values, row_ids in zip(seqs, token_ids, values, top_ids):
+        n = seq.params.logprobs or 0
+        result.append(
+            {"token": (token, row_values[0]), "top": list(zip(row_ids[:n], row_values[1 : n + 1]))}
+        )
+    return result
+
+
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-    """logits: [B, vocab] float32 for the B sequences that sample this step."""
-    wants_logprobs = any(s.params.logprobs is not None for s in seqs)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-    if any(s.params.has_penalties for s in seqs):
-        logits = apply_penalties(logits.clone(), seqs)
-    greedy = [s.params.greedy for s in seqs]
-    tokens = torch.empty(len(seqs), dtype=torch.long)
-    if any(greedy):
-        tokens[:] = argmax_rows(logits)
-    if not all(greedy):
-        rows = torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.long)
-        params = [seqs[i].params for i in rows.tolist()]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-        probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            probs = filter_probs(
-                probs,
-                torch.tensor([p.top_k for p in params]),
-                torch.tensor([p.top_p for p in params], dtype=probs.dtype),
-                torch.tensor([p.min_p for p in params], dtype=probs.dtype),
+    """logits: [B, vocab] float32 for the B sequences that sample this step, on any device. They
+    are used up: penalties are applied to them in place."""
+    device = logits.device
+    logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    # Logprobs are of the model's distribution, before penalties and temperature.
+    raw_logprobs = None
+    if logprob_rows:
+        raw_logprobs = torch.log_softmax(_rows(logits, logprob_rows), dim=-1)
+    apply_penalties(logits, seqs)
+    sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if len(sampled_rows) == len(seqs):
+        tokens = _sample_rows(logits, seqs)
+    else:
+        tokens = argmax_rows(logits)
+        if sampled_rows:
+            tokens[_index(sampled_rows, device)] = _sample_rows(
+                _rows(logits, sampled_rows), [seqs[i] for i in sampled_rows]
             )
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; each seeded sequence
-        # draws its noise from its own generator so its output does not depend on the batch.
-        noise = torch.empty_like(probs)
-        for j, row in enumerate(rows.tolist()):
-            noise[j].exponential_(generator=seqs[row].generator)
-        tokens[rows] = argmax_rows(probs / noise)
     token_list = tokens.tolist()
     logprobs: list[dict | None] = [None] * len(seqs)
     if raw_logprobs is not None:
-        for i, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            if n is None:
-                continue
-            top = raw_logprobs[i].topk(n) if n else None
-            logprobs[i] = {
-                "token": (token_list[i], float(raw_logprobs[i, token_list[i]])),
-                "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())),
-            }
+        row_logprobs = _logprobs(
+            raw_logprobs,
+            _rows(tokens, logprob_rows),
+            [token_list[i] for i in logprob_rows],
+            [seqs[i] for i in logprob_rows],
+        )
+        for i, lp in zip(logprob_rows, row_logprobs):
+            logprobs[i] = lp
     return SampleResult(token_list, logprobs)

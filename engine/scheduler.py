@@ -24,7 +24,6 @@ class ScheduledSeq:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write pages
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -96,16 +95,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            copies = self._allocate(seq, num_new)
-            while copies is None:
+            allocated = self._allocate(seq, num_new)
+            while not allocated:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                copies = self._allocate(seq, num_new)
-            if copies is None:
+                allocated = self._allocate(seq, num_new)
+            if not allocated:
                 break
-            out.block_copies += copies
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             i += 1
@@ -126,8 +124,7 @@ class Scheduler:
             num_new = seq.num_uncomputed_tokens
             if num_new > budget and self.enable_chunked_prefill:
                 num_new = budget
-            copies = self._allocate(seq, num_new) if num_new <= budget else None
-            if copies is None:
+            if num_new > budget or not self._allocate(seq, num_new):
                 # Give back the prefix blocks it matched: a waiting sequence pins nothing. With
                 # nothing running, the blocks are held by handoffs (prefilled sequences waiting
                 # to be sent, or reserved for arriving KV) and come back when those end.
@@ -137,12 +134,11 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.block_copies += copies
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
 
-    def _allocate(self, seq: Sequence, num_new: int) -> list[tuple[int, int]] | None:
+    def _allocate(self, seq: Sequence, num_new: int) -> bool:
         return self.block_manager.allocate_slots(
             seq.block_table, seq.num_computed_tokens + num_new, seq.num_computed_tokens
         )

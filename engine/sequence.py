@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from cluster.sampling_params import SamplingParams
 
 
@@ -43,21 +41,9 @@ class Sequence:
         # On a prefill node: leave the batch after the first token, keeping the blocks.
         self.prefill_only = prefill_only
         # Outputs of this request sampled before this sequence's own (on another node, or by an
-        # earlier attempt): seeded sampling goes on from there.
+        # earlier attempt): seeded sampling goes on from there, its noise keyed by sample_index.
         self.output_offset = output_offset
         self.output_logprobs: list[dict] = []
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-
-    def skip_draws(self, vocab_size: int) -> None:
-        """Advance a seeded generator past the draws of the outputs sampled before this
-        sequence's next token, so the stream continues as if it had never moved."""
-        if self.generator is None or self.params.greedy:
-            return
-        scratch = torch.empty(vocab_size)
-        for _ in range(self.sample_index):
-            scratch.exponential_(generator=self.generator)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +59,8 @@ class Sequence:
 
     @property
     def sample_index(self) -> int:
-        """Which output of the request the next sampled token is (0 for the first)."""
+        """Which output of the request the next sampled token is (0 for the first): with the
+        seed, the key of that token's sampling noise wherever it is sampled."""
         return self.output_offset + self.num_output_tokens
 
     @property

@@ -207,7 +207,7 @@ class DecodeHandoff:
         if self.receiver.failed is not None:
             raise TransportFailed(self.receiver.failed)
         blocks: list[int] = []
-        if self.block_manager.allocate_slots(blocks, seq.num_computed_tokens) is None:
+        if not self.block_manager.allocate_slots(blocks, seq.num_computed_tokens):
             return None
         try:
             self.receiver.expect(seq.request_id, list(blocks), timeout_s=timeout_s)

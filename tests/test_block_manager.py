@@ -1,4 +1,4 @@
-"""Specification of the block manager: block accounting, prefix caching, LRU, copy-on-write."""
+"""Specification of the block manager: block accounting, prefix caching, LRU eviction."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ SYSTEM_PROMPTS = [[], [0, 1, 1, 0, 1, 0, 0, 1], [0, 1, 1, 0, 1, 1, 1, 1], [1, 1,
 def computed_table(mgr: BlockManager, tokens: list[int]) -> list[int]:
     """A table as after prefill of tokens: prefix hits, fresh slots, full blocks registered."""
     table = mgr.allocate_prefix(tokens)
-    assert mgr.allocate_slots(table, len(tokens), len(table) * mgr.block_size) is not None
+    assert mgr.allocate_slots(table, len(tokens), len(table) * mgr.block_size)
     mgr.cache_full_blocks(table, tokens, len(tokens))
     return table
 
@@ -46,23 +46,23 @@ def test_allocate_slots_grows_the_table_in_place_to_hold_the_tokens() -> None:
     mgr = BlockManager(8, BS)
     table: list[int] = []
     assert mgr.blocks_needed(table, 9) == 3
-    assert mgr.allocate_slots(table, 9, 0) == []
+    assert mgr.allocate_slots(table, 9, 0) is True
     assert len(table) == 3 and len(set(table)) == 3
     assert mgr.blocks_needed(table, 12, 9) == 0
-    assert mgr.allocate_slots(table, 12, 9) == []
+    assert mgr.allocate_slots(table, 12, 9) is True
     assert len(table) == 3
-    assert mgr.allocate_slots(table, 13, 12) == []
+    assert mgr.allocate_slots(table, 13, 12) is True
     assert len(table) == 4
     assert (mgr.num_used_blocks, mgr.usage) == (4, 0.5)
 
 
-def test_allocate_slots_returns_none_and_changes_nothing_when_blocks_run_out() -> None:
+def test_allocate_slots_returns_false_and_changes_nothing_when_blocks_run_out() -> None:
     mgr = BlockManager(4, BS)
-    other = computed_table(mgr, [1, 2, 3, 4, 5])
-    table = mgr.fork(other)  # shared partial last block: growing needs a copy as well
+    table = computed_table(mgr, [1, 2, 3, 4, 5])  # 2 blocks held, 2 free; 17 tokens need 5
     before, table_before = state(mgr), list(table)
+    assert mgr.blocks_needed(table, 17, 5) == 3
     assert not mgr.can_allocate(mgr.blocks_needed(table, 17, 5))
-    assert mgr.allocate_slots(table, 17, 5) is None
+    assert mgr.allocate_slots(table, 17, 5) is False
     assert state(mgr) == before and table == table_before
 
 
@@ -183,30 +183,6 @@ def test_a_prefix_hit_refreshes_recency() -> None:
     assert mgr.allocate_prefix([1, 1, 1, 1, 0]) == [a_block]
 
 
-def test_copy_on_write_after_fork_copies_the_shared_partial_block() -> None:
-    mgr = BlockManager(8, BS)
-    parent = computed_table(mgr, [1, 2, 3, 4, 5, 6])  # last block holds 2 of 4
-    parent_before = list(parent)
-    child = mgr.fork(parent)
-    assert child == parent and all(mgr.ref_count(b) == 2 for b in parent)
-    assert mgr.blocks_needed(child, 7, 6) == 1
-    copies = mgr.allocate_slots(child, 7, 6)
-    assert copies == [(parent[1], child[1])]
-    assert child[0] == parent[0] and child[1] != parent[1]
-    assert parent == parent_before
-    assert [mgr.ref_count(b) for b in parent] == [2, 1]
-    assert mgr.allocate_slots(parent, 7, 6) == []  # no longer shared: written in place
-    assert parent == parent_before
-
-
-def test_fork_of_a_full_last_block_shares_it_without_copy() -> None:
-    mgr = BlockManager(8, BS)
-    parent = computed_table(mgr, [1, 2, 3, 4])
-    child = mgr.fork(parent)
-    assert mgr.allocate_slots(child, 5, 4) == []
-    assert child[0] == parent[0] and len(child) == 2
-
-
 def test_double_free_raises_and_changes_nothing() -> None:
     mgr = BlockManager(8, BS)
     table = computed_table(mgr, [1, 2, 3, 4, 5])
@@ -240,10 +216,10 @@ def test_reset_prefix_cache_forgets_unreferenced_blocks_only() -> None:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random sequences of prefill, decode, fork, cache and free, against a model of the pages.
+    """Random sequences of prefill, decode, cache and free, against a model of the pages.
 
     `pages` is the shadow KV pool: the token id each slot of each block was written with, so any
-    wrong prefix hit, missing copy-on-write or reuse of a live block shows up as wrong content.
+    wrong prefix hit, write into a shared block or reuse of a live block shows up as wrong content.
     """
 
     def __init__(self) -> None:
@@ -289,14 +265,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         before, table_before = state(self.mgr), list(table)
         used_before = self.mgr.num_used_blocks
         needed = self.mgr.blocks_needed(table, target, held)
-        copies = self.mgr.allocate_slots(table, target, held)
-        if copies is None:
+        if not self.mgr.allocate_slots(table, target, held):
             assert not self.mgr.can_allocate(needed)
             assert state(self.mgr) == before and table == table_before
             return
         assert self.mgr.num_used_blocks - used_before == needed
-        for src, dst in copies:
-            self.pages[dst] = list(self.pages[src])
         for block in table[len(table_before) :]:
             self.pages[block] = [None] * BS  # fresh block: garbage until written
         for pos in range(held, target):
@@ -312,13 +285,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def cache(self, index: int) -> None:
         seq = self.seqs[index % len(self.seqs)]
         self.mgr.cache_full_blocks(seq["table"], seq["tokens"], seq["computed"])
-
-    @precondition(lambda self: 0 < len(self.seqs) < 4)
-    @rule(index=st.integers(0, 100))
-    def fork(self, index: int) -> None:
-        seq = self.seqs[index % len(self.seqs)]
-        table = self.mgr.fork(seq["table"])
-        self.seqs.append({**seq, "table": table, "tokens": list(seq["tokens"])})
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 100))

@@ -1,5 +1,6 @@
-"""On CUDA, the engine running the Triton kernels generates what the CPU reference generates, and
-each compiled kernel matches its torch reference at serving shapes (long contexts, Llama-3 heads).
+"""On CUDA, the engine running the Triton kernels generates what the CPU reference generates, the
+sampler on the device picks what it picks on the host (seeded rows whatever the batch), and each
+compiled kernel matches its torch reference at serving shapes (long contexts, Llama-3 heads).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from conftest import random_prompts
 from paged_inputs import paged_inputs
 
 from engine import LLM, SamplingParams
+from engine.sampler import hash32, sample, seeded_noise
+from engine.sequence import Sequence
 from kernels import attention_ref, norm_ref, rotary_ref
 
 pytestmark = [
@@ -108,6 +111,80 @@ def test_bfloat16_is_the_default_on_cuda():
     llm = LLM(None, device="cuda", num_kv_blocks=64)
     assert llm.engine.pool.kv.dtype == torch.bfloat16
     assert next(llm.engine.model.parameters()).dtype == torch.bfloat16
+
+
+# --- sampling on the device ---------------------------------------------------------------------
+
+
+def _decoding(request_id: str, params: SamplingParams, outputs: int = 3, **kw: int) -> Sequence:
+    seq = Sequence(request_id, [5, 17, 17, 40], params, **kw)
+    for token in range(outputs):
+        seq.append_token(17 + token)
+    return seq
+
+
+def test_greedy_sampling_on_cuda_picks_the_cpu_tokens():
+    gen = torch.Generator().manual_seed(11)
+    logits = 4 * torch.randn(48, 32000, generator=gen)
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=0.9, top_k=1, seed=3),
+    ]
+    seqs = [_decoding(f"g{i}", kinds[i % len(kinds)]) for i in range(48)]
+    on_cpu = sample(logits.clone(), seqs)
+    on_cuda = sample(logits.cuda(), seqs)
+    assert on_cuda.token_ids == on_cpu.token_ids
+    for got, expected in zip(on_cuda.logprobs, on_cpu.logprobs):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert got["token"][0] == expected["token"][0]
+            assert [t for t, _ in got["top"]] == [t for t, _ in expected["top"]]
+            torch.testing.assert_close(
+                torch.tensor([got["token"][1]] + [v for _, v in got["top"]]),
+                torch.tensor([expected["token"][1]] + [v for _, v in expected["top"]]),
+            )
+
+
+def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(6, 32000, generator=gen).cuda()
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=2**40 + 9)
+    alone = sample(logits[4:5].clone(), [_decoding("alone", seeded, output_offset=2)])
+    companions = [
+        _decoding("a", SamplingParams(temperature=0)),
+        _decoding("b", SamplingParams(temperature=0.8, repetition_penalty=1.2)),
+        _decoding("c", SamplingParams(temperature=1.0, seed=1)),
+        _decoding("d", SamplingParams(temperature=1.0, top_k=20, logprobs=2)),
+        _decoding("e", seeded, output_offset=2),
+        _decoding("f", SamplingParams(temperature=1.3)),
+    ]
+    for unseeded_noise in (0, 1):  # the device generator's state must not reach the seeded row
+        torch.cuda.manual_seed(unseeded_noise)
+        assert sample(logits.clone(), companions).token_ids[4] == alone.token_ids[0]
+
+
+def test_seeded_noise_is_the_same_function_on_cuda_and_cpu():
+    values = torch.randint(0, 2**32, (10_000,), dtype=torch.long, generator=torch.Generator())
+    expected = hash32(values.clone())  # in place
+    assert torch.equal(hash32(values.cuda()).cpu(), expected)
+    seeds, indexes = [0, 7, -3, 2**50], [0, 1, 9, 4096]
+    torch.testing.assert_close(
+        seeded_noise(seeds, indexes, 5000, torch.device("cuda")).cpu(),
+        seeded_noise(seeds, indexes, 5000, torch.device("cpu")),
+    )
+
+
+def test_seeded_generation_on_cuda_does_not_depend_on_batch_companions():
+    llm = LLM(None, device="cuda", dtype="float32", num_kv_blocks=256)
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    prompt = "Once upon a time"
+    (alone,) = llm.generate([prompt], params)
+    others = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    batched = llm.generate(["noise one", prompt, "more noise here"], [others, params, others])
+    assert batched[1].token_ids == alone.token_ids
 
 
 # --- kernels at serving shapes ------------------------------------------------------------------
