@@ -33,7 +33,9 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """In place, on the rows whose sequences have them: OpenAI presence/frequency penalties over
-    output tokens; repetition penalty (as in HF's processor) over prompt and output tokens."""
+    the request's output tokens (those sampled on other nodes or attempts too, so a moved request
+    samples as if it had not moved); repetition penalty (as in HF's processor) over prompt and
+    output tokens."""
     rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
     if not rows:
         return logits
@@ -58,7 +60,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         penalized_values = torch.where(values > 0, values / rep, values * rep)
         values = torch.where(seen, penalized_values, values)
     if any(p.presence_penalty or p.frequency_penalty for p in params):
-        num_prompt = _index([s.num_prompt_tokens for s in penalized], device)
+        num_prompt = _index([s.num_request_prompt_tokens for s in penalized], device)
         is_output = torch.arange(width, device=device) >= num_prompt[:, None]
         counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=device)
         counts = counts.scatter_add_(1, ids, is_output.to(logits.dtype))[:, :vocab]

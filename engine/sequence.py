@@ -58,6 +58,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_request_prompt_tokens(self) -> int:
+        """The request's own prompt: every token after it is an output of the request, sampled
+        here or before this sequence (earlier outputs travel to a node as part of its prompt)."""
+        return self.num_prompt_tokens - self.output_offset
+
+    @property
     def sample_index(self) -> int:
         """Which output of the request the next sampled token is (0 for the first): with the
         seed, the key of that token's sampling noise wherever it is sampled."""

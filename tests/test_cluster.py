@@ -51,7 +51,8 @@ def test_one_prefill_one_decode_matches_offline(transport, kv_handoff, offline):
     prompts = make_prompts(8, seed=1)
     expected = expected_outputs(offline, prompts, GREEDY)
     # A seeded sampled request: its first token is drawn on the prefill node, the rest on the
-    # decode node, which skips that draw, so the stream is the offline one.
+    # decode node, whose noise is keyed by each token's index in the request's outputs, so the
+    # stream is the offline one.
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
     (expected_seeded,) = expected_outputs(offline, prompts[:1], seeded)
     with Cluster(1, 1, transport=transport, kv_handoff=kv_handoff) as cluster:
@@ -244,7 +245,10 @@ class TestTwoByTwo:
 
     def test_killed_decode_node_requests_finish_elsewhere_without_gaps(self, cluster, offline):
         prompts = make_prompts(10, seed=6, lo=5, hi=30)
-        params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+        # The penalty counts the outputs streamed before the retry as the resumed stream's own.
+        params = SamplingParams(
+            max_tokens=150, temperature=0, ignore_eos=True, frequency_penalty=0.4
+        )
         expected = expected_outputs(offline, prompts, params)
 
         async def run_with_kill() -> list[list[int]]:

@@ -255,6 +255,28 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "penalty",
+    [{"presence_penalty": 1.5}, {"frequency_penalty": 1.2}],
+    ids=["presence", "frequency"],
+)
+def test_a_penalized_request_resumed_elsewhere_counts_its_earlier_outputs(llm, penalty):
+    # Outputs streamed before a retry come back as part of the prompt; the penalties still count
+    # them as outputs, so the resumed stream is the uninterrupted one.
+    full = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **penalty)
+    (whole,) = llm.generate([PROMPT], full)
+    k = 8
+    resumed_prompt = whole.prompt_token_ids + whole.token_ids[:k]
+    rest = SamplingParams(max_tokens=24 - k, temperature=0, ignore_eos=True, **penalty)
+    engine = llm.engine
+    resumed = engine.add_request("resumed", resumed_prompt, rest, output_offset=k)
+    forgetful = engine.add_request("forgetful", resumed_prompt, rest)  # counts none of them
+    while engine.has_unfinished():
+        engine.step()
+    assert resumed.output_token_ids == whole.token_ids[k:]
+    assert forgetful.output_token_ids != whole.token_ids[k:]
+
+
 def test_a_seeded_request_resumed_elsewhere_continues_its_random_stream(llm):
     # The retry path: prompt + the k tokens already streamed, sampled on from output k.
     full = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
