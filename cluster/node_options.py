@@ -5,14 +5,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.schema import REQUIRED, setting, validate
+
+TRANSPORTS = ("tcp", "shm", "cuda_ipc", "nccl")
+KV_HANDOFF = ("immediate", "between-steps")
+# A node's place in the cluster, given by whoever starts it; config files set only the others.
+PLACEMENT = ("coordinator", "node_id", "transport", "kv_host", "kv_port")
+
 
 @dataclass(slots=True)
 class NodeOptions:
-    coordinator: str  # the coordinator's node address, tcp://host:port
-    node_id: str
-    transport: str = "tcp"
-    kv_host: str = "127.0.0.1"  # where a decode node's KV receiver listens, as senders reach it
-    kv_port: int = 0  # 0: any free port (reported to the coordinator at registration)
-    heartbeat_interval_s: float = 0.5
-    # Prefill nodes: start a KV send as SendKV arrives (a thread), or between steps.
-    kv_handoff: str = "immediate"  # immediate | between-steps
+    coordinator: str = setting(REQUIRED, "the coordinator's node address, tcp://HOST:NODE_PORT")
+    node_id: str = setting(REQUIRED, "this node's name; a restarted node registers again under it")
+    transport: str = setting(
+        "tcp",
+        "how a decode node receives KV pages (prefill nodes send with each decode node's)",
+        choices=TRANSPORTS,
+    )
+    kv_host: str = setting(
+        "127.0.0.1", "where a decode node's KV receiver listens, as senders reach it"
+    )
+    kv_port: int = setting(
+        0, "port of a decode node's KV receiver (0: any free one)", minimum=0, maximum=65535
+    )
+    heartbeat_interval_s: float = setting(0.5, "how often nodes report their load", above=0)
+    kv_handoff: str = setting(
+        "immediate",
+        "prefill nodes start a KV send as SendKV arrives, on a thread beside the step (immediate), or only between steps (between-steps; for comparison)",
+        choices=KV_HANDOFF,
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)

@@ -1,157 +1,186 @@
-"""The coordinator's configuration (TOML): how operators trade time-to-first-token against
-time-per-output-token. Fields marked live are re-read on SIGHUP; the others need a restart."""
+"""The coordinator's configuration file (TOML, flat): the coordinator's own policies, how operators
+trade time-to-first-token against time-per-output-token (live ones are re-read on SIGHUP), and the
+settings of the nodes `pdserve serve` starts (`EngineConfig`, `NodeOptions`; restart to change)."""
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from cluster.node_options import PLACEMENT, NodeOptions
+from cluster.schema import (
+    declared,
+    defaults,
+    doc_rows,
+    markdown_table,
+    names,
+    read_table,
+    setting,
+    validate,
+)
+from engine.config import EngineConfig
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
-DECODE_ROUTING = ("kv_capacity",)
-KV_HANDOFF = ("immediate", "between-steps")
+# Node settings the file does not hold, and where they come from instead.
+NOT_IN_FILE = {
+    **{name: f"give pdserve serve --{name}" for name in ("model", "dtype", "device", "transport")},
+    **{name: "serve gives each node its own" for name in PLACEMENT if name != "transport"},
+}
 
 
-def _live(default, doc: str):  # noqa: ANN001, ANN202
-    return field(default=default, metadata={"live": True, "doc": doc})
+@dataclass(slots=True)
+class NodeSettings:
+    """What the file sets for the nodes `pdserve serve` starts; they read it at start only."""
 
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    node: dict[str, Any] = field(default_factory=dict)  # NodeOptions fields
 
-def _fixed(default, doc: str):  # noqa: ANN001, ANN202
-    return field(default=default, metadata={"live": False, "doc": doc})
+    def differences(self, other: NodeSettings) -> list[str]:
+        """The settings whose values differ (one the file leaves out has its default)."""
+        out = []
+        for cls, mine, theirs in ((NodeOptions, self.node, other.node),
+                                  (EngineConfig, self.engine, other.engine)):  # fmt: skip
+            base = defaults(cls)
+            out += [n for n in names(cls) if mine.get(n, base.get(n)) != theirs.get(n, base.get(n))]
+        return out
 
 
 @dataclass(slots=True)
 class CoordinatorConfig:
-    # Routing and admission (live).
-    prefill_routing: str = _live(
-        "prefix_affinity", "prefill node choice: least_loaded | prefix_affinity"
+    # Routing and admission.
+    prefill_routing: str = setting(
+        "prefix_affinity",
+        "prefill node choice: least_loaded, or prefix_affinity (the node holding the prompt's prefix in cache)",
+        live=True,
+        choices=PREFILL_ROUTING,
     )
-    decode_routing: str = _live(
-        "kv_capacity", "decode node choice: kv_capacity (most free KV blocks)"
-    )
-    admission_watermark: float = _live(
+    admission_watermark: float = setting(
         0.05,
         "fraction of a decode node's KV blocks kept free at admission, for its running sequences to grow into",
+        live=True,
+        minimum=0,
+        below=1,
     )
-    max_pending_requests: int = _live(
-        512, "requests not yet decoding beyond which new ones get an 'overloaded' error"
+    max_pending_requests: int = setting(
+        512,
+        "requests not yet decoding beyond which new ones get an 'overloaded' error",
+        live=True,
+        minimum=1,
     )
-    conditional_disagg_threshold: int = _live(
-        0, "prompts shorter than this many tokens are prefilled on the decode node (0: never)"
+    conditional_disagg_threshold: int = setting(
+        0,
+        "prompts shorter than this many tokens are prefilled on the decode node (0: never)",
+        live=True,
+        minimum=0,
     )
-    prefill_queue_limit_tokens: int = _live(
+    prefill_queue_limit_tokens: int = setting(
         0,
         "when every prefill node has more queued prompt tokens than this, prefill on the decode node (0: never)",
+        live=True,
+        minimum=0,
     )
-    prefix_affinity_min_blocks: int = _live(
-        1, "full blocks a prompt must share with a cached prefix for affinity routing to apply"
+    prefix_affinity_min_blocks: int = setting(
+        1,
+        "full blocks a prompt must share with a cached prefix for affinity routing to apply",
+        live=True,
+        minimum=1,
     )
-    prefix_affinity_max_load_ratio: float = _live(
+    prefix_affinity_max_load_ratio: float = setting(
         2.0,
         "affinity yields to least-loaded when the cached node's queue exceeds this multiple of the least-loaded node's plus the cached prefix length",
+        live=True,
+        minimum=0,
     )
-    heartbeat_timeout_s: float = _live(
-        3.0, "a node silent this long is marked dead and its requests move elsewhere"
+    # Failure handling.
+    heartbeat_timeout_s: float = setting(
+        3.0,
+        "a node silent this long is marked dead and its requests move elsewhere",
+        live=True,
+        above=0,
     )
-    max_retries: int = _live(
-        3, "times a request is re-prefilled after node failures before it fails"
+    max_retries: int = setting(
+        3,
+        "times a request is re-prefilled after node failures before it fails",
+        live=True,
+        minimum=0,
     )
-    transfer_timeout_s: float = _live(
-        30.0, "a KV handoff not finished in this time fails and is retried"
+    transfer_timeout_s: float = setting(
+        30.0,
+        "a KV handoff not finished in this time fails and is retried (sent with each handoff)",
+        live=True,
+        above=0,
     )
-    # Node settings, passed to nodes at start (restart to change).
-    heartbeat_interval_s: float = _fixed(0.5, "how often nodes report their load")
-    block_size: int = _fixed(16, "tokens per KV block")
-    max_num_seqs: int = _fixed(256, "sequences per step on a node")
-    max_num_batched_tokens: int = _fixed(
-        2048, "tokens per step on a node (the chunked-prefill chunk)"
-    )
-    num_kv_blocks: int | None = _fixed(
-        None, "KV blocks per node (default: from kv_cache_bytes or gpu_memory_utilization)"
-    )
-    kv_cache_bytes: int | None = _fixed(
-        None, "CPU KV pool budget per node in bytes (default 1 GiB)"
-    )
-    gpu_memory_utilization: float = _fixed(
-        0.9, "fraction of free GPU memory a node's KV pool takes"
-    )
-    enable_prefix_caching: bool = _fixed(True, "reuse KV of shared prompt prefixes")
-    max_model_len: int | None = _fixed(None, "context limit (default: the model's)")
-    scheduling_policy: str = _fixed(
-        "continuous",
-        "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)",
-    )
-    kv_handoff: str = _fixed(
-        "immediate",
-        "prefill nodes start a KV send as SendKV arrives, on a thread beside the step (immediate), or only between steps (between-steps; for comparison)",
-    )
-    kernel_backend: str = _fixed(
-        "auto",
-        "attention/norm/rotary kernels: auto (Triton on CUDA) | torch (the reference) | triton",
-    )
-    enforce_eager: bool = _fixed(False, "run decode steps eagerly, never from CUDA graphs")
-    cuda_graph_max_batch_size: int = _fixed(
-        256, "largest decode batch captured as a CUDA graph (capped at max_num_seqs)"
-    )
+    # Not a setting of the coordinator: the nodes' part of the same file.
+    node_settings: NodeSettings = field(default_factory=NodeSettings)
 
     def __post_init__(self) -> None:
-        if self.prefill_routing not in PREFILL_ROUTING:
-            raise ValueError(
-                f"prefill_routing must be one of {PREFILL_ROUTING}, got {self.prefill_routing!r}"
-            )
-        if self.kv_handoff not in KV_HANDOFF:
-            raise ValueError(f"kv_handoff must be one of {KV_HANDOFF}, got {self.kv_handoff!r}")
-        if self.decode_routing not in DECODE_ROUTING:
-            raise ValueError(
-                f"decode_routing must be one of {DECODE_ROUTING}, got {self.decode_routing!r}"
-            )
-        if not 0 <= self.admission_watermark < 1:
-            raise ValueError(
-                f"admission_watermark must be in [0, 1), got {self.admission_watermark}"
-            )
-        for name in (
-            "max_pending_requests",
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("heartbeat_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        validate(self)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> CoordinatorConfig:
-        data = tomllib.loads(Path(path).read_text())
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown config key '{unknown[0]}'")
-        return cls(**data)
+        """The whole file: the coordinator's settings, and the nodes' in `node_settings`."""
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML: {exc}") from exc
+        own, node, engine = read_table(
+            data, cls, NodeOptions, EngineConfig, where=f"{path}: ", refuse=NOT_IN_FILE
+        )
+        try:
+            EngineConfig(**engine)  # the checks that span settings, before any node starts
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+        return cls(**own, node_settings=NodeSettings(engine, node))
 
     def reload_from(self, new: CoordinatorConfig) -> list[str]:
         """Apply the live fields of `new`; returns the names changed. Fixed fields that differ
         are left alone (they need a restart) and reported in the log by the caller."""
         changed = []
-        for f in dataclasses.fields(self):
-            if f.metadata.get("live") and getattr(self, f.name) != getattr(new, f.name):
-                setattr(self, f.name, getattr(new, f.name))
-                changed.append(f.name)
+        for d in declared(type(self)):
+            if d.spec.live and getattr(self, d.name) != getattr(new, d.name):
+                setattr(self, d.name, getattr(new, d.name))
+                changed.append(d.name)
         return changed
 
     def fixed_differences(self, new: CoordinatorConfig) -> list[str]:
-        return [
-            f.name
-            for f in dataclasses.fields(self)
-            if not f.metadata.get("live") and getattr(self, f.name) != getattr(new, f.name)
+        """The settings of `new` that differ but take a restart: the coordinator's own that are
+        not live, and every node setting."""
+        own = [
+            d.name
+            for d in declared(type(self))
+            if not d.spec.live and getattr(self, d.name) != getattr(new, d.name)
         ]
+        return own + self.node_settings.differences(new.node_settings)
 
-    def engine_options(self) -> dict:
-        """What nodes are started with."""
-        names = ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                 "kv_cache_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                 "max_model_len", "scheduling_policy", "kernel_backend", "enforce_eager",
-                 "cuda_graph_max_batch_size")  # fmt: skip
-        return {n: getattr(self, n) for n in names}
+
+def file_keys(cls: type) -> list[str]:
+    """The keys of cls the file holds."""
+    return [n for n in names(cls) if n not in NOT_IN_FILE]
+
+
+def doc_tables() -> tuple[str, str]:
+    """The tables of docs/configuration.md: the file's keys, and the node settings that are only
+    flags."""
+
+    def quoted(rows: list[tuple[str, ...]], flag: bool = False) -> list[tuple[str, ...]]:
+        key = (lambda n: "`--" + n.replace("_", "-") + "`") if flag else (lambda n: f"`{n}`")
+        return [(key(row[0]), *row[1:]) for row in rows]
+
+    file_rows = doc_rows(CoordinatorConfig)
+    file_rows += doc_rows(NodeOptions, file_keys(NodeOptions))
+    file_rows += doc_rows(EngineConfig, file_keys(EngineConfig))
+    flag_rows = [
+        (name, default.strip('"'), meaning)
+        for cls in (NodeOptions, EngineConfig)
+        for name, default, _, meaning in doc_rows(cls, NOT_IN_FILE)
+    ]
+    return (
+        markdown_table(("key", "default", "applies", "meaning"), quoted(file_rows)),
+        markdown_table(("flag", "default", "meaning"), quoted(flag_rows, flag=True)),
+    )
+
+
+if __name__ == "__main__":
+    print(*doc_tables(), sep="\n", end="")  # python -m coordinator.config: the docs' tables

@@ -1,8 +1,11 @@
-"""Engine configuration: one dataclass, validated when made."""
+"""Engine configuration: one dataclass whose fields declare every engine setting (default, meaning,
+limits) once; flags, config files and node command lines follow from them (`cluster.schema`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from cluster.schema import setting, validate
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -11,50 +14,60 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # checkpoint directory; None = the embedded pdserve-tiny
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # CPU pool budget; default 1 GiB
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None  # overrides both budgets (tests, benchmarks)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "continuous"
-    kernel_backend: str = "auto"  # auto | torch | triton
-    enforce_eager: bool = False  # never replay decode steps from CUDA graphs
-    cuda_graph_max_batch_size: int = 256  # largest decode batch captured (capped at max_num_seqs)
-    seed: int = 0
+    model: str | None = setting(
+        None, "checkpoint directory in Hugging Face format (unset: the embedded pdserve-tiny)"
+    )
+    dtype: str = setting(
+        "auto", "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on GPU", choices=DTYPES
+    )
+    device: str = setting("auto", "cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    block_size: int = setting(16, "tokens per KV block", minimum=1)
+    kv_cache_bytes: int | None = setting(
+        None, "CPU KV pool budget per node in bytes (unset: 1 GiB)", minimum=1
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "fraction of free GPU memory a node's KV pool takes",
+        above=0,
+        maximum=1,
+        old_names=("kv_memory_fraction",),
+    )
+    num_kv_blocks: int | None = setting(
+        None,
+        "KV blocks per node, overriding both budgets (unset: from kv_cache_bytes or gpu_memory_utilization)",
+        minimum=1,
+    )
+    max_num_seqs: int = setting(256, "sequences per step on a node", minimum=1)
+    max_num_batched_tokens: int = setting(
+        2048,
+        "tokens per step on a node (the chunked-prefill chunk)",
+        minimum=1,
+        old_names=("chunk_size",),
+    )
+    max_model_len: int | None = setting(None, "context limit (unset: the model's)", minimum=1)
+    enable_chunked_prefill: bool = setting(
+        True,
+        "prefill a prompt longer than max_num_batched_tokens over several steps (off: refuse it)",
+    )
+    enable_prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
+    scheduling_policy: str = setting(
+        "continuous",
+        "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)",
+        choices=SCHEDULING_POLICIES,
+    )
+    kernel_backend: str = setting(
+        "auto",
+        "attention/norm/rotary kernels: auto (Triton on CUDA), torch (the reference) or triton",
+        choices=KERNEL_BACKENDS,
+    )
+    enforce_eager: bool = setting(False, "run decode steps eagerly, never from CUDA graphs")
+    cuda_graph_max_batch_size: int = setting(
+        256, "largest decode batch captured as a CUDA graph (capped at max_num_seqs)", minimum=1
+    )
+    seed: int = setting(0, "seed of the engine's own random state (requests carry their own seeds)")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(
-                f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
-            )
-        for name in (
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "cuda_graph_max_batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        validate(self)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -6,45 +6,12 @@ import argparse
 import logging
 import sys
 
+from cluster.node_options import NodeOptions
+from cluster.schema import add_flags, from_args, values_from_args
+from engine.config import EngineConfig
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: pdserve-tiny)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--cuda-graph-max-batch-size", type=int, default=256)
-
-
-def _engine_config(args: argparse.Namespace):  # noqa: ANN202
-    from engine.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=args.kv_cache_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        kernel_backend=args.kernel_backend,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
-    )
+# The engine settings serve and coordinator take as flags; the others come from --config.
+SERVE_ENGINE_FLAGS = ("dtype", "device")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -55,10 +22,10 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
+        seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(**values_from_args(EngineConfig, args))
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
@@ -68,25 +35,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from cluster.node_options import NodeOptions
-
-    options = NodeOptions(
-        coordinator=args.coordinator,
-        node_id=args.node_id,
-        transport=args.transport,
-        kv_host=args.kv_host,
-        kv_port=args.kv_port,
-        heartbeat_interval_s=args.heartbeat_interval,
-        kv_handoff=getattr(args, "kv_handoff", "immediate"),
-    )
+    options, engine = from_args(NodeOptions, args), from_args(EngineConfig, args)
     if args.command == "prefill":
         from prefill_node.worker import serve
 
-        serve(options, _engine_config(args))
+        serve(options, engine)
     else:
         from decode_node.worker import serve
 
-        serve(options, _engine_config(args), colocated=args.colocated)
+        serve(options, engine, colocated=args.colocated)
     return 0
 
 
@@ -100,13 +57,12 @@ def _serve(args: argparse.Namespace) -> int:
             prefill_nodes=args.prefill_nodes,
             decode_nodes=args.decode_nodes,
             colocated=args.colocated,
-            transport=args.transport,
             host=args.host,
             port=args.port,
             node_port=args.node_port,
             client_port=args.client_port,
-            dtype=args.dtype,
-            device=args.device,
+            engine=values_from_args(EngineConfig, args),
+            node=values_from_args(NodeOptions, args),
             start_nodes=args.command == "serve",
             log_dir=args.log_dir,
             drain_timeout_s=args.drain_timeout,
@@ -156,17 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion offline and print it")
-    gen.add_argument("--model", default=None, help="checkpoint directory (default: pdserve-tiny)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--device", default="auto")
+    # The engine's own seed would clash with the sampling seed's flag; it keeps its default.
+    add_flags(gen.add_argument_group("engine settings"), EngineConfig, exclude=("seed",))
     gen.set_defaults(func=_generate)
 
     for verb, text in (
@@ -174,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("coordinator", "start the coordinator alone; nodes join it from any host"),
     ):
         p = sub.add_parser(verb, help=text)
-        p.add_argument("--model", default=None, help="checkpoint directory (default: pdserve-tiny)")
+        add_flags(p, EngineConfig, only=("model",))
         p.add_argument("--config", default=None, help="coordinator config (TOML)")
         p.add_argument("--host", default="127.0.0.1", help="HTTP host")
         p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -188,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--colocated", action="store_true", help="colocated workers, no disaggregation"
         )
-        p.add_argument("--transport", default="tcp", choices=["tcp", "shm", "cuda_ipc", "nccl"])
-        p.add_argument("--dtype", default="auto")
-        p.add_argument("--device", default="auto")
+        # Given flags only, so that they override the config file's node settings.
+        add_flags(p, NodeOptions, only=("transport",), suppress_defaults=True)
+        add_flags(p, EngineConfig, only=SERVE_ENGINE_FLAGS, suppress_defaults=True)
         p.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds running requests get to finish")  # fmt: skip
         p.set_defaults(func=_serve)
@@ -203,22 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for verb in ("prefill", "decode"):
         p = sub.add_parser(verb, help=f"start one {verb} node pointed at a coordinator")
-        p.add_argument("--coordinator", required=True, help="tcp://HOST:NODE_PORT")
-        p.add_argument("--node-id", required=True)
-        p.add_argument("--transport", default="tcp", choices=["tcp", "shm", "cuda_ipc", "nccl"])
-        p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver binds")
-        p.add_argument("--kv-port", type=int, default=0, help="port of the KV receiver (0: any)")
-        p.add_argument("--heartbeat-interval", type=float, default=0.5)
+        add_flags(p.add_argument_group("node settings"), NodeOptions)
         if verb == "decode":
             p.add_argument("--colocated", action="store_true", help="prefill here too")
-        else:
-            p.add_argument(
-                "--kv-handoff",
-                default="immediate",
-                choices=["immediate", "between-steps"],
-                help="start a KV send as soon as it is asked for (a thread), or between steps",
-            )
-        _add_engine_args(p)
+        add_flags(p.add_argument_group("engine settings"), EngineConfig)
         p.set_defaults(func=_node)
     return parser
 

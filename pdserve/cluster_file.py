@@ -9,21 +9,25 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-TRANSPORTS = ("auto", "tcp", "shm", "cuda_ipc", "nccl")
-ROLE_OVERRIDES = {
-    # cluster-file key -> node flag
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "chunk_size": "--max-num-batched-tokens",
-    "kv_memory_fraction": "--gpu-memory-utilization",
-    "gpu_memory_utilization": "--gpu-memory-utilization",
-    "num_kv_blocks": "--num-kv-blocks",
-    "kv_cache_bytes": "--kv-cache-bytes",
-    "cuda_graph_max_batch_size": "--cuda-graph-max-batch-size",
+from cluster.node_options import PLACEMENT, NodeOptions
+from cluster.node_options import TRANSPORTS as NODE_TRANSPORTS
+from cluster.schema import pick, read_table
+from engine.config import EngineConfig
+from pdserve.launch import NodeSpec
+
+TRANSPORTS = ("auto", *NODE_TRANSPORTS)
+# Engine settings every node of a cluster shares: the top of the file, not a role's table.
+CLUSTER_WIDE = ("model", "dtype", "block_size")
+# What a role's table cannot set, and why.
+NOT_PER_ROLE = {
+    **{name: "set it at the top of the file: every node shares it" for name in CLUSTER_WIDE},
+    "device": "launch picks cuda or cpu from the host's GPUs",
+    "transport": "set it in [[host]] or at the top of the file",
+    **{name: "launch gives each node its own" for name in PLACEMENT if name != "transport"},
 }
-TOP_KEYS = {"model", "dtype", "block_size", "log_dir", "coordinator_config", "transport",
-            "coordinator", "host"}  # fmt: skip
+TOP_KEYS = {"log_dir", "coordinator_config", "transport", "coordinator", "host", *CLUSTER_WIDE}
 COORDINATOR_KEYS = {"host", "http_port", "node_port", "client_port", "drain_timeout_s"}
 HOST_KEYS = {"name", "address", "prefill_gpus", "decode_gpus", "prefill_workers",
              "decode_workers", "transport", "kv_port_base", "prefill", "decode"}  # fmt: skip
@@ -43,8 +47,9 @@ class HostSpec:
     decode_workers: int = 0
     transport: str | None = None
     kv_port_base: int = 5700
-    prefill: dict = field(default_factory=dict)
-    decode: dict = field(default_factory=dict)
+    # Per-role settings of EngineConfig and NodeOptions, checked, by their current names.
+    prefill: dict[str, Any] = field(default_factory=dict)
+    decode: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prefill(self) -> int:
@@ -68,12 +73,14 @@ class ClusterSpec:
     node_port: int = 5555
     client_port: int | None = None
     drain_timeout_s: float = 30.0
-    model: str | None = None
-    dtype: str = "auto"
-    block_size: int | None = None
+    engine: dict[str, Any] = field(default_factory=dict)  # the CLUSTER_WIDE settings given
     log_dir: Path | None = None
     coordinator_config: Path | None = None
     transport: str = "auto"
+
+    @property
+    def model(self) -> str | None:
+        return self.engine.get("model")
 
     def host(self, name: str) -> HostSpec:
         for h in self.hosts:
@@ -124,17 +131,17 @@ def _positive_int(path: Path, where: str, key: str, value: object, minimum: int 
     return value
 
 
-def _overrides(path: Path, where: str, role: str, table: object) -> dict:
+def _overrides(path: Path, where: str, role: str, table: object) -> dict[str, Any]:
     if not isinstance(table, dict):
-        raise _fail(path, where, f"key '{role}' must be a table of overrides")
-    _check_keys(path, table, set(ROLE_OVERRIDES), f"{where}[{role}] ")
-    for key, value in table.items():
-        if key in ("kv_memory_fraction", "gpu_memory_utilization"):
-            if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise _fail(path, where, f"key '{role}.{key}' must be in (0, 1], got {value!r}")
-        else:
-            _positive_int(path, where, f"{role}.{key}", value, minimum=1)
-    return dict(table)
+        raise _fail(path, where, f"key '{role}' must be a table of settings")
+    try:
+        where = f"{path}: {where}[host.{role}] "
+        engine, node = read_table(
+            table, EngineConfig, NodeOptions, where=where, refuse=NOT_PER_ROLE
+        )
+    except ValueError as exc:
+        raise ClusterFileError(str(exc)) from exc
+    return {**engine, **node}
 
 
 def load_cluster_file(path: str | Path) -> ClusterSpec:
@@ -209,10 +216,15 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
                 path, "", f"key 'transport' must be one of {TRANSPORTS}, got {data['transport']!r}"
             )
         spec.transport = data["transport"]
-    spec.model = data.get("model")
-    spec.dtype = data.get("dtype", "auto")
-    if "block_size" in data:
-        spec.block_size = _positive_int(path, "", "block_size", data["block_size"], 1)
+    try:
+        (spec.engine,) = read_table(
+            {k: v for k, v in data.items() if k in CLUSTER_WIDE}, EngineConfig, where=f"{path}: "
+        )
+        for host in hosts:  # the checks that span settings, before any process starts
+            EngineConfig(**spec.engine, **pick(EngineConfig, host.prefill))
+            EngineConfig(**spec.engine, **pick(EngineConfig, host.decode))
+    except ValueError as exc:
+        raise ClusterFileError(str(exc)) from exc
     if "log_dir" in data:
         spec.log_dir = (path.parent / data["log_dir"]).resolve()
     if "coordinator_config" in data:
@@ -274,42 +286,25 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
             cmd += ["--model", spec.model]
         cmd += ["--drain-timeout", str(spec.drain_timeout_s)]
         procs.append(ProcessPlan("pdserve-coordinator", "coordinator", cmd, ports=ports))
-    common = []
-    if spec.model:
-        common += ["--model", spec.model]
-    common += ["--dtype", spec.dtype]
-    if spec.block_size:
-        common += ["--block-size", str(spec.block_size)]
     for role in ("prefill", "decode"):
         gpus = host.prefill_gpus if role == "prefill" else host.decode_gpus
         count = host.num_prefill if role == "prefill" else host.num_decode
+        settings = host.prefill if role == "prefill" else host.decode
+        engine = EngineConfig(**spec.engine, device="cuda" if gpus else "cpu",
+                              **pick(EngineConfig, settings))  # fmt: skip
         first = _global_index(spec, host, role)
-        overrides: list[str] = []
-        for key, value in (host.prefill if role == "prefill" else host.decode).items():
-            overrides += [ROLE_OVERRIDES[key], str(value)]
         for local in range(count):
             index = first + local
-            name = f"pdserve-{role}-{index}"
-            cmd = python + [role, "--coordinator", coordinator, "--node-id", f"{role}-{index}"]
-            env = {}
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(gpus[local])
-                cmd += ["--device", "cuda"]
-            else:
-                cmd += ["--device", "cpu"]
+            placement: dict[str, Any] = {"coordinator": coordinator, "node_id": f"{role}-{index}"}
+            env = {"CUDA_VISIBLE_DEVICES": str(gpus[local])} if gpus else {}
             ports: dict[str, int] = {}
             transport = None
             if role == "decode":
                 transport = spec.decode_transport(host)
-                kv_port = host.kv_port_base + local
-                ports["kv"] = kv_port
-                cmd += [
-                    "--transport",
-                    transport,
-                    "--kv-host",
-                    host.address,
-                    "--kv-port",
-                    str(kv_port),
-                ]
-            procs.append(ProcessPlan(name, role, cmd + common + overrides, env, ports, transport))
+                ports["kv"] = host.kv_port_base + local
+                placement.update(transport=transport, kv_host=host.address, kv_port=ports["kv"])
+            options = NodeOptions(**placement, **pick(NodeOptions, settings))
+            node = NodeSpec(role, options, engine, env)
+            procs.append(ProcessPlan(f"pdserve-{node.node_id}", role, node.command(), env, ports,
+                                     transport))  # fmt: skip
     return procs

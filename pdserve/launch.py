@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.node_options import NodeOptions
+from cluster.schema import to_flags
 from engine.config import EngineConfig
 
 PR_SET_PDEATHSIG = 1
@@ -24,52 +26,46 @@ def _die_with_parent() -> None:
         pass
 
 
-def engine_args(cfg: EngineConfig) -> list[str]:
-    """The command-line flags that recreate cfg in a node process."""
-    args = ["--dtype", cfg.dtype, "--device", cfg.device, "--block-size", str(cfg.block_size)]
-    args += ["--max-num-seqs", str(cfg.max_num_seqs)]
-    args += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
-    args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-    args += ["--scheduling-policy", cfg.scheduling_policy]
-    args += ["--kernel-backend", cfg.kernel_backend]
-    args += ["--cuda-graph-max-batch-size", str(cfg.cuda_graph_max_batch_size)]
-    if cfg.enforce_eager:
-        args.append("--enforce-eager")
-    if cfg.model:
-        args += ["--model", cfg.model]
-    for flag, value in (
-        ("--num-kv-blocks", cfg.num_kv_blocks),
-        ("--kv-cache-bytes", cfg.kv_cache_bytes),
-        ("--max-model-len", cfg.max_model_len),
-    ):
-        if value is not None:
-            args += [flag, str(value)]
-    if not cfg.enable_prefix_caching:
-        args.append("--no-prefix-caching")
-    return args
-
-
 @dataclass
 class NodeSpec:
+    """One node process: its role, how it joins the cluster, its engine, its environment."""
+
     role: str  # prefill | decode | colocated
-    node_id: str
-    coordinator: str
+    options: NodeOptions
     engine: EngineConfig
-    transport: str = "tcp"
-    heartbeat_interval_s: float = 0.5
-    kv_handoff: str = "immediate"  # prefill nodes: immediate | between-steps
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def node_id(self) -> str:
+        return self.options.node_id
 
     def command(self) -> list[str]:
         verb = "prefill" if self.role == "prefill" else "decode"
-        cmd = [sys.executable, "-m", "pdserve", verb, "--coordinator", self.coordinator]
-        cmd += ["--node-id", self.node_id, "--transport", self.transport]
-        cmd += ["--heartbeat-interval", str(self.heartbeat_interval_s)]
+        cmd = [sys.executable, "-m", "pdserve", verb, *to_flags(self.options)]
         if self.role == "colocated":
             cmd.append("--colocated")
-        if self.role == "prefill" and self.kv_handoff != "immediate":
-            cmd += ["--kv-handoff", self.kv_handoff]
-        return cmd + engine_args(self.engine)
+        return cmd + to_flags(self.engine)
+
+
+def local_nodes(
+    coordinator: str,
+    engine: EngineConfig,
+    *,
+    prefill: int,
+    decode: int,
+    colocated: bool = False,
+    **node: object,
+) -> list[NodeSpec]:
+    """The nodes one machine runs for `pdserve serve`: prefill-i and decode-i, or colocated-i
+    workers; `node` holds the NodeOptions settings they share."""
+
+    def spec(role: str, node_id: str) -> NodeSpec:
+        return NodeSpec(role, NodeOptions(coordinator=coordinator, node_id=node_id, **node), engine)
+
+    if colocated:
+        return [spec("colocated", f"colocated-{i}") for i in range(decode)]
+    specs = [spec("prefill", f"prefill-{i}") for i in range(prefill)]
+    return specs + [spec("decode", f"decode-{i}") for i in range(decode)]
 
 
 class NodeGroup:

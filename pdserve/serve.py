@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
@@ -22,7 +22,7 @@ from coordinator.http_api import (
 from engine.config import EngineConfig
 from engine.tiny_model import resolve_model_dir
 from engine.tokenizer import Tokenizer
-from pdserve.launch import NodeGroup, NodeSpec
+from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -34,39 +34,31 @@ class ServeOptions:
     prefill_nodes: int = 1
     decode_nodes: int = 1
     colocated: bool = False
-    transport: str = "tcp"
     host: str = "127.0.0.1"
     port: int = 8000
     node_port: int = 0
     client_port: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
     start_nodes: bool = True
     log_dir: str | None = None
     drain_timeout_s: float = 30.0
+    # Node settings given as serve's flags, over the config file's: EngineConfig and NodeOptions.
+    engine: dict[str, object] = field(default_factory=dict)
+    node: dict[str, object] = field(default_factory=dict)
 
 
 def node_specs(
     options: ServeOptions, config: CoordinatorConfig, coordinator_addr: str
 ) -> list[NodeSpec]:
-    engine = EngineConfig(model=options.model, dtype=options.dtype, device=options.device,
-                          **config.engine_options())  # fmt: skip
-    common = dict(
-        coordinator=coordinator_addr,
-        engine=engine,
-        transport=options.transport,
-        heartbeat_interval_s=config.heartbeat_interval_s,
+    file = config.node_settings
+    engine = EngineConfig(**{"model": options.model, **file.engine, **options.engine})
+    return local_nodes(
+        coordinator_addr,
+        engine,
+        prefill=options.prefill_nodes,
+        decode=options.decode_nodes,
+        colocated=options.colocated,
+        **{**file.node, **options.node},
     )
-    if options.colocated:
-        return [
-            NodeSpec("colocated", f"colocated-{i}", **common) for i in range(options.decode_nodes)
-        ]
-    specs = [
-        NodeSpec("prefill", f"prefill-{i}", kv_handoff=config.kv_handoff, **common)
-        for i in range(options.prefill_nodes)
-    ]
-    specs += [NodeSpec("decode", f"decode-{i}", **common) for i in range(options.decode_nodes)]
-    return specs
 
 
 async def serve_async(options: ServeOptions) -> int:

@@ -14,7 +14,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
 from engine.config import EngineConfig
 from engine.tiny_model import ensure_tiny_model
-from pdserve.launch import NodeGroup, NodeSpec
+from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
 
 class Cluster:
@@ -27,6 +27,7 @@ class Cluster:
         config: CoordinatorConfig | None = None,
         log_dir: Path | None = None,
         kv_handoff: str = "immediate",
+        heartbeat_interval_s: float = 0.2,
         **engine_options: object,
     ) -> None:
         ensure_tiny_model()  # once here, not raced by every node
@@ -35,9 +36,8 @@ class Cluster:
         self.colocated = colocated
         self.transport = transport
         self.kv_handoff = kv_handoff
-        self.config = config or CoordinatorConfig(
-            heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, transfer_timeout_s=10.0
-        )
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.config = config or CoordinatorConfig(heartbeat_timeout_s=3.0, transfer_timeout_s=10.0)
         options = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=256)
         options.update(engine_options)
         self.engine = EngineConfig(device="cpu", **options)
@@ -67,21 +67,16 @@ class Cluster:
             self.thread.join(10)
 
     def specs(self) -> list[NodeSpec]:
-        common = dict(
-            coordinator=self.coordinator.node_endpoint,
-            engine=self.engine,
+        return local_nodes(
+            self.coordinator.node_endpoint,
+            self.engine,
+            prefill=self.num_prefill,
+            decode=self.num_decode,
+            colocated=self.colocated,
             transport=self.transport,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            kv_handoff=self.kv_handoff,
+            heartbeat_interval_s=self.heartbeat_interval_s,
         )
-        if self.colocated:
-            return [
-                NodeSpec("colocated", f"colocated-{i}", **common) for i in range(self.num_decode)
-            ]
-        specs = [
-            NodeSpec("prefill", f"prefill-{i}", kv_handoff=self.kv_handoff, **common)
-            for i in range(self.num_prefill)
-        ]
-        return specs + [NodeSpec("decode", f"decode-{i}", **common) for i in range(self.num_decode)]
 
     def call(self, coro, timeout: float = 300):  # noqa: ANN001, ANN201
         """Run a coroutine in the coordinator's loop and return its result."""

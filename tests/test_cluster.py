@@ -75,7 +75,7 @@ def test_one_prefill_one_decode_matches_offline(transport, kv_handoff, offline):
 
 def test_short_prompts_are_prefilled_on_the_decode_node(offline):
     # Conditional disaggregation: below the threshold, no prefill node is involved.
-    config = CoordinatorConfig(heartbeat_interval_s=0.2, conditional_disagg_threshold=20)
+    config = CoordinatorConfig(conditional_disagg_threshold=20)
     prompts = make_prompts(4, seed=2, lo=3, hi=10) + make_prompts(2, seed=3, lo=30, hi=50)
     expected = expected_outputs(offline, prompts, GREEDY)
     with Cluster(1, 1, config=config) as cluster:
@@ -92,7 +92,7 @@ def test_short_prompts_are_prefilled_on_the_decode_node(offline):
 
 
 def test_abort_mid_stream_frees_blocks_on_both_nodes_and_flood_is_refused():
-    config = CoordinatorConfig(heartbeat_interval_s=0.2, max_pending_requests=3)
+    config = CoordinatorConfig(max_pending_requests=3)
     with Cluster(1, 1, config=config, max_num_batched_tokens=64) as cluster:
 
         async def abort_after_tokens() -> int:

@@ -1,4 +1,4 @@
-"""The coordinator's decisions, without sockets: wire protocol, routing, admission, config."""
+"""The coordinator's decisions, without sockets: wire protocol, routing, admission."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from cluster.node_messages import (
     Tokens,
 )  # fmt: skip
 from coordinator.admission import AdmissionQueue, Candidate
-from coordinator.config import CoordinatorConfig
 from coordinator.nodes import NodeRegistry, NodeState
 from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
 
@@ -134,52 +133,6 @@ def test_registry_marks_silent_nodes_dead():
     assert registry.expire(timeout_s=60, now=1069.0) == []
     assert [n.node_id for n in registry.expire(timeout_s=60, now=1071.0)] == ["d0"]
     assert registry.decode_nodes() == []
-
-
-# --- config ------------------------------------------------------------------------------------
-
-
-def test_config_from_toml_and_live_reload(tmp_path):
-    path = tmp_path / "pdserve.toml"
-    path.write_text('prefill_routing = "least_loaded"\nmax_pending_requests = 7\nblock_size = 8\n')
-    cfg = CoordinatorConfig.from_toml(path)
-    assert cfg.prefill_routing == "least_loaded" and cfg.max_pending_requests == 7
-    path.write_text(
-        'prefill_routing = "prefix_affinity"\nmax_pending_requests = 9\nblock_size = 32\n'
-    )
-    new = CoordinatorConfig.from_toml(path)
-    assert sorted(cfg.reload_from(new)) == ["max_pending_requests", "prefill_routing"]
-    assert cfg.block_size == 8 and cfg.fixed_differences(new) == ["block_size"]
-
-
-def test_config_errors_name_the_key(tmp_path):
-    path = tmp_path / "bad.toml"
-    path.write_text("max_pending_request = 3\n")
-    with pytest.raises(ValueError, match="max_pending_request"):
-        CoordinatorConfig.from_toml(path)
-    with pytest.raises(ValueError, match="prefill_routing"):
-        CoordinatorConfig(prefill_routing="random")
-
-
-def test_every_config_field_is_documented():
-    import dataclasses
-    from pathlib import Path
-
-    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
-    missing = [f.name for f in dataclasses.fields(CoordinatorConfig) if f"`{f.name}`" not in doc]
-    assert not missing, f"docs/configuration.md lacks {missing}"
-
-
-def test_sighup_reload_applies_live_fields_only(tmp_path):
-    from coordinator.coordinator import Coordinator
-
-    path = tmp_path / "pdserve.toml"
-    path.write_text("admission_watermark = 0.1\nmax_num_seqs = 8\n")
-    coordinator = Coordinator(CoordinatorConfig.from_toml(path), config_path=path)
-    path.write_text("admission_watermark = 0.3\nmax_num_seqs = 16\n")
-    assert coordinator.reload_config() == ["admission_watermark"]
-    assert coordinator.config.admission_watermark == 0.3
-    assert coordinator.config.max_num_seqs == 8  # a node setting: restart to change
 
 
 def _registry_with(node_id: str = "d0") -> NodeRegistry:

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from cluster.node_options import NodeOptions
+from cluster.schema import from_args
+from engine.config import EngineConfig
+from pdserve.cli import build_parser
 from pdserve.cluster_file import ClusterFileError, load_cluster_file, plan
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
@@ -19,6 +23,15 @@ def by_name(plans):
 
 def flag(plan, name: str) -> str:
     return plan.command[plan.command.index(name) + 1]
+
+
+def engine(plan) -> EngineConfig:
+    """The engine settings a node runs with: its command line parsed as `pdserve` parses it."""
+    return from_args(EngineConfig, build_parser().parse_args(plan.command[3:]))
+
+
+def node(plan) -> NodeOptions:
+    return from_args(NodeOptions, build_parser().parse_args(plan.command[3:]))
 
 
 def test_cpu_example_runs_everything_on_one_host():
@@ -35,8 +48,11 @@ def test_cpu_example_runs_everything_on_one_host():
         assert flag(procs[name], "--device") == "cpu"
     assert [procs[f"pdserve-decode-{i}"].ports["kv"] for i in (0, 1)] == [5700, 5701]
     assert flag(procs["pdserve-prefill-1"], "--coordinator") == "tcp://127.0.0.1:5555"
-    assert flag(procs["pdserve-prefill-0"], "--max-num-batched-tokens") == "512"  # chunk_size
+    assert flag(procs["pdserve-prefill-0"], "--max-num-batched-tokens") == "512"
     assert flag(procs["pdserve-decode-0"], "--max-num-seqs") == "128"
+    decode = engine(procs["pdserve-decode-1"])
+    assert (decode.dtype, decode.block_size, decode.num_kv_blocks) == ("float32", 16, 1024)
+    assert node(procs["pdserve-decode-1"]).kv_port == 5701
 
 
 def test_eight_gpu_host_pins_each_worker_and_uses_cuda_ipc():
@@ -50,7 +66,9 @@ def test_eight_gpu_host_pins_each_worker_and_uses_cuda_ipc():
     }
     assert {procs[f"pdserve-decode-{i}"].transport for i in range(4)} == {"cuda_ipc"}
     assert flag(procs["pdserve-prefill-0"], "--gpu-memory-utilization") == "0.5"
-    assert flag(procs["pdserve-decode-3"], "--gpu-memory-utilization") == "0.9"
+    assert engine(procs["pdserve-decode-3"]).gpu_memory_utilization == 0.9
+    assert engine(procs["pdserve-prefill-0"]).max_num_batched_tokens == 8192
+    assert {engine(p).device for p in procs.values() if p.role != "coordinator"} == {"cuda"}
 
 
 def test_two_hosts_split_roles_and_cross_with_nccl():
@@ -91,6 +109,11 @@ address = "127.0.0.1"
             BASE.format(extra="decode_workers = 1\n[host.decode]\nmax_num_seq = 3"),
             ["host 'a'", "max_num_seq"],
         ),
+        (
+            BASE.format(extra="decode_workers = 1\n[host.decode]\nmax_num_seqs = 0"),
+            ["host 'a'", "[host.decode]", "max_num_seqs", ">= 1"],
+        ),
+        ("dtype = 'fp8'\n" + BASE.format(extra="decode_workers = 1"), ["dtype", "bfloat16"]),
         (
             BASE.format(extra="decode_workers = 1") + "[coordinator]\nhost = 'b'\n",
             ["coordinator", "host"],
