@@ -19,9 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class NodeLink:
-    def __init__(
-        self, coordinator_addr: str, node_id: str, heartbeat_interval_s: float = 0.5
-    ) -> None:
+    def __init__(self, coordinator_addr: str, node_id: str, heartbeat_interval_s: float) -> None:
         self.node_id = node_id
         self.coordinator_addr = coordinator_addr
         self.heartbeat_interval_s = heartbeat_interval_s

@@ -158,8 +158,8 @@ class Admit(Message, tag="admit"):
     token_ids: list[int]  # prompt + the outputs so far
     num_computed: int  # tokens whose KV is transferred (all but the last)
     params: SamplingParams
+    transfer_timeout_s: float  # the coordinator's setting when it admitted the sequence
     output_offset: int = 0  # outputs before token_ids[num_computed:]
-    transfer_timeout_s: float = 30.0
 
 
 class SendKV(Message, tag="send_kv"):
@@ -169,7 +169,7 @@ class SendKV(Message, tag="send_kv"):
     decode_node: str
     receiver_info: dict[str, Any]
     dst_blocks: list[int]
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float
 
 
 class Abort(Message, tag="abort"):

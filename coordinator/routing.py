@@ -45,8 +45,8 @@ class PrefixAffinity:
         self,
         token_ids: Sequence[int],
         nodes: list[NodeState],
-        min_blocks: int = 1,
-        max_load_ratio: float = 2.0,
+        min_blocks: int,
+        max_load_ratio: float,
     ) -> NodeState | None:
         if not nodes:
             return None

@@ -109,7 +109,7 @@ def _decode_node() -> tuple[DecodeNode, LLMEngine]:
 
 def _admit(node: DecodeNode, request_id: str) -> None:
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    node.handle(Admit(request_id, list(range(5, 25)) + [30], 20, params))
+    node.handle(Admit(request_id, list(range(5, 25)) + [30], 20, params, 30.0))
     assert node.link.sent[-1] == Admitted(request_id, True, node.link.sent[-1].dst_blocks)
 
 

@@ -75,13 +75,13 @@ def test_prefix_affinity_sends_shared_prefixes_to_the_same_node():
     a, b = node("a", "prefill"), node("b", "prefill")
     affinity = PrefixAffinity()
     shared = list(range(100, 132))
-    first = affinity.choose(shared + [1, 2], [a, b])
+    first = affinity.choose(shared + [1, 2], [a, b], min_blocks=1, max_load_ratio=2.0)
     affinity.record(shared + [1, 2], first)
     other = b if first is a else a
     other.queued_prefill_tokens = 0
     first.queued_prefill_tokens = 10  # a little busier, still preferred for its cache
-    assert affinity.choose(shared + [9, 9, 9], [a, b]) is first
-    assert affinity.choose(list(range(300, 340)), [a, b]) is other  # no shared prefix
+    assert affinity.choose(shared + [9, 9, 9], [a, b], 1, 2.0) is first
+    assert affinity.choose(list(range(300, 340)), [a, b], 1, 2.0) is other  # no shared prefix
 
 
 def test_prefix_affinity_yields_when_the_cached_node_is_much_busier():
@@ -90,7 +90,7 @@ def test_prefix_affinity_yields_when_the_cached_node_is_much_busier():
     prompt = list(range(64))
     affinity.record(prompt, a)
     a.queued_prefill_tokens = 10_000
-    assert affinity.choose(prompt, [a, b], max_load_ratio=2.0) is b
+    assert affinity.choose(prompt, [a, b], min_blocks=1, max_load_ratio=2.0) is b
     affinity.forget_node("b")
     affinity.forget_node("a")
     assert not affinity.owner

@@ -118,7 +118,7 @@ def test_a_node_drops_junk_from_the_coordinator(frames):
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    link = NodeLink(f"tcp://127.0.0.1:{port}", "n0")
+    link = NodeLink(f"tcp://127.0.0.1:{port}", "n0", heartbeat_interval_s=0.5)
     try:
         link.send(Heartbeat("n0", 1, 1, 0, 0, 0))  # so the router knows its identity
         assert router.poll(5000)
@@ -160,7 +160,7 @@ def test_send_kv_for_a_closed_handoff_socket_goes_to_the_node_s_main_socket():
             await _poll_until(
                 lambda: coordinator._send_order(b"p0/handoff", Abort("probe")) is False
             )
-            order = SendKV("r1#0", "d0", {}, [1, 2])
+            order = SendKV("r1#0", "d0", {}, [1, 2], 30.0)
             coordinator._deliver(Outbox(orders=[(b"p0/handoff", order)]))
             while True:  # the probes' Aborts came through the handoff socket, not this one
                 assert await main.poll(10_000), "no SendKV reached the main socket"
@@ -171,4 +171,4 @@ def test_send_kv_for_a_closed_handoff_socket_goes_to_the_node_s_main_socket():
             main.close(0)
             await coordinator.stop(shutdown_nodes=False)
 
-    assert asyncio.run(run()) == SendKV("r1#0", "d0", {}, [1, 2])
+    assert asyncio.run(run()) == SendKV("r1#0", "d0", {}, [1, 2], 30.0)

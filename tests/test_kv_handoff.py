@@ -208,7 +208,7 @@ def test_a_decode_node_whose_receiver_failed_reports_it_and_takes_no_more_handof
     blocks = engine.block_manager
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     try:
-        node.handle(Admit("r1", list(range(5, 25)) + [30], 20, params))
+        node.handle(Admit("r1", list(range(5, 25)) + [30], 20, params, 30.0))
         assert node.link.sent[-1].ok and blocks.num_free_blocks == 32 - 3
         fail_thread_once(monkeypatch, receivers[0])
         deadline = time.monotonic() + 20
@@ -221,7 +221,7 @@ def test_a_decode_node_whose_receiver_failed_reports_it_and_takes_no_more_handof
         assert blocks.num_free_blocks == 32 and node.handoff.num_pending == 0
         # The coordinator hears of it with every heartbeat, and admissions are refused.
         assert "injected failure" in engine_heartbeat(engine, "d0", 0, node.kv_error).kv_error
-        node.handle(Admit("r2", list(range(5, 25)) + [30], 20, params))
+        node.handle(Admit("r2", list(range(5, 25)) + [30], 20, params, 30.0))
         assert node.link.sent[-1] == Admitted("r2", False) and blocks.num_free_blocks == 32
     finally:
         receivers[0].close()

@@ -39,7 +39,7 @@ def test_listener_announces_itself_and_hands_over_send_orders():
         listener.start()
         identity, hello = _recv(router)
         assert identity == b"p0/handoff" and hello == HandoffReady("p0")
-        order = SendKV("r1", "d0", {"transport": "tcp"}, [4, 5])
+        order = SendKV("r1", "d0", {"transport": "tcp"}, [4, 5], 30.0)
         router.send_multipart([identity, orders.encode(order)])
         assert arrived.wait(5)
         assert received == [(order, "kv-handoff")]  # on the listener's thread
@@ -66,8 +66,8 @@ def test_a_send_that_cannot_start_is_settled_by_the_loop():
     # From another thread, as the handoff socket's: an unknown request, then a receiver that
     # speaks another protocol version. Nothing is freed or reported until the loop settles them.
     send_orders = [
-        SendKV("unknown", "d0", {"transport": "tcp"}, [1]),
-        SendKV("held", "d0", {"transport": "tcp", "protocol": -1}, [1, 2, 3, 4]),
+        SendKV("unknown", "d0", {"transport": "tcp"}, [1], 30.0),
+        SendKV("held", "d0", {"transport": "tcp", "protocol": -1}, [1, 2, 3, 4], 30.0),
     ]
     worker = threading.Thread(target=lambda: [node.send_kv(o) for o in send_orders])
     worker.start()
