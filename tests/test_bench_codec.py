@@ -85,6 +85,6 @@ def test_runs_end_to_end_and_writes_json(tmp_path, capsys):
         assert r["msgspec"]["bytes"] == len(case.codec.encode(case.message))
         for codec in ("dataclass", "msgspec"):
             assert r[codec]["encode_us"] > 0 and r[codec]["decode_us"] > 0
-        assert r["encode_ratio"] > 0 and r["decode_ratio"] > 0
+        assert r["encode_ratio"] > 0 and r["decode_ratio"] > 0 and r["asdict_us"] > 0
     table = capsys.readouterr().out
     assert table.count("\n| Tokens, ") == 6
