@@ -1,5 +1,5 @@
 """The OpenAI-compatible request bodies (validated strictly: a wrong type is an error, never
-coerced) and the error body every refusal carries."""
+coerced) and the error every refusal carries: its status, headers and OpenAI error body."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_LOGPROBS = 20
 INT64 = 2**63
+RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
 
 
 class APIError(Exception):
@@ -47,6 +48,20 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def coordinator_error(code: str, message: str) -> APIError:
+    """What the coordinator refused or failed with (a SubmitError's or an error event's code:
+    invalid | overloaded | unavailable | internal), as the client sees it."""
+    if code == "invalid":
+        return bad_request(message)
+    if code == "overloaded":
+        return APIError(429, message, "server_overloaded", code="overloaded",
+                        retry_after=RETRY_AFTER_S)  # fmt: skip
+    if code == "unavailable":
+        return APIError(503, message, "service_unavailable", code="unavailable",
+                        retry_after=RETRY_AFTER_S)  # fmt: skip
+    return APIError(500, message, "server_error", code="internal_error")
 
 
 # --- requests --------------------------------------------------------------------------------

@@ -10,15 +10,10 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.api_server import build_app, listen_socket, serve_http, served_model_name
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
-from coordinator.http_api import (
-    OpenAIServing,
-    build_app,
-    listen_socket,
-    serve_http,
-    served_model_name,
-)
+from coordinator.serving import OpenAIServing
 from engine.config import EngineConfig
 from engine.tiny_model import resolve_model_dir
 from engine.tokenizer import Tokenizer

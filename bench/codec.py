@@ -1,0 +1,342 @@
+"""Wire codec cost: the coordinator<->node and coordinator<->client messages encoded and decoded by
+`cluster.codec` (msgspec tagged structs) and, side by side in the same run, by the approach it
+replaced: dataclass copies of the same messages, `dataclasses.asdict` + `msgpack.packb`, and
+`msgpack.unpackb` + `cls(**body)` with no type checks.
+
+    python -m bench.codec                            # the table in docs/benchmarks.md
+    python -m bench.codec --repeats 41 --json codec.json
+
+Each figure is the median over --repeats rounds of one loop per codec and operation (at least
+--min-loop-ms long); the two codecs alternate within each round, so both see the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import functools
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import msgspec
+
+from cluster.client_messages import Event, client_events
+from cluster.codec import Codec
+from cluster.node_messages import (
+    FinishReason,
+    Heartbeat,
+    Prefill,
+    TokenItem,
+    TokenLogprobs,
+    Tokens,
+    orders,
+    reports,
+)
+from cluster.sampling_params import SamplingParams
+
+VOCAB = 128256  # Llama 3's, so token ids take the 3 or 5 msgpack bytes they take on the wire
+TOP_LOGPROBS = 5
+PROMPT_TOKENS = 2048
+
+
+class ProtocolError(ValueError):
+    """A frame the dataclass codec cannot make a message of."""
+
+
+# --- the baseline: the protocol before msgspec -------------------------------------------------
+
+
+@functools.cache
+def dataclass_copy(struct: type[msgspec.Struct]) -> type:
+    """A plain dataclass with the struct's field names and defaults, and its tag as `TYPE`: a
+    message as the protocol declared them before msgspec (no slots, no type checks)."""
+    specs: list[tuple[str, type, dataclasses.Field]] = []
+    for f in msgspec.structs.fields(struct):
+        if f.default_factory is not msgspec.NODEFAULT:
+            spec = dataclasses.field(default_factory=f.default_factory)
+        elif f.default is not msgspec.NODEFAULT:
+            spec = dataclasses.field(default=f.default)
+        else:
+            spec = dataclasses.field()
+        specs.append((f.name, Any, spec))
+    tag = struct.__struct_config__.tag
+    return dataclasses.make_dataclass(struct.__name__, specs, namespace={"TYPE": tag}, kw_only=True)
+
+
+def to_dataclass(value: Any) -> Any:
+    """A struct (nested ones too) as its dataclass copy; enums as their plain values."""
+    if isinstance(value, msgspec.Struct):
+        fields = {name: to_dataclass(getattr(value, name)) for name in value.__struct_fields__}
+        return dataclass_copy(type(value))(**fields)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list):
+        return [to_dataclass(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(to_dataclass(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_dataclass(v) for k, v in value.items()}
+    return value
+
+
+class DataclassCodec:
+    """The codec before msgspec: a msgpack map of `dataclasses.asdict(msg)` plus `v` and `type`;
+    decoding rebuilds the outer message with `cls(**body)`, nested ones stay dicts and lists."""
+
+    def __init__(self, version: int, types: tuple[type, ...]) -> None:
+        self.version = version
+        self.types = {cls.TYPE: cls for cls in types}
+
+    def encode(self, msg: Any) -> bytes:
+        body = dataclasses.asdict(msg)
+        body["v"] = self.version
+        body["type"] = msg.TYPE
+        return msgpack.packb(body, use_bin_type=True)
+
+    def decode(self, frame: bytes) -> Any:
+        try:
+            body = msgpack.unpackb(frame, raw=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable frame: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ProtocolError("frame is not a map")
+        version = body.pop("v", None)
+        if version != self.version:
+            raise ProtocolError(f"protocol version {version!r}, expected {self.version}")
+        cls = self.types.get(body.pop("type", None))
+        if cls is None:
+            raise ProtocolError("unknown message type")
+        try:
+            return cls(**body)
+        except TypeError as exc:
+            raise ProtocolError(f"bad fields for {cls.TYPE}: {exc}") from exc
+
+
+@functools.cache
+def baseline_of(codec: Codec) -> DataclassCodec:
+    """The dataclass codec for the same messages and version as `codec`."""
+    return DataclassCodec(codec.version, tuple(dataclass_copy(t) for t in codec.types))
+
+
+# --- the messages --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Case:
+    """One message to time, and the codec that carries it (the baseline codec follows)."""
+
+    name: str
+    message: msgspec.Struct
+    codec: Codec
+
+    @property
+    def baseline(self) -> DataclassCodec:
+        return baseline_of(self.codec)
+
+
+def _request_id(rng: random.Random) -> str:
+    # As the coordinator names a choice's attempt on the wire: cmpl-<24 hex>-<choice>#<attempt>.
+    return f"cmpl-{rng.getrandbits(96):024x}-0#0"
+
+
+def _logprobs(rng: random.Random, token_id: int) -> TokenLogprobs:
+    top = [(rng.randrange(VOCAB), -rng.expovariate(1.0)) for _ in range(TOP_LOGPROBS)]
+    return TokenLogprobs(token_id, -rng.expovariate(1.0), top)
+
+
+def tokens(rng: random.Random, sequences: int, logprobs: bool) -> Tokens:
+    """One decode step's report: a new token for each running sequence, the last of several
+    finishing with it."""
+    items = []
+    for i in range(sequences):
+        token_id = rng.randrange(VOCAB)
+        lp = _logprobs(rng, token_id) if logprobs else None
+        finish = FinishReason.LENGTH if 0 < i == sequences - 1 else None
+        items.append(TokenItem(_request_id(rng), token_id, finish, lp))
+    return Tokens("decode-0", items)
+
+
+def cases(seed: int = 0) -> list[Case]:
+    rng = random.Random(seed)
+    out = []
+    for logprobs in (False, True):
+        for sequences in (1, 64, 256):
+            name = f"Tokens, {sequences} seq" + (
+                f", top-{TOP_LOGPROBS} logprobs" if logprobs else ""
+            )
+            out.append(Case(name, tokens(rng, sequences, logprobs), reports))
+    heartbeat = Heartbeat(
+        node_id="decode-0", free_blocks=9731, total_blocks=16384, running=212, waiting=3,
+        queued_prefill_tokens=0, prefix_hits=48213, prefix_misses=9120, pending_transfers=2,
+        seq=18345,
+    )  # fmt: skip
+    out.append(Case("Heartbeat", heartbeat, reports))
+    params = SamplingParams(max_tokens=512, temperature=0.7, top_p=0.95, seed=1234, logprobs=0)
+    prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+    prefill = Prefill(_request_id(rng), prompt, params)
+    out.append(Case(f"Prefill, {PROMPT_TOKENS} token ids", prefill, orders))
+    event = Event(_request_id(rng).split("#")[0], token_ids=[rng.randrange(VOCAB)])
+    out.append(Case("Event, 1 token", event, client_events))
+    return out
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+def _loop(fn: Callable[[], object], number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return time.perf_counter() - start
+
+
+def calls_per_loop(fn: Callable[[], object], min_loop_s: float) -> int:
+    """How many calls make a loop of at least `min_loop_s` (after one warm-up call)."""
+    fn()
+    number = 1
+    while (elapsed := _loop(fn, number)) < min_loop_s:
+        number = max(number * 2, math.ceil(number * 1.2 * min_loop_s / max(elapsed, 1e-9)))
+    return number
+
+
+@dataclass(slots=True)
+class CodecFigures:
+    encode_us: float
+    decode_us: float
+    bytes: int
+
+
+@dataclass(slots=True)
+class Result:
+    message: str
+    dataclass: CodecFigures
+    msgspec: CodecFigures
+    encode_ratio: float  # dataclass / msgspec time, the median over rounds
+    decode_ratio: float
+    asdict_us: float  # of the dataclass encode, `dataclasses.asdict` alone (median)
+
+
+def measure(case: Case, repeats: int, min_loop_s: float) -> Result:
+    """Median µs per encode and decode of each codec (and of the baseline's `asdict` alone);
+    the codecs alternate within each round."""
+    old_msg = to_dataclass(case.message)
+    old_frame = case.baseline.encode(old_msg)
+    new_frame = case.codec.encode(case.message)
+    ops = {
+        ("dataclass", "encode"): lambda: case.baseline.encode(old_msg),
+        ("dataclass", "decode"): lambda: case.baseline.decode(old_frame),
+        ("msgspec", "encode"): lambda: case.codec.encode(case.message),
+        ("msgspec", "decode"): lambda: case.codec.decode(new_frame),
+        ("dataclass", "asdict"): lambda: dataclasses.asdict(old_msg),
+    }
+    numbers = {key: calls_per_loop(fn, min_loop_s) for key, fn in ops.items()}
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in ops}
+    keys = list(ops)
+    for r in range(repeats):
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            times[key].append(_loop(ops[key], numbers[key]) / numbers[key] * 1e6)
+
+    def ratio(op: str) -> float:
+        pairs = zip(times[("dataclass", op)], times[("msgspec", op)])
+        return statistics.median(old / new for old, new in pairs)
+
+    def figures(codec: str, frame: bytes) -> CodecFigures:
+        return CodecFigures(
+            statistics.median(times[(codec, "encode")]),
+            statistics.median(times[(codec, "decode")]),
+            len(frame),
+        )
+
+    return Result(
+        case.name,
+        figures("dataclass", old_frame),
+        figures("msgspec", new_frame),
+        ratio("encode"),
+        ratio("decode"),
+        statistics.median(times[("dataclass", "asdict")]),
+    )
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "msgspec": msgspec.__version__,
+        "msgpack": ".".join(map(str, msgpack.version)),
+        "load_average": os.getloadavg(),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=21, help="rounds; figures are medians")
+    parser.add_argument("--min-loop-ms", type=float, default=20.0, help="each timed loop's least")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    host = machine()
+    print(
+        f"# {host['cpu']}, {host['cpus']} CPUs; python {host['python']}, msgspec "
+        f"{host['msgspec']}, msgpack {host['msgpack']}; load average {host['load_average'][0]:.2f}"
+    )
+    print(
+        f"# median of {args.repeats} rounds, loops of >= {args.min_loop_ms:g} ms, GC on; "
+        "ratio = dataclass / msgspec time, median over rounds\n"
+    )
+    print(
+        "| message | bytes, dataclass | bytes, msgspec | encode µs, dataclass (asdict) | msgspec "
+        "| ratio | decode µs, dataclass | msgspec | ratio |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    results = []
+    for case in cases(args.seed):
+        r = measure(case, args.repeats, args.min_loop_ms / 1e3)
+        results.append(r)
+        old, new = r.dataclass, r.msgspec
+        print(
+            f"| {r.message} | {old.bytes:,} | {new.bytes:,} | {old.encode_us:,.1f} "
+            f"({r.asdict_us:,.1f}) | "
+            f"{new.encode_us:,.2f} | {r.encode_ratio:,.0f}x | {old.decode_us:,.1f} | "
+            f"{new.decode_us:,.2f} | {r.decode_ratio:,.1f}x |",
+            flush=True,
+        )
+    out = {
+        "command": " ".join(["python -m bench.codec", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": host,
+        "repeats": args.repeats,
+        "min_loop_ms": args.min_loop_ms,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn, in the coordinator's event loop): its
+routes (completions, chat completions, models, health, Prometheus metrics), the OpenAI error body
+for every failure, and running it on a socket bound before the nodes start."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coordinator.access_log import AccessLog, RequestIdLogFilter
+from coordinator.metrics import CONTENT_TYPE
+from coordinator.openai_protocol import APIError, coordinator_error
+from coordinator.serving import OpenAIServing
+from coordinator.serving_chat import OpenAIServingChat
+from coordinator.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+
+def served_model_name(model: str | None) -> str:
+    """What clients call the model: `pdserve-tiny`, or the checkpoint directory's name."""
+    return "pdserve-tiny" if model in (None, "pdserve-tiny") else Path(model).resolve().name
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+
+def build_app(serving: OpenAIServing) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    completion = OpenAIServingCompletion(serving)
+    chat = OpenAIServingChat(serving)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status >= 500:
+            logger.warning("%d: %s", exc.status, exc.message)
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, "internal server error", "server_error",
+                                       code="internal_error"))  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion.create_completion(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat.create_chat_completion(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return serving.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if serving.coordinator.ready():
+            return JSONResponse({"status": "ok"})
+        return error_response(coordinator_error("unavailable", "no node of a needed kind is ready"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bound before uvicorn starts, so a busy port is a clean error, and port 0 works."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    # The coordinator's process owns the signals (stop, SIGHUP reload); uvicorn must not.
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201
+        yield
+
+
+async def serve_http(app: FastAPI, sock: socket.socket, stop: asyncio.Event) -> None:
+    """Run uvicorn in this event loop on `sock` until `stop` is set."""
+    root = logging.getLogger()
+    log_filter = RequestIdLogFilter()
+    for handler in root.handlers:
+        handler.addFilter(log_filter)
+    config = uvicorn.Config(
+        AccessLog(app),
+        log_config=None,  # our logging setup, not uvicorn's
+        log_level=root.level,
+        access_log=False,  # AccessLog writes one line per request, after streaming
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+    try:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if serving.done():
+            serving.result()
+            return
+        host, port = sock.getsockname()[:2]
+        print(f"pdserve: serving http://{host}:{port}", flush=True)
+        waiting = asyncio.create_task(stop.wait())
+        await asyncio.wait({serving, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        for handler in root.handlers:
+            handler.removeFilter(log_filter)
+        sock.close()

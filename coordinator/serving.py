@@ -1,0 +1,333 @@
+"""What completions and chat completions share: parsing and validating a body, turning it into
+one submission per choice, running those on the coordinator (whole or as Server-Sent Events,
+aborted however the client leaves) and counting usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from cluster.sampling_params import SamplingParams
+from coordinator.choice_stream import ChoiceDelta, ChoiceResult, ChoiceStream
+from coordinator.coordinator import Coordinator, SubmitError
+from coordinator.detokenizer import TokenVocabulary
+from coordinator.metrics import Metrics
+from coordinator.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    coordinator_error,
+    validation_error,
+)  # fmt: skip
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_CHOICES = 256  # prompts x n in one request
+
+
+@dataclass(slots=True)
+class Submission:
+    """What a validated request asks for: one prompt per choice, and their sampling params."""
+
+    prompts: list[list[int]]  # one per distinct prompt
+    params: list[SamplingParams]  # one per choice: prompt i's n choices are i*n .. i*n+n-1
+    n: int
+    stop: list[str]
+    logprobs: bool
+
+
+class OpenAIServing:
+    """The served model and the coordinator behind it, shared by the completions and chat
+    endpoints; also the server's metrics, fed by the coordinator's request events."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        tokenizer: Tokenizer,
+        model_dir: str | Path,
+        model_name: str,
+        aliases: tuple[str, ...] = (),
+    ) -> None:
+        self.coordinator = coordinator
+        self.tokenizer = tokenizer
+        self.vocab = TokenVocabulary(tokenizer, model_dir)
+        self.model_name = model_name
+        self.model_names = {model_name, *aliases}
+        self.created = int(time.time())
+        self.metrics = Metrics(coordinator)
+        coordinator.listeners.append(self.metrics.observe)
+
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [{
+                "id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "pdserve", "max_model_len": self.coordinator.max_model_len,
+            }],
+        }  # fmt: skip
+
+    # --- parsing and validation ---------------------------------------------------------------
+
+    async def parse(
+        self, request: Request, model: type
+    ) -> CompletionRequest | ChatCompletionRequest:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"The body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request("The body must be a JSON object", code="invalid_type")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        body.check()
+        if body.model is not None and body.model not in self.model_names:
+            raise APIError(404, f"The model `{body.model}` does not exist.", param="model",
+                           code="model_not_found")  # fmt: skip
+        return body
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise bad_request(f"'{param}' must not be empty", param)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} in '{param}' is outside the vocabulary [0, {vocab})",
+                              param)  # fmt: skip
+        return ids
+
+    def max_tokens(
+        self, requested: int | None, prompt_len: int, default: int | None, param: str
+    ) -> int:
+        """The completion's length: refused (400) when prompt + completion exceed the context."""
+        limit = self.coordinator.max_model_len
+        if limit <= 0:
+            raise coordinator_error("unavailable", "no node is available")
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {prompt_len} tokens, leaving no room for a completion.",
+                param, "context_length_exceeded",
+            )  # fmt: skip
+        room = limit - prompt_len
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                "completion). Please reduce the prompt or the completion length.",
+                "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
+        return requested
+
+    def submission(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        requested_max: int | None,
+        default_max: int | None,
+        num_logprobs: int | None,
+        prompt_param: str,
+    ) -> Submission:
+        n = body.n or 1
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
+        params: list[SamplingParams] = []
+        for ids in prompts:
+            max_tokens = self.max_tokens(requested_max, len(ids), default_max, prompt_param)
+            for i in range(n):
+                fields = dict(
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    min_p=body.min_p,
+                    seed=None if body.seed is None else body.seed + i,
+                    stop_token_ids=body.stop_token_ids,
+                    ignore_eos=body.ignore_eos,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    logprobs=num_logprobs,
+                )
+                try:
+                    params.append(SamplingParams.from_dict(
+                        {k: v for k, v in fields.items() if v is not None or k == "seed"}
+                    ))  # fmt: skip
+                except ValueError as exc:
+                    raise bad_request(str(exc), str(exc).split()[0]) from None
+        return Submission(prompts, params, n, body.stop_strings, num_logprobs is not None)
+
+    # --- running requests ----------------------------------------------------------------------
+
+    async def submit(self, request_id: str, sub: Submission) -> list[ChoiceStream]:
+        """Submit every choice, or none: a refusal aborts those already in."""
+        limit = self.coordinator.config.max_pending_requests
+        if self.coordinator.num_pending + len(sub.params) > limit:
+            # Refused whole, before any choice reaches a node.
+            logger.info("refused: %d requests already pending", self.coordinator.num_pending)
+            raise coordinator_error("overloaded", "the server is overloaded; retry later")
+        choices: list[ChoiceStream] = []
+        try:
+            for index, params in enumerate(sub.params):
+                prompt = sub.prompts[index // sub.n]
+                handle = await self.coordinator.submit(prompt, params, f"{request_id}-{index}")
+                choices.append(ChoiceStream(self.coordinator, self.tokenizer, index, prompt,
+                                            handle, sub.stop, sub.logprobs))  # fmt: skip
+        except SubmitError as exc:
+            logger.info("refused (%s): %s", exc.code, exc)
+            await self.abort(choices)
+            raise coordinator_error(exc.code, str(exc)) from None
+        logger.info("submitted %d choice(s), prompt tokens %s, max_tokens %d", len(choices),
+                    [len(p) for p in sub.prompts], sub.params[0].max_tokens)  # fmt: skip
+        return choices
+
+    async def abort(self, choices: list[ChoiceStream]) -> None:
+        """Free every unfinished choice on every node."""
+        for choice in choices:
+            await choice.abort()
+
+    async def collect(self, request: Request, choices: list[ChoiceStream]) -> list[ChoiceResult]:
+        """Whole outputs; a client that disconnects first gets its requests aborted."""
+        tasks = [asyncio.create_task(c.result()) for c in choices]
+        gone = asyncio.create_task(wait_for_disconnect(request))
+        try:
+            pending: set[asyncio.Task] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending | {gone}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if gone in done:
+                    logger.info("client disconnected; aborting")
+                    raise APIError(499, "client disconnected", code="client_disconnected")
+                pending.discard(gone)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+            return [task.result() for task in tasks]
+        finally:
+            gone.cancel()
+            for task in tasks:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: a second failure is not logged as lost
+                task.cancel()
+            await self.abort(choices)
+
+    def stream(
+        self,
+        choices: list[ChoiceStream],
+        n: int,
+        base: dict,
+        render: Callable[[ChoiceDelta], dict],
+        head: list[dict],
+        include_usage: bool,
+    ) -> EventStream:
+        """The choices' deltas as Server-Sent Events, each rendered as a chunk by `render`."""
+        chunks = self._events(choices, n, base, render, head, include_usage)
+        return EventStream(chunks, on_close=lambda: self.abort(choices))
+
+    async def _events(
+        self,
+        choices: list[ChoiceStream],
+        n: int,
+        base: dict,
+        render: Callable[[ChoiceDelta], dict],
+        head: list[dict],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """The head chunks, each choice's deltas as they come, the usage chunk if asked,
+        `[DONE]`. An error ends the stream with an error chunk; leaving it early (the client went
+        away) aborts every unfinished choice."""
+        queue: asyncio.Queue = asyncio.Queue()
+        usage_null = {"usage": None} if include_usage else {}
+
+        async def pump(choice: ChoiceStream) -> None:
+            try:
+                async for delta in choice.deltas():
+                    queue.put_nowait(delta)
+            except APIError as exc:
+                queue.put_nowait(exc)
+            except Exception:
+                logger.exception("[%s] failed", choice.request_id)
+                queue.put_nowait(
+                    APIError(500, "internal error", "server_error", code="internal_error")
+                )
+            finally:
+                queue.put_nowait(choice)  # its end
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            for chunk in head:
+                yield sse({**chunk, **usage_null})
+            remaining = len(choices)
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, ChoiceStream):
+                    remaining -= 1
+                elif isinstance(item, APIError):
+                    logger.warning("stream failed: %s", item.message)
+                    yield sse(item.body())
+                    break
+                elif item.text or item.logprobs or item.finish_reason:
+                    yield sse({**render(item), **usage_null})
+            else:
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": self.usage(choices, n)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if any(c.finish_reason is None for c in choices):
+                logger.info("stream left early: aborting its unfinished choices")
+            for task in tasks:
+                task.cancel()
+            await self.abort(choices)
+
+    def usage(self, choices: list[ChoiceStream], n: int) -> dict:
+        firsts = [c for c in choices if c.index % n == 0]  # the prompt counts once, not n times
+        prompt = sum(c.num_prompt_tokens for c in firsts)
+        completion = sum(c.num_output_tokens for c in choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)},
+        }
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-Sent Events whose requests are aborted however the response ends, even when it is
+    cancelled before its generator ever ran (a client gone before the first byte)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(chunks, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
