@@ -220,14 +220,15 @@ class DecodeHandoff:
 
     def cancel(self, request_id: str, kv_unsent: bool = False) -> bool:
         """The request ended. With kv_unsent (no sender was ever asked for this KV) the blocks
-        are freed now; otherwise once the transfer ends, since a sender may still be writing.
+        are freed now. Otherwise a sender may be writing: the receiver stops the transfer and
+        the blocks are freed at the poll that sees it end, once nothing writes into them.
         False if nothing is reserved for it."""
         handoff = self.handoffs.get(request_id)
         if handoff is None:
             return False
+        if self.receiver.failed is None and handoff.state is HandoffState.EXPECTING:
+            self.receiver.cancel(request_id, "aborted")
         if kv_unsent and handoff.state is HandoffState.EXPECTING:
-            if self.receiver.failed is None:
-                self.receiver.cancel(request_id, "aborted before its KV was sent")
             del self.handoffs[request_id]
             self.block_manager.free(handoff.blocks)
         else:
@@ -251,7 +252,7 @@ class DecodeHandoff:
                 arrived.append(handoff.seq)
                 continue
             self.block_manager.free(handoff.blocks)
-            if not result.ok:
+            if not result.ok and handoff.state is HandoffState.EXPECTING:
                 logger.warning("[%s] KV arrival failed: %s", result.transfer_id, result.error)
                 failed.append(HandoffEnd(result.transfer_id, False, result.error))
         return arrived, failed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,16 @@ from kv_transfer.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Draining:
+    """A transfer that ended (failed or cancelled) while senders granted a direct write may be
+    copying into its blocks: its end is reported once they are done, or at `deadline`."""
+
+    error: str
+    writers: set[tuple[bytes, int]]  # unit keys (peer, send id)
+    deadline: float
 
 
 class Payload:
@@ -85,6 +96,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
         self._inflight: deque[tuple[bytes, Pages, Payload]] = deque()  # pushed chunks in order
         self._peers: set[bytes] = set()
+        self._draining: dict[str, Draining] = {}  # by transfer id
         self._start_thread({"expected": 0, "units": 0, "held_bytes": 0, "peers": 0})
 
     # -- interface ---------------------------------------------------------------------------
@@ -111,6 +123,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self._command("expect", transfer_id, [int(b) for b in dst_blocks], rng, timeout_s)
 
     def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> None:
+        """Forget an expected transfer and tell its senders to stop. Unless it has already ended,
+        poll() reports it failed with `reason` once nothing writes into its blocks any more:
+        at once for pushed pages, after the sender's copy for a direct write in progress."""
         self._check_open()
         self._command("cancel", transfer_id, reason)
 
@@ -201,7 +216,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
                     log.exception("%s receiver: expect of %s failed", self.name, cmd[1])
                     self._fail_expect(cmd[1], f"expect failed: {e!r}")
             elif cmd[0] == "cancel":
-                self._end(cmd[1], cmd[2], report=False)
+                self._end(cmd[1], cmd[2], quiet=True)
         return False
 
     def _fail_pending(self, why: str) -> None:
@@ -315,6 +330,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self._send(unit.peer, Go(unit.send_id))
 
     def _on_done(self, peer: bytes, msg: Done) -> None:
+        self._write_ended((peer, msg.send_id))
         unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is None or unit.state != "granted":
             return  # the transfer already ended; the sender was told
@@ -322,6 +338,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self._close_unit(unit)
 
     def _on_abort(self, peer: bytes, msg: Abort) -> None:
+        self._write_ended((peer, msg.send_id))
         unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is not None:
             self._arrivals.drop_unit(unit)
@@ -463,6 +480,11 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._land(unit, msg, payload)
 
     def _expire(self, now: float) -> None:
+        for tid, draining in list(self._draining.items()):
+            if now > draining.deadline:  # a sender that never says it is done: waited enough
+                log.warning("%s receiver: no end of the writes into %s's blocks", self.name, tid)
+                del self._draining[tid]
+                self._report_failed(tid, draining.error)
         exps, units = self._arrivals.expired(now)
         for exp in exps:
             self._end(exp.transfer_id, f"timed out waiting for layers {exp.missing_layers}")
@@ -473,16 +495,42 @@ class ZmqReceiver(CommandThread, KVReceiver):
                 Nack(unit.transfer_id, unit.send_id, "receiver never expected this transfer"),
             )
 
-    def _end(self, tid: str, error: str, report: bool = True, nack: bool = True) -> None:
-        """Fail (or cancel) a transfer: forget it, tell its senders, report it."""
+    def _end(
+        self, tid: str, error: str, report: bool = True, nack: bool = True, quiet: bool = False
+    ) -> None:
+        """Fail (or cancel) a transfer: forget it, tell its senders, report it (quiet: without a
+        warning, as for a cancel)."""
         was_expected = tid in self._arrivals.expected
         units = self._arrivals.finish(tid, time.monotonic())
         if nack:
             for unit in units:
                 self._send(unit.peer, Nack(tid, unit.send_id, error))
-        if was_expected and report:
+        if not (was_expected and report):
+            return
+        if not quiet:
             log.warning("%s receiver: transfer %s failed: %s", self.name, tid, error)
-            self._finished.append(TransferResult(tid, False, error))
+        writers = [u for u in units if u.direct and u.state == "granted"]
+        if writers:
+            # Their senders may be copying into the blocks right now: whoever reuses the blocks
+            # must hear of the end only after that.
+            deadline = max(u.deadline for u in writers)
+            self._draining[tid] = Draining(error, {u.key for u in writers}, deadline)
+        else:
+            self._report_failed(tid, error)
+
+    def _report_failed(self, tid: str, error: str) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()  # no landing of its pages is still queued on the device
+        self._finished.append(TransferResult(tid, False, error))
+
+    def _write_ended(self, key: tuple[bytes, int]) -> None:
+        """A direct write (Begin, Go, then the sender's copy) is over: Done, Abort, or its
+        sender is gone."""
+        for tid, draining in list(self._draining.items()):
+            draining.writers.discard(key)
+            if not draining.writers:
+                del self._draining[tid]
+                self._report_failed(tid, draining.error)
 
     # -- peers -------------------------------------------------------------------------------
     def _probe_peers(self) -> None:
@@ -492,6 +540,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._send(peer, Ping())
 
     def _on_peer_lost(self, peer: bytes, why: str) -> None:
+        for draining in list(self._draining.values()):
+            for key in [k for k in draining.writers if k[0] == peer]:
+                self._write_ended(key)
         self._peers.discard(peer)
         self._inflight = deque(e for e in self._inflight if e[0] != peer)
         for unit in self._arrivals.peer_units(peer):
@@ -510,6 +561,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
         """The thread ends: fail every transfer and send (results first, then senders told)."""
         now = time.monotonic()
         units: list[Unit] = []
+        for tid, draining in self._draining.items():
+            self._finished.append(TransferResult(tid, False, draining.error))
+        self._draining.clear()
         for tid in list(self._arrivals.expected):
             units += self._arrivals.finish(tid, now)
             self._finished.append(TransferResult(tid, False, why))
