@@ -148,10 +148,16 @@ def test_junk_to_every_port_is_dropped_and_the_cluster_serves_on():
                 sock.connect(endpoint)
                 for frames in JUNK:
                     await sock.send_multipart(frames)
-                await asyncio.sleep(0.3)
-                sock.close(0)
+                sock.close(linger=5000)  # after what it queued has gone out
 
         cluster.call(junk())
+        # The coordinator has read every one (all but the stranger's Heartbeat are malformed).
+        deadline = time.monotonic() + 30
+        while coordinator._malformed_nodes.total + coordinator._malformed_clients.total < 2 * (
+            len(JUNK) - 1
+        ):
+            assert time.monotonic() < deadline, "the coordinator never read the junk"
+            time.sleep(0.05)
         prompts = make_prompts(3, seed=8)
         results = asyncio.run(run_all(cluster.client_addr, prompts, GREEDY))
         assert all(len(tokens) == 16 for tokens, _ in results)
@@ -194,9 +200,11 @@ class TestTwoByTwo:
         asyncio.run(sequentially())
         cluster.coordinator.listeners.remove(listener)
         assert len(set(chosen)) == 1
-        time.sleep(0.5)  # a fresh heartbeat carries the counters
         node = chosen[0]
-        assert cluster.node(node).prefix_hits - hits_before[node] >= 5 * 8
+        deadline = time.monotonic() + 30  # until a heartbeat carries the counters
+        while cluster.node(node).prefix_hits - hits_before[node] < 5 * 8:
+            assert time.monotonic() < deadline, cluster.node(node).prefix_hits
+            time.sleep(0.05)
 
     def test_a_node_wrongly_declared_dead_is_reset_and_rejoins(self, cluster, offline):
         prompts = make_prompts(6, seed=7, lo=5, hi=30)
