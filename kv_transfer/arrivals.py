@@ -10,6 +10,7 @@ so late data for a failed transfer is refused instead of landing in reused block
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,12 @@ class Expected:
         return [self.layers[0] + i for i, ok in enumerate(self.arrived) if not ok]
 
 
+class UnitState(enum.Enum):
+    WAITING = "waiting"  # came before its expect(): data held, nothing written
+    OPEN = "open"  # expected: pushed pages land
+    GRANTED = "granted"  # expected: the sender writes into the pool itself
+
+
 @dataclass(slots=True)
 class Unit:
     """One send() as the receiver sees it."""
@@ -43,7 +50,7 @@ class Unit:
     layers: tuple[int, int]
     deadline: float  # only enforced while waiting for the expect()
     direct: bool = False  # the sender writes into the pool itself (shm, cuda_ipc)
-    state: str = "waiting"  # waiting | open (push data lands) | granted (sender writes directly)
+    state: UnitState = UnitState.WAITING
     held: list[Any] = field(default_factory=list)  # chunks that came while waiting
     held_bytes: int = 0
     pages: int = 0  # (layer, block) pages landed so far
@@ -144,13 +151,15 @@ class Arrivals:
             return f"layers {unit.layers} outside the expected range {exp.layers}"
         if any(exp.arrived[i - exp.layers[0]] for i in range(l0, l1)):
             return f"layers {unit.layers} of transfer {exp.transfer_id!r} already arrived"
-        unit.state = "open"
+        unit.state = UnitState.OPEN
         exp.peers.add(unit.peer)
         return None
 
     def waiting_for(self, transfer_id: str) -> list[Unit]:
         return [
-            u for u in self.units.values() if u.transfer_id == transfer_id and u.state == "waiting"
+            u
+            for u in self.units.values()
+            if u.transfer_id == transfer_id and u.state is UnitState.WAITING
         ]
 
     def close_unit(self, unit: Unit) -> str | None:
@@ -179,7 +188,9 @@ class Arrivals:
     def expired(self, now: float) -> tuple[list[Expected], list[Unit]]:
         """Expectations past their deadline, and waiting units past theirs."""
         exps = [e for e in self.expected.values() if now >= e.deadline]
-        units = [u for u in self.units.values() if u.state == "waiting" and now >= u.deadline]
+        units = [
+            u for u in self.units.values() if u.state is UnitState.WAITING and now >= u.deadline
+        ]
         for tid in [t for t, at in self.finished.items() if now - at > self.remember_s]:
             del self.finished[tid]
         return exps, units

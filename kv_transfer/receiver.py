@@ -23,7 +23,7 @@ import zmq
 from cluster.codec import MalformedLog, ProtocolError, peer_name
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
-from kv_transfer.arrivals import Arrivals, Expected, Unit
+from kv_transfer.arrivals import Arrivals, Expected, Unit, UnitState
 from kv_transfer.base import KVReceiver, TransferResult
 from kv_transfer.channel import CommandThread, bind_router
 from kv_transfer.protocol import (
@@ -196,7 +196,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
         if self._inflight:
             return 1  # device transfers to watch
         deadlines = [e.deadline for e in self._arrivals.expected.values()]
-        deadlines += [u.deadline for u in self._arrivals.units.values() if u.state == "waiting"]
+        deadlines += [
+            u.deadline for u in self._arrivals.units.values() if u.state is UnitState.WAITING
+        ]
         wait = self._probe_interval_s
         if deadlines:
             wait = min(wait, max(0.0, min(deadlines) - time.monotonic()))
@@ -322,17 +324,17 @@ class ZmqReceiver(CommandThread, KVReceiver):
         unit = self._open(
             peer, msg.transfer_id, msg.send_id, msg.dst, msg.layers, msg.timeout_s, direct=True
         )
-        if unit is not None and unit.state == "open":
+        if unit is not None and unit.state is UnitState.OPEN:
             self._grant(unit)
 
     def _grant(self, unit: Unit) -> None:
-        unit.state = "granted"
+        unit.state = UnitState.GRANTED
         self._send(unit.peer, Go(unit.send_id))
 
     def _on_done(self, peer: bytes, msg: Done) -> None:
         self._write_ended((peer, msg.send_id))
         unit = self._arrivals.units.get((peer, msg.send_id))
-        if unit is None or unit.state != "granted":
+        if unit is None or unit.state is not UnitState.GRANTED:
             return  # the transfer already ended; the sender was told
         unit.pages = unit.total_pages
         self._close_unit(unit)
@@ -379,7 +381,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
         if msg.hi > len(unit.dst_blocks):
             self._fail_unit(unit, f"pages of blocks up to {msg.hi} of a send of fewer")
             return
-        if unit.state == "waiting":
+        if unit.state is UnitState.WAITING:
             if self._arrivals.held_bytes + msg.nbytes > self._max_held_bytes:
                 self._arrivals.drop_unit(unit)
                 self._send(
@@ -509,7 +511,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
             return
         if not quiet:
             log.warning("%s receiver: transfer %s failed: %s", self.name, tid, error)
-        writers = [u for u in units if u.direct and u.state == "granted"]
+        writers = [u for u in units if u.direct and u.state is UnitState.GRANTED]
         if writers:
             # Their senders may be copying into the blocks right now: whoever reuses the blocks
             # must hear of the end only after that.

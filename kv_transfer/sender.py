@@ -12,6 +12,7 @@ Nack, timeout, or when the receiver's connection drops (then its socket and buff
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import os
@@ -56,6 +57,12 @@ class SendFailed(Exception):
     """A send cannot go on (peer gone, timeout); the message is the TransferResult error."""
 
 
+class SendState(enum.Enum):
+    QUEUED = "queued"  # push: waiting for its turn on the wire
+    AWAITING_GO = "awaiting_go"  # direct: Begin sent, the receiver has not granted the write
+    AWAITING_ACK = "awaiting_ack"  # all pages out (or written): the receiver confirms
+
+
 @dataclass(slots=True)
 class Outgoing:
     send_id: int
@@ -67,7 +74,7 @@ class Outgoing:
     timeout_s: float
     deadline: float
     ready: Any = None  # CUDA event: the pages are computed (recorded on the caller's stream)
-    state: str = "queued"  # queued | await_go | await_ack
+    state: SendState = SendState.QUEUED
 
 
 @dataclass(slots=True)
@@ -383,7 +390,7 @@ class ZmqSender(CommandThread, KVSender):
                 self._finish(out, f"refused by receiver: {msg.error}")
         elif isinstance(msg, Go):
             out = self._outgoing.get(msg.send_id)
-            if out is not None and out.state == "await_go":
+            if out is not None and out.state is SendState.AWAITING_GO:
                 self._do_write(peer, out)
         elif not isinstance(msg, Ping):
             raise ProtocolError(f"unexpected {msg.TYPE} from a receiver")
@@ -407,7 +414,7 @@ class ZmqSender(CommandThread, KVSender):
         if not peer.welcomed:
             peer.waiting.append(out)  # started on the Welcome, failed if the handshake fails
         elif self.direct:
-            out.state = "await_go"
+            out.state = SendState.AWAITING_GO
             begin = Begin(out.transfer_id, out.send_id, out.layers, out.dst_blocks, out.timeout_s)
             self._send_to(peer, begin)
         else:
@@ -448,7 +455,7 @@ class ZmqSender(CommandThread, KVSender):
                 out.timeout_s,
             )  # fmt: skip
             self._emit(peer, out, header, chunk, src[chunk.lo : chunk.hi])
-        out.state = "await_ack"
+        out.state = SendState.AWAITING_ACK
 
     def _gather(
         self, chunk: pages.Chunk, src: torch.Tensor, out: torch.Tensor | None = None
@@ -471,7 +478,7 @@ class ZmqSender(CommandThread, KVSender):
             log.exception("%s sender: write of %s failed", self.name, out.transfer_id)
             self._fail_send(peer, out, f"write failed: {e}")
             return
-        out.state = "await_ack"
+        out.state = SendState.AWAITING_ACK
         self._send_to(peer, Done(out.transfer_id, out.send_id))
 
     def _fail_send(self, peer: Peer, out: Outgoing, why: str) -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_transfer.arrivals import Arrivals, Unit
+from kv_transfer.arrivals import Arrivals, Unit, UnitState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +43,7 @@ def test_transfer_completes_exactly_when_its_last_layer_range_arrives(split, ear
         assert isinstance(unit, Unit)
         units.append(unit)
     if early:  # sends came first: they wait, then the expect() admits them
-        assert all(u.state == "waiting" for u in units)
+        assert all(u.state is UnitState.WAITING for u in units)
         exp = arrivals.expect("t", dst, None, timeout_s=10.0, now=0.0)
         assert all(arrivals.admit(u, exp) is None for u in units)
     for i, unit in enumerate(units):
