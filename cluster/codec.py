@@ -57,6 +57,13 @@ class Codec(Generic[M]):
             raise ProtocolError(f"{self.name} protocol version {version}, expected {self.version}")
         return msg
 
+    def decode_frames(self, frames: list) -> M:
+        """The one message a multipart ZMQ message carries (after any routing id): exactly one
+        frame, or ProtocolError."""
+        if len(frames) != 1:
+            raise ProtocolError(f"{len(frames)} frames, expected 1")
+        return self.decode(frames[0])
+
     def _explain(self, frame: bytes | memoryview, exc: Exception) -> str:
         """Name a wrong version rather than the field it trips on first."""
         try:

@@ -8,12 +8,13 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from cluster.codec import MalformedLog, ProtocolError
-from cluster.node_messages import Heartbeat, Message, Register, orders, reports
+from cluster.node_messages import Heartbeat, Message, Register, RequestError, orders, reports
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,21 @@ class NodeLink:
             except zmq.Again:
                 return messages
             try:
-                if len(frames) != 1:
-                    raise ProtocolError(f"{len(frames)} frames, expected 1")
-                messages.append(orders.decode(frames[0]))
+                messages.append(orders.decode_frames(frames))
             except ProtocolError as exc:
                 self.malformed("coordinator", str(exc))
+
+    def carry_out(self, msg: Message, handle: Callable[[Message], None]) -> None:
+        """handle(msg) on the node's loop: an order that cannot be carried out is logged and, if
+        it concerns a request, reported failed (the coordinator retries it elsewhere); it never
+        ends the loop."""
+        try:
+            handle(msg)
+        except Exception:
+            request_id = getattr(msg, "request_id", None)
+            logger.exception("[%s] handling %s failed", request_id or "-", msg.TYPE)
+            if request_id is not None:
+                self.send(RequestError(request_id, f"{msg.TYPE} failed on node {self.node_id}"))
 
     def load_due(self, now: float | None = None) -> bool:
         """Whether a fresh load snapshot is wanted (at most one per heartbeat interval)."""

@@ -297,9 +297,7 @@ class Coordinator:
     ) -> Message | None:
         """The one message a peer's frames carry, or None (dropped, logged once per peer)."""
         try:
-            if len(frames) != 1:
-                raise ProtocolError(f"{len(frames)} frames, expected 1")
-            return codec.decode(frames[0])
+            return codec.decode_frames(frames)
         except ProtocolError as exc:
             malformed(peer_name(identity), str(exc))
             return None

@@ -52,16 +52,6 @@ class DecodeNode:
         self._kv_error_logged = False
         self.running = True
 
-    def _handle_safely(self, msg: Message) -> None:
-        """One order that cannot be carried out must not end the node's loop."""
-        try:
-            self.handle(msg)
-        except Exception:
-            request_id = getattr(msg, "request_id", None)
-            logger.exception("[%s] handling %s failed", request_id or "-", msg.TYPE)
-            if request_id is not None:
-                self.link.send(RequestError(request_id, f"{msg.TYPE} failed on this node"))
-
     def handle(self, msg: Message) -> None:
         if isinstance(msg, Generate):
             try:
@@ -110,6 +100,9 @@ class DecodeNode:
                 self.link.send(TransferDone(seq.request_id, False, str(exc)))
         for end in failed:
             self.link.send(TransferDone(end.request_id, False, end.error))
+        if self.kv_error is not None and not self._kv_error_logged:
+            logger.error("KV receiver failed; taking no more handoffs: %s", self.kv_error)
+            self._kv_error_logged = True
 
     def _send_tokens(self, outputs: list[RequestOutput]) -> None:
         items = [
@@ -125,17 +118,14 @@ class DecodeNode:
 
     @property
     def kv_error(self) -> str | None:
-        error = self.handoff.failed if self.handoff is not None else None
-        if error is not None and not self._kv_error_logged:
-            logger.error("KV receiver failed, taking no more handoffs: %s", error)
-            self._kv_error_logged = True
-        return error
+        """Why this node takes no more handoffs (its KV receiver failed), or None."""
+        return self.handoff.failed if self.handoff is not None else None
 
     def step(self) -> None:
         unfinished = self.engine.has_unfinished()
         expecting = self.handoff is not None and self.handoff.num_pending > 0
         for msg in self.link.receive(0 if unfinished else (1 if expecting else 5)):
-            self._handle_safely(msg)
+            self.link.carry_out(msg, self.handle)
         self._take_in_arrivals()
         if self.engine.has_unfinished():
             outputs = self.engine.step()

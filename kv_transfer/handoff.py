@@ -236,6 +236,7 @@ class DecodeHandoff:
         return True
 
     def reset(self) -> None:
+        """Drop every handoff (the coordinator moved this node's requests elsewhere)."""
         for request_id in list(self.handoffs):
             self.cancel(request_id)
 

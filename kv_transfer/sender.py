@@ -350,9 +350,7 @@ class ZmqSender(CommandThread, KVSender):
             except zmq.Again:
                 return
             try:
-                if len(frames) != 1:
-                    raise ProtocolError(f"{len(frames)} frames, expected 1")
-                self._on_message(peer, control.decode(frames[0]))
+                self._on_message(peer, control.decode_frames(frames))
             except ProtocolError as e:  # logged once per receiver, counted after that
                 self._malformed(peer.peer_id, str(e))
             except Exception:  # a bug, not junk: it must not stop the sender either

@@ -59,9 +59,7 @@ class HandoffSocket:
                     continue
                 frames = sock.recv_multipart()
                 try:
-                    if len(frames) != 1:
-                        raise ProtocolError(f"{len(frames)} frames, expected 1")
-                    msg = orders.decode(frames[0])
+                    msg = orders.decode_frames(frames)
                 except ProtocolError as exc:
                     self._malformed("coordinator", str(exc))
                     continue

@@ -44,16 +44,6 @@ class PrefillNode:
         self.handoff_socket: HandoffSocket | None = None
         self.running = True
 
-    def _handle_safely(self, msg: Message) -> None:
-        """One order that cannot be carried out must not end the node's loop."""
-        try:
-            self.handle(msg)
-        except Exception:
-            request_id = getattr(msg, "request_id", None)
-            logger.exception("[%s] handling %s failed", request_id or "-", msg.TYPE)
-            if request_id is not None:
-                self.link.send(RequestError(request_id, f"{msg.TYPE} failed on this node"))
-
     def handle(self, msg: Message) -> None:
         if isinstance(msg, Prefill):
             try:
@@ -115,7 +105,7 @@ class PrefillNode:
     def step(self) -> None:
         busy = self.engine.has_unfinished() or self.handoff.num_pending > 0
         for msg in self.link.receive(0 if busy else 5):
-            self._handle_safely(msg)
+            self.link.carry_out(msg, self.handle)
         if self.engine.has_unfinished():
             self._report_first_tokens(self.engine.step())
         self._report_handoffs()
