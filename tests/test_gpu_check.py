@@ -14,6 +14,7 @@ import tarfile
 import textwrap
 import time
 import zipfile
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -45,17 +46,8 @@ def test_each_plan_fits_one_device_run_with_room_for_start_and_report():
 
 
 def test_quick_plan_runs_the_steps_in_the_issues_order_and_gpu_steps_need_cuda():
-    names = [s.name for s in QUICK]
-    assert names == [
-        "install",
-        "env",
-        "tests",
-        "kernels",
-        "tiles",
-        "model_step",
-        "serving",
-        "parity",
-    ]
+    order = "install env tests kernels tiles model_step serving parity".split()
+    assert [s.name for s in QUICK] == order
     assert all("cuda" in s.needs for s in QUICK[2:])
     assert not QUICK[0].needs and not QUICK[1].needs
 
@@ -198,10 +190,10 @@ def _pytest(tmp_path: Path, args: list[str], **env: str) -> None:
 def test_plugin_runs_exactly_the_tests_that_skip_without_cuda(tmp_path: Path):
     (tmp_path / "test_cuda.py").write_text(CUDA_TESTS)
     (tmp_path / "test_module.py").write_text(MODULE_SKIP)
+    (tmp_path / "test_gpu_things.py").write_text("def test_unmarked():\n    pass\n")
     skips, events = tmp_path / "skips.json", tmp_path / "events.jsonl"
-    _pytest(
-        tmp_path, ["--collect-only", "--cuda-skips-out", str(skips), "."], CUDA_VISIBLE_DEVICES=""
-    )
+    hidden = ["--collect-only", "--cuda-skips-out", str(skips), "."]
+    _pytest(tmp_path, hidden, CUDA_VISIBLE_DEVICES="")
     found = json.loads(skips.read_text())
     assert found["tests"] == {
         "test_cuda.py::test_on_gpu_passes": "needs CUDA",
@@ -209,22 +201,13 @@ def test_plugin_runs_exactly_the_tests_that_skip_without_cuda(tmp_path: Path):
         "test_cuda.py::test_on_gpu_param[1]": "needs CUDA",
         "test_cuda.py::test_on_gpu_param[2]": "needs CUDA",
         "test_cuda.py::test_needs_two_gpus": "needs 2 GPUs",
+        "test_gpu_things.py::test_unmarked": "in a GPU test file",
     }
     assert found["skipped_modules"] == {"test_module.py": "needs CUDA"}
 
     # With the device visible: those alone run, each reported as it ends.
-    _pytest(
-        tmp_path,
-        [
-            "--cuda-select",
-            str(skips),
-            "--cuda-events",
-            str(events),
-            "test_cuda.py",
-            "test_module.py",
-        ],
-        CUDA_VISIBLE_DEVICES="0",
-    )
+    visible = ["--cuda-select", str(skips), "--cuda-events", str(events), "."]
+    _pytest(tmp_path, visible, CUDA_VISIBLE_DEVICES="0")
     tests = gpu_tests.outcomes(events)
     assert {k: v["outcome"] for k, v in tests.items()} == {
         "test_cuda.py::test_on_gpu_passes": "passed",
@@ -233,6 +216,7 @@ def test_plugin_runs_exactly_the_tests_that_skip_without_cuda(tmp_path: Path):
         "test_cuda.py::test_on_gpu_param[2]": "passed",
         "test_cuda.py::test_needs_two_gpus": "skipped",
         "test_module.py::test_whole_module_on_gpu": "passed",
+        "test_gpu_things.py::test_unmarked": "passed",
     }
     failed = tests["test_cuda.py::test_on_gpu_fails"]
     assert failed["reason"].startswith("AssertionError: wrong sum")
@@ -264,19 +248,8 @@ def test_install_step_installs_with_pip_alone_and_names_wheels_off_the_pins(tmp_
     wheels, site, record = tmp_path / "whl", tmp_path / "site", tmp_path / "install.json"
     wheels.mkdir()
     _wheel(wheels)
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.gpu_check.install",
-        "--json",
-        str(record),
-        "--work",
-        str(tmp_path),
-        "--wheels",
-        str(wheels),
-        "--site",
-        str(site),
-    ]
+    cmd = [sys.executable, "-m", "bench.gpu_check.install", "--json", str(record)]
+    cmd += ["--work", str(tmp_path), "--wheels", str(wheels), "--site", str(site)]
     subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, timeout=120, check=True)
     assert (site / "gpucheck_probe" / "__init__.py").read_text() == "VALUE = 42\n"
     saved = json.loads(record.read_text())
@@ -291,14 +264,8 @@ def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tm
     out, empty = tmp_path / "out", tmp_path / "no-wheels"
     empty.mkdir()
     cmd = [sys.executable, "-m", "bench.gpu_check", "--out", str(out), "--wheels", str(empty)]
-    done = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=_env(CUDA_VISIBLE_DEVICES=""),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    env = _env(CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == ["logs.tar.gz", "report.md", "results.json"]
@@ -357,98 +324,48 @@ def test_a_step_stopped_at_its_box_or_dying_fails_and_keeps_what_it_recorded(
 
 
 def _model_step_data() -> dict:
-    decode = [
-        {
-            "batch": 1,
-            "context": 4096,
-            "graph_ms": 6.0,
-            "eager_ms": 9.0,
-            "bytes_gb": 16.6,
-            "gbps": 2766.0,
-            "fraction_of_copy": 0.83,
-        },
-        {
-            "batch": 64,
-            "context": 4096,
-            "graph_ms": 16.0,
-            "eager_ms": 18.0,
-            "bytes_gb": 33.6,
-            "gbps": 2100.0,
-            "fraction_of_copy": 0.63,
-        },
-        {
-            "batch": 256,
-            "context": 512,
-            "graph_ms": 9.0,
-            "eager_ms": 11.0,
-            "bytes_gb": 24.4,
-            "gbps": 2711.0,
-            "fraction_of_copy": 0.81,
-        },
-    ]
-    prefill = [
-        {
-            "prompts": 1,
-            "prompt_len": 2048,
-            "ms": 70.0,
-            "tflop": 33.0,
-            "tflops": 471.0,
-            "fraction_of_matmul": 0.6,
-        }
-    ]
-    return {
-        "device": "NVIDIA H100",
-        "preset": "llama3-8b",
-        "dtype": "bfloat16",
-        "copy_gbps": 3340.0,
-        "matmul_tflops": 785.0,
-        "decode": decode,
-        "prefill": prefill,
-    }
+    """bench.model_step's results as it writes them (its own dataclasses), graph the faster."""
+    from bench import model_step
+
+    def decode(batch: int, context: int, gbps: float, fraction: float) -> dict:
+        return asdict(model_step.DecodeResult(batch, context, 1.0, 2.0, 1.0, gbps, fraction))
+
+    rows = [decode(1, 4096, 2766, 0.83), decode(64, 4096, 2100, 0.63), decode(256, 512, 2711, 0.81)]
+    prefill = asdict(model_step.PrefillResult(1, 2048, 70.0, 33.0, 471.0, 0.6))
+    return {"device": "NVIDIA H100", "preset": "llama3-8b", "dtype": "bfloat16",
+            "copy_gbps": 3340.0, "matmul_tflops": 785.0, "decode": rows, "prefill": [prefill]}  # fmt: skip
+
+
+def _kernels_data() -> dict:
+    """bench.kernels' results as it writes them."""
+    from bench import kernels
+
+    decode = kernels.DecodeResult(64, 4096, 400.0, 420.0, 9000.0, 1.07, 2684.0, 0.8)
+    prefill = kernels.PrefillResult(1, 2048, 0.4, None, 0.14, 350.0, 0.45)
+    return {"copy_gbps": 3340.0, "matmul_tflops": 785.0, "command": "python -m bench.kernels",
+            "decode": [asdict(decode)], "prefill": [asdict(prefill)]}  # fmt: skip
 
 
 def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
     test_id = "tests/test_gpu_engine.py::test_cuda_graph_decode_matches_cpu_reference[llama-False]"
+    facts = {"devices": [{"name": "NVIDIA H100"}], "commit": "abc1234"}
+    failed = {"outcome": "failed", "seconds": 3.0, "reason": "AssertionError: lists differ",
+              "where": "tests/test_gpu_engine.py:91"}  # fmt: skip
     results = [
-        StepResult(
-            "env",
-            "env",
-            "passed",
-            summary="NVIDIA H100",
-            data={"facts": {"devices": [{"name": "NVIDIA H100"}], "commit": "abc1234"}},
-        ),
-        StepResult(
-            "tests",
-            "tests",
-            "failed",
-            120,
-            summary="55 passed, 1 failed",
-            failures=[{"where": test_id, "what": "AssertionError: lists differ"}],
-            data={
-                "tests": {
-                    test_id: {
-                        "outcome": "failed",
-                        "seconds": 3.0,
-                        "reason": "AssertionError: lists differ",
-                        "where": "tests/test_gpu_engine.py:91",
-                    }
-                }
-            },
-        ),
+        StepResult("env", "env", "passed", summary="NVIDIA H100", data={"facts": facts}),
+        StepResult("tests", "tests", "failed", 120, summary="55 passed, 1 failed",
+                   failures=[{"where": test_id, "what": "AssertionError: lists differ"}],
+                   data={"tests": {test_id: failed}}),
+        StepResult("kernels", "kernels", "passed", 30, data=_kernels_data()),
         StepResult("model_step", "model_step", "passed", 60, data=_model_step_data()),
         StepResult("serving", "serving", "timed out", 115, summary="stopped"),
-    ]
-    run = {
-        "command": "python -m bench.gpu_check",
-        "plan": "quick",
-        "started": "now",
-        "seconds": 300.0,
-        "budget_s": 540.0,
-    }
+    ]  # fmt: skip
+    run = {"command": "python -m bench.gpu_check", "plan": "quick", "started": "now",
+           "seconds": 300.0, "budget_s": 540.0}  # fmt: skip
     screen = report.first_screen(run, results)
     assert len(screen) <= 40
     text = "\n".join(screen)
-    assert screen[0] == "# pdserve GPU check: FAILED (2 of 4 steps: tests, serving)"
+    assert screen[0] == "# pdserve GPU check: FAILED (2 of 5 steps: tests, serving)"
     assert "NVIDIA H100" in screen[2] and "abc1234" in screen[2]
     assert f"`{test_id}`: AssertionError: lists differ" in text
     assert "| batch 64, 4096 tokens (graph) | 63% (2100 of 3340 GB/s) | MISSED |" in text
@@ -457,3 +374,6 @@ def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
     assert "batch 1," not in text  # the aim is for batches of 64 and more
     full = report.render(run, results)
     assert full.startswith(text) and "tests/test_gpu_engine.py:91" in full
+    assert "| 64 | 4096 | 400.0 | 420.0 | 9000.0 | 2684 | 80% |" in full  # kernels' table
+    assert "| 1 | 2048 | 0.40 | - | 350 | 45% |" in full
+    assert "(details incomplete" not in full

@@ -30,17 +30,26 @@ def run_pytest(args: list[str], env: dict[str, str], timeout_s: float) -> tuple[
     """(exit code, stopped at the timeout); its output goes to this step's log."""
     cmd = [sys.executable, "-m", "pytest", *PLUGIN, *args]
     print("$ " + " ".join(cmd), flush=True)
+    # Its own process group, so that pytest and its xdist workers stop together.
     proc = subprocess.Popen(cmd, cwd=deps.REPO, env=env, start_new_session=True)
+
+    def stop_pytest_too(signum: int, frame: object) -> None:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner stops this step: not a stray pytest
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop_pytest_too)
     try:
         return proc.wait(max(1.0, timeout_s)), False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # pytest and its xdist workers
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         return None, True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def outcomes(events_path: Path) -> dict[str, dict]:

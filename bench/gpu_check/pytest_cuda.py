@@ -1,9 +1,10 @@
 """A pytest plugin that finds and runs the tests that skip for want of CUDA.
 
 First, with CUDA hidden (CUDA_VISIBLE_DEVICES=""), `--cuda-skips-out FILE` records every test
-whose skip marks apply there, and every module skipped whole at import; then, on the GPU,
-`--cuda-select FILE` runs those alone. `--cuda-events FILE` appends one JSON line per test phase
-as it ends, so a run cut short still says what passed and what failed.
+whose skip marks apply there, every module skipped whole at import, and every test of
+tests/test_gpu_*.py; then, on the GPU, `--cuda-select FILE` runs those alone. `--cuda-events
+FILE` appends one JSON line per test phase as it ends, so a run cut short still says what passed
+and what failed.
 
     python -m pytest -p bench.gpu_check.pytest_cuda --collect-only --cuda-skips-out s.json tests
     python -m pytest -p bench.gpu_check.pytest_cuda --cuda-select s.json --cuda-events e.jsonl tests
@@ -47,6 +48,13 @@ def skip_reason(item: pytest.Item) -> str | None:
     return None
 
 
+def is_gpu_test_file(nodeid: str) -> bool:
+    """tests/test_gpu_*.py hold GPU tests, all of them run, whatever their marks say; the kit's
+    own CPU tests (test_gpu_check*.py) are not among them."""
+    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return name.startswith("test_gpu_") and not name.startswith("test_gpu_check")
+
+
 class Recorder:
     """Phase one: which tests and modules skip in this (CUDA-less) process."""
 
@@ -69,6 +77,8 @@ class Recorder:
         selected = {}
         for item in items:
             reason = skip_reason(item)
+            if reason is None and is_gpu_test_file(item.nodeid):
+                reason = "in a GPU test file"
             if reason is not None:
                 selected[item.nodeid] = reason
         self.path.write_text(

@@ -17,9 +17,10 @@ from bench.gpu_check.runner import StepResult
 DECODE_AIM, DECODE_MIN_BATCH = 0.70, 64
 PREFILL_AIM, PREFILL_MIN_LEN = 0.50, 2048
 FAILURES_ON_FIRST_SCREEN = 15
-# Logs, records and configs go in the archive; no checkpoint or other bulk.
+# Logs, records and configs go in the archive; no checkpoint, installed wheel or other bulk.
 ARCHIVED_SUFFIXES = (".log", ".json", ".jsonl", ".toml", ".txt")
 ARCHIVED_MAX_BYTES = 4 << 20
+NOT_ARCHIVED = ("site", "model-cache")
 REPORT, RESULTS, LOGS = "report.md", "results.json", "logs.tar.gz"
 
 
@@ -143,40 +144,37 @@ def _num(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _reason(test: dict[str, Any]) -> str:
+    where = test.get("where")
+    return test.get("reason", "") + (f" ({where})" if where else "")
+
+
 def details_tests(r: StepResult) -> list[str]:
     sel = r.data.get("selection", {})
     lines = [
-        f"Selected {sel.get('selected', '?')} of {sel.get('collected', '?')} tests "
-        f"(those that skip with CUDA hidden) in {len(sel.get('files', []))} files."
+        f"Selected {sel.get('selected', '?')} of {sel.get('collected', '?')} tests (those that "
+        f"skip with CUDA hidden, and tests/test_gpu_*.py) in {len(sel.get('files', []))} files."
     ]
     tests = r.data.get("tests", {})
-    order = {"error": 0, "failed": 1, "not run": 2, "skipped": 3, "passed": 4}
-    rows = sorted(tests.items(), key=lambda kv: (order.get(kv[1]["outcome"], 5), kv[0]))
-    lines += [""] + table(
-        ["test", "outcome", "s", "reason"],
-        (
-            [
-                k,
-                v["outcome"],
-                f"{v['seconds']:.1f}",
-                v.get("reason", "") + (f" ({v['where']})" if v.get("where") else ""),
-            ]
-            for k, v in rows
-        ),
-        "llrl",
+    order = {"error": 0, "failed": 1, "not run": 2, "skipped": 3}
+    others = sorted(
+        ((k, v) for k, v in tests.items() if v["outcome"] != "passed"),
+        key=lambda kv: (order.get(kv[1]["outcome"], 4), kv[0]),
     )
-    for k, v in rows:
+    if others:
+        lines += [""] + table(
+            ["test", "outcome", "s", "reason"],
+            ([k, v["outcome"], f"{v['seconds']:.1f}", _reason(v)] for k, v in others),
+            "llrl",
+        )
+    passed = sorted((k, v["seconds"]) for k, v in tests.items() if v["outcome"] == "passed")
+    if passed:
+        lines += ["", f"<details><summary>{len(passed)} passed</summary>", ""]
+        lines += [f"- {k} ({s:.1f} s)" for k, s in passed] + ["", "</details>"]
+    for k, v in others:
         if v.get("detail"):
-            lines += [
-                "",
-                f"<details><summary>{k}</summary>",
-                "",
-                "```",
-                v["detail"],
-                "```",
-                "",
-                "</details>",
-            ]
+            lines += ["", f"<details><summary>{k}</summary>", "", "```", v["detail"], "```"]
+            lines += ["", "</details>"]
     return lines
 
 
@@ -425,10 +423,12 @@ def write(out: Path, run: dict[str, Any], results: list[StepResult], work: Path)
     archive = out / LOGS
     with tarfile.open(archive, "w:gz") as tar:
         for path in sorted(work.rglob("*")):
+            relative = path.relative_to(work)
             if (
                 path.is_file()
+                and relative.parts[0] not in NOT_ARCHIVED
                 and path.suffix in ARCHIVED_SUFFIXES
                 and path.stat().st_size <= ARCHIVED_MAX_BYTES
             ):
-                tar.add(path, arcname=str(path.relative_to(work)))
+                tar.add(path, arcname=str(relative))
     return [report, raw, archive]
