@@ -73,7 +73,7 @@ def outcomes(events_path: Path) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = step_args(__doc__.split("\n\n")[0], argv, **{"--workers": dict(type=int, default=4)})
+    args = step_args(__doc__.split("\n\n")[0], argv, **{"--workers": dict(type=int, default=6)})
     record = StepRecord(args.json)
     work = Path(args.work)
     skips, events = work / "cuda_skips.json", work / "events.jsonl"
