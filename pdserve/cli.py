@@ -47,8 +47,14 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def check_model(model: str | None) -> None:
-    """A model is pdserve-tiny or a local directory; a hub id gets told how to fetch it."""
-    if model is None or model == TINY or Path(model).expanduser().is_dir():
+    """A model is pdserve-tiny or a local checkpoint directory; a hub id gets told how to fetch
+    it."""
+    if model is None or model == TINY:
+        return
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{model} has no config.json: not a Hugging Face checkpoint")
         return
     if HUB_ID.fullmatch(model) and not model.startswith("."):
         raise ValueError(

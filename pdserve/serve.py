@@ -152,17 +152,19 @@ async def serve_async(options: ServeOptions) -> int:
             waiting = asyncio.create_task(
                 coordinator.wait_for_nodes(wanted_prefill, options.decode_nodes, timeout_s=600)
             )
-            done, _ = await asyncio.wait(
-                {waiting, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
-            )
+            others = {asyncio.create_task(stop.wait()), asyncio.create_task(node_exited(group))}
+            done, _ = await asyncio.wait({waiting, *others}, return_when=asyncio.FIRST_COMPLETED)
+            for task in {waiting, *others} - done:
+                task.cancel()
             if waiting in done:
                 waiting.result()
-            else:
-                waiting.cancel()
-        logger.info("coordinator ready: nodes on %s, clients on %s",
-                    coordinator.node_endpoint, coordinator.client_endpoint or "-")  # fmt: skip
-        print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
-        await run_frontend(coordinator, options, names, chat_template, stop, http_sock)
+            elif not stop.is_set():
+                raise ValueError(next(iter(done)).result())
+        if not stop.is_set():  # Ctrl-C while the nodes were starting: nothing to serve
+            logger.info("coordinator ready: nodes on %s, clients on %s",
+                        coordinator.node_endpoint, coordinator.client_endpoint or "-")  # fmt: skip
+            print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
+            await run_frontend(coordinator, options, names, chat_template, stop, http_sock)
     finally:
         watchdog.cancel()
         # Senders before receivers: no prefill node sees a decode node it sends to vanish.
@@ -173,6 +175,16 @@ async def serve_async(options: ServeOptions) -> int:
         logger.critical("exiting: %r", coordinator.failure)
         return 1
     return 0
+
+
+async def node_exited(group: NodeGroup) -> str:
+    """Returns (why) once a node has exited: before they all registered, that ends the start."""
+    while True:
+        for node_id, proc in group.procs.items():
+            if proc.poll() is not None:
+                where = f"; its log: {group.log_dir / (node_id + '.log')}" if group.log_dir else ""
+                return f"node {node_id} exited ({proc.returncode}) before it registered{where}"
+        await asyncio.sleep(0.2)
 
 
 def reload_config(coordinator: Coordinator, options: ServeOptions) -> None:

@@ -103,6 +103,7 @@ def test_a_hub_id_is_one_line_that_says_how_to_fetch_it(args):
 def test_other_bad_starts_are_one_line_each(tmp_path):
     for args, words in [
         (["serve", str(tmp_path / "nowhere")], "does not exist"),
+        (["serve", str(tmp_path)], "has no config.json"),
         (["serve", "pdserve-tiny", "--model", str(tmp_path)], "two models given"),
         (["serve", "--max-model-len", "0"], "max_model_len must be >= 1"),
         (["serve", "--max-pending-requests", "0"], "max_pending_requests must be >= 1"),
@@ -112,6 +113,15 @@ def test_other_bad_starts_are_one_line_each(tmp_path):
         assert res.returncode == 2, (args, res.stderr)
         assert res.stderr.startswith("pdserve: error: ") and res.stderr.count("\n") == 1
         assert words in res.stderr, (args, res.stderr)
+
+
+def test_a_node_that_cannot_start_ends_serve_at_once(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint with nothing else in it
+    res = run("serve", str(tmp_path), "--port", "0")
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"pdserve: error: node \S+ exited \(2\) before it registered", last), last
+    assert "no tokenizer.json" in res.stderr and "Traceback" not in res.stderr
 
 
 # --- generate ------------------------------------------------------------------------------------
@@ -212,11 +222,13 @@ def test_ctrl_c_stops_everything_with_nothing_but_info_lines(first_session):
     nodes = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                             text=True).stdout.split()]  # fmt: skip
     assert len(nodes) == 2
+    before = len(log.read_text())
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal sends
     assert proc.wait(60) == 0
     console = log.read_text()
     assert "Traceback" not in console
-    loud = [line for line in console.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) ", line)]
+    after = console[before:].splitlines()
+    loud = [line for line in after if re.search(r" (WARNING|ERROR|CRITICAL) ", line)]
     assert loud == [], "\n".join(loud)
     wait_until(lambda: not any(map(running, nodes)), "the nodes to stop with it", timeout_s=30)
 
