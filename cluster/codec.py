@@ -76,12 +76,20 @@ class Codec(Generic[M]):
 
 
 class MalformedLog:
-    """Logs the first malformed frame from each peer and counts the rest, so one bad peer cannot
-    flood the log; a bounded number of peers is remembered (junk can come from many)."""
+    """Logs the first malformed frame (or refused connection) from each peer and counts the rest,
+    so one bad peer cannot flood the log; a bounded number of peers is remembered (junk can come
+    from many)."""
 
-    def __init__(self, log: logging.Logger, where: str, max_peers: int = 1024) -> None:
+    def __init__(
+        self,
+        log: logging.Logger,
+        where: str,
+        max_peers: int = 1024,
+        what: str = "a malformed message",
+    ) -> None:
         self.log = log
         self.where = where
+        self.what = what  # what is dropped: a malformed message, a connection
         self.max_peers = max_peers
         self.counts: OrderedDict[str, int] = OrderedDict()
 
@@ -92,9 +100,8 @@ class MalformedLog:
             self.counts.popitem(last=False)
         if count == 1:
             self.log.warning(
-                "%s: dropped a malformed message from %s (%s); further ones from it are counted, "
-                "not logged",
-                self.where, peer, problem,
+                "%s: dropped %s from %s (%s); further ones from it are counted, not logged",
+                self.where, self.what, peer, problem,
             )  # fmt: skip
 
     @property

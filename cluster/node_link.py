@@ -14,26 +14,42 @@ import msgspec
 import zmq
 
 from cluster.codec import MalformedLog, ProtocolError
+from cluster.keys import HANDSHAKE_FAILED, ClusterKeys, curve_client
 from cluster.node_messages import Heartbeat, Message, Register, RequestError, orders, reports
 
 logger = logging.getLogger(__name__)
 
 
 class NodeLink:
-    def __init__(self, coordinator_addr: str, node_id: str, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self,
+        coordinator_addr: str,
+        node_id: str,
+        heartbeat_interval_s: float,
+        keys: ClusterKeys | None = None,
+    ) -> None:
+        """keys: the cluster key set the coordinator admits (None: a coordinator run insecure)."""
         self.node_id = node_id
         self.coordinator_addr = coordinator_addr
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.keys = keys
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, node_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(coordinator_addr)
+        self.sock = self.dealer(node_id)
         self.malformed = MalformedLog(logger, f"node {node_id}")
         self._last_load = 0.0
         self._load: Heartbeat | None = None
         self._stopped = threading.Event()
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True)
+
+    def dealer(self, identity: str) -> zmq.Socket:
+        """A socket of this node to the coordinator (keyed as the link is)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            curve_client(sock, self.keys)
+        sock.connect(self.coordinator_addr)
+        return sock
 
     def register(self, msg: Register) -> None:
         self.send(msg)
@@ -83,18 +99,27 @@ class NodeLink:
             self._heartbeats.start()
 
     def _heartbeat_loop(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.node_id}/heartbeat".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.coordinator_addr)
+        sock = self.dealer(f"{self.node_id}/heartbeat")
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        refused = False
         try:
             while not self._stopped.wait(self.heartbeat_interval_s):
                 load = self._load
                 if load is not None:
                     sock.send(reports.encode(load), zmq.NOBLOCK)
+                if monitor.poll(0) and not refused:
+                    refused = True  # once: ZeroMQ retries on its own, and so may the operator
+                    logger.error(
+                        "the coordinator at %s refuses this node's handshake: the two do not "
+                        "hold the same cluster keys (give --cluster-keys DIR with the "
+                        "coordinator's key set, or run both --insecure); retrying",
+                        self.coordinator_addr,
+                    )
         except zmq.ZMQError:
             pass
         finally:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
 
     def close(self) -> None:

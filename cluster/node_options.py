@@ -1,5 +1,6 @@
 """How a node process joins a cluster: which coordinator, its id, which KV transport and where its
-receiver listens, how often it reports. Its engine settings are an `EngineConfig` beside it."""
+receiver listens, how often it reports, which cluster keys it holds. Its engine settings are an
+`EngineConfig` beside it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ TRANSPORTS = ("tcp", "shm", "cuda_ipc", "nccl")
 KV_HANDOFF = ("immediate", "between-steps")
 # A node's place in the cluster, given by whoever starts it; config files set only the others.
 PLACEMENT = ("coordinator", "node_id", "transport", "kv_host", "kv_port")
+# The cluster's keys: flags of every command (or the top of a cluster file), never a role's or a
+# config file's key, since every process of a cluster must hold the same.
+SECURITY = ("cluster_keys", "insecure")
 
 
 @dataclass(slots=True)
@@ -33,6 +37,19 @@ class NodeOptions:
         "immediate",
         "prefill nodes start a KV send as SendKV arrives, on a thread beside the step (immediate), or only between steps (between-steps; for comparison)",
         choices=KV_HANDOFF,
+    )
+
+    cluster_keys: str | None = setting(
+        None,
+        "directory of the cluster key set (pdserve keygen) its sockets use (unset: $PDSERVE_CLUSTER_KEYS, else ~/.config/pdserve/cluster-keys)",
+    )
+    insecure: bool = setting(
+        False,
+        "no CurveZMQ: its sockets admit anyone and carry everything in clear (a trusted network only)",
+    )
+    kv_encryption: bool = setting(
+        True,
+        "encrypt the KV pages a decode node receives (CurveZMQ); off: senders are still authenticated, pages cross in clear (tcp on a trusted network)",
     )
 
     def __post_init__(self) -> None:

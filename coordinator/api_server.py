@@ -29,6 +29,7 @@ from coordinator.openai_protocol import (
     TokenizeCompletionRequest,
     coordinator_error,
 )  # fmt: skip
+from coordinator.request_guard import KEYED_PREFIXES, RequestGuard
 from coordinator.serving import OpenAIServing
 from coordinator.serving_chat import OpenAIServingChat
 from coordinator.serving_completion import OpenAIServingCompletion
@@ -52,8 +53,9 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
 }
 
 
-def openapi_schema(app: FastAPI) -> dict:
-    """FastAPI's schema of the routes, with the request bodies the routes read by hand."""
+def openapi_schema(app: FastAPI, keyed: bool = False) -> dict:
+    """FastAPI's schema of the routes, with the request bodies the routes read by hand (and, with
+    API keys, the bearer auth the model's routes take)."""
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)  # fmt: skip
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -68,6 +70,12 @@ def openapi_schema(app: FastAPI) -> dict:
         schema["paths"][path]["post"]["requestBody"] = {
             "required": True, "content": {"application/json": {"schema": content}},
         }  # fmt: skip
+    if keyed:
+        schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        for path, operations in schema["paths"].items():
+            if path.startswith(KEYED_PREFIXES):
+                for operation in operations.values():
+                    operation["security"] = [{"apiKey": []}]
     return schema
 
 
@@ -75,7 +83,8 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
-def build_app(serving: OpenAIServing, version: str) -> FastAPI:
+def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = ()) -> FastAPI:
+    """The API's routes; with api_keys, the model's routes need one of them."""
     app = FastAPI(
         title="pdserve",
         version=version,
@@ -85,6 +94,7 @@ def build_app(serving: OpenAIServing, version: str) -> FastAPI:
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
     tokenization = OpenAIServingTokenization(serving)
+    app.add_middleware(RequestGuard, api_keys=api_keys, config=lambda: serving.coordinator.config)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -138,7 +148,7 @@ def build_app(serving: OpenAIServing, version: str) -> FastAPI:
 
     def schema() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app)
+            app.openapi_schema = openapi_schema(app, keyed=bool(api_keys))
         return app.openapi_schema
 
     app.openapi = schema  # type: ignore[method-assign]

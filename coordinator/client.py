@@ -1,5 +1,6 @@
 """An async Python client for the coordinator's client socket: submit a request, iterate its
-events, abort it. One DEALER socket multiplexes any number of concurrent requests."""
+events, abort it. One DEALER socket multiplexes any number of concurrent requests; it holds the
+cluster keys (by default those `pdserve serve` made for this user) to be let in."""
 
 from __future__ import annotations
 
@@ -13,16 +14,26 @@ import zmq.asyncio
 
 from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
 from cluster.codec import ProtocolError
+from cluster.keys import ClusterKeys, curve_client, default_key_dir
 from cluster.sampling_params import SamplingParams
 from coordinator.coordinator import SubmitError
 
+DEFAULT_KEYS = "default"  # the key set of default_key_dir(): `pdserve serve`'s for this user
+
 
 class CoordinatorClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, keys: ClusterKeys | str | None = DEFAULT_KEYS) -> None:
+        """keys: the cluster's key set, a directory holding it, DEFAULT_KEYS ($PDSERVE_CLUSTER_KEYS
+        or the per-user one `pdserve serve` makes), or None for a coordinator run --insecure."""
+        if isinstance(keys, str):
+            keys = ClusterKeys.load(default_key_dir() if keys == DEFAULT_KEYS else keys)
         self.address = address
+        self.keys = keys
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            curve_client(self.sock, keys)
         self.sock.connect(address)
         self.streams: dict[str, asyncio.Queue[Event]] = {}
         self._reader: asyncio.Task | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.node_options import PLACEMENT, NodeOptions
+from cluster.node_options import PLACEMENT, SECURITY, NodeOptions
 from cluster.schema import (
     declared,
     defaults,
@@ -27,6 +27,7 @@ PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
 NOT_IN_FILE = {
     **{name: f"give pdserve serve --{name}" for name in ("model", "dtype", "device", "transport")},
     **{name: "serve gives each node its own" for name in PLACEMENT if name != "transport"},
+    **{name: f"give pdserve serve --{name.replace('_', '-')}" for name in SECURITY},
 }
 
 
@@ -111,6 +112,31 @@ class CoordinatorConfig:
         "a KV handoff not finished in this time fails and is retried (sent with each handoff)",
         live=True,
         above=0,
+    )
+    # Bounds on what a client may ask (HTTP API), so none can hold the server's memory or time.
+    max_pending_tokens: int = setting(
+        1 << 20,
+        "prompt tokens of requests not yet decoding beyond which new ones get an 'overloaded' error",
+        live=True,
+        minimum=1,
+    )
+    max_request_body_bytes: int = setting(
+        8 << 20,
+        "HTTP request bodies larger than this are refused (413)",
+        live=True,
+        minimum=1,
+    )
+    max_n: int = setting(128, "largest n (and best_of) of a request", live=True, minimum=1)
+    max_logprobs: int = setting(
+        20, "largest logprobs (completions) or top_logprobs (chat)", live=True, minimum=0
+    )
+    max_stop_strings: int = setting(32, "stop strings a request may give", live=True, minimum=0)
+    max_stop_string_chars: int = setting(512, "characters of one stop string", live=True, minimum=1)
+    max_logit_bias: int = setting(
+        300, "logit_bias entries a request may give", live=True, minimum=0
+    )
+    metrics_require_api_key: bool = setting(
+        False, "with API keys, /metrics needs one too (else it is open, as /health is)", live=True
     )
     # Not a setting of the coordinator: the nodes' part of the same file.
     node_settings: NodeSettings = field(default_factory=NodeSettings)

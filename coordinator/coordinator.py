@@ -23,12 +23,13 @@ import zmq.asyncio
 from cluster import node_messages
 from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
 from cluster.codec import MAX_FRAME_BYTES, Codec, MalformedLog, ProtocolError, peer_name
+from cluster.keys import ClusterKeys, close_server, curve_server
 from cluster.node_messages import Message
 from cluster.sampling_params import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.core import CoordinatorCore, Outbox, SubmitError
 from coordinator.nodes import NodeRegistry
-from coordinator.request_state import RequestState
+from coordinator.request_state import PENDING_PHASES, RequestState
 from coordinator.stats import INTERVAL_S, StatsCounter
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,13 @@ class RequestHandle:
                 return
 
 
-def router_socket(ctx: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
+def router_socket(
+    ctx: zmq.asyncio.Context, address: str, keys: ClusterKeys | None, label: str
+) -> zmq.asyncio.Socket:
+    """A ROUTER bound at address; with keys, it admits only holders of the cluster keys."""
     sock = ctx.socket(zmq.ROUTER)
+    if keys is not None:
+        curve_server(sock, keys, label)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer raises instead of dropping
     # libzmq drops a peer that sends a message larger than this before we ever see it.
@@ -76,8 +82,11 @@ class Coordinator:
         client_addr: str | None = None,
         model_name: str = "pdserve-tiny",
         config_path: str | Path | None = None,
+        keys: ClusterKeys | None = None,
     ) -> None:
+        """keys: the cluster key set its sockets admit (None: any peer, unencrypted)."""
         self.core = CoordinatorCore(config)
+        self.keys = keys
         self.config_path = config_path
         self.model_name = model_name
         self._node_bind = node_addr
@@ -127,6 +136,28 @@ class Coordinator:
     def num_pending(self) -> int:
         return self.core.num_pending
 
+    @property
+    def pending_tokens(self) -> int:
+        """Prompt tokens of the requests not yet decoding (what waits for a node's time)."""
+        return sum(
+            len(r.prompt_token_ids) for r in self.requests.values() if r.phase in PENDING_PHASES
+        )
+
+    def check_room(self, requests: int, tokens: int) -> None:
+        """SubmitError unless `requests` more, of `tokens` prompt tokens in all, fit under
+        max_pending_requests and max_pending_tokens (a request larger than the token bound
+        alone is invalid: it would never fit)."""
+        config = self.config
+        if tokens > config.max_pending_tokens:
+            raise SubmitError("invalid", f"{tokens} prompt tokens exceed max_pending_tokens "
+                              f"({config.max_pending_tokens})")  # fmt: skip
+        if self.num_pending + requests > config.max_pending_requests:
+            logger.info("refused: %d requests already pending", self.num_pending)
+            raise SubmitError("overloaded", "the server is overloaded; retry later")
+        if self.pending_tokens + tokens > config.max_pending_tokens:
+            logger.info("refused: %d prompt tokens already pending", self.pending_tokens)
+            raise SubmitError("overloaded", "the server is overloaded; retry later")
+
     def ready(self) -> bool:
         return self.core.ready()
 
@@ -135,12 +166,16 @@ class Coordinator:
     async def start(self) -> None:
         self.failed = asyncio.Event()
         self.ctx = zmq.asyncio.Context.instance()
-        self.node_sock = router_socket(self.ctx, self._node_bind)
+        self.node_sock = router_socket(
+            self.ctx, self._node_bind, self.keys, "coordinator node socket"
+        )
         self.node_endpoint = self.node_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._spawn(self._node_loop(), "coordinator-nodes")
         self._spawn(self._clock_loop(), "coordinator-clock")
         if self._client_bind:
-            self.client_sock = router_socket(self.ctx, self._client_bind)
+            self.client_sock = router_socket(
+                self.ctx, self._client_bind, self.keys, "coordinator client socket"
+            )
             self.client_endpoint = self.client_sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._spawn(self._client_loop(), "coordinator-clients")
         logger.info("coordinator listening for nodes on %s", self.node_endpoint)
@@ -175,9 +210,9 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        self.node_sock.close(0)
+        close_server(self.node_sock)
         if self._client_bind:
-            self.client_sock.close(0)
+            close_server(self.client_sock)
 
     async def wait_for_nodes(self, prefill: int, decode: int, timeout_s: float = 120.0) -> None:
         async def count() -> None:
@@ -220,6 +255,7 @@ class Coordinator:
         self, token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestHandle:
         """Admit a request into the cluster; raises SubmitError if it is refused."""
+        self.check_room(1, len(token_ids))
         state, out = self.core.submit(token_ids, params, time.monotonic(), request_id)
         events: asyncio.Queue[Event] = asyncio.Queue()
         self._streams[state.request_id] = events

@@ -1,18 +1,17 @@
 """The OpenAI-compatible request bodies (validated strictly: a wrong type is an error, never
-coerced; an unknown field is ignored, as vLLM does) and the error every refusal carries: its
-status, headers and OpenAI error body."""
+coerced; an unknown field is ignored, as vLLM does; sizes bounded by the coordinator's limits)
+and the error every refusal carries: its status, headers and OpenAI error body."""
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
 INT64 = 2**63
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
 
@@ -72,12 +71,28 @@ def coordinator_error(code: str, message: str) -> APIError:
 # --- requests --------------------------------------------------------------------------------
 
 
+class Limits(Protocol):
+    """The bounds a body is checked against (the coordinator's config holds them)."""
+
+    max_n: int
+    max_logprobs: int
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_logit_bias: int
+
+
+def at_most(value: int | None, limit: int, param: str) -> None:
+    if value is not None and value > limit:
+        raise bad_request(f"'{param}' must be at most {limit}, got {value}", param)
+
+
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send extras such as `user`); known ones are strict.
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    def check(self) -> None:
-        """Rules across fields, checked after the fields themselves; a 400 if one is broken."""
+    def check(self, limits: Limits) -> None:
+        """Rules across fields and bounds, checked after the fields themselves; a 400 if one is
+        broken."""
 
 
 Body = TypeVar("Body", bound=_Body)
@@ -94,9 +109,12 @@ def load_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def parse_body(data: bytes | dict[str, Any], model: type[Body]) -> Body:
+def parse_body(
+    data: bytes | dict[str, Any], model: type[Body], limits: Limits | None = None
+) -> Body:
     """A request body (raw, or its JSON object) as `model`, or the 400 that says what is wrong
-    with it. Fields the model does not know are ignored, with a debug line naming them."""
+    with it (limits: the coordinator's config, or its defaults). Fields the model does not know
+    are ignored, with a debug line naming them."""
     if not isinstance(data, dict):
         data = load_json(data)
     try:
@@ -106,7 +124,11 @@ def parse_body(data: bytes | dict[str, Any], model: type[Body]) -> Body:
     unknown = sorted(set(data) - set(model.model_fields))
     if unknown:
         logger.debug("ignored unknown fields %s", ", ".join(unknown))
-    body.check()
+    if limits is None:
+        from coordinator.config import CoordinatorConfig
+
+        limits = CoordinatorConfig()
+    body.check(limits)
     return body
 
 
@@ -126,7 +148,7 @@ class _Sampling(_Body):
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int | None = Field(1, ge=1, le=128)
+    n: int | None = Field(1, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -145,8 +167,20 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def check(self) -> None:
-        """Rules across fields, and what is refused rather than silently ignored."""
+    def check(self, limits: Limits) -> None:
+        """Rules across fields, bounds, and what is refused rather than silently ignored."""
+        at_most(self.n, limits.max_n, "n")
+        stops = self.stop_strings
+        if len(stops) > limits.max_stop_strings:
+            raise bad_request(f"at most {limits.max_stop_strings} stop strings, got {len(stops)}",
+                              "stop")  # fmt: skip
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise bad_request(f"a stop string is at most {limits.max_stop_string_chars} "
+                              f"characters, got {longest}", "stop")  # fmt: skip
+        if self.logit_bias and len(self.logit_bias) > limits.max_logit_bias:
+            raise bad_request(f"at most {limits.max_logit_bias} logit_bias entries, got "
+                              f"{len(self.logit_bias)}", "logit_bias")  # fmt: skip
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options may only be set when stream is true", "stream_options"
@@ -157,13 +191,15 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
-    def check(self) -> None:
-        super().check()
+    def check(self, limits: Limits) -> None:
+        super().check(limits)
+        at_most(self.logprobs, limits.max_logprobs, "logprobs")
+        at_most(self.best_of, limits.max_n, "best_of")
         if self.echo:
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
@@ -197,13 +233,14 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     response_format: dict | None = None
 
-    def check(self) -> None:
-        super().check()
+    def check(self, limits: Limits) -> None:
+        super().check(limits)
+        at_most(self.top_logprobs, limits.max_logprobs, "top_logprobs")
         if not self.messages:
             raise bad_request("messages must be a non-empty array", "messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -232,7 +269,7 @@ class TokenizeChatRequest(_Body):
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
-    def check(self) -> None:
+    def check(self, limits: Limits) -> None:
         if not self.messages:
             raise bad_request("messages must be a non-empty array", "messages")
 

@@ -90,7 +90,7 @@ class OpenAIServing:
     # --- parsing and validation ---------------------------------------------------------------
 
     async def parse(self, request: Request, model: type[Body]) -> Body:
-        return self.check_model(parse_body(await request.body(), model))
+        return self.check_model(parse_body(await request.body(), model, self.coordinator.config))
 
     def check_model(self, body: Body) -> Body:
         name = getattr(body, "model", None)
@@ -176,13 +176,11 @@ class OpenAIServing:
 
     async def submit(self, request_id: str, sub: Submission) -> list[ChoiceStream]:
         """Submit every choice, or none: a refusal aborts those already in."""
-        limit = self.coordinator.config.max_pending_requests
-        if self.coordinator.num_pending + len(sub.params) > limit:
-            # Refused whole, before any choice reaches a node.
-            logger.info("refused: %d requests already pending", self.coordinator.num_pending)
-            raise coordinator_error("overloaded", "the server is overloaded; retry later")
         choices: list[ChoiceStream] = []
         try:
+            # Refused whole, before any choice reaches a node.
+            tokens = sum(len(sub.prompts[i // sub.n]) for i in range(len(sub.params)))
+            self.coordinator.check_room(len(sub.params), tokens)
             for index, params in enumerate(sub.params):
                 prompt = sub.prompts[index // sub.n]
                 handle = await self.coordinator.submit(prompt, params, f"{request_id}-{index}")

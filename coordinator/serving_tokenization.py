@@ -26,7 +26,7 @@ class OpenAIServingTokenization:
         data = load_json(await request.body())
         # A body with messages is a chat; anything else is a prompt (vLLM tells them apart so).
         model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
-        body = serving.check_model(parse_body(data, model))
+        body = serving.check_model(parse_body(data, model, serving.coordinator.config))
         tokenizer = serving.tokenizer
         if isinstance(body, TokenizeChatRequest):
             messages = [m.template_dict() for m in body.messages]

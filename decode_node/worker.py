@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from cluster.keys import node_keys
 from cluster.node_link import NodeLink, stop_on_signals
 from cluster.node_messages import (
     Abort,
@@ -158,6 +159,7 @@ class DecodeNode:
 def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = False) -> None:
     """Run a decode (or colocated) node process until shut down or signalled."""
     receiver: KVReceiver | None = None
+    keys = node_keys(options.cluster_keys, options.insecure)
 
     def pool_factory(layout: KVLayout, num_blocks: int) -> KVPool:
         nonlocal receiver
@@ -172,12 +174,14 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
             device=engine_config.resolved_device(),
             # Every transport's receiver has a control socket; tcp carries the pages on it too.
             address=f"tcp://{options.kv_host}:{options.kv_port}",
+            keys=keys,
+            encrypt=options.kv_encryption,
         )
         return receiver.pool
 
     engine = LLMEngine(engine_config, pool_factory=pool_factory)
     role = NodeRole.COLOCATED if colocated else NodeRole.DECODE
-    link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s)
+    link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
     node = DecodeNode(engine, link, receiver, role)
     stop_on_signals(node)
     logger.info("%s node %s serving (transport %s)", role.value, options.node_id,

@@ -1,12 +1,13 @@
 """The ZeroMQ control channel every transport shares: a ROUTER in the receiver, a DEALER per
-receiver in the sender, with heartbeats so a silent peer is dropped, a thread waker, and the
-command thread both endpoints run.
+receiver in the sender, with heartbeats so a silent peer is dropped, the cluster keys that let a
+sender in, a thread waker, and the command thread both endpoints run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket as pysocket
 import threading
 from collections import deque
@@ -14,6 +15,14 @@ from typing import Any
 
 import zmq
 
+from cluster.keys import (
+    ClusterKeys,
+    close_server,
+    curve_client,
+    curve_server,
+    plain_client,
+    plain_server,
+)
 from kv_transfer.base import TransferResult, TransportFailed
 
 log = logging.getLogger(__name__)
@@ -37,17 +46,71 @@ def configure(sock: zmq.Socket, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
 
 
+class Security:
+    """How a receiver admits senders, as its info tells them: `none` (anyone, in clear: a cluster
+    run insecure), `curve` (holders of the cluster keys, encrypted) or `plain` (a password of this
+    receiver's, which only reaches senders through the keyed coordinator; pages in clear)."""
+
+    def __init__(self, keys: ClusterKeys | None, encrypt: bool = True) -> None:
+        self.keys = keys
+        self.mode = "none" if keys is None else "curve" if encrypt else "plain"
+        self.password = secrets.token_urlsafe(24) if self.mode == "plain" else None
+
+    def serve(self, sock: zmq.Socket, label: str) -> None:
+        if self.mode == "curve":
+            curve_server(sock, self.keys, label)
+        elif self.mode == "plain":
+            plain_server(sock, self.password.encode(), label)
+
+    def info(self) -> dict:
+        return {"security": self.mode, **({"password": self.password} if self.password else {})}
+
+
+def check_security(keys: ClusterKeys | None, info: dict) -> None:
+    """A sender's keys fit the receiver's security (ValueError if not): a keyed sender never
+    falls back to a receiver that admits anyone, nor an unkeyed one to a keyed receiver."""
+    mode = info.get("security", "none")
+    if mode not in ("none", "curve", "plain") or (mode == "plain" and not info.get("password")):
+        raise ValueError(f"receiver security {mode!r} is not known")
+    if keys is None and mode != "none":
+        raise ValueError("the receiver admits only holders of the cluster keys; this node has none")
+    if keys is not None and mode == "none":
+        raise ValueError(
+            "the receiver runs insecure and this node holds cluster keys: start every process "
+            "of a cluster with the same keys (or all with --insecure)"
+        )
+
+
+def secure_dealer(sock: zmq.Socket, keys: ClusterKeys | None, info: dict) -> None:
+    """Key a sender's socket (before it connects) as the receiver's info asks."""
+    mode = info.get("security", "none")
+    if mode == "curve":
+        curve_client(sock, keys)
+    elif mode == "plain":
+        plain_client(sock, info["password"].encode())
+
+
 def bind_router(
-    ctx: zmq.Context, address: str, max_frame_bytes: int, advertise_host: str | None = None
+    ctx: zmq.Context,
+    address: str,
+    max_frame_bytes: int,
+    advertise_host: str | None = None,
+    security: Security | None = None,
 ) -> tuple[zmq.Socket, str]:
     """Bind a ROUTER at `address` (port 0 = any free port); return it and the address to dial."""
     sock = ctx.socket(zmq.ROUTER)
     configure(sock, max_frame_bytes)
+    if security is not None:
+        security.serve(sock, "KV receiver")
     # Sending to a peer that is gone raises EHOSTUNREACH instead of dropping silently.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if address.startswith("tcp://") and address.rsplit(":", 1)[1] == "0":
         address = address.rsplit(":", 1)[0] + ":*"
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError:
+        close_server(sock)  # (and its context's ZAP handler, if it was keyed)
+        raise
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     if endpoint.startswith("tcp://"):
         host, port = endpoint[len("tcp://") :].rsplit(":", 1)

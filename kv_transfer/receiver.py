@@ -21,11 +21,12 @@ import torch
 import zmq
 
 from cluster.codec import MalformedLog, ProtocolError, peer_name
+from cluster.keys import ClusterKeys, close_server
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
 from kv_transfer.arrivals import Arrivals, Expected, Unit, UnitState
 from kv_transfer.base import KVReceiver, TransferResult
-from kv_transfer.channel import CommandThread, bind_router
+from kv_transfer.channel import CommandThread, Security, bind_router
 from kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
@@ -82,15 +83,21 @@ class ZmqReceiver(CommandThread, KVReceiver):
         advertise_host: str | None = None,
         probe_interval_s: float = 0.2,
         max_held_bytes: int = 1 << 30,
+        keys: ClusterKeys | None = None,
+        encrypt: bool = True,
     ) -> None:
+        """keys: the cluster key set senders must hold (None: anyone may connect); encrypt: with
+        keys, CurveZMQ on the socket, or else a password only keyed senders learn, pages in
+        clear."""
         self.pool = pool
         self.layout: KVLayout = pool.layout
         self._probe_interval_s = probe_interval_s
         self._max_held_bytes = max_held_bytes
         self._arrivals = Arrivals(self.layout.num_layers, pool.num_blocks)
         self._ctx = zmq.Context(io_threads=1)
+        self._security = Security(keys, encrypt)
         self._router, self.address = bind_router(
-            self._ctx, address, self._max_frame_bytes(), advertise_host
+            self._ctx, address, self._max_frame_bytes(), advertise_host, self._security
         )
         self._malformed = MalformedLog(log, f"{self.name} KV receiver")
         self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
@@ -108,6 +115,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
             "num_blocks": self.pool.num_blocks,
             "address": self.address,
             "max_frame_bytes": self._max_frame_bytes(),
+            **self._security.info(),
             **self._info_extra(),
         }
 
@@ -190,7 +198,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
         except Exception as e:  # the thread must not die silently
             self._die(e)
         finally:
-            self._router.close(linger=0)
+            close_server(self._router)
 
     def _poll_timeout_ms(self) -> int:
         if self._inflight:

@@ -28,10 +28,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from cluster.codec import MalformedLog, ProtocolError
+from cluster.keys import HANDSHAKE_FAILED, ClusterKeys
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import pages
 from kv_transfer.base import KVSender, TransferResult
-from kv_transfer.channel import CommandThread, configure
+from kv_transfer.channel import CommandThread, check_security, configure, secure_dealer
 from kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
@@ -102,8 +103,11 @@ class ZmqSender(CommandThread, KVSender):
         connect_timeout_s: float = 10.0,
         chunk_bytes: int = 8 << 20,
         max_inflight_chunks: int = 4,
+        keys: ClusterKeys | None = None,
     ) -> None:
+        """keys: the cluster key set keyed receivers admit (None: only insecure ones)."""
         self.pool = pool
+        self.keys = keys
         self.layout: KVLayout = pool.layout
         self.connect_timeout_s = connect_timeout_s
         self.chunk_bytes = chunk_bytes
@@ -135,6 +139,7 @@ class ZmqSender(CommandThread, KVSender):
                 f"protocol mismatch: {receiver_info.get('protocol')} != {KV_PROTOCOL_VERSION}"
             )
         self.layout.check_compatible(KVLayout.from_dict(receiver_info["layout"]))
+        check_security(self.keys, receiver_info)
         self._check_receiver(receiver_info)
         info = dict(receiver_info)
         self._command("connect", peer_id, info)
@@ -292,7 +297,10 @@ class ZmqSender(CommandThread, KVSender):
         configure(sock, MAX_CONTROL_BYTES)  # only control messages come back
         # A fresh id per connection: a ROUTER refuses an id it still holds for a dropped one.
         sock.setsockopt(zmq.ROUTING_ID, f"{self.identity}-{next(self._connections)}".encode())
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        secure_dealer(sock, self.keys, info)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | HANDSHAKE_FAILED
+        )
         peer = Peer(peer_id, info, sock, monitor, time.monotonic() + self.connect_timeout_s)
         self._peers[peer_id] = peer
         try:
@@ -313,6 +321,12 @@ class ZmqSender(CommandThread, KVSender):
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._drop_peer(peer, f"receiver {peer.peer_id!r} disconnected")
+                return
+            if event["event"] & HANDSHAKE_FAILED:
+                self._drop_peer(
+                    peer, f"receiver {peer.peer_id!r} refused the handshake: it does not admit "
+                    "this node's cluster keys (every process of a cluster needs the same)",
+                )  # fmt: skip
                 return
 
     def _check_peer(self, peer: Peer, out: Outgoing) -> None:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.node_options import PLACEMENT, NodeOptions
+from cluster.node_options import PLACEMENT, SECURITY, NodeOptions
 from cluster.schema import add_flags, from_args, names, values_from_args
 from coordinator.config import CoordinatorConfig
 from engine.config import EngineConfig
@@ -24,7 +24,9 @@ DESCRIPTION = (
 )
 
 # Node settings that serve's flags may set: where a node sits in the cluster is serve's to give.
-SERVE_NODE_FLAGS = tuple(n for n in names(NodeOptions) if n not in PLACEMENT or n == "transport")
+SERVE_NODE_FLAGS = tuple(
+    n for n in names(NodeOptions) if (n not in PLACEMENT or n == "transport") and n not in SECURITY
+)
 # The coordinator's own settings offered as flags too (vLLM users expect this one on the command
 # line); every other one is a key of --config.
 SERVE_COORDINATOR_FLAGS = ("max_pending_requests",)
@@ -109,8 +111,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
+    from cluster.keys import node_keys
+
     check_model(args.model)
     options, engine = from_args(NodeOptions, args), from_args(EngineConfig, args)
+    node_keys(options.cluster_keys, options.insecure)  # missing keys: one line, before the model
     if args.command == "prefill":
         from prefill_node.worker import serve
 
@@ -123,9 +128,11 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from coordinator.request_guard import api_keys_from
     from pdserve.serve import ServeOptions, run_serve
 
     start_nodes = args.command == "serve"
+    node = values_from_args(NodeOptions, args)
     return run_serve(
         ServeOptions(
             model=_model_arg(args),
@@ -138,8 +145,11 @@ def _serve(args: argparse.Namespace) -> int:
             node_port=args.node_port,
             client_port=args.client_port,
             engine={k: v for k, v in values_from_args(EngineConfig, args).items() if k != "model"},
-            node=values_from_args(NodeOptions, args),
+            node={k: v for k, v in node.items() if k not in SECURITY},
             coordinator=values_from_args(CoordinatorConfig, args),
+            cluster_keys=node.get("cluster_keys"),
+            insecure=node.get("insecure", False),
+            api_keys=api_keys_from(args.api_key),
             served_model_names=tuple(args.served_model_name or ()),
             chat_template=args.chat_template,
             start_nodes=start_nodes,
@@ -149,10 +159,21 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from cluster.keys import ClusterKeys
+
+    keys = ClusterKeys.generate().write(args.directory)
+    print(f"pdserve: wrote the cluster key set {keys.fingerprint}... to {keys.directory}: copy "
+          "that directory to every host of the cluster (its cluster.key_secret makes a member; "
+          "keep it mode 0600)")  # fmt: skip
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     import socket
 
-    from pdserve.cluster_file import load_cluster_file, log_dir, plan
+    from cluster.keys import ClusterKeys
+    from pdserve.cluster_file import key_dir, load_cluster_file, log_dir, plan
     from pdserve.supervisor import Supervisor
 
     spec = load_cluster_file(args.cluster_file)
@@ -170,12 +191,17 @@ def _launch(args: argparse.Namespace) -> int:
             )
     plans = plan(spec, host)
     logs = log_dir(spec)
+    keys = "none (insecure)" if spec.insecure else key_dir(spec)
     if args.dry_run:
         print(f"# pdserve launch {args.cluster_file} --host {host}: {len(plans)} processes, "
-              f"logs in {logs}")  # fmt: skip
+              f"logs in {logs}, cluster keys in {keys}")  # fmt: skip
         for p in plans:
             print(p.describe())
         return 0
+    if spec.cluster_keys is not None:  # checked before anything starts: one line if unusable
+        ClusterKeys.load(spec.cluster_keys)
+    elif not spec.insecure:
+        ClusterKeys.load_or_create(key_dir(spec))  # a cluster on loopback: this user's own
     url = f"http://{spec.coordinator_address}:{spec.http_port}"
     supervisor = Supervisor(plans, logs, drain_timeout_s=spec.drain_timeout_s, serving_url=url)
     return supervisor.run()
@@ -221,6 +247,10 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template file (unset: the model's own)")  # fmt: skip
     add_flags(p, CoordinatorConfig, only=SERVE_COORDINATOR_FLAGS, suppress_defaults=True)
+    add_flags(p, NodeOptions, only=SECURITY, suppress_defaults=True)
+    p.add_argument("--api-key", action="append", metavar="KEY", default=None,
+                   help="the HTTP API takes only requests with `Authorization: Bearer KEY`; "
+                   "repeat for several keys (unset: $PDSERVE_API_KEY, else open)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish")  # fmt: skip
 
@@ -301,6 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
     # The engine's own seed would clash with the sampling seed's flag; it keeps its default.
     add_flags(gen.add_argument_group("engine settings"), EngineConfig, exclude=("seed",))
     gen.set_defaults(func=_generate)
+
+    keygen = command(
+        "keygen",
+        "make a cluster key set",
+        "Write a new cluster key set (a CurveZMQ key pair) into DIRECTORY: every process of a "
+        "cluster holding it may join, and everything between them is encrypted. Copy DIRECTORY "
+        "to every host and name it as cluster_keys in the cluster file, or as --cluster-keys. "
+        "See docs/security.md.",
+    )
+    keygen.add_argument(
+        "directory", metavar="DIRECTORY", help="made if missing; must hold no key set"
+    )
+    keygen.set_defaults(func=_keygen)
 
     launch = command(
         "launch",

@@ -1,9 +1,11 @@
-"""The cluster file (TOML) of `pdserve launch`: the model, the coordinator's place and ports, and
-per host the GPUs (or CPU workers) given to prefill and to decode. `plan` turns it into the
-processes one host runs: their commands, environments and ports. No process is started here."""
+"""The cluster file (TOML) of `pdserve launch`: the model, the coordinator's place and ports, the
+cluster's key set, and per host the GPUs (or CPU workers) given to prefill and to decode. `plan`
+turns it into the processes one host runs: their commands, environments and ports. No process is
+started here."""
 
 from __future__ import annotations
 
+import ipaddress
 import shlex
 import sys
 import tomllib
@@ -11,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.node_options import PLACEMENT, NodeOptions
+from cluster.keys import default_key_dir
+from cluster.node_options import PLACEMENT, SECURITY, NodeOptions
 from cluster.node_options import TRANSPORTS as NODE_TRANSPORTS
 from cluster.schema import pick, read_table
 from engine.config import EngineConfig
@@ -27,9 +30,12 @@ NOT_PER_ROLE = {
     "device": "launch picks cuda or cpu from the host's GPUs",
     "transport": "set it in [[host]] or at the top of the file",
     **{name: "launch gives each node its own" for name in PLACEMENT if name != "transport"},
+    **{name: "set it at the top of the file: every process holds the same" for name in SECURITY},
 }
-TOP_KEYS = {"log_dir", "coordinator_config", "transport", "coordinator", "host", *CLUSTER_WIDE}
-COORDINATOR_KEYS = {"host", "http_port", "node_port", "client_port", "drain_timeout_s"}
+TOP_KEYS = {"log_dir", "coordinator_config", "transport", "coordinator", "host", *CLUSTER_WIDE,
+            *SECURITY}  # fmt: skip
+COORDINATOR_KEYS = {"host", "http_port", "node_port", "client_port", "drain_timeout_s", "api_key"}
+API_KEY_ENV = "PDSERVE_API_KEY"  # how launch hands the coordinator its API keys (not argv: ps)
 HOST_KEYS = {"name", "address", "prefill_gpus", "decode_gpus", "prefill_workers",
              "decode_workers", "transport", "kv_port_base", "prefill", "decode"}  # fmt: skip
 
@@ -78,6 +84,9 @@ class ClusterSpec:
     log_dir: Path | None = None
     coordinator_config: Path | None = None
     transport: str = "auto"
+    cluster_keys: Path | None = None  # the key set's directory (unset: the per-user default)
+    insecure: bool = False
+    api_keys: tuple[str, ...] = ()
 
     @property
     def model(self) -> str | None:
@@ -95,6 +104,11 @@ class ClusterSpec:
     def coordinator_address(self) -> str:
         return self.host(self.coordinator_host).address
 
+    @property
+    def off_loopback(self) -> HostSpec | None:
+        """A host whose address is not loopback (the cluster's sockets face a network), if any."""
+        return next((h for h in self.hosts if not is_loopback(h.address)), None)
+
     def decode_transport(self, host: HostSpec) -> str:
         """The transport a decode node on `host` receives with: cuda_ipc within a GPU host,
         nccl across GPU hosts, shm within a CPU host, tcp across CPU hosts; unless set."""
@@ -106,6 +120,15 @@ class ClusterSpec:
         if host.decode_gpus:
             return "cuda_ipc" if local else "nccl"
         return "shm" if local else "tcp"
+
+
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def _fail(path: Path, where: str, message: str) -> ClusterFileError:
@@ -211,6 +234,15 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
             setattr(spec, key, _positive_int(path, "[coordinator] ", key, coordinator[key], 1))
     if "drain_timeout_s" in coordinator:
         spec.drain_timeout_s = float(coordinator["drain_timeout_s"])
+    if "api_key" in coordinator:
+        keys = coordinator["api_key"]
+        keys = [keys] if isinstance(keys, str) else keys
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k and
+                                                               "," not in k for k in keys):  # fmt: skip
+            raise _fail(path, "[coordinator] ", "key 'api_key' must be a key or a list of keys "
+                        "(non-empty, no commas)")  # fmt: skip
+        spec.api_keys = tuple(keys)
+    _read_security(spec, data)
     if "transport" in data:
         if data["transport"] not in TRANSPORTS:
             raise _fail(
@@ -238,6 +270,35 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
     return spec
 
 
+def _read_security(spec: ClusterSpec, data: dict) -> None:
+    path = spec.path
+    if "insecure" in data:
+        if not isinstance(data["insecure"], bool):
+            raise _fail(path, "", f"key 'insecure' must be true or false, got {data['insecure']!r}")
+        spec.insecure = data["insecure"]
+    if "cluster_keys" in data:
+        if not isinstance(data["cluster_keys"], str) or not data["cluster_keys"]:
+            raise _fail(path, "", "key 'cluster_keys' must be a directory")
+        if spec.insecure:
+            raise _fail(path, "", "keys 'cluster_keys' and 'insecure' contradict each other")
+        spec.cluster_keys = (path.parent / Path(data["cluster_keys"]).expanduser()).resolve()
+    far = spec.off_loopback
+    if far is not None and spec.cluster_keys is None and not spec.insecure:
+        raise _fail(
+            path, "",
+            f"host {far.name!r} is at {far.address}, not loopback, and the file names no cluster "
+            "keys: make a key set with `pdserve keygen DIR`, copy DIR to every host and add "
+            "`cluster_keys = \"DIR\"` at the top of the file (or, on a trusted network only, "
+            "`insecure = true`; see docs/security.md)",
+        )  # fmt: skip
+
+
+def key_dir(spec: ClusterSpec) -> Path:
+    """Where the cluster's key set is: the file's cluster_keys, else (a cluster on loopback) the
+    per-user default directory, which launch makes on first use."""
+    return spec.cluster_keys or default_key_dir()
+
+
 def log_dir(spec: ClusterSpec) -> Path:
     """Where this cluster's processes log: the file's log_dir, else pdserve's cache folder
     (`~/.cache/pdserve/logs/<cluster file's name>`), never beside the file (a repository)."""
@@ -257,7 +318,7 @@ class ProcessPlan:
     transport: str | None = None
 
     def describe(self) -> str:
-        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        env = " ".join(f"{k}={'***' if k == API_KEY_ENV else v}" for k, v in self.env.items())
         ports = ", ".join(f"{k} {v}" for k, v in self.ports.items()) or "-"
         lines = [f"{self.name}  ({self.role}; ports: {ports}"
                  + (f"; transport: {self.transport}" if self.transport else "") + ")",
@@ -280,6 +341,7 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
     python = [sys.executable, "-m", "pdserve"]
     procs: list[ProcessPlan] = []
     coordinator = f"tcp://{spec.coordinator_address}:{spec.node_port}"
+    security = {"insecure": True} if spec.insecure else {"cluster_keys": str(key_dir(spec))}
     if spec.coordinator_host == host.name:
         cmd = python + ["coordinator", "--host", host.address, "--port", str(spec.http_port),
                         "--node-port", str(spec.node_port)]  # fmt: skip
@@ -292,7 +354,9 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
         if spec.model:
             cmd += ["--model", spec.model]
         cmd += ["--drain-timeout", str(spec.drain_timeout_s)]
-        procs.append(ProcessPlan("pdserve-coordinator", "coordinator", cmd, ports=ports))
+        cmd += ["--insecure"] if spec.insecure else ["--cluster-keys", security["cluster_keys"]]
+        env = {API_KEY_ENV: ",".join(spec.api_keys)} if spec.api_keys else {}
+        procs.append(ProcessPlan("pdserve-coordinator", "coordinator", cmd, env, ports))
     for role in ("prefill", "decode"):
         gpus = host.prefill_gpus if role == "prefill" else host.decode_gpus
         count = host.num_prefill if role == "prefill" else host.num_decode
@@ -310,7 +374,7 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
                 transport = spec.decode_transport(host)
                 ports["kv"] = host.kv_port_base + local
                 placement.update(transport=transport, kv_host=host.address, kv_port=ports["kv"])
-            options = NodeOptions(**placement, **pick(NodeOptions, settings))
+            options = NodeOptions(**placement, **security, **pick(NodeOptions, settings))
             node = NodeSpec(role, options, engine, env)
             procs.append(ProcessPlan(f"pdserve-{node.node_id}", role, node.command(), env, ports,
                                      transport))  # fmt: skip

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jinja2
 
+from cluster.keys import ClusterKeys, default_key_dir
 from cluster.schema import validate
 from coordinator.api_server import build_app, default_model_names, listen_socket, serve_http
 from coordinator.config import CoordinatorConfig
@@ -47,6 +48,23 @@ class ServeOptions:
     coordinator: dict[str, object] = field(default_factory=dict)
     served_model_names: tuple[str, ...] = ()  # unset: pdserve-tiny or the directory's name
     chat_template: str | None = None  # a template file instead of the model's
+    # The cluster key set's directory (unset: the default one, made on first use), or insecure.
+    cluster_keys: str | None = None
+    insecure: bool = False
+    api_keys: tuple[str, ...] = ()  # the HTTP API's keys (none: open)
+
+
+def cluster_keys(options: ServeOptions) -> ClusterKeys | None:
+    """The key set the coordinator's sockets admit and its nodes hold: the directory given (which
+    must hold one), else the default directory's, made there on first use; None if insecure."""
+    if options.insecure:
+        if options.cluster_keys:
+            raise ValueError("--insecure and --cluster-keys contradict each other: give one")
+        logger.warning("--insecure: the coordinator's and nodes' sockets admit anyone, in clear")
+        return None
+    if options.cluster_keys:
+        return ClusterKeys.load(options.cluster_keys)
+    return ClusterKeys.load_or_create(default_key_dir())
 
 
 def load_config(options: ServeOptions) -> CoordinatorConfig:
@@ -80,9 +98,14 @@ def node_engine(options: ServeOptions, config: CoordinatorConfig) -> EngineConfi
 
 
 def node_specs(
-    options: ServeOptions, config: CoordinatorConfig, coordinator_addr: str
+    options: ServeOptions,
+    config: CoordinatorConfig,
+    coordinator_addr: str,
+    keys: ClusterKeys | None = None,
 ) -> list[NodeSpec]:
+    """The nodes serve starts; they hold `keys` (by its directory), or run insecure without."""
     file = config.node_settings
+    security = {"insecure": True} if keys is None else {"cluster_keys": str(keys.directory)}
     engine = node_engine(options, config)
     return local_nodes(
         coordinator_addr,
@@ -90,7 +113,7 @@ def node_specs(
         prefill=options.prefill_nodes,
         decode=options.decode_nodes,
         colocated=options.colocated,
-        **{**file.node, **options.node},
+        **{**file.node, **options.node, **security},
     )
 
 
@@ -101,17 +124,21 @@ async def serve_async(options: ServeOptions) -> int:
     if options.start_nodes:
         node_engine(options, config)  # a bad setting stops here, before anything starts
     chat_template = read_chat_template(options.chat_template)
+    keys = cluster_keys(options)
     names = options.served_model_names or default_model_names(options.model)
     client_addr = (
         None if options.client_port is None else f"tcp://{options.host}:{options.client_port}"
     )
-    node_host = "127.0.0.1" if options.start_nodes else "0.0.0.0"
+    # Its own nodes reach it on loopback; others where its HTTP API listens (nothing listens
+    # beyond loopback unless --host says so).
+    node_host = "127.0.0.1" if options.start_nodes else options.host
     coordinator = Coordinator(
         config,
         node_addr=f"tcp://{node_host}:{options.node_port}",
         client_addr=client_addr,
         model_name=names[0],
         config_path=options.config_path,
+        keys=keys,
     )
     # The HTTP port first: a busy port fails at once, before any node starts.
     http_sock = listen_socket(options.host, options.port)
@@ -146,7 +173,7 @@ async def serve_async(options: ServeOptions) -> int:
     watchdog = asyncio.create_task(stop_on_failure())
     try:
         if options.start_nodes:
-            for spec in node_specs(options, config, coordinator.node_endpoint):
+            for spec in node_specs(options, config, coordinator.node_endpoint, keys):
                 group.start(spec)
             wanted_prefill = 0 if options.colocated else options.prefill_nodes
             waiting = asyncio.create_task(
@@ -161,8 +188,9 @@ async def serve_async(options: ServeOptions) -> int:
             elif not stop.is_set():
                 raise ValueError(next(iter(done)).result())
         if not stop.is_set():  # Ctrl-C while the nodes were starting: nothing to serve
-            logger.info("coordinator ready: nodes on %s, clients on %s",
-                        coordinator.node_endpoint, coordinator.client_endpoint or "-")  # fmt: skip
+            logger.info("coordinator ready: nodes on %s, clients on %s, cluster keys %s",
+                        coordinator.node_endpoint, coordinator.client_endpoint or "-",
+                        keys.directory if keys else "none (insecure)")  # fmt: skip
             print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
             await run_frontend(coordinator, options, names, chat_template, stop, http_sock)
     finally:
@@ -224,7 +252,7 @@ async def run_frontend(
         aliases=names[1:] + aliases,
         listed=names,
     )
-    await serve_http(build_app(serving, __version__), sock, stop)
+    await serve_http(build_app(serving, __version__, options.api_keys), sock, stop)
 
 
 def run_serve(options: ServeOptions) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import zmq
 
 from cluster.codec import MalformedLog, ProtocolError
+from cluster.keys import ClusterKeys, curve_client
 from cluster.node_messages import HandoffReady, SendKV, orders, reports
 
 logger = logging.getLogger(__name__)
@@ -26,10 +27,16 @@ POLL_MS = 100
 
 class HandoffSocket:
     def __init__(
-        self, coordinator_addr: str, node_id: str, on_send_kv: Callable[[SendKV], None]
+        self,
+        coordinator_addr: str,
+        node_id: str,
+        on_send_kv: Callable[[SendKV], None],
+        keys: ClusterKeys | None = None,
     ) -> None:
-        """on_send_kv runs on the listener's thread: it must be safe to call beside the step."""
+        """on_send_kv runs on the listener's thread: it must be safe to call beside the step.
+        keys: the cluster key set the coordinator admits (None: a coordinator run insecure)."""
         self.coordinator_addr = coordinator_addr
+        self.keys = keys
         self.node_id = node_id
         self.on_send_kv = on_send_kv
         self._announce = threading.Event()
@@ -49,6 +56,8 @@ class HandoffSocket:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.node_id}/handoff".encode())
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            curve_client(sock, self.keys)
         sock.connect(self.coordinator_addr)
         try:
             while not self._stopped.is_set():

@@ -10,7 +10,9 @@ sequence at once, and only the loop frees blocks or talks on the main socket.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
+from cluster.keys import ClusterKeys, node_keys
 from cluster.node_link import NodeLink, stop_on_signals
 from cluster.node_messages import (
     Abort,
@@ -36,11 +38,17 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillNode:
-    def __init__(self, engine: LLMEngine, link: NodeLink, transport: str) -> None:
+    def __init__(
+        self, engine: LLMEngine, link: NodeLink, transport: str, keys: ClusterKeys | None = None
+    ) -> None:
+        from kv_transfer import make_sender
+
         self.engine = engine
         self.link = link
         self.transport = transport
-        self.handoff = PrefillHandoff(engine.block_manager, engine.pool, transport)
+        self.handoff = PrefillHandoff(
+            engine.block_manager, engine.pool, transport, partial(make_sender, keys=keys)
+        )
         self.handoff_socket: HandoffSocket | None = None
         self.running = True
 
@@ -131,11 +139,14 @@ class PrefillNode:
 
 def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
+    keys = node_keys(options.cluster_keys, options.insecure)
     engine = LLMEngine(engine_config)
-    link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s)
-    node = PrefillNode(engine, link, options.transport)
+    link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
+    node = PrefillNode(engine, link, options.transport, keys)
     if options.kv_handoff == "immediate":
-        node.handoff_socket = HandoffSocket(options.coordinator, options.node_id, node.send_kv)
+        node.handoff_socket = HandoffSocket(
+            options.coordinator, options.node_id, node.send_kv, keys
+        )
     stop_on_signals(node)
     logger.info("prefill node %s serving (transport %s, KV handoff %s)",
                 options.node_id, options.transport, options.kv_handoff)  # fmt: skip

@@ -1,4 +1,5 @@
-"""Shared fixtures: a private model cache, tiny checkpoints per family, and their HF outputs."""
+"""Shared fixtures: a private model cache and cluster key set, tiny checkpoints per family, and
+their HF outputs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # pdserve-tiny is generated once per test session, never read from a user's cache.
     if "PDSERVE_CACHE" not in os.environ:
         os.environ["PDSERVE_CACHE"] = str(tmp_path_factory.mktemp("pdserve-cache"))
+    # The cluster key set `serve` makes on first use, and clients read: this session's own.
+    if "PDSERVE_CLUSTER_KEYS" not in os.environ:
+        os.environ["PDSERVE_CLUSTER_KEYS"] = str(tmp_path_factory.mktemp("pdserve") / "keys")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """A real cluster for tests: the coordinator in a background thread's event loop, each node a
-real process started by `pdserve`'s own launcher, clients over the coordinator's client socket."""
+real process started by `pdserve`'s own launcher, clients over the coordinator's client socket;
+keyed, as `pdserve serve` is, with the session's default key set (which clients read too)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+from cluster.keys import ClusterKeys, default_key_dir
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
 from engine.config import EngineConfig
@@ -28,9 +30,11 @@ class Cluster:
         log_dir: Path | None = None,
         kv_handoff: str = "immediate",
         heartbeat_interval_s: float = 0.2,
+        keyed: bool = True,
         **engine_options: object,
     ) -> None:
         ensure_tiny_model()  # once here, not raced by every node
+        self.keys = ClusterKeys.load_or_create(default_key_dir()) if keyed else None
         self.num_prefill = 0 if colocated else prefill
         self.num_decode = decode
         self.colocated = colocated
@@ -45,7 +49,10 @@ class Cluster:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.coordinator = Coordinator(
-            self.config, node_addr="tcp://127.0.0.1:0", client_addr="tcp://127.0.0.1:0"
+            self.config,
+            node_addr="tcp://127.0.0.1:0",
+            client_addr="tcp://127.0.0.1:0",
+            keys=self.keys,
         )
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -76,6 +83,11 @@ class Cluster:
             transport=self.transport,
             kv_handoff=self.kv_handoff,
             heartbeat_interval_s=self.heartbeat_interval_s,
+            **(
+                {"cluster_keys": str(self.keys.directory)}
+                if self.keys is not None
+                else {"insecure": True}
+            ),
         )
 
     def call(self, coro, timeout: float = 300):  # noqa: ANN001, ANN201

@@ -71,7 +71,7 @@ class ScriptedNode:
 
 
 def test_coordinator_marks_an_abort_before_the_kv_was_sent():
-    with Cluster(prefill=0, decode=0) as cluster:
+    with Cluster(prefill=0, decode=0, keyed=False) as cluster:  # scripted nodes hold no keys
         endpoint = cluster.coordinator.node_endpoint
         prefill = ScriptedNode(endpoint, "scripted-prefill", NodeRole.PREFILL)
         decode = ScriptedNode(endpoint, "scripted-decode", NodeRole.DECODE)

@@ -15,6 +15,7 @@ import zmq.asyncio
 from junk_frames import JUNK
 from local_cluster import Cluster
 
+from cluster.keys import curve_client
 from coordinator.client import CoordinatorClient
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import SubmitError
@@ -141,10 +142,12 @@ def test_junk_to_every_port_is_dropped_and_the_cluster_serves_on():
             for identity in identities:
                 for frames in JUNK:
                     await coordinator.node_sock.send_multipart([identity, *frames])
-            # a stranger -> the coordinator's node and client ports, and the decode node's KV port
+            # a member gone wrong (it holds the cluster keys) -> the coordinator's node and client
+            # ports, and the decode node's KV port
             ctx = zmq.asyncio.Context.instance()
             for endpoint in (coordinator.node_endpoint, coordinator.client_endpoint, kv_address):
                 sock = ctx.socket(zmq.DEALER)
+                curve_client(sock, cluster.keys)
                 sock.connect(endpoint)
                 for frames in JUNK:
                     await sock.send_multipart(frames)

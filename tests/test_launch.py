@@ -1,7 +1,8 @@
 """`pdserve launch` for real: a CPU cluster file on loopback (it says when it serves; a killed
 worker is restarted and the end of its log shown; SIGTERM lets running streams finish and refuses
 new ones), a child that keeps dying at start stops everything, logs go to pdserve's cache folder,
-and two hosts in network namespaces."""
+two hosts in network namespaces with a cluster key set and an API key, and a file whose hosts
+face a network without keys is refused naming the fix."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ CLUSTER = """
 dtype = "float32"
 block_size = 8
 log_dir = "{log_dir}"
+{security}
 
 [coordinator]
 host = "{first}"
@@ -83,7 +85,7 @@ def cpu_cluster(tmp_path):
                         roles="prefill_workers = 2\ndecode_workers = 2\ntransport = \"tcp\"")  # fmt: skip
     path = tmp_path / "cluster.toml"
     path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="local", http_port=http_port,
-                                   node_port=node_port, hosts=hosts))  # fmt: skip
+                                   node_port=node_port, hosts=hosts, security=""))  # fmt: skip
     console = tmp_path / "console.txt"
     with open(console, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", str(path)],
@@ -194,7 +196,7 @@ def test_a_child_that_keeps_dying_at_start_stops_everything_with_its_log(tmp_pat
         hosts = HOST.format(name="local", address="127.0.0.1", kv_port=free_port(),
                             roles="prefill_workers = 1\ndecode_workers = 1")  # fmt: skip
         text = CLUSTER.format(log_dir="", first="local", http_port=http_port,
-                              node_port=free_port(), hosts=hosts)  # fmt: skip
+                              node_port=free_port(), hosts=hosts, security="")  # fmt: skip
         path = tmp_path / "doomed.toml"
         path.write_text(text.replace('log_dir = ""\n', ""))
         dry = subprocess.run([sys.executable, "-m", "pdserve", "launch", str(path), "--dry-run"],
@@ -249,13 +251,19 @@ def two_hosts():
 
 
 def test_two_hosts_in_network_namespaces_serve_across_the_link(tmp_path, two_hosts):
+    """With a key set made by `pdserve keygen` and an API key: the decode node in namespace b
+    joins the coordinator in a and takes KV pages over the link; a client needs the API key."""
     (ns_a, addr_a), (ns_b, addr_b) = two_hosts
+    keygen = subprocess.run([sys.executable, "-m", "pdserve", "keygen", str(tmp_path / "keys")],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert keygen.returncode == 0, keygen.stderr
     http_port, node_port, kv_port = 8000, 5555, 5700  # each namespace has its own ports
     hosts = HOST.format(name="a", address=addr_a, kv_port=kv_port, roles="prefill_workers = 1")
     hosts += HOST.format(name="b", address=addr_b, kv_port=kv_port, roles="decode_workers = 1")
     path = tmp_path / "two-hosts.toml"
-    path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="a", http_port=http_port,
-                                   node_port=node_port, hosts=hosts))  # fmt: skip
+    text = CLUSTER.format(log_dir=tmp_path / "logs", first="a", http_port=http_port,
+                          node_port=node_port, hosts=hosts, security='cluster_keys = "keys"')  # fmt: skip
+    path.write_text(text.replace("[coordinator]\n", '[coordinator]\napi_key = "sesame"\n'))
     launches = [
         subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve", "launch",
                           str(path), "--host", host], start_new_session=True)
@@ -269,17 +277,24 @@ def test_two_hosts_in_network_namespaces_serve_across_the_link(tmp_path, two_hos
         "        if httpx.get(url + '/health', timeout=2).status_code == 200: break\n"
         "    except httpx.HTTPError: pass\n"
         "    time.sleep(0.3)\n"
-        "r = httpx.post(url + '/v1/completions', timeout=60, json={'model': 'pdserve-tiny',"
-        " 'prompt': 'across the link', 'max_tokens': 8, 'temperature': 0, 'ignore_eos': True})\n"
+        "body = {'model': 'pdserve-tiny', 'prompt': 'across the link', 'max_tokens': 8,"
+        " 'temperature': 0, 'ignore_eos': True}\n"
+        "r = httpx.post(url + '/v1/completions', timeout=60, json=body)\n"
+        "print(r.status_code)\n"
+        "r = httpx.post(url + '/v1/completions', timeout=60, json=body,"
+        " headers={'Authorization': 'Bearer sesame'})\n"
         "print(r.status_code, r.json()['usage']['completion_tokens'])\n"
     )
     try:
         res = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", client],
                              capture_output=True, text=True, timeout=240)  # fmt: skip
-        assert res.stdout.split() == ["200", "8"], res.stderr[-2000:]
+        assert res.stdout.split() == ["401", "200", "8"], res.stderr[-2000:]
         # The decode node lives only in namespace b: the KV pages crossed the veth link.
         log_b = (tmp_path / "logs" / "pdserve-decode-0.log").read_text()
         assert "decode node decode-0 serving (transport tcp)" in log_b
+        # launch gave every process the file's key set: nobody was refused on the way.
+        log_a = (tmp_path / "logs" / "pdserve-coordinator.log").read_text()
+        assert "dropped a connection" not in log_a and "refuses this node" not in log_b
     finally:
         for proc in launches:
             if proc.poll() is None:
@@ -290,3 +305,37 @@ def test_two_hosts_in_network_namespaces_serve_across_the_link(tmp_path, two_hos
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_hosts_off_loopback_without_keys_are_refused_naming_the_fix(tmp_path):
+    """No namespaces needed: launch refuses before it starts anything (a dry run too), and
+    `insecure = true` is the written way around it."""
+    hosts = HOST.format(name="a", address="10.77.0.1", kv_port=5700, roles="prefill_workers = 1")
+    hosts += HOST.format(name="b", address="10.77.0.2", kv_port=5700, roles="decode_workers = 1")
+    path = tmp_path / "far.toml"
+
+    def launch(security: str) -> subprocess.CompletedProcess:
+        path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="a", http_port=8000,
+                                       node_port=5555, hosts=hosts, security=security))  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "pdserve", "launch", str(path), "--host", "b", "--dry-run"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    refused = launch("")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    error = refused.stderr
+    assert error.startswith("pdserve: error: ") and "10.77.0.1" in error
+    for fix in ("pdserve keygen DIR", 'cluster_keys = "DIR"', "insecure = true"):
+        assert fix in error, fix
+    insecure = launch("insecure = true")
+    assert insecure.returncode == 0, insecure.stderr
+    assert "--insecure" in insecure.stdout and "--cluster-keys" not in insecure.stdout
+    keyed = launch(f'cluster_keys = "{tmp_path / "keys"}"')
+    assert keyed.returncode == 0 and f"--cluster-keys {tmp_path / 'keys'}" in keyed.stdout
+    # A real start checks the key set first: here there is none.
+    path.write_text(path.read_text())
+    res = subprocess.run([sys.executable, "-m", "pdserve", "launch", str(path), "--host", "b"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "no cluster keys in" in res.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was started

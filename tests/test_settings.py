@@ -123,14 +123,20 @@ def test_a_node_command_parses_back_to_the_same_settings(options, engine, role):
     assert getattr(args, "colocated", False) == (role == "colocated")
 
 
-def test_a_node_with_default_settings_gets_no_setting_flags():
-    (spec,) = [s for s in node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR)
+def test_a_node_with_default_settings_gets_no_setting_flags_but_its_keys(tmp_path):
+    from cluster.keys import ClusterKeys
+
+    keys = ClusterKeys.generate().write(tmp_path / "keys")
+    (spec,) = [s for s in node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR, keys)
                if s.role == "decode"]  # fmt: skip
-    assert spec.command()[3:] == ["decode", "--coordinator", COORDINATOR, "--node-id", "decode-0"]
+    assert spec.command()[3:] == ["decode", "--coordinator", COORDINATOR, "--node-id", "decode-0",
+                                  "--cluster-keys", str(keys.directory)]  # fmt: skip
     assert parse_node_command(spec.command()) == (
-        NodeOptions(coordinator=COORDINATOR, node_id="decode-0"),
+        NodeOptions(coordinator=COORDINATOR, node_id="decode-0", cluster_keys=str(keys.directory)),
         EngineConfig(),
     )
+    (insecure, *_) = node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR, None)
+    assert parse_node_command(insecure.command())[0].insecure
 
 
 def test_flags_added_without_defaults_hold_only_what_was_given():
