@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,14 +33,15 @@ from coordinator.serving import OpenAIServing
 from coordinator.serving_chat import OpenAIServingChat
 from coordinator.serving_completion import OpenAIServingCompletion
 from coordinator.serving_tokenization import OpenAIServingTokenization
+from engine.embedded_models import model_name
 
 logger = logging.getLogger(__name__)
 
 
 def default_model_names(model: str | None) -> tuple[str, ...]:
-    """What clients call the model without --served-model-name: `pdserve-tiny`, or the
+    """What clients call the model without --served-model-name: the embedded model's name, or the
     checkpoint directory's name."""
-    return ("pdserve-tiny",) if model in (None, "pdserve-tiny") else (Path(model).resolve().name,)
+    return (model_name(model),)
 
 
 # The bodies the routes parse themselves (strictly, with OpenAI's errors), for the schema.

@@ -80,7 +80,6 @@ class Coordinator:
         config: CoordinatorConfig | None = None,
         node_addr: str = "tcp://127.0.0.1:0",
         client_addr: str | None = None,
-        model_name: str = "pdserve-tiny",
         config_path: str | Path | None = None,
         keys: ClusterKeys | None = None,
     ) -> None:
@@ -88,7 +87,6 @@ class Coordinator:
         self.core = CoordinatorCore(config)
         self.keys = keys
         self.config_path = config_path
-        self.model_name = model_name
         self._node_bind = node_addr
         self._client_bind = client_addr
         self._streams: dict[str, asyncio.Queue[Event]] = {}  # by request id

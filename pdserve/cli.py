@@ -13,14 +13,16 @@ from cluster.node_options import PLACEMENT, SECURITY, NodeOptions
 from cluster.schema import add_flags, from_args, names, values_from_args
 from coordinator.config import CoordinatorConfig
 from engine.config import EngineConfig
+from engine.embedded_models import EMBEDDED
 from pdserve import __version__
 
 DESCRIPTION = (
     "pdserve serves open-weight LLMs (Hugging Face checkpoints of the Llama, Mistral, Qwen2 and "
     "Qwen3 families) behind an OpenAI-compatible HTTP API, with prefill and decode on separate "
     "worker processes: `pdserve serve [MODEL]` starts everything on this machine, `pdserve "
-    "launch CLUSTER.toml` one host's part of a cluster. With no MODEL it serves pdserve-tiny, a "
-    "small embedded test model. pdserve never downloads a model: MODEL is a local directory."
+    "launch CLUSTER.toml` one host's part of a cluster. With no MODEL it serves pdserve-stories, a "
+    "small embedded model that writes simple stories (or $PDSERVE_MODEL). pdserve never downloads "
+    "a model: MODEL is a local directory."
 )
 
 # Node settings that serve's flags may set: where a node sits in the cluster is serve's to give.
@@ -32,7 +34,6 @@ SERVE_NODE_FLAGS = tuple(
 SERVE_COORDINATOR_FLAGS = ("max_pending_requests",)
 # A Hugging Face hub id: ORG/NAME, nothing else in it.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-TINY = "pdserve-tiny"
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -49,9 +50,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def check_model(model: str | None) -> None:
-    """A model is pdserve-tiny or a local checkpoint directory; a hub id gets told how to fetch
-    it."""
-    if model is None or model == TINY:
+    """A model is an embedded one or a local checkpoint directory; a hub id gets told how to
+    fetch it."""
+    if model is None or model in EMBEDDED:
         return
     path = Path(model).expanduser()
     if path.is_dir():
@@ -73,7 +74,9 @@ def _model_arg(args: argparse.Namespace) -> str | None:
         raise ValueError(f"two models given: {positional!r} and --model {flag!r}; give one")
     model = positional if positional is not None else flag
     check_model(model)
-    return None if model is None else str(Path(model).expanduser()) if model != TINY else TINY
+    if model is None or model in EMBEDDED:
+        return model
+    return str(Path(model).expanduser())
 
 
 def escape_controls(text: str) -> str:
@@ -218,7 +221,7 @@ def _add_model_positional(p: argparse.ArgumentParser) -> None:
         "model_arg",
         nargs="?",
         metavar="MODEL",
-        help="checkpoint directory in Hugging Face format, as --model (default: pdserve-tiny)",
+        help="checkpoint directory in Hugging Face format, as --model (default: pdserve-stories)",
     )
 
 
@@ -242,7 +245,7 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         default=None,
         help="the model's names in the API: the first in responses and /v1/models, any in "
-        "requests (unset: pdserve-tiny or the model directory's name)",
+        "requests (unset: the embedded model's name or the model directory's name)",
     )
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template file (unset: the model's own)")  # fmt: skip

@@ -19,7 +19,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
 from coordinator.serving import OpenAIServing
 from engine.config import EngineConfig
-from engine.tiny_model import resolve_model_dir
+from engine.embedded_models import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from pdserve import __version__
 from pdserve.launch import NodeGroup, NodeSpec, local_nodes
@@ -46,7 +46,7 @@ class ServeOptions:
     engine: dict[str, object] = field(default_factory=dict)
     node: dict[str, object] = field(default_factory=dict)
     coordinator: dict[str, object] = field(default_factory=dict)
-    served_model_names: tuple[str, ...] = ()  # unset: pdserve-tiny or the directory's name
+    served_model_names: tuple[str, ...] = ()  # unset: the embedded model's or directory's name
     chat_template: str | None = None  # a template file instead of the model's
     # The cluster key set's directory (unset: the default one, made on first use), or insecure.
     cluster_keys: str | None = None
@@ -136,7 +136,6 @@ async def serve_async(options: ServeOptions) -> int:
         config,
         node_addr=f"tcp://{node_host}:{options.node_port}",
         client_addr=client_addr,
-        model_name=names[0],
         config_path=options.config_path,
         keys=keys,
     )

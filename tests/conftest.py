@@ -21,6 +21,9 @@ def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # The cluster key set `serve` makes on first use, and clients read: this session's own.
     if "PDSERVE_CLUSTER_KEYS" not in os.environ:
         os.environ["PDSERVE_CLUSTER_KEYS"] = str(tmp_path_factory.mktemp("pdserve") / "keys")
+    # The suite runs on the small random pdserve-tiny unless a test names another model (the
+    # stories tests name pdserve-stories): node processes inherit this.
+    os.environ["PDSERVE_MODEL"] = "pdserve-tiny"
 
 
 @pytest.fixture(scope="session")
