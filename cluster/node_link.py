@@ -4,6 +4,7 @@ of its own, so a long step never makes a busy node look dead."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -35,6 +36,7 @@ class NodeLink:
         self.keys = keys
         self.ctx = zmq.Context.instance()
         self.sock = self.dealer(node_id)
+        self.sock.connect(coordinator_addr)
         self.malformed = MalformedLog(logger, f"node {node_id}")
         self._last_load = 0.0
         self._load: Heartbeat | None = None
@@ -42,13 +44,12 @@ class NodeLink:
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True)
 
     def dealer(self, identity: str) -> zmq.Socket:
-        """A socket of this node to the coordinator (keyed as the link is)."""
+        """A socket of this node for the coordinator (keyed as the link is), not yet connected."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
         if self.keys is not None:
             curve_client(sock, self.keys)
-        sock.connect(self.coordinator_addr)
         return sock
 
     def register(self, msg: Register) -> None:
@@ -69,9 +70,12 @@ class NodeLink:
             except zmq.Again:
                 return messages
             try:
-                messages.append(orders.decode_frames(frames))
+                msg = orders.decode_frames(frames)
             except ProtocolError as exc:
                 self.malformed("coordinator", str(exc))
+                continue
+            logger.debug("[%s] received %s", getattr(msg, "request_id", "-"), msg.TYPE)
+            messages.append(msg)
 
     def carry_out(self, msg: Message, handle: Callable[[Message], None]) -> None:
         """handle(msg) on the node's loop: an order that cannot be carried out is logged and, if
@@ -95,18 +99,21 @@ class NodeLink:
         self._last_load = time.monotonic()
         seq = (self._load.seq + 1) if self._load is not None else 1
         self._load = msgspec.structs.replace(load, node_id=self.node_id, seq=seq)
-        if not self._heartbeats.is_alive() and not self._stopped.is_set():
-            self._heartbeats.start()
+        if self._heartbeats.ident is None and not self._stopped.is_set():
+            self._heartbeats.start()  # once: it lives until close()
 
     def _heartbeat_loop(self) -> None:
         sock = self.dealer(f"{self.node_id}/heartbeat")
+        # Watched from before it connects: a refused handshake may not be tried again.
         monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        sock.connect(self.coordinator_addr)
         refused = False
         try:
             while not self._stopped.wait(self.heartbeat_interval_s):
                 load = self._load
                 if load is not None:
-                    sock.send(reports.encode(load), zmq.NOBLOCK)
+                    with contextlib.suppress(zmq.Again):  # no connection now (refused, or a
+                        sock.send(reports.encode(load), zmq.NOBLOCK)  # coordinator restarting)
                 if monitor.poll(0) and not refused:
                     refused = True  # once: ZeroMQ retries on its own, and so may the operator
                     logger.error(

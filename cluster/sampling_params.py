@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import msgspec
 
+# Token ids, lengths and top_k are below this: a tensor of them never overflows, whatever a client
+# sends (no vocabulary or context comes near it).
+INT32 = 2**31
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: int = 16
@@ -21,14 +25,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < INT32:
+            raise ValueError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if not -1 <= self.top_k < INT32:
+            raise ValueError(f"top_k must be -1 (off) or in [0, 2**31), got {self.top_k}")
+        if any(not 0 <= t < INT32 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, 2**31), got {self.stop_token_ids}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2 <= self.presence_penalty <= 2:

@@ -254,6 +254,10 @@ class Coordinator:
     ) -> RequestHandle:
         """Admit a request into the cluster; raises SubmitError if it is refused."""
         self.check_room(1, len(token_ids))
+        try:  # what cannot go on the wire is refused here, before the request holds anything
+            node_messages.orders.encode(node_messages.Generate("-", token_ids, params, 0))
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise SubmitError("invalid", f"the request cannot be sent to a node: {exc}") from None
         state, out = self.core.submit(token_ids, params, time.monotonic(), request_id)
         events: asyncio.Queue[Event] = asyncio.Queue()
         self._streams[state.request_id] = events

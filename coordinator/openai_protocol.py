@@ -88,7 +88,8 @@ def at_most(value: int | None, limit: int, param: str) -> None:
 
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send extras such as `user`); known ones are strict.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN and infinities (which Python's JSON reader takes) are no valid value of any field.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     def check(self, limits: Limits) -> None:
         """Rules across fields and bounds, checked after the fields themselves; a 400 if one is
