@@ -60,6 +60,16 @@ SYSTEMS["disaggregated-conditional"] = PdserveSystem(
 SYSTEMS["disaggregated-between-steps"] = PdserveSystem(
     "disaggregated-between-steps", config={"kv_handoff": "between-steps"}
 )
+# Not run unless named: the cost of the cluster keys with KV pages over tcp (CurveZMQ on every
+# socket, the default), against no keys at all and against KV pages authenticated only.
+TCP = ("--transport", "tcp")
+SYSTEMS["disaggregated-tcp-insecure"] = PdserveSystem(
+    "disaggregated-tcp-insecure", flags=(*TCP, "--insecure")
+)
+SYSTEMS["disaggregated-tcp-curve"] = PdserveSystem("disaggregated-tcp-curve", flags=TCP)
+SYSTEMS["disaggregated-tcp-kv-auth-only"] = PdserveSystem(
+    "disaggregated-tcp-kv-auth-only", flags=TCP, config={"kv_encryption": False}
+)
 DEFAULT_SYSTEMS = ["disaggregated", "colocated", "colocated-static"]
 # Every system runs both; short-only is the reference for the TPOT interference of long prompts.
 VARIANTS = ("mixed", "short-only")
@@ -119,7 +129,7 @@ async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
             # logprobs: every token in its own chunk, even one that is not yet a whole character.
             cfg = LoadConfig(server.base_url, seed=args.seed, progress=not args.no_progress,
                              extra_body={"logprobs": 0})  # fmt: skip
-            for variant in VARIANTS:
+            for variant in args.variants:
                 workload = loads[variant]
                 sweep = await run_sweep(
                     lambda seed, rate, w=workload: w.sample(num_requests(args, rate), seed),
@@ -208,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)  # fmt: skip
     p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=DEFAULT_SYSTEMS,
                    metavar="SYSTEM", help=f"systems to run, of {', '.join(SYSTEMS)}")  # fmt: skip
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="workloads each system runs: mixed (long prompts among short ones), "
+                   "short-only")  # fmt: skip
     p.add_argument("--rates", type=floats, default=[2.0, 4.0, 6.0, 8.0, 10.0],
                    help="request rates of the sweep, req/s")  # fmt: skip
     p.add_argument("--duration-s", type=float, default=20.0, help="of arrivals per rate")

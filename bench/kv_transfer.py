@@ -6,6 +6,11 @@ segment (shm), a device-to-device copy (cuda_ipc).
 
     .venv/bin/python -m bench.kv_transfer                       # tcp and shm, 1..256 blocks
     .venv/bin/python -m bench.kv_transfer --max-blocks 1024 --transports shm
+    .venv/bin/python -m bench.kv_transfer --transports tcp --security none curve auth-only
+
+--security runs one receiver per mode side by side in the same rounds: none (a cluster run
+--insecure), curve (the default: the cluster keys, pages encrypted with CurveZMQ) and auth-only
+(kv_encryption = false: senders authenticated, pages in clear).
 
 A transfer is timed from send() to the sender seeing the receiver's ack (all pages landed);
 each point is the median of --repeats runs after one warm-up run.
@@ -32,12 +37,15 @@ import torch
 import zmq
 
 from bench.kv_remote import RemoteEndpoint, wait_for
+from cluster.keys import ClusterKeys
 from engine.kv_cache import KVLayout, KVPool
 from kv_transfer import make_sender
 from kv_transfer.shm import map_pool
 
 LLAMA3_8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 SWEEP = (1, 4, 16, 64, 256, 1024)
+# How the receiver admits senders -> (keyed, pages encrypted)
+SECURITY = {"none": (False, False), "curve": (True, True), "auth-only": (True, False)}
 
 
 def _raw_sink(address_pipe) -> None:
@@ -129,14 +137,24 @@ def _block_ids(n: int, total: int, pattern: str, rng: random.Random) -> tuple[li
 
 
 class TransferBench:
-    """One transport: a receiver in a child process, the sender here."""
+    """One transport: a receiver in a child process, the sender here; keyed as `security` says."""
 
-    def __init__(self, transport: str, max_blocks: int, device: str, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        transport: str,
+        max_blocks: int,
+        device: str,
+        chunk_bytes: int,
+        security: str = "none",
+    ) -> None:
         rx_device = "cuda:1" if transport == "nccl" else device
-        self.remote = RemoteEndpoint("receiver", transport, LLAMA3_8B, max_blocks, device=rx_device)
+        keyed, encrypt = SECURITY[security]
+        keys = ClusterKeys.generate() if keyed else None
+        self.remote = RemoteEndpoint("receiver", transport, LLAMA3_8B, max_blocks, device=rx_device,
+                                     keys=keys, encrypt=encrypt)  # fmt: skip
         self.pool = KVPool(LLAMA3_8B, max_blocks, device)
         self.pool.kv.view(torch.int16).random_()  # touch every page, arbitrary bits
-        self.sender = make_sender(transport, self.pool, chunk_bytes=chunk_bytes)
+        self.sender = make_sender(transport, self.pool, chunk_bytes=chunk_bytes, keys=keys)
         self.sender.connect("decode", self.remote.info)
         self.count = 0
 
@@ -175,6 +193,13 @@ def measure(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, lis
     return times
 
 
+def per_round(times: dict[str, list[float]], a: str, b: str) -> float | None:
+    """Median over rounds of b's time / a's: a's speed relative to b's, each round measured back
+    to back."""
+    ratios = [tb / ta for ta, tb in zip(times.get(a, []), times.get(b, []))]
+    return statistics.median(ratios) if ratios else None
+
+
 def available_transports() -> list[str]:
     names = ["tcp"]
     if sys.platform.startswith("linux"):
@@ -194,6 +219,8 @@ def main() -> None:
     ap.add_argument("--patterns", nargs="*", default=["contiguous", "random"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk-mib", type=float, default=8.0, help="tcp / nccl chunk size")
+    ap.add_argument("--security", nargs="+", choices=list(SECURITY), default=["none"],
+                    help="how receivers admit senders; several: measured side by side")  # fmt: skip
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -204,21 +231,36 @@ def main() -> None:
     nbytes_list = [n * block for n in sweep]
     rng = random.Random(0)
     torch.manual_seed(0)
+    securities = list(dict.fromkeys(args.security))
+    side_by_side = len(securities) > 1
     print(
         f"# {shlex.join([os.path.basename(sys.executable), '-m', 'bench.kv_transfer', *sys.argv[1:]])}"
     )
     print(
         f"# {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"zmq {zmq.pyzmq_version()} / libzmq {zmq.zmq_version()}, "
         f"cuda {'yes: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no'}"
     )
     print(f"# layout {LLAMA3_8B.to_dict()}, {block / 2**20:.0f} MiB per block")
     chunk_bytes = int(args.chunk_mib * 2**20)
-    print("| transport | blocks | pattern | MiB | transfer GB/s | raw path | raw GB/s | ratio |")
-    print("| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |")
+    if side_by_side:
+        cols = " | ".join(f"{s} GB/s" + ("" if s == securities[0] else f" | {s} / {securities[0]}")
+                          for s in securities)  # fmt: skip
+        print(f"| transport | blocks | pattern | MiB | {cols} | raw path | raw GB/s |")
+        print(
+            "| --- | ---: | --- | ---: |" + " ---: |" * (2 * len(securities) - 1) + " --- | ---: |"
+        )
+    else:
+        print(
+            "| transport | blocks | pattern | MiB | transfer GB/s | raw path | raw GB/s | ratio |"
+        )
+        print("| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |")
     rows = []
     for transport in transports:
         device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
-        bench = TransferBench(transport, max_blocks, device, chunk_bytes)
+        benches = {s: TransferBench(transport, max_blocks, device, chunk_bytes, s)
+                   for s in securities}  # fmt: skip
+        info = benches[securities[0]].remote.info
         if transport == "tcp":
             raw = RawTcp(max(nbytes_list))
             raws = {
@@ -227,8 +269,10 @@ def main() -> None:
                     raw.run, frame_bytes=chunk_bytes
                 ),
             }
+            if side_by_side:  # the baseline with the transfer's own message sizes
+                raws = dict(list(raws.items())[1:])
         elif transport == "shm":
-            raw = RawMemcpy(bench.remote.info, max(nbytes_list))
+            raw = RawMemcpy(info, max(nbytes_list))
             raws = {"memcpy": raw.run}
         elif transport == "cuda_ipc":
             raw = RawDeviceCopy(device, max(nbytes_list))
@@ -239,36 +283,52 @@ def main() -> None:
             for pattern in args.patterns:
                 for n, nbytes in zip(sweep, nbytes_list):
                     src, dst = _block_ids(n, max_blocks, pattern, rng)
-                    fns = {"transfer": partial(bench.run, src, dst)}
+                    fns = {s: partial(b.run, src, dst) for s, b in benches.items()}
                     fns.update({name: partial(f, nbytes) for name, f in raws.items()})
                     times = measure(fns, args.repeats)
                     gbs = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
-                    for name in raws or {"-": None}:
-                        ratios = [a / b for a, b in zip(times.get(name, []), times["transfer"])]
-                        row = {
-                            "transport": transport,
-                            "pattern": pattern,
-                            "blocks": n,
-                            "MiB": nbytes / 2**20,
-                            "GB/s": gbs["transfer"],
-                            "raw": name,
-                            "raw GB/s": gbs.get(name),
-                            # median over rounds of raw time / transfer time, each round
-                            # measured back to back
-                            "ratio": statistics.median(ratios) if ratios else None,
-                        }
-                        rows.append(row)
+
+                    base = securities[0]
+                    for security in securities:
+                        for name in raws or {"-": None}:
+                            rows.append({
+                                "transport": transport,
+                                "security": security,
+                                "pattern": pattern,
+                                "blocks": n,
+                                "MiB": nbytes / 2**20,
+                                "GB/s": gbs[security],
+                                "raw": name,
+                                "raw GB/s": gbs.get(name),
+                                # median over rounds of raw time / transfer time, each round
+                                # measured back to back
+                                "ratio": per_round(times, security, name),
+                                f"vs {base}": per_round(times, security, base),
+                            })  # fmt: skip
+                    if side_by_side:
+                        cells = []
+                        for security in securities:
+                            cells.append(f"{gbs[security]:.2f}")
+                            if security != base:
+                                cells.append(f"{per_round(times, security, base):.0%}")
+                        name = next(iter(raws), "-")
+                        raw_gbs = f"{gbs[name]:.2f}" if name in gbs else "-"
+                        print(f"| {transport} | {n} | {pattern} | {nbytes / 2**20:.0f} | "
+                              f"{' | '.join(cells)} | {name} | {raw_gbs} |", flush=True)  # fmt: skip
+                        continue
+                    for row in rows[-len(raws or [None]) :]:
                         raw_gbs = f"{row['raw GB/s']:.2f}" if row["raw GB/s"] else "-"
                         ratio = f"{row['ratio']:.0%}" if row["ratio"] else "-"
                         print(
                             f"| {transport} | {n} | {pattern} | {row['MiB']:.0f} | "
-                            f"{row['GB/s']:.2f} | {name} | {raw_gbs} | {ratio} |",
+                            f"{row['GB/s']:.2f} | {row['raw']} | {raw_gbs} | {ratio} |",
                             flush=True,
                         )
         finally:
             if raw is not None:
                 raw.close()
-            bench.close()
+            for bench in benches.values():
+                bench.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

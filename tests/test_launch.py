@@ -294,6 +294,7 @@ def test_two_hosts_in_network_namespaces_serve_across_the_link(tmp_path, two_hos
         assert "decode node decode-0 serving (transport tcp)" in log_b
         # launch gave every process the file's key set: nobody was refused on the way.
         log_a = (tmp_path / "logs" / "pdserve-coordinator.log").read_text()
+        assert f"cluster keys {tmp_path / 'keys'}" in log_a  # the file's set, not a default one
         assert "dropped a connection" not in log_a and "refuses this node" not in log_b
     finally:
         for proc in launches:

@@ -30,15 +30,17 @@ class PdserveSystem:
     colocated: bool = False
     config: dict = field(default_factory=dict)
     scheduling_policy: str = "continuous"
+    flags: tuple[str, ...] = ()  # more `pdserve serve` flags (--transport tcp, --insecure)
 
     def serve_args(self) -> list[str]:
         if self.colocated:
-            return ["--colocated", "--decode-nodes", str(self.decode_nodes)]
+            return ["--colocated", "--decode-nodes", str(self.decode_nodes), *self.flags]
         return [
             "--prefill-nodes",
             str(self.prefill_nodes),
             "--decode-nodes",
             str(self.decode_nodes),
+            *self.flags,
         ]
 
     def config_toml(self) -> str:
