@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="the server, http://HOST:PORT (with or without /v1)")  # fmt: skip
+    p.add_argument("--api-key", default=None,
+                   help="the server's API key, sent as `Authorization: Bearer KEY`")  # fmt: skip
     p.add_argument("--model", default=None, help="model name (unset: the first of /v1/models)")
     p.add_argument("--rate", type=rates, default=[math.inf],
                    help="requests/s (inf: all at once), or a,b,c for a sweep")  # fmt: skip
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         extra_body={} if args.logprobs is None else {"logprobs": args.logprobs},
+        api_key=args.api_key,
     )
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     if len(args.rate) == 1 and not args.plot:

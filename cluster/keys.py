@@ -11,6 +11,7 @@ public key as the server's. Denied peers are logged once per address.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import logging
@@ -24,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+import zmq.asyncio
 from zmq.auth.certs import load_certificate
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from cluster.codec import MalformedLog
 
@@ -44,6 +47,11 @@ HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+
+
+# A server's handshakes that fail before its ZAP handler is asked (a client with other keys, with
+# none, or not speaking ZMTP at all): libzmq names no peer for these.
+REFUSED_BEFORE_ZAP = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 class NoClusterKeys(ValueError):
@@ -323,3 +331,19 @@ def node_keys(cluster_keys: str | None, insecure: bool) -> ClusterKeys | None:
             raise ValueError("--insecure and --cluster-keys contradict each other: give one")
         return None
     return ClusterKeys.load(cluster_keys or default_key_dir())
+
+
+async def log_refused_handshakes(sock: zmq.asyncio.Socket, label: str) -> None:
+    """Until cancelled, watch a keyed server socket: the first handshake it refuses before its ZAP
+    handler (which logs the peers it refuses by address) is logged, the others are counted."""
+    refused = MalformedLog(logger, label, what="a connection")
+    monitor = sock.get_monitor_socket(REFUSED_BEFORE_ZAP)
+    try:
+        while True:
+            parse_monitor_message(await monitor.recv_multipart())
+            refused("a peer without the cluster keys", "its CurveZMQ handshake failed: it holds "
+                    "another key set or none; libzmq names no address for these")  # fmt: skip
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(0)

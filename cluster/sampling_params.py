@@ -26,15 +26,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < INT32:
-            raise ValueError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}")
+            raise ValueError(
+                f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k < INT32:
             raise ValueError(f"top_k must be -1 (off) or in [0, 2**31), got {self.top_k}")
-        if any(not 0 <= t < INT32 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, 2**31), got {self.stop_token_ids}")
+        bad = next((t for t in self.stop_token_ids if not 0 <= t < INT32), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be token ids in [0, 2**31), got {bad}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2 <= self.presence_penalty <= 2:

@@ -23,7 +23,7 @@ import zmq.asyncio
 from cluster import node_messages
 from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
 from cluster.codec import MAX_FRAME_BYTES, Codec, MalformedLog, ProtocolError, peer_name
-from cluster.keys import ClusterKeys, close_server, curve_server
+from cluster.keys import ClusterKeys, close_server, curve_server, log_refused_handshakes
 from cluster.node_messages import Message
 from cluster.sampling_params import SamplingParams
 from coordinator.config import CoordinatorConfig
@@ -170,12 +170,18 @@ class Coordinator:
         self.node_endpoint = self.node_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._spawn(self._node_loop(), "coordinator-nodes")
         self._spawn(self._clock_loop(), "coordinator-clock")
+        if self.keys is not None:
+            self._spawn(log_refused_handshakes(self.node_sock, "coordinator node socket"),
+                        "coordinator-node-handshakes")  # fmt: skip
         if self._client_bind:
             self.client_sock = router_socket(
                 self.ctx, self._client_bind, self.keys, "coordinator client socket"
             )
             self.client_endpoint = self.client_sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._spawn(self._client_loop(), "coordinator-clients")
+            if self.keys is not None:
+                self._spawn(log_refused_handshakes(self.client_sock, "coordinator client socket"),
+                            "coordinator-client-handshakes")  # fmt: skip
         logger.info("coordinator listening for nodes on %s", self.node_endpoint)
 
     def _spawn(self, coro: Coroutine, name: str) -> None:

@@ -30,7 +30,7 @@ from engine.tiny_model import ensure_tiny_model
 REPO = Path(__file__).resolve().parent.parent
 KEY, OTHER_KEY = "sesame-open", "second-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_MODEL_LEN = 40  # every generation is short, whatever max_tokens and n the fuzzer picks
+MAX_MODEL_LEN = 32  # every generation is short, whatever max_tokens and n the fuzzer picks
 BODY_LIMIT = 64 << 10
 # The prefill node is paused by one test: the coordinator must not declare it dead meanwhile.
 CONFIG = """
@@ -39,7 +39,7 @@ block_size = 8
 heartbeat_interval_s = 0.05
 heartbeat_timeout_s = 600
 max_request_body_bytes = {body_limit}
-max_n = 4
+max_n = {max_n}
 max_logprobs = 5
 max_stop_strings = 4
 max_stop_string_chars = 16
@@ -102,7 +102,7 @@ class Server:
 
 
 def write_config(path: Path, **limits: object) -> None:
-    values = {"body_limit": BODY_LIMIT, "max_pending": 512, "max_tokens": 1 << 20,
+    values = {"body_limit": BODY_LIMIT, "max_pending": 512, "max_tokens": 1 << 20, "max_n": 4,
               "metrics_keyed": "false", **limits}  # fmt: skip
     path.write_text(CONFIG.format(**values))
 
@@ -157,7 +157,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_a_client_without_the_key_gets_401_and_the_model_never_runs_for_it(server):
-    body = {"prompt": list(range(10, 34)), "max_tokens": 3, "ignore_eos": True}
+    body = {"prompt": list(range(10, 26)), "max_tokens": 3, "ignore_eos": True}
     chat = {"messages": HI, "max_tokens": 3}
     before = server.model_work()
     refusals = [
@@ -186,7 +186,7 @@ def test_a_client_without_the_key_gets_401_and_the_model_never_runs_for_it(serve
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     after = wait_until(lambda: (w := server.model_work())[2] + w[3] > before[2] + before[3] and w,
                        "the nodes to report the keyed requests' prefix lookups")  # fmt: skip
-    assert after[:2] == (before[0] + 48, before[1] + 2)  # the counters do move
+    assert after[:2] == (before[0] + 32, before[1] + 2)  # the counters do move
     server.wait_until_idle()
 
 
@@ -202,6 +202,22 @@ def test_the_openai_client_with_api_key_is_served_and_a_wrong_key_is_its_auth_er
     with pytest.raises(openai.AuthenticationError) as refused:
         wrong.completions.create(model="pdserve-tiny", prompt="Hi", max_tokens=2)
     assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    server.wait_until_idle()
+
+
+def test_the_load_generator_sends_the_api_key_it_is_given(server):
+    def load(*key: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "bench.serve_load", "--base-url", server.url, *key,
+             "--num-requests", "3", "--warmup", "0", "--short-prompt-len", "8",
+             "--short-output-len", "4", "--no-progress"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    keyed = load("--api-key", KEY)
+    assert keyed.returncode == 0 and "3/3 ok" in keyed.stdout, keyed.stdout + keyed.stderr
+    refused = load()
+    assert "0/3 ok" in refused.stdout and "(3 failed)" in refused.stdout, refused.stdout
     server.wait_until_idle()
 
 
@@ -281,7 +297,7 @@ def test_the_coordinator_holds_at_most_max_pending_requests_and_tokens(server):
     larger than the token bound alone is invalid (400); after the node resumes, only the one
     admitted ran and every block is free."""
     url = f"{server.url}{COMPLETIONS}"
-    tokens = [10 + i for i in range(20)]
+    tokens = [10 + i for i in range(10)]
 
     def phase(name: str) -> float:
         return server.metrics()[f'pdserve_requests_phase{{phase="{name}"}}']
@@ -290,21 +306,21 @@ def test_the_coordinator_holds_at_most_max_pending_requests_and_tokens(server):
         body = {"prompt": prompt, "n": n, "max_tokens": 2, "ignore_eos": True}
         return httpx.post(url, json=body, headers=AUTH, timeout=120)
 
-    server.reload(max_pending=2, max_tokens=30)
-    wait_until(lambda: post(tokens + tokens[:13]).status_code == 400,
-               "the reloaded token bound (30) to refuse a 33-token prompt")  # fmt: skip
+    server.reload(max_pending=2, max_tokens=16)
+    wait_until(lambda: post(tokens * 2).status_code == 400,
+               "the reloaded token bound (16) to refuse a 20-token prompt")  # fmt: skip
     server.wait_until_idle()  # (what ran before the reload was read)
     before = server.model_work()
     os.kill(server.prefill.pid, signal.SIGSTOP)
     pool = ThreadPoolExecutor(1)
     try:
-        held = pool.submit(post, tokens)  # 20 tokens, pending while the node is paused
+        held = pool.submit(post, tokens)  # 10 tokens, pending while the node is paused
         wait_until(lambda: phase("prefilling") == 1, "the request to wait on the paused node")
-        for prompt, n in ((tokens[:15], 1), (tokens[:5], 2)):  # 35 > 30 tokens; 3 > 2 requests
+        for prompt, n in ((tokens[:7], 1), (tokens[:3], 2)):  # 17 > 16 tokens; 3 > 2 requests
             r = post(prompt, n)
             error = assert_error_body(r, 429, None)
             assert error["code"] == "overloaded" and int(r.headers["retry-after"]) >= 1
-        error = assert_error_body(post(tokens + tokens[:12]), 400, None)  # 32 > 30 alone
+        error = assert_error_body(post(tokens + tokens[:7]), 400, None)  # 17 > 16 alone
         assert "max_pending_tokens" in error["message"]
         assert phase("prefilling") == 1  # none of them was taken in
     finally:
@@ -312,17 +328,17 @@ def test_the_coordinator_holds_at_most_max_pending_requests_and_tokens(server):
         done = held.result(timeout=120)
         pool.shutdown()
         server.reload()
-    assert done.status_code == 200 and done.json()["usage"]["prompt_tokens"] == 20
+    assert done.status_code == 200 and done.json()["usage"]["prompt_tokens"] == 10
     server.wait_until_idle()
     after = server.model_work()
-    assert after[:2] == (before[0] + 20, before[1] + 1), (before, after)
+    assert after[:2] == (before[0] + 10, before[1] + 1), (before, after)
 
 
 # --- schema fuzzing ---------------------------------------------------------------------------
 
 # Requests generated per operation that takes a body: valid ones by the schema, and half as many
 # that break it; a route with no inputs has few distinct requests to make.
-FUZZ_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150"))
+FUZZ_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "130"))
 NO_INPUT_EXAMPLES = 10
 
 
@@ -370,6 +386,11 @@ def test_schema_fuzzing_finds_no_server_error_and_leaves_every_block_free(server
         "POST /detokenize", "GET /v1/models", "GET /health", "GET /metrics", "GET /version",
     }  # fmt: skip
     counts = dict.fromkeys(labels, 0)
+    # n = 2 at most: the generated requests that run stay cheap (more is refused, and tested).
+    server.reload(max_n=2)
+    wait_until(lambda: httpx.post(f"{server.url}{COMPLETIONS}", headers=AUTH, timeout=WAIT_S,
+                                  json={"prompt": "Hi", "n": 3}).status_code == 400,
+               "the reload to lower max_n")  # fmt: skip
     started = time.monotonic()
     with httpx.Client(base_url=server.url, timeout=WAIT_S, headers=AUTH) as http:
         for op in operations:
@@ -382,6 +403,7 @@ def test_schema_fuzzing_finds_no_server_error_and_leaves_every_block_free(server
     print(f"fuzzed {sum(counts.values())} requests in {time.monotonic() - started:.0f} s: {counts}")
     # Every operation with a body got its share (hypothesis stops early only when it runs out).
     assert all(n >= 1.4 * FUZZ_EXAMPLES for k, n in counts.items() if k.startswith("POST")), counts
+    server.reload()
     server.wait_until_idle()
 
 
@@ -397,7 +419,7 @@ def fuzz(op, mode, examples: int, http: httpx.Client, url: str, counts: dict[str
         max_examples=examples, deadline=None, database=None, derandomize=True,
         phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
     )  # fmt: skip
-    @hypothesis.given(case=op.as_strategy(generation_mode=mode))
+    @hypothesis.given(case=op.as_strategy(generation_mode=mode).map(served_model))
     def run(case) -> None:  # noqa: ANN001
         kwargs = case.as_transport_kwargs(base_url=url)
         headers = {**kwargs.get("headers", {}), **AUTH}
@@ -407,6 +429,14 @@ def fuzz(op, mode, examples: int, http: httpx.Client, url: str, counts: dict[str
         counts[label] += 1
 
     run()
+
+
+def served_model(case):  # noqa: ANN001, ANN201
+    """A generated body names the served model where it names one, so that valid requests run
+    the model instead of stopping at a 404 (which the negative cases and other tests cover)."""
+    if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
+        case.body["model"] = "pdserve-tiny"
+    return case
 
 
 def _content(kwargs: dict) -> bytes | None:

@@ -29,6 +29,7 @@ class LoadConfig:
     timeout_s: float = 600.0
     progress: bool = True
     extra_body: dict = field(default_factory=dict)
+    api_key: str | None = None  # sent as `Authorization: Bearer KEY`
 
     @property
     def api_root(self) -> str:
@@ -38,7 +39,8 @@ class LoadConfig:
 
 def _client(cfg: LoadConfig) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    return httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits, headers=headers)
 
 
 async def resolve_model(client: httpx.AsyncClient, cfg: LoadConfig) -> str | None:
