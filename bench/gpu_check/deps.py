@@ -73,6 +73,7 @@ SCANNED = (
 # Imported only by code gpu-check never runs on the host, and why.
 NOT_NEEDED_ON_HOST = {
     "openai": "tests/test_http_api.py's OpenAI-client checks run in the CPU suite only",
+    "schemathesis": "tests/test_http_security.py's schema fuzzing runs in the CPU suite only",
 }
 # What the GPU tests and benches need beyond pyproject's runtime dependencies.
 CHECK_NEEDS = (
