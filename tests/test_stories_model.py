@@ -7,6 +7,7 @@ with seeds. A failure prints every sentence the grammar refused."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
 import signal
@@ -198,3 +199,20 @@ def test_the_readme_shows_what_generate_prints(args):
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert f"pdserve generate {' '.join(shlex.quote(a) for a in args)}" in readme.replace('"', "'")
     assert f"> {res.stdout.strip()}\n" in readme, res.stdout
+
+
+@pytest.mark.timeout(600)
+def test_the_training_command_repeats_the_committed_checkpoints_start(tmp_path):
+    """Same seed, same corpus, same tokenizer, same batches: a fresh run's first steps (the warm-up,
+    whose learning rates do not depend on the run's length) have the committed run's losses."""
+    from engine.embedded_models import STORIES_DIR
+    from engine.stories.train import main as train
+
+    train(["--out", str(tmp_path), "--steps", "4", "--no-progress"])
+    committed = json.loads((STORIES_DIR / "training.json").read_text())
+    fresh = json.loads((tmp_path / "training.json").read_text())
+    assert (tmp_path / "tokenizer.json").read_bytes() == (
+        STORIES_DIR / "tokenizer.json"
+    ).read_bytes()
+    assert fresh["recipe"] | {"steps": 0} == committed["recipe"] | {"steps": 0}
+    assert fresh["losses"] == pytest.approx(committed["losses"][:4], abs=1e-3)
