@@ -28,7 +28,7 @@ from cluster.node_messages import (
 from cluster.node_options import NodeOptions
 from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, KVPool
-from engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
+from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from kv_transfer.base import KVReceiver, TransportFailed
 from kv_transfer.handoff import DecodeHandoff
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 class DecodeNode:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         link: NodeLink,
         receiver: KVReceiver | None,
         role: NodeRole = NodeRole.DECODE,
@@ -124,13 +124,22 @@ class DecodeNode:
     def step(self) -> None:
         unfinished = self.engine.has_unfinished()
         expecting = self.handoff is not None and self.handoff.num_pending > 0
-        for msg in self.link.receive(0 if unfinished else (1 if expecting else 5)):
+        self.before_step(self.link.receive(0 if unfinished else (1 if expecting else 5)))
+        self.after_step(self.engine.step() if self.engine.has_unfinished() else [])
+
+    # The loop's two halves around the engine's step, which a simulator drives on its own clock.
+
+    def before_step(self, orders: list[Message]) -> None:
+        """Carry out the orders received since the last step; take in sequences whose KV
+        arrived."""
+        for msg in orders:
             self.link.carry_out(msg, self.handle)
         self._take_in_arrivals()
-        if self.engine.has_unfinished():
-            outputs = self.engine.step()
-            if outputs:
-                self._send_tokens(outputs)
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        """Send the step's tokens; refresh the load report."""
+        if outputs:
+            self._send_tokens(outputs)
         if self.link.load_due():
             pending = self.handoff.num_pending if self.handoff is not None else 0
             self.link.set_load(
