@@ -21,7 +21,16 @@ class EngineConfig:
     dtype: str = setting(
         "auto", "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on GPU", choices=DTYPES
     )
-    device: str = setting("auto", "cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    device: str = setting(
+        "auto",
+        "cpu, cuda or cuda:N; auto: cuda when available, else cpu (tensor-parallel rank r: the "
+        "r-th device from there)",
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "devices (processes) one node's model is split over; rank 0 schedules and samples",
+        minimum=1,
+    )
     block_size: int = setting(16, "tokens per KV block", minimum=1)
     kv_cache_bytes: int | None = setting(
         None, "CPU KV pool budget per node in bytes (unset: 1 GiB)", minimum=1
@@ -76,6 +85,19 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def rank_device(self, rank: int) -> str:
+        """The device of tensor-parallel rank `rank`: cuda:N + rank on a GPU host, else cpu."""
+        device = self.resolved_device()
+        if not device.startswith("cuda"):
+            return device
+        first = int(device.partition(":")[2] or 0)
+        return f"cuda:{first + rank}"
+
+    def context_limit(self, max_position_embeddings: int, num_blocks: int) -> int:
+        """The longest sequence a node runs: max_model_len (or the model's), at most what the
+        KV pool holds."""
+        return min(self.max_model_len or max_position_embeddings, num_blocks * self.block_size)
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

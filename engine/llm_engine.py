@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,17 +20,17 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.embedded_models import resolve_model_dir
 from engine.kv_cache import KVLayout, KVPool
-from engine.loader import load_model
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.model_shard import ModelShard, PoolFactory
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
-from kernels.ops import select_ops
+from engine.tp_group import TPGroup
+from engine.tp_shard import TPShard
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class RequestRejected(ValueError):
@@ -94,13 +94,19 @@ class ModelExecutor:
 
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         t0 = time.perf_counter()
-        logits, rows = self.runner.run(out)
+        logits, rows = self.forward(out)
         # On a GPU this is launch time: the sampler's copy of the token ids waits for the kernels.
         self.stats.forward_s += time.perf_counter() - t0
         if not rows:
             return SampledTokens(rows, [], [])
         result = sample(logits, [out.scheduled[i].seq for i in rows])
         return SampledTokens(rows, result.token_ids, result.logprobs)
+
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        return self.runner.run(out)
+
+    def close(self) -> None:
+        pass
 
 
 class Engine:
@@ -133,7 +139,7 @@ class Engine:
             config.scheduling_policy,
         )
         capacity = num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or max_position_embeddings, capacity)
+        self.max_model_len = config.context_limit(max_position_embeddings, num_blocks)
         if config.max_model_len and config.max_model_len > capacity:
             logger.warning(
                 "max_model_len %d exceeds the KV pool's %d tokens; using %d",
@@ -274,63 +280,67 @@ class Engine:
 
 
 class LLMEngine(Engine):
-    """The engine of a node: a checkpoint's model and tokenizer, a KV pool on one device."""
+    """The engine of a node: a checkpoint's model and tokenizer, a KV pool on its device; with
+    tensor_parallel_size N, rank 0 of N ranks (the others in processes it starts)."""
 
     def __init__(
         self,
         config: EngineConfig | None = None,
-        pool_factory: Callable[[KVLayout, int], KVPool] | None = None,
+        pool_factory: PoolFactory | None = None,
+        kv_endpoints: list[Any] | None = None,
         **overrides: object,
     ) -> None:
-        """pool_factory(layout, num_blocks) makes the KV pool, e.g. in shared memory for a
-        transport that writes into it; by default a plain tensor on the device."""
+        """pool_factory(layout, num_blocks) makes rank 0's KV pool, e.g. in shared memory for a
+        transport that writes into it; by default a plain tensor on the device. kv_endpoints:
+        how ranks 1..N-1 make theirs (`kv_transfer.rank_endpoint`)."""
         config = config or EngineConfig(**overrides)
         self.model_dir = resolve_model_dir(config.model)
-        device = config.resolved_device()
-        dtype = config.resolved_dtype()
         torch.manual_seed(config.seed)
-        self.device = device
-        self.tokenizer = Tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, dtype, device)
-        mcfg = self.model.config
-        layout = KVLayout(
-            mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, dtype
-        )
         self.config = config
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(layout, device)
+        self.tokenizer = Tokenizer(self.model_dir)
+        mcfg = ModelConfig.from_pretrained(self.model_dir)
+        shard = TPShard(0, config.tensor_parallel_size)
+        shard.check(mcfg)
+        self.ranks = None
+        group = None
+        if shard.size > 1:
+            from engine.tp_ranks import RankProcesses
+
+            self.ranks = RankProcesses(
+                self.model_dir, config, mcfg.max_position_embeddings, kv_endpoints
+            )
+        try:
+            if self.ranks is not None:
+                group = TPGroup.join(shard, config.rank_device(0), store=self.ranks.store)
+                self.ranks.formed()
+            self.shard = ModelShard(self.model_dir, config, shard, group, pool_factory)
+        except BaseException as exc:
+            if self.ranks is not None:
+                raise self.ranks.failure(exc) from exc
+            raise
+        self.device = self.shard.device
+        self.model = self.shard.model
+        self.ops = self.shard.ops
+        self.runner = self.shard.runner
+        layout = KVLayout(
+            mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim,
+            config.resolved_dtype(),
+        )  # fmt: skip
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
         super().__init__(
-            config, layout, num_blocks, mcfg.vocab_size, mcfg.max_position_embeddings, eos
-        )
-        if pool_factory is None:
-            self.pool = KVPool(layout, num_blocks, device)
+            config, layout, self.shard.num_blocks, mcfg.vocab_size,
+            mcfg.max_position_embeddings, eos,
+        )  # fmt: skip
+        self.pool = self.shard.pool
+        self.shard.capture_decode_graphs()
+        if self.ranks is None:
+            self.executor = ModelExecutor(self.runner, self.stats)
         else:
-            self.pool = pool_factory(layout, num_blocks)
-        self.ops = select_ops(device, config.kernel_backend)
-        self.runner = ModelRunner(self.model, self.pool, self.ops, device)
-        if self._use_cuda_graphs():
-            self.runner.capture_decode_graphs(
-                min(config.cuda_graph_max_batch_size, config.max_num_seqs), self.max_model_len
-            )
-        self.executor = ModelExecutor(self.runner, self.stats)
+            from engine.tp_executor import TPExecutor
 
-    def _use_cuda_graphs(self) -> bool:
-        """Graphs need CUDA and kernels free of host syncs: the Triton ones, not the reference
-        (which reads sequence lengths on the host to group its gathers)."""
-        if self.config.enforce_eager or not self.device.startswith("cuda"):
-            return False
-        if self.ops.name != "triton":
-            logger.info("decode steps run eagerly: CUDA graphs need the triton kernel backend")
-            return False
-        return True
+            self.executor = TPExecutor(self.runner, self.stats, self.ranks)
+            weakref.finalize(self, self.ranks.stop)
 
-    def _num_blocks_from_budget(self, layout: KVLayout, device: str) -> int:
-        if device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info()
-            budget = int(free * self.config.gpu_memory_utilization)
-        else:
-            budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES
-        num_blocks = KVPool.num_blocks_for_budget(layout, budget)
-        if num_blocks < 1:
-            raise ValueError(f"KV budget of {budget} bytes holds no block of {layout}")
-        return num_blocks
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit)."""
+        self.executor.close()
