@@ -28,6 +28,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 from engine.tp_group import TPGroup
+from engine.tp_ranks import RankProcesses, TPGroupFailed
 from engine.tp_shard import TPShard
 
 logger = logging.getLogger(__name__)
@@ -304,19 +305,23 @@ class LLMEngine(Engine):
         self.ranks = None
         group = None
         if shard.size > 1:
-            from engine.tp_ranks import RankProcesses
-
             self.ranks = RankProcesses(
                 self.model_dir, config, mcfg.max_position_embeddings, kv_endpoints
             )
         try:
             if self.ranks is not None:
-                group = TPGroup.join(shard, config.rank_device(0), store=self.ranks.store)
+                group = TPGroup.join(
+                    shard, config.rank_device(0), store=self.ranks.store,
+                    check_ranks=self.ranks.check,
+                )  # fmt: skip
                 self.ranks.formed()
             self.shard = ModelShard(self.model_dir, config, shard, group, pool_factory)
         except BaseException as exc:
-            if self.ranks is not None:
+            if self.ranks is None or isinstance(exc, TPGroupFailed):
+                raise
+            if isinstance(exc, RuntimeError):  # a collective failed: a rank died
                 raise self.ranks.failure(exc) from exc
+            self.ranks.stop()  # rank 0's own error (a bad checkpoint...), as it is
             raise
         self.device = self.shard.device
         self.model = self.shard.model

@@ -9,6 +9,8 @@ turn (tests do), and nothing else in it is disturbed.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,13 +44,23 @@ class TPGroup:
         store: dist.TCPStore | None = None,
         port: int | None = None,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        check_ranks: Callable[[], None] | None = None,
     ) -> TPGroup:
         """Join the group: rank 0 with the store it hosts, the others with its port. Returns
-        once every rank has joined."""
+        once every rank has joined. Rank 0 calls check_ranks while it waits for the others: it
+        raises if one of them is gone (a rank that dies on its way never joins)."""
         if store is None:
             store = dist.TCPStore(
                 STORE_HOST, port, shard.size, False, timeout=datetime.timedelta(seconds=60)
             )
+        if shard.rank == 0:
+            others = [f"joining/{r}" for r in range(1, shard.size)]
+            while not store.check(others):
+                if check_ranks is not None:
+                    check_ranks()
+                time.sleep(0.05)
+        else:
+            store.set(f"joining/{shard.rank}", "1")
         timeout = datetime.timedelta(seconds=timeout_s)
         dev = torch.device(device)
         if dev.type == "cuda":

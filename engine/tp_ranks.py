@@ -80,9 +80,13 @@ class RankProcesses:
         """(rank, exit code) of the ranks that have exited."""
         return [(r + 1, code) for r, p in enumerate(self.procs) if (code := p.poll()) is not None]
 
-    def publish(self, plan: StepPlan) -> None:
+    def check(self) -> None:
+        """Raise TPGroupFailed (stopping the group) if a rank has exited."""
         if self.dead():
             raise self.failure(None)
+
+    def publish(self, plan: StepPlan) -> None:
+        self.check()
         try:
             self.channel.publish(plan)
         except OSError as exc:  # a rank's pipe broke: it is gone
