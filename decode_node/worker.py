@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, KVPool
 from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from engine.tp_shard import kv_head_ranges
 from kv_transfer.base import KVReceiver, TransportFailed
 from kv_transfer.handoff import DecodeHandoff
 
@@ -167,6 +168,15 @@ class DecodeNode:
 def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = False) -> None:
     """Run a decode (or colocated) node process until shut down or signalled."""
     receiver: KVReceiver | None = None
+    size = engine_config.tensor_parallel_size
+    specs, links = [], None
+    if not colocated:
+        from kv_transfer.rank_endpoint import rank_endpoints
+
+        # Every rank receives the pages of its heads, on a port of its own.
+        specs, links = rank_endpoints(
+            "receiver", size, options.transport, options.kv_host, options.kv_port
+        )
 
     def pool_factory(layout: KVLayout, num_blocks: int) -> KVPool:
         nonlocal receiver
@@ -184,7 +194,12 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
         )
         return receiver.pool
 
-    engine = LLMEngine(engine_config, pool_factory=pool_factory)
+    engine = LLMEngine(engine_config, pool_factory=pool_factory, kv_endpoints=specs)
+    if receiver is not None and size > 1:
+        from kv_transfer.sharded import ShardedReceiver
+
+        heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
+        receiver = ShardedReceiver(receiver, links, heads, engine.layout, engine.ranks.check)
     role = NodeRole.COLOCATED if colocated else NodeRole.DECODE
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s)
     node = DecodeNode(engine, link, receiver, role)

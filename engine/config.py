@@ -3,7 +3,7 @@ limits) once; flags, config files and node command lines follow from them (`clus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.schema import setting, validate
 
@@ -103,3 +103,33 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+
+NODE_ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(slots=True)
+class RoleTensorParallel:
+    """Tensor-parallel sizes by node role, for the nodes `pdserve serve` starts: prefill wants
+    compute per request, decode wants replicas, so they may differ (the KV handoff reshards)."""
+
+    prefill_tensor_parallel_size: int | None = setting(
+        None, "devices per prefill node (unset: tensor_parallel_size)", minimum=1
+    )
+    decode_tensor_parallel_size: int | None = setting(
+        None, "devices per decode or colocated node (unset: tensor_parallel_size)", minimum=1
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def engine_for(self, role: str, engine: EngineConfig) -> EngineConfig:
+        """The engine settings of a node of this role."""
+        if role not in NODE_ROLES:
+            raise ValueError(f"unknown node role {role!r}")
+        size = (
+            self.prefill_tensor_parallel_size
+            if role == "prefill"
+            else self.decode_tensor_parallel_size
+        )
+        return engine if size is None else replace(engine, tensor_parallel_size=size)

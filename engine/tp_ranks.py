@@ -55,15 +55,19 @@ class RankProcesses:
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(1, size):
             inbox = self.channel.inbox(rank - 1)
+            kv = kv_endpoints[rank - 1] if kv_endpoints else None
             spec = RankSpec(
-                rank, size, str(model_dir), config, self.store.port, inbox, os.getpid(), level,
-                kv_endpoints[rank - 1] if kv_endpoints else None,
-            )  # fmt: skip
+                rank, size, str(model_dir), config, self.store.port, inbox, os.getpid(), level, kv
+            )
+            # Descriptors the rank inherits: its plan pipe, and the line to its KV endpoint.
+            fds = (inbox.fd,) + ((kv.fd,) if kv is not None else ())
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from engine.tp_worker import main; main()"], stdin=subprocess.PIPE, env=env,
-                pass_fds=(inbox.fd,),
+                [sys.executable, "-c", "from engine.tp_worker import main; main()"],
+                stdin=subprocess.PIPE, env=env, pass_fds=fds,
             )  # fmt: skip
             self.channel.handed_over(rank - 1)
+            if kv is not None:
+                os.close(kv.fd)
             proc.stdin.write(pickle.dumps(spec))
             proc.stdin.close()
             self.procs.append(proc)

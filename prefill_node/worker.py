@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVPool
 from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from engine.tp_shard import kv_head_ranges
 from kv_transfer.base import KVSender
 from kv_transfer.handoff import PrefillHandoff
 from prefill_node.handoff_socket import HandoffSocket
@@ -150,9 +151,21 @@ class PrefillNode:
 
 def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
-    engine = LLMEngine(engine_config)
+    from kv_transfer import make_sender
+    from kv_transfer.rank_endpoint import rank_endpoints
+    from kv_transfer.sharded import ShardedSender
+
+    size = engine_config.tensor_parallel_size
+    specs, links = rank_endpoints("sender", size)  # every rank sends the pages of its heads
+    engine = LLMEngine(engine_config, kv_endpoints=specs)
+    heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
+
+    def sender(transport: str, pool: KVPool) -> KVSender:
+        # Sharded even at one rank: it routes heads to a decode node of any TP size.
+        return ShardedSender(make_sender(transport, pool), links, heads, engine.layout)
+
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s)
-    node = PrefillNode(engine, link, options.transport)
+    node = PrefillNode(engine, link, options.transport, sender)
     if options.kv_handoff == "immediate":
         node.handoff_socket = HandoffSocket(options.coordinator, options.node_id, node.send_kv)
     stop_on_signals(node)
