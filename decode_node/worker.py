@@ -142,6 +142,7 @@ class DecodeNode:
         if outputs:
             self._send_tokens(outputs)
         if self.link.load_due():
+            self.engine.check_alive()  # a dead rank takes the node down, idle or not
             pending = self.handoff.num_pending if self.handoff is not None else 0
             self.link.set_load(
                 engine_heartbeat(self.engine, self.link.node_id, pending, self.kv_error)

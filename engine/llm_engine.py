@@ -8,6 +8,7 @@ sampler on a device; the tuner's simulator (`tune/`) models the step's time inst
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -237,6 +238,10 @@ class Engine:
             prefix_misses=bm.prefix_misses,
         )
 
+    def check_alive(self) -> None:
+        """Raise if the engine can no longer run steps (a rank of its group died); nodes call it
+        with every load report, so an idle node notices too."""
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -304,10 +309,15 @@ class LLMEngine(Engine):
         shard.check(mcfg)
         self.ranks = None
         group = None
+        self._threads = None
         if shard.size > 1:
             self.ranks = RankProcesses(
                 self.model_dir, config, mcfg.max_position_embeddings, kv_endpoints
             )
+            if not config.rank_device(0).startswith("cuda"):
+                # The ranks of a CPU node share its cores (idle OpenMP threads spin).
+                self._threads = torch.get_num_threads()
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
         try:
             if self.ranks is not None:
                 group = TPGroup.join(
@@ -346,6 +356,13 @@ class LLMEngine(Engine):
             self.executor = TPExecutor(self.runner, self.stats, self.ranks)
             weakref.finalize(self, self.ranks.stop)
 
+    def check_alive(self) -> None:
+        if self.ranks is not None:
+            self.ranks.check()
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (also done at exit)."""
         self.executor.close()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None

@@ -130,6 +130,7 @@ class PrefillNode:
         self._report_first_tokens(outputs)
         self._report_handoffs()
         if self.link.load_due():
+            self.engine.check_alive()  # a dead rank takes the node down, idle or not
             self.link.set_load(
                 engine_heartbeat(self.engine, self.link.node_id, self.handoff.num_pending)
             )
