@@ -11,6 +11,7 @@ on CPU, NCCL on GPU), the model's own compute left out:
 
     python -m bench.tp_overhead                       # tiny and Llama-3-8B shapes, plans
     python -m bench.tp_overhead --json out.json --repeats 200
+    python -m bench.tp_overhead --quick --repeats 5   # checks the script itself
 """
 
 from __future__ import annotations
@@ -161,14 +162,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.device_count() > 1 else "cpu")
     parser.add_argument("--repeats", type=int, default=100, help="steps per timed run")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--quick", action="store_true",
+                        help="one decode plan, the tiny shape at batch 1 (checks the script)")  # fmt: skip
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    trials = Trials(args.repeats, args.device, PLANS, SHAPES, BATCHES)
+    if args.quick:
+        trials = Trials(args.repeats, args.device, PLANS[:1], SHAPES[:1], BATCHES[:1])
+    else:
+        trials = Trials(args.repeats, args.device, PLANS, SHAPES, BATCHES)
     store = host_store(2)
-    max_blocks = max(-(-c // BLOCK_SIZE) for _, _, c in PLANS)
+    max_blocks = max(-(-c // BLOCK_SIZE) for _, _, c in trials.plans)
     channel = PlanChannel(1, plan_capacity(2048, max_blocks))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                                os.environ.get("PYTHONPATH")]))}  # fmt: skip

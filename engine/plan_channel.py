@@ -2,7 +2,7 @@
 plan in one shared-memory buffer, and one pipe per rank carrying a byte per plan put there (its
 end of file says rank 0 is gone).
 
-Chosen over torch.distributed's broadcast_object_list by measurement (bench/tp_plan.py,
+Chosen over torch.distributed's broadcast_object_list by measurement (bench/tp_overhead.py,
 docs/benchmarks.md): the broadcast pickles the same bytes, then moves their size and the bytes
 in two collectives; here they are one copy and one wake-up. A rank reads a plan before the
 step's first all-reduce, and rank 0 writes the next only after that all-reduce, so one buffer
