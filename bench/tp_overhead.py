@@ -179,17 +179,26 @@ def main(argv: list[str] | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                                os.environ.get("PYTHONPATH")]))}  # fmt: skip
     inbox = channel.inbox(0)
-    proc = subprocess.Popen([sys.executable, "-c", "from bench.tp_overhead import worker; worker()"],
-                            stdin=subprocess.PIPE, env=env, pass_fds=(inbox.fd,))  # fmt: skip
-    channel.handed_over(0)
-    proc.stdin.write(pickle.dumps((store.port, inbox, asdict(trials))))
-    proc.stdin.close()
-    device = "cuda:0" if args.device.startswith("cuda") else "cpu"
-    group = TPGroup.join(TPShard(0, 2), device, store=store)
-    channel.unlink()
-    results = run_trials(group, trials, channel, None)
-    proc.wait(60)
-    channel.close()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from bench.tp_overhead import worker; worker()"],
+            stdin=subprocess.PIPE, env=env, pass_fds=(inbox.fd,),
+        )  # fmt: skip
+        channel.handed_over(0)
+        proc.stdin.write(pickle.dumps((store.port, inbox, asdict(trials))))
+        proc.stdin.close()
+        device = "cuda:0" if args.device.startswith("cuda") else "cpu"
+
+        def check() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"rank 1 exited ({proc.returncode}) before the group formed")
+
+        group = TPGroup.join(TPShard(0, 2), device, store=store, check_ranks=check)
+        channel.unlink()
+        results = run_trials(group, trials, channel, None)
+        proc.wait(60)
+    finally:
+        channel.close()  # its file too, however this ends
     results["machine"] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
