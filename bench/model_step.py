@@ -12,19 +12,26 @@ engine runs them (batch preparation, the forward, logits, the copy of logits to 
     python -m bench.model_step --json out.json --batches 1,64 --contexts 4096
     python -m bench.model_step --preset tiny --device cpu       # the script itself, on a CPU
     python -m bench.model_step --quick                          # gpu-check's shorter sweep
+    python -m bench.model_step --tensor-parallel-size 2         # each step over 2 ranks
 
-A combination whose weights and KV do not fit the device is listed as such and skipped.
+With --tensor-parallel-size N the model is split over N ranks (processes on devices 0..N-1, gloo
+on CPU): every rank runs the same steps on its shard, collectives included, and the tables give
+the weights and bytes each rank reads. A combination whose weights and KV do not fit the device
+is listed as such and skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -37,6 +44,8 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from engine.tp_group import TPGroup, host_store
+from engine.tp_shard import TPShard
 from kernels.ops import select_ops
 
 PRESETS = {
@@ -114,9 +123,17 @@ def model_config(preset: str) -> ModelConfig:
     )
 
 
-def random_model(cfg: ModelConfig, dtype: str, device: str, seed: int) -> LlamaForCausalLM:
-    """Weights ~ N(0, 0.02), norms 1: real data through every kernel (zeros can run faster)."""
-    model = build_model(cfg, dtype, device)
+def random_model(
+    cfg: ModelConfig,
+    dtype: str,
+    device: str,
+    seed: int,
+    shard: TPShard | None = None,
+    group: TPGroup | None = None,
+) -> LlamaForCausalLM:
+    """Weights ~ N(0, 0.02), norms 1: real data through every kernel (zeros can run faster); a
+    tensor-parallel rank's part of them with a shard."""
+    model = build_model(cfg, dtype, device, shard, group)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -173,8 +190,12 @@ def free_bytes(device: str) -> int | None:
     return None
 
 
-def kv_pool(cfg: ModelConfig, dtype: str, num_blocks: int, device: str) -> KVPool:
-    layout = KVLayout(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype)
+def kv_pool(
+    cfg: ModelConfig, dtype: str, num_blocks: int, device: str, shard: TPShard | None = None
+) -> KVPool:
+    """A pool of random pages, of a rank's KV heads with a shard."""
+    heads = len((shard or TPShard()).kv_heads(cfg.num_kv_heads))
+    layout = KVLayout(cfg.num_layers, BLOCK_SIZE, heads, cfg.head_dim, dtype)
     pool = KVPool(layout, num_blocks, device)
     pool.kv.normal_()
     return pool
@@ -200,13 +221,14 @@ def sequences(
 
 
 def decode_bytes(model: LlamaForCausalLM, pool: KVPool, batch: int, context: int) -> int:
-    """What one decode step must read: every weight once except the embedding table, of which
-    only `batch` rows; every sequence's K and V for its context and new token."""
+    """What one decode step must read (on one rank: its shard and its pool's heads): every weight
+    once except the embedding table, of which only `batch` rows; every sequence's K and V for
+    its context and new token."""
     cfg = model.config
     elem = pool.kv.element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights -= model.embed_tokens.weight.numel() * elem - batch * cfg.hidden_size * elem
-    per_token_kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    per_token_kv = cfg.num_layers * 2 * pool.layout.num_kv_heads * cfg.head_dim * elem
     return weights + batch * (context + 1) * per_token_kv
 
 
@@ -235,7 +257,7 @@ def bench_decode(
     cfg = model.config
     gen = torch.Generator().manual_seed(batch * 100003 + context)
     seqs, num_blocks = sequences(batch, context, 1, cfg.vocab_size, gen)
-    pool = kv_pool(cfg, dtype, num_blocks, device)
+    pool = kv_pool(cfg, dtype, num_blocks, device, model.shard)
     runner = ModelRunner(model, pool, select_ops(device), device)
     step = SchedulerOutput(scheduled=[ScheduledSeq(s, 1) for s in seqs])
     eager_ms = median_ms(lambda: runner.run(step), device, repeats)
@@ -266,11 +288,11 @@ def bench_prefill(
     cfg = model.config
     gen = torch.Generator().manual_seed(prompts * 7919 + prompt_len)
     seqs, num_blocks = sequences(prompts, 0, prompt_len, cfg.vocab_size, gen)
-    pool = kv_pool(cfg, dtype, num_blocks, device)
+    pool = kv_pool(cfg, dtype, num_blocks, device, model.shard)
     runner = ModelRunner(model, pool, select_ops(device), device)
     step = SchedulerOutput(scheduled=[ScheduledSeq(s, prompt_len) for s in seqs])
     ms = median_ms(lambda: runner.run(step), device, repeats)
-    flop = prefill_flop(cfg, prompts, prompt_len)
+    flop = prefill_flop(cfg, prompts, prompt_len) / model.shard.size  # this rank's share
     tflops = flop / (ms * 1e-3) / 1e12
     return PrefillResult(prompts, prompt_len, ms, flop / 1e12, tflops, tflops / matmul)
 
@@ -304,6 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="batches 1,64,256, 1 prompt, 10 repeats"
     )
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks (processes, one device each) the model is split over")  # fmt: skip
+    # A rank other than 0, started by rank 0 with the same arguments.
+    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # Flags given win over either sweep.
     for name, values in (QUICK_SWEEP if args.quick else FULL_SWEEP).items():
@@ -312,8 +339,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def join_group(args: argparse.Namespace, argv: list[str]) -> TPGroup | None:
+    """The ranks' group: rank 0 starts the others (this script, same arguments) and joins."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return None
+    shard = TPShard(args.tp_rank, size)
+    if args.tp_rank > 0:
+        return TPGroup.join(shard, args.device, port=args.tp_port)
+    store = host_store(size)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root,
+                                                               os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    ranks = []
+    for rank in range(1, size):
+        extra = ["--tp-rank", str(rank), "--tp-port", str(store.port)]
+        if args.device.startswith("cuda"):
+            extra += ["--device", f"cuda:{rank}"]
+        command = [sys.executable, "-m", "bench.model_step", *argv, *extra]
+        ranks.append(subprocess.Popen(_without(command, "--json"), env=env,
+                                      stdout=subprocess.DEVNULL))  # fmt: skip
+
+    def check() -> None:
+        dead = [r.returncode for r in ranks if r.poll() is not None]
+        if dead:
+            raise RuntimeError(f"a rank exited ({dead[0]}) before the group formed")
+
+    group = TPGroup.join(shard, args.device, store=store, check_ranks=check)
+    group.ranks = ranks  # waited for at the end
+    return group
+
+
+def _without(command: list[str], flag: str) -> list[str]:
+    """The command without `flag` and its value (only rank 0 writes the JSON)."""
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    group = join_group(args, argv)
+    shard = group.shard if group is not None else TPShard()
+    if group is not None and not args.device.startswith("cuda"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))  # shared cores
+    if shard.rank > 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (rank 0 prints the tables)
     device = args.device
     on_cuda = device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
@@ -323,21 +401,28 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu"
     copy = copy_gbps(device, (2 << 30) if on_cuda else (128 << 20), args.repeats)
     matmul = matmul_tflops(device, torch_dtype, 8192 if on_cuda else 1024, args.repeats)
-    model = random_model(cfg, dtype, device, args.seed)
+    model = random_model(cfg, dtype, device, args.seed, shard, group)
     params = sum(p.numel() for p in model.parameters())
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     print(f"# {name}; torch {torch.__version__}, python {platform.python_version()}")
     print(f"# copy: {copy:.0f} GB/s (read + write); {dtype} matmul: {matmul:.1f} TFLOP/s")
     print(
-        f"# {args.preset}: {params / 1e9:.2f}B parameters, {dtype}, block {BLOCK_SIZE}, "
+        f"# {args.preset}: {params / 1e9:.2f}B parameters on each of {shard.size} ranks "
+        f"({weights_gb:.3f} GB of weights per rank), {dtype}, block {BLOCK_SIZE}, "
         f"graph block tables for {max_model_len} tokens, kernels {select_ops(device).name}"
     )
+    if shard.size > 1:
+        print("# GB read, GB/s and TFLOP: one rank's (its shard, its KV heads, its share)")
     print("\n## decode step (one new token per sequence)\n")
     print("| batch | context | graph ms | eager ms | GB read | GB/s | of copy |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     decode = []
     for context in args.contexts:
         for batch in args.batches:
-            if not fits(cfg, batch * (context + BLOCK_SIZE), dtype, device):
+            room = fits(cfg, batch * (context + BLOCK_SIZE), dtype, device)
+            if group is not None:
+                room = bool(group.min(int(room)))  # every rank runs the same steps
+            if not room:
                 print(f"| {batch} | {context} | KV does not fit | | | | |", flush=True)
                 continue
             r = bench_decode(
@@ -368,17 +453,22 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     results = {
         "device": name,
-        "command": " ".join(["python -m bench.model_step", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python -m bench.model_step", *argv]),
         "preset": args.preset,
         "dtype": dtype,
+        "tensor_parallel_size": shard.size,
+        "weights_gb_per_rank": weights_gb,
         "copy_gbps": copy,
         "matmul_tflops": matmul,
         "decode": [asdict(r) for r in decode],
         "prefill": [asdict(r) for r in prefill],
     }
-    if args.json:
+    if args.json and shard.rank == 0:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if group is not None and shard.rank == 0:
+        for rank in group.ranks:
+            rank.wait(60)
     return results
 
 

@@ -20,7 +20,7 @@ from cluster.schema import (
     setting,
     validate,
 )
-from engine.config import EngineConfig
+from engine.config import EngineConfig, RoleTensorParallel
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
 # Node settings the file does not hold, and where they come from instead.
@@ -37,12 +37,14 @@ class NodeSettings:
 
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     node: dict[str, Any] = field(default_factory=dict)  # NodeOptions fields
+    roles: dict[str, Any] = field(default_factory=dict)  # RoleTensorParallel fields
 
     def differences(self, other: NodeSettings) -> list[str]:
         """The settings whose values differ (one the file leaves out has its default)."""
         out = []
         for cls, mine, theirs in ((NodeOptions, self.node, other.node),
-                                  (EngineConfig, self.engine, other.engine)):  # fmt: skip
+                                  (EngineConfig, self.engine, other.engine),
+                                  (RoleTensorParallel, self.roles, other.roles)):  # fmt: skip
             base = defaults(cls)
             out += [n for n in names(cls) if mine.get(n, base.get(n)) != theirs.get(n, base.get(n))]
         return out
@@ -151,14 +153,15 @@ class CoordinatorConfig:
             data = tomllib.loads(Path(path).read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: not valid TOML: {exc}") from exc
-        own, node, engine = read_table(
-            data, cls, NodeOptions, EngineConfig, where=f"{path}: ", refuse=NOT_IN_FILE
-        )
+        own, node, engine, roles = read_table(
+            data, cls, NodeOptions, EngineConfig, RoleTensorParallel, where=f"{path}: ",
+            refuse=NOT_IN_FILE,
+        )  # fmt: skip
         try:
             EngineConfig(**engine)  # the checks that span settings, before any node starts
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
-        return cls(**own, node_settings=NodeSettings(engine, node))
+        return cls(**own, node_settings=NodeSettings(engine, node, roles))
 
     def reload_from(self, new: CoordinatorConfig) -> list[str]:
         """Apply the live fields of `new`; returns the names changed. Fixed fields that differ
@@ -197,6 +200,7 @@ def doc_tables() -> tuple[str, str]:
     file_rows = doc_rows(CoordinatorConfig)
     file_rows += doc_rows(NodeOptions, file_keys(NodeOptions))
     file_rows += doc_rows(EngineConfig, file_keys(EngineConfig))
+    file_rows += doc_rows(RoleTensorParallel)
     flag_rows = [
         (name, default.strip('"'), meaning)
         for cls in (NodeOptions, EngineConfig)

@@ -29,8 +29,9 @@ from cluster.node_messages import (
 from cluster.node_options import NodeOptions
 from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, KVPool
-from engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
+from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from engine.tp_shard import kv_head_ranges
 from kv_transfer.base import KVReceiver, TransportFailed
 from kv_transfer.handoff import DecodeHandoff
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 class DecodeNode:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         link: NodeLink,
         receiver: KVReceiver | None,
         role: NodeRole = NodeRole.DECODE,
@@ -125,14 +126,24 @@ class DecodeNode:
     def step(self) -> None:
         unfinished = self.engine.has_unfinished()
         expecting = self.handoff is not None and self.handoff.num_pending > 0
-        for msg in self.link.receive(0 if unfinished else (1 if expecting else 5)):
+        self.before_step(self.link.receive(0 if unfinished else (1 if expecting else 5)))
+        self.after_step(self.engine.step() if self.engine.has_unfinished() else [])
+
+    # The loop's two halves around the engine's step, which a simulator drives on its own clock.
+
+    def before_step(self, orders: list[Message]) -> None:
+        """Carry out the orders received since the last step; take in sequences whose KV
+        arrived."""
+        for msg in orders:
             self.link.carry_out(msg, self.handle)
         self._take_in_arrivals()
-        if self.engine.has_unfinished():
-            outputs = self.engine.step()
-            if outputs:
-                self._send_tokens(outputs)
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        """Send the step's tokens; refresh the load report."""
+        if outputs:
+            self._send_tokens(outputs)
         if self.link.load_due():
+            self.engine.check_alive()  # a dead rank takes the node down, idle or not
             pending = self.handoff.num_pending if self.handoff is not None else 0
             self.link.set_load(
                 engine_heartbeat(self.engine, self.link.node_id, pending, self.kv_error)
@@ -160,6 +171,16 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
     """Run a decode (or colocated) node process until shut down or signalled."""
     receiver: KVReceiver | None = None
     keys = node_keys(options.cluster_keys, options.insecure)
+    size = engine_config.tensor_parallel_size
+    specs, links = [], None
+    if not colocated:
+        from kv_transfer.rank_endpoint import rank_endpoints
+
+        # Every rank receives the pages of its heads, on a port of its own, keyed as rank 0's.
+        specs, links = rank_endpoints(
+            "receiver", size, options.transport, options.kv_host, options.kv_port,
+            options={"keys": keys, "encrypt": options.kv_encryption},
+        )  # fmt: skip
 
     def pool_factory(layout: KVLayout, num_blocks: int) -> KVPool:
         nonlocal receiver
@@ -179,7 +200,12 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
         )
         return receiver.pool
 
-    engine = LLMEngine(engine_config, pool_factory=pool_factory)
+    engine = LLMEngine(engine_config, pool_factory=pool_factory, kv_endpoints=specs)
+    if receiver is not None and size > 1:
+        from kv_transfer.sharded import ShardedReceiver
+
+        heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
+        receiver = ShardedReceiver(receiver, links, heads, engine.layout, engine.ranks.check)
     role = NodeRole.COLOCATED if colocated else NodeRole.DECODE
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
     node = DecodeNode(engine, link, receiver, role)

@@ -3,7 +3,7 @@ limits) once; flags, config files and node command lines follow from them (`clus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.schema import setting, validate
 
@@ -21,7 +21,16 @@ class EngineConfig:
     dtype: str = setting(
         "auto", "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on GPU", choices=DTYPES
     )
-    device: str = setting("auto", "cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    device: str = setting(
+        "auto",
+        "cpu, cuda or cuda:N; auto: cuda when available, else cpu (tensor-parallel rank r: the "
+        "r-th device from there)",
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "devices (processes) one node's model is split over; rank 0 schedules and samples",
+        minimum=1,
+    )
     block_size: int = setting(16, "tokens per KV block", minimum=1)
     kv_cache_bytes: int | None = setting(
         None, "CPU KV pool budget per node in bytes (unset: 1 GiB)", minimum=1
@@ -77,7 +86,50 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def rank_device(self, rank: int) -> str:
+        """The device of tensor-parallel rank `rank`: cuda:N + rank on a GPU host, else cpu."""
+        device = self.resolved_device()
+        if not device.startswith("cuda"):
+            return device
+        first = int(device.partition(":")[2] or 0)
+        return f"cuda:{first + rank}"
+
+    def context_limit(self, max_position_embeddings: int, num_blocks: int) -> int:
+        """The longest sequence a node runs: max_model_len (or the model's), at most what the
+        KV pool holds."""
+        return min(self.max_model_len or max_position_embeddings, num_blocks * self.block_size)
+
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+
+NODE_ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(slots=True)
+class RoleTensorParallel:
+    """Tensor-parallel sizes by node role, for the nodes `pdserve serve` starts: prefill wants
+    compute per request, decode wants replicas, so they may differ (the KV handoff reshards)."""
+
+    prefill_tensor_parallel_size: int | None = setting(
+        None, "devices per prefill node (unset: tensor_parallel_size)", minimum=1
+    )
+    decode_tensor_parallel_size: int | None = setting(
+        None, "devices per decode or colocated node (unset: tensor_parallel_size)", minimum=1
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def engine_for(self, role: str, engine: EngineConfig) -> EngineConfig:
+        """The engine settings of a node of this role."""
+        if role not in NODE_ROLES:
+            raise ValueError(f"unknown node role {role!r}")
+        size = (
+            self.prefill_tensor_parallel_size
+            if role == "prefill"
+            else self.decode_tensor_parallel_size
+        )
+        return engine if size is None else replace(engine, tensor_parallel_size=size)

@@ -44,9 +44,12 @@ class KVLayout:
     def from_dict(cls, d: dict) -> KVLayout:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
-    def check_compatible(self, other: KVLayout) -> None:
-        """Raise ValueError naming the first field where two layouts differ."""
+    def check_compatible(self, other: KVLayout, ignore: tuple[str, ...] = ()) -> None:
+        """Raise ValueError naming the first field (not in `ignore`) where two layouts differ.
+        Tensor-parallel ranks exchange pages of layouts that differ in num_kv_heads alone."""
         for name in self.__dataclass_fields__:
+            if name in ignore:
+                continue
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise ValueError(f"KV layout mismatch in field '{name}': {mine!r} != {theirs!r}")

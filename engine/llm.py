@@ -20,10 +20,22 @@ class CompletionOutput:
 
 
 class LLM:
+    """`LLM(model, tensor_parallel_size=N)` splits the model over N devices (processes)."""
+
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (also done at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -1,14 +1,18 @@
 """The request-level engine the nodes drive: `add_request`, `step`, `abort`.
 
-One step = schedule -> run -> sample -> postprocess, over a paged KV pool on one device.
+One step = schedule -> execute -> postprocess. `Engine` decides (requests, scheduler, block
+manager, sequences) and hands each step to an `Executor`: `LLMEngine` runs the model and the
+sampler on a device; the tuner's simulator (`tune/`) models the step's time instead.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -17,17 +21,18 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.embedded_models import resolve_model_dir
 from engine.kv_cache import KVLayout, KVPool
-from engine.loader import load_model
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.model_shard import ModelShard, PoolFactory
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
-from kernels.ops import select_ops
+from engine.tp_group import TPGroup
+from engine.tp_ranks import RankProcesses, TPGroupFailed
+from engine.tp_shard import TPShard
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class RequestRejected(ValueError):
@@ -67,33 +72,64 @@ class StepStats:
     total_s: float = 0.0
 
 
-class LLMEngine:
+@dataclass(slots=True)
+class SampledTokens:
+    """What executing one step produced: a token for each sequence whose chunk reached its end."""
+
+    rows: list[int]  # indices into SchedulerOutput.scheduled, in order
+    token_ids: list[int]
+    logprobs: list[dict | None]
+
+
+class Executor(Protocol):
+    """Runs one scheduled step: the model forward over its tokens, then sampling."""
+
+    def execute(self, out: SchedulerOutput) -> SampledTokens: ...
+
+
+class ModelExecutor:
+    """The model runner and the sampler, on the model's device."""
+
+    def __init__(self, runner: ModelRunner, stats: StepStats) -> None:
+        self.runner = runner
+        self.stats = stats
+
+    def execute(self, out: SchedulerOutput) -> SampledTokens:
+        t0 = time.perf_counter()
+        logits, rows = self.forward(out)
+        # On a GPU this is launch time: the sampler's copy of the token ids waits for the kernels.
+        self.stats.forward_s += time.perf_counter() - t0
+        if not rows:
+            return SampledTokens(rows, [], [])
+        result = sample(logits, [out.scheduled[i].seq for i in rows])
+        return SampledTokens(rows, result.token_ids, result.logprobs)
+
+    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        return self.runner.run(out)
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """Requests, scheduling and KV bookkeeping over an executor: everything a node decides."""
+
     def __init__(
         self,
-        config: EngineConfig | None = None,
-        pool_factory: Callable[[KVLayout, int], KVPool] | None = None,
-        **overrides: object,
+        config: EngineConfig,
+        layout: KVLayout,
+        num_blocks: int,
+        vocab_size: int,
+        max_position_embeddings: int,
+        eos_token_ids: tuple[int, ...],
+        executor: Executor | None = None,
     ) -> None:
-        """pool_factory(layout, num_blocks) makes the KV pool, e.g. in shared memory for a
-        transport that writes into it; by default a plain tensor on the device."""
-        config = config or EngineConfig(**overrides)
         self.config = config
-        self.model_dir = resolve_model_dir(config.model)
-        device = config.resolved_device()
-        dtype = config.resolved_dtype()
-        torch.manual_seed(config.seed)
-        self.device = device
-        self.tokenizer = Tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, dtype, device)
-        mcfg = self.model.config
-        self.layout = KVLayout(
-            mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, dtype
-        )
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(device)
-        if pool_factory is None:
-            self.pool = KVPool(self.layout, num_blocks, device)
-        else:
-            self.pool = pool_factory(self.layout, num_blocks)
+        self.layout = layout
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.executor = executor
+        self.pool: KVPool | None = None  # the pages themselves, where an executor holds them
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -104,10 +140,8 @@ class LLMEngine:
             config.enable_chunked_prefill,
             config.scheduling_policy,
         )
-        self.ops = select_ops(device, config.kernel_backend)
-        self.runner = ModelRunner(self.model, self.pool, self.ops, device)
         capacity = num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, capacity)
+        self.max_model_len = config.context_limit(max_position_embeddings, num_blocks)
         if config.max_model_len and config.max_model_len > capacity:
             logger.warning(
                 "max_model_len %d exceeds the KV pool's %d tokens; using %d",
@@ -115,34 +149,8 @@ class LLMEngine:
                 capacity,
                 capacity,
             )
-        if self._use_cuda_graphs():
-            self.runner.capture_decode_graphs(
-                min(config.cuda_graph_max_batch_size, config.max_num_seqs), self.max_model_len
-            )
-        self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
         self.seqs: dict[str, Sequence] = {}
         self.stats = StepStats()
-
-    def _use_cuda_graphs(self) -> bool:
-        """Graphs need CUDA and kernels free of host syncs: the Triton ones, not the reference
-        (which reads sequence lengths on the host to group its gathers)."""
-        if self.config.enforce_eager or not self.device.startswith("cuda"):
-            return False
-        if self.ops.name != "triton":
-            logger.info("decode steps run eagerly: CUDA graphs need the triton kernel backend")
-            return False
-        return True
-
-    def _num_blocks_from_budget(self, device: str) -> int:
-        if device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info()
-            budget = int(free * self.config.gpu_memory_utilization)
-        else:
-            budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES
-        num_blocks = KVPool.num_blocks_for_budget(self.layout, budget)
-        if num_blocks < 1:
-            raise ValueError(f"KV budget of {budget} bytes holds no block of {self.layout}")
-        return num_blocks
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -179,7 +187,7 @@ class LLMEngine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if not prompt:
             raise RequestRejected("the prompt is empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) >= self.max_model_len:
@@ -230,6 +238,10 @@ class LLMEngine:
             prefix_misses=bm.prefix_misses,
         )
 
+    def check_alive(self) -> None:
+        """Raise if the engine can no longer run steps (a rank of its group died); nodes call it
+        with every load report, so an idle node notices too."""
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -240,30 +252,19 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        t1 = time.perf_counter()
-        logits, sample_rows = self.runner.run(out)
-        # On a GPU this is launch time: the sampler's copy of the token ids waits for the kernels.
-        t2 = time.perf_counter()
-        outputs = self._sample_and_update(out, logits, sample_rows)
-        t3 = time.perf_counter()
+        outputs = self._postprocess(out, self.executor.execute(out))
         self.stats.num_steps += 1
         self.stats.num_tokens += out.num_tokens
-        self.stats.forward_s += t2 - t1
-        self.stats.total_s += t3 - t0
+        self.stats.total_s += time.perf_counter() - t0
         return outputs
 
-    def _sample_and_update(
-        self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list[int]
-    ) -> list[RequestOutput]:
-        seqs = [out.scheduled[i].seq for i in sample_rows]
-        result = sample(logits, seqs) if seqs else None
-        sampled = dict(zip(sample_rows, result.token_ids)) if result else {}
-        logprobs = dict(zip(sample_rows, result.logprobs)) if result else {}
-        self.scheduler.postprocess(out, sampled, self.max_model_len)
+    def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
+        self.scheduler.postprocess(
+            out, dict(zip(sampled.rows, sampled.token_ids)), self.max_model_len
+        )
         outputs = []
-        for index in sample_rows:
+        for index, lp in zip(sampled.rows, sampled.logprobs):
             seq = out.scheduled[index].seq
-            lp = logprobs.get(index)
             if lp is not None:
                 seq.output_logprobs.append(lp)
             prefilled = seq.status is SequenceStatus.PREFILLED
@@ -282,3 +283,86 @@ class LLMEngine:
             if seq.is_finished or prefilled:
                 self.seqs.pop(seq.request_id, None)
         return outputs
+
+
+class LLMEngine(Engine):
+    """The engine of a node: a checkpoint's model and tokenizer, a KV pool on its device; with
+    tensor_parallel_size N, rank 0 of N ranks (the others in processes it starts)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        pool_factory: PoolFactory | None = None,
+        kv_endpoints: list[Any] | None = None,
+        **overrides: object,
+    ) -> None:
+        """pool_factory(layout, num_blocks) makes rank 0's KV pool, e.g. in shared memory for a
+        transport that writes into it; by default a plain tensor on the device. kv_endpoints:
+        how ranks 1..N-1 make theirs (`kv_transfer.rank_endpoint`)."""
+        config = config or EngineConfig(**overrides)
+        self.model_dir = resolve_model_dir(config.model)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.tokenizer = Tokenizer(self.model_dir)
+        mcfg = ModelConfig.from_pretrained(self.model_dir)
+        shard = TPShard(0, config.tensor_parallel_size)
+        shard.check(mcfg)
+        self.ranks = None
+        group = None
+        self._threads = None
+        if shard.size > 1:
+            self.ranks = RankProcesses(
+                self.model_dir, config, mcfg.max_position_embeddings, kv_endpoints
+            )
+            if not config.rank_device(0).startswith("cuda"):
+                # The ranks of a CPU node share its cores (idle OpenMP threads spin).
+                self._threads = torch.get_num_threads()
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
+        try:
+            if self.ranks is not None:
+                group = TPGroup.join(
+                    shard, config.rank_device(0), store=self.ranks.store,
+                    check_ranks=self.ranks.check,
+                )  # fmt: skip
+                self.ranks.formed()
+            self.shard = ModelShard(self.model_dir, config, shard, group, pool_factory)
+        except BaseException as exc:
+            if self.ranks is None or isinstance(exc, TPGroupFailed):
+                raise
+            if isinstance(exc, RuntimeError):  # a collective failed: a rank died
+                raise self.ranks.failure(exc) from exc
+            self.ranks.stop()  # rank 0's own error (a bad checkpoint...), as it is
+            raise
+        self.device = self.shard.device
+        self.model = self.shard.model
+        self.ops = self.shard.ops
+        self.runner = self.shard.runner
+        layout = KVLayout(
+            mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim,
+            config.resolved_dtype(),
+        )  # fmt: skip
+        eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
+        super().__init__(
+            config, layout, self.shard.num_blocks, mcfg.vocab_size,
+            mcfg.max_position_embeddings, eos,
+        )  # fmt: skip
+        self.pool = self.shard.pool
+        self.shard.capture_decode_graphs()
+        if self.ranks is None:
+            self.executor = ModelExecutor(self.runner, self.stats)
+        else:
+            from engine.tp_executor import TPExecutor
+
+            self.executor = TPExecutor(self.runner, self.stats, self.ranks)
+            weakref.finalize(self, self.ranks.stop)
+
+    def check_alive(self) -> None:
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit)."""
+        self.executor.close()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None

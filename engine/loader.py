@@ -1,4 +1,5 @@
-"""Building a model from a checkpoint directory: config, module, weights, on a device."""
+"""Building a model from a checkpoint directory: config, module, weights, on a device; for a
+tensor-parallel rank, that rank's part of each."""
 
 from __future__ import annotations
 
@@ -8,15 +9,23 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.weights import iter_weights
+from engine.tp_group import TPGroup
+from engine.tp_shard import TPShard
+from engine.weights import iter_checkpoint
 
 
-def build_model(cfg: ModelConfig, dtype: str, device: str) -> LlamaForCausalLM:
-    """The module on `device` in `dtype` with uninitialised weights (the rotary table in
-    float32), ready for `load_weights` or, in benchmarks, random values."""
+def build_model(
+    cfg: ModelConfig,
+    dtype: str,
+    device: str,
+    shard: TPShard | None = None,
+    group: TPGroup | None = None,
+) -> LlamaForCausalLM:
+    """The module (or a rank's part of it) on `device` in `dtype` with uninitialised weights
+    (the rotary table in float32), ready for `load_weights` or, in benchmarks, random values."""
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, shard, group)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -25,7 +34,13 @@ def build_model(cfg: ModelConfig, dtype: str, device: str) -> LlamaForCausalLM:
     return model.eval()
 
 
-def load_model(model_dir: str | Path, dtype: str, device: str) -> LlamaForCausalLM:
-    model = build_model(ModelConfig.from_pretrained(model_dir), dtype, device)
-    model.load_weights(iter_weights(model_dir, getattr(torch, dtype)))
+def load_model(
+    model_dir: str | Path,
+    dtype: str,
+    device: str,
+    shard: TPShard | None = None,
+    group: TPGroup | None = None,
+) -> LlamaForCausalLM:
+    model = build_model(ModelConfig.from_pretrained(model_dir), dtype, device, shard, group)
+    model.load_weights(iter_checkpoint(model_dir, getattr(torch, dtype)))
     return model

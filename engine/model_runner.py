@@ -1,9 +1,7 @@
-"""Execution of one scheduled step: turns a SchedulerOutput into tensors (token ids, positions,
-slots, block tables), runs the model over the paged pool and returns last-position logits."""
+"""Execution of one scheduled step: turns its plan (token ids, positions, slots, block tables)
+into tensors, runs the model over the paged pool and returns last-position logits."""
 
 from __future__ import annotations
-
-from array import array
 
 import torch
 
@@ -12,6 +10,7 @@ from engine.forward_batch import AttentionBatch
 from engine.kv_cache import KVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
+from engine.step_plan import StepPlan
 from kernels.ops import Ops
 
 
@@ -25,7 +24,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs."""
+        """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs (on every
+        tensor-parallel rank alike: the collectives are captured with the rest)."""
         graphs = DecodeGraphs(
             self.model,
             self.pool,
@@ -37,66 +37,8 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
 
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
-        """Returns input ids, positions, the attention batch (all on the host: the step copies
-        them to the device once, into the model's inputs or a graph's) and the indices (into
-        out.scheduled) of sequences that sample; their logits rows come in that order."""
-        bs = self.block_size
-        # Python arrays, not lists: they turn into tensors by a copy of their bytes, not element
-        # by element, which matters at a few hundred sequences per step.
-        input_ids = array("q")
-        positions = array("q")
-        slots = array("q")
-        seq_lens = array("q")
-        query_start = array("q", [0])
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        max_query_len = 1
-        for index, item in enumerate(out.scheduled):
-            seq = item.seq
-            start, n = seq.num_computed_tokens, item.num_new_tokens
-            end = start + n
-            table = seq.block_table
-            if n == 1:  # a decode: the common case at large batch, kept to a few appends
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-                max_query_len = max(max_query_len, n)
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + n)
-            tables.append(table)
-            if end == seq.num_tokens:  # the chunk reaches the end: a token is sampled
-                sample_rows.append(index)
-        width = max(map(len, tables))
-        padding = array("i", bytes(4 * width))
-        flat = array("i")
-        for table in tables:
-            flat.extend(table)
-            flat.extend(padding[: width - len(table)])
-        batch = AttentionBatch(
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(flat).view(-1, width),
-            seq_lens=self._tensor(seq_lens),
-            query_start_loc=self._tensor(query_start),
-            max_query_len=max_query_len,
-        )
-        ids = self._tensor(input_ids)
-        pos = self._tensor(positions)
-        return ids, pos, batch, sample_rows
-
-    @staticmethod
-    def _tensor(values: array) -> torch.Tensor:
-        """int64 ("q") or int32 ("i") values, sharing the array's memory (and keeping it alive)."""
-        dtype = torch.long if values.typecode == "q" else torch.int32
-        if not values:
-            return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(values, dtype=dtype)
+    def prepare(self, out: SchedulerOutput) -> StepPlan:
+        return StepPlan.from_scheduled(out, self.block_size)
 
     def _to_device(self, batch: AttentionBatch) -> AttentionBatch:
         return AttentionBatch(
@@ -107,18 +49,19 @@ class ModelRunner:
             max_query_len=batch.max_query_len,
         )
 
-    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [num_sampling, vocab] float32 on the model's device, indices of
         sampling sequences): the sampler runs where the logits are, so only token ids come back."""
-        ids, pos, batch, sample_rows = self.prepare(out)
+        return self.run_plan(self.prepare(out))
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[int]]:
+        """`run` for a plan; under tensor parallelism the logits are rank 0's alone (None on
+        the other ranks, which take part in computing them)."""
+        ids, pos, batch = plan.inputs()
+        sample_rows = plan.sample_rows
         graphs = self.decode_graphs
-        decode_only = batch.max_query_len == 1
-        if (
-            graphs is not None
-            and decode_only
-            and graphs.fits(len(out.scheduled), batch.block_tables.shape[1])
-        ):
+        if graphs is not None and plan.is_decode_only and graphs.fits(plan.num_seqs, plan.width):
             hidden = graphs.run(ids, pos, batch)  # copies the host inputs into its buffers
         else:
             ids, pos = ids.to(self.device), pos.to(self.device)

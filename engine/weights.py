@@ -1,4 +1,9 @@
-"""Reading checkpoint tensors from `*.safetensors`, one file or sharded with an index."""
+"""Reading checkpoint tensors from `*.safetensors`, one file or sharded with an index.
+
+A tensor is read lazily: `CheckpointTensor.read(rows=..., columns=...)` reads only that slice
+from the file (safetensors' `get_slice`), so a tensor-parallel rank never materialises the
+parts of a weight it does not own.
+"""
 
 from __future__ import annotations
 
@@ -26,9 +31,33 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (checkpoint name, tensor cast to dtype) for every tensor of every shard."""
+class CheckpointTensor:
+    """One tensor of an open checkpoint file, not read yet."""
+
+    def __init__(self, handle, name: str, dtype: torch.dtype) -> None:  # noqa: ANN001
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def read(self, rows: range | None = None, columns: range | None = None) -> torch.Tensor:
+        """The tensor, or only its rows (dim 0) / columns (dim 1) in these ranges, cast."""
+        if rows is None and columns is None:
+            tensor = self._slice[:]
+        elif columns is None:
+            tensor = self._slice[rows.start : rows.stop]
+        else:
+            rows = rows or range(self.shape[0])
+            tensor = self._slice[rows.start : rows.stop, columns.start : columns.stop]
+        return tensor.to(self.dtype)
+
+
+def iter_checkpoint(model_dir: str | Path, dtype: torch.dtype) -> Iterator[CheckpointTensor]:
+    """Every tensor of every shard, unread, in file order."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                yield CheckpointTensor(f, name, dtype)

@@ -1,9 +1,10 @@
 """The receiver's bookkeeping, apart from sockets and bytes: which transfers are expected, which
 sends ("units") are in flight for them, which layers have arrived, and what has expired.
 
-A transfer is announced by expect(id, dst_blocks, layers) and completes once every layer of its
-range has arrived. A sender delivers it as one or more units (one per send() call, each a layer
-range over all the dst blocks). A unit that comes before its expect() waits (its data is held,
+A transfer is announced by expect(id, dst_blocks, layers) and completes once every KV head of
+every layer of its range has arrived. A sender delivers it as one or more units (one per send()
+call, each a layer range over all the dst blocks, for all the pool's KV heads or a slice of them:
+a tensor-parallel sender of fewer heads per rank fills a page from several ranks). A unit that comes before its expect() waits (its data is held,
 never written) until the expect() or its own timeout. Finished ids are remembered for a while
 so late data for a failed transfer is refused instead of landing in reused blocks.
 """
@@ -21,16 +22,17 @@ class Expected:
     dst_blocks: list[int]
     layers: tuple[int, int]
     deadline: float
-    arrived: list[bool]
+    arrived: list[int]  # per layer of the range, a bit per KV head that has arrived
+    all_heads: int  # the bits of every head
     peers: set[bytes] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
-        return all(self.arrived)
+        return all(a == self.all_heads for a in self.arrived)
 
     @property
     def missing_layers(self) -> list[int]:
-        return [self.layers[0] + i for i, ok in enumerate(self.arrived) if not ok]
+        return [self.layers[0] + i for i, a in enumerate(self.arrived) if a != self.all_heads]
 
 
 class UnitState(enum.Enum):
@@ -50,6 +52,7 @@ class Unit:
     layers: tuple[int, int]
     deadline: float  # only enforced while waiting for the expect()
     direct: bool = False  # the sender writes into the pool itself (shm, cuda_ipc)
+    heads: tuple[int, int] | None = None  # the KV heads it fills (None: all)
     state: UnitState = UnitState.WAITING
     held: list[Any] = field(default_factory=list)  # chunks that came while waiting
     held_bytes: int = 0
@@ -63,11 +66,18 @@ class Unit:
     def total_pages(self) -> int:
         return (self.layers[1] - self.layers[0]) * len(self.dst_blocks)
 
+    def head_bits(self, num_heads: int) -> int:
+        h0, h1 = self.heads if self.heads is not None else (0, num_heads)
+        return ((1 << h1) - 1) ^ ((1 << h0) - 1)
+
 
 class Arrivals:
-    def __init__(self, num_layers: int, num_blocks: int, remember_s: float = 600.0) -> None:
+    def __init__(
+        self, num_layers: int, num_blocks: int, num_heads: int = 1, remember_s: float = 600.0
+    ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
+        self.num_heads = num_heads
         self.remember_s = remember_s
         self.expected: dict[str, Expected] = {}
         self.units: dict[tuple[bytes, int], Unit] = {}
@@ -103,8 +113,9 @@ class Arrivals:
             raise ValueError(f"transfer {transfer_id!r} is already expected")
         self.finished.pop(transfer_id, None)
         exp = Expected(
-            transfer_id, list(dst_blocks), rng, now + timeout_s, [False] * (rng[1] - rng[0])
-        )
+            transfer_id, list(dst_blocks), rng, now + timeout_s, [0] * (rng[1] - rng[0]),
+            (1 << self.num_heads) - 1,
+        )  # fmt: skip
         self.expected[transfer_id] = exp
         return exp
 
@@ -119,6 +130,7 @@ class Arrivals:
         timeout_s: float,
         now: float,
         direct: bool = False,
+        heads: tuple[int, int] | None = None,
     ) -> Unit | str:
         """A send begins; returns its unit, or why it is refused."""
         if (peer, send_id) in self.units:
@@ -129,9 +141,12 @@ class Arrivals:
             self.check_request(dst_blocks, layers)
         except ValueError as e:
             return str(e)
+        if heads is not None and not 0 <= heads[0] < heads[1] <= self.num_heads:
+            return f"heads {list(heads)} outside [0, {self.num_heads})"
         unit = Unit(
-            peer, send_id, transfer_id, list(dst_blocks), tuple(layers), now + timeout_s, direct
-        )
+            peer, send_id, transfer_id, list(dst_blocks), tuple(layers), now + timeout_s, direct,
+            heads=None if heads is None else tuple(heads),
+        )  # fmt: skip
         exp = self.expected.get(transfer_id)
         if exp is not None:
             error = self.admit(unit, exp)
@@ -149,7 +164,8 @@ class Arrivals:
         l0, l1 = unit.layers
         if l0 < exp.layers[0] or l1 > exp.layers[1]:
             return f"layers {unit.layers} outside the expected range {exp.layers}"
-        if any(exp.arrived[i - exp.layers[0]] for i in range(l0, l1)):
+        bits = unit.head_bits(self.num_heads)
+        if any(exp.arrived[i - exp.layers[0]] & bits for i in range(l0, l1)):
             return f"layers {unit.layers} of transfer {exp.transfer_id!r} already arrived"
         unit.state = UnitState.OPEN
         exp.peers.add(unit.peer)
@@ -168,8 +184,11 @@ class Arrivals:
         if unit.pages != unit.total_pages:
             return f"send {unit.send_id} delivered {unit.pages} of {unit.total_pages} pages"
         exp = self.expected[unit.transfer_id]
+        bits = unit.head_bits(self.num_heads)
+        if any(exp.arrived[i - exp.layers[0]] & bits for i in range(*unit.layers)):
+            return f"layers {unit.layers} of transfer {exp.transfer_id!r} already arrived"
         for i in range(unit.layers[0], unit.layers[1]):
-            exp.arrived[i - exp.layers[0]] = True
+            exp.arrived[i - exp.layers[0]] |= bits
         return None
 
     def drop_unit(self, unit: Unit) -> None:

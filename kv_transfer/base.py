@@ -120,12 +120,17 @@ class KVSender(ABC):
         dst_blocks: list[int],
         layers: tuple[int, int] | None = None,
         timeout_s: float = 30.0,
+        heads: tuple[int, int] | None = None,
+        dst_heads: tuple[int, int] | None = None,
     ) -> None:
         """Start moving src_blocks (layers in range) into the peer's dst_blocks; returns at once.
 
-        The source blocks must stay untouched until poll() reports this send. ValueError for
-        bad arguments or a peer never connected; TransportFailed once failed; every other
-        failure (refused, timed out, peer gone, handshake failed) is a result of poll().
+        heads / dst_heads: the KV heads [h0, h1) of each page taken from this pool and filled in
+        the peer's (None: all of that pool's; as many on both sides), for tensor-parallel ranks
+        whose pools hold different heads. The source blocks must stay untouched until poll()
+        reports this send. ValueError for bad arguments or a peer never connected;
+        TransportFailed once failed; every other failure (refused, timed out, peer gone,
+        handshake failed) is a result of poll().
         """
 
     @abstractmethod

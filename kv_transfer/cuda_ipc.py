@@ -93,15 +93,17 @@ class CudaIpcSender(ZmqSender):
         with cupy.cuda.Device(self._device):
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(info["ipc_handle"])
         peer.extra["ptr"] = ptr
+        layout = KVLayout.from_dict(info["layout"])  # its head count may differ from ours
         peer.extra["kv"] = wrap_device_memory(
-            ptr, info["nbytes"], None, self._device, self.layout, info["num_blocks"]
+            ptr, info["nbytes"], None, self._device, layout, info["num_blocks"]
         )
 
     def _write(self, peer: Peer, out: Outgoing) -> None:
         with torch.cuda.stream(self._stream):
             if out.ready is not None:
                 self._stream.wait_event(out.ready)
-            pages.copy(self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers)
+            pages.copy(self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers,
+                       out.heads, out.dst_heads)  # fmt: skip
         self._stream.synchronize()  # the pages are in before the receiver hears Done
 
     def _release_peer(self, peer: Peer) -> None:

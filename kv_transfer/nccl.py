@@ -129,7 +129,7 @@ class NcclSender(ZmqSender):
             self._check_peer(peer, out)
             time.sleep(0.0002)
             self._lent = [(e, t) for e, t in self._lent if not e.query()]
-        data = self._gather(chunk, src)
+        data = self._gather(chunk, src, heads=out.heads)
         try:
             peer.sock.send(control.encode(header), zmq.NOBLOCK)
         except zmq.Again as e:

@@ -1,11 +1,15 @@
 """Pack and unpack pages for every transport: the kernel for the pool's device, and how a send
 is cut into chunks (a range of layers times a slice of the blocks) that pipeline.
+
+A send may move a slice of each page's KV heads (`heads`, a range in that pool) into a slice of
+another pool's (between tensor-parallel groups of different sizes): such copies go through torch
+indexing on any device; whole pages keep the fast kernels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,21 +25,66 @@ def _kernels(device: torch.device):
     return kv_pages
 
 
-def gather(kv: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int], out=None):
-    return _kernels(kv.device).gather_blocks(kv, ids, layers, out=out)
+Heads = tuple[int, int] | None  # [h0, h1) of a pool's KV heads; None: all of them
 
 
-def scatter(kv: torch.Tensor, buffer: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int]):
-    _kernels(kv.device).scatter_blocks(kv, buffer, ids, layers)
+def _whole(kv: torch.Tensor, heads: Heads) -> bool:
+    return heads is None or (heads[0] == 0 and heads[1] == kv.shape[4])
 
 
-def copy(src_kv, src_ids, dst_kv, dst_ids, layers: tuple[int, int]) -> None:
-    _kernels(src_kv.device).copy_blocks(src_kv, src_ids, dst_kv, dst_ids, layers)
+def _heads(kv: torch.Tensor, layers: tuple[int, int], heads: Heads) -> torch.Tensor:
+    """The pool's pages of layers [l0, l1), only heads [h0, h1) of each (a view)."""
+    h0, h1 = heads if heads is not None else (0, kv.shape[4])
+    return kv[layers[0] : layers[1], :, :, :, h0:h1]
 
 
-def write(kv: torch.Tensor, layer: int, kind: int, ids: torch.Tensor, data: torch.Tensor) -> None:
-    """Write data [n, *page] into blocks ids of the K (kind 0) or V (1) pages of one layer."""
-    kv_pages.write_pages(kv[layer, kind], ids, data)
+def gather(kv: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int], out=None, heads=None):
+    if _whole(kv, heads):
+        return _kernels(kv.device).gather_blocks(kv, ids, layers, out=out)
+    data = torch.index_select(_heads(kv, layers, heads), 2, ids.to(kv.device))
+    if out is None:
+        return data
+    out.copy_(data)
+    return out
+
+
+def scatter(
+    kv: torch.Tensor, buffer: torch.Tensor, ids: torch.Tensor, layers: tuple[int, int], heads=None
+):
+    if _whole(kv, heads):
+        _kernels(kv.device).scatter_blocks(kv, buffer, ids, layers)
+        return
+    _heads(kv, layers, heads).index_copy_(2, ids.to(kv.device), buffer)
+
+
+def copy(
+    src_kv, src_ids, dst_kv, dst_ids, layers: tuple[int, int], src_heads=None, dst_heads=None
+) -> None:
+    """Blocks src_ids (heads src_heads of each page) into blocks dst_ids (heads dst_heads)."""
+    if _whole(src_kv, src_heads) and _whole(dst_kv, dst_heads):
+        _kernels(src_kv.device).copy_blocks(src_kv, src_ids, dst_kv, dst_ids, layers)
+        return
+    src_ids = kv_pages.as_block_ids(src_ids, src_kv.device)
+    dst_ids = kv_pages.as_block_ids(dst_ids, dst_kv.device)
+    data = torch.index_select(_heads(src_kv, layers, src_heads), 2, src_ids)
+    _heads(dst_kv, layers, dst_heads).index_copy_(2, dst_ids, data.to(dst_kv.device))
+
+
+def write(
+    kv: torch.Tensor, layer: int, kind: int, ids: torch.Tensor, data: torch.Tensor, heads=None
+) -> None:
+    """Write data [n, *page] into blocks ids of the K (kind 0) or V (1) pages of one layer (only
+    heads [h0, h1) of each page: data's pages hold that many)."""
+    if _whole(kv, heads):
+        kv_pages.write_pages(kv[layer, kind], ids, data)
+        return
+    h0, h1 = heads
+    kv[layer, kind, :, :, h0:h1].index_copy_(0, ids.to(kv.device), data)
+
+
+def sliced(layout: KVLayout, heads: Heads) -> KVLayout:
+    """The layout of pages cut to a slice of their heads (what a chunk of them holds)."""
+    return layout if heads is None else replace(layout, num_kv_heads=heads[1] - heads[0])
 
 
 def source_runs(ids: list[int]) -> list[tuple[int, int]]:

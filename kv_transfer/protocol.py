@@ -15,7 +15,8 @@ from msgspec import Meta
 from cluster.codec import Codec, Message, ProtocolError
 from engine.kv_cache import KVLayout
 
-KV_PROTOCOL_VERSION = 2  # 2: msgspec structs in the cluster codec's [version, message] envelope
+# 2: msgspec structs in the cluster codec's [version, message] envelope; 3: head slices (`heads`)
+KV_PROTOCOL_VERSION = 3
 
 # Control frames hold block lists at most (a send's destination blocks); page bytes travel in
 # frames of their own, so a larger control frame is junk.
@@ -52,7 +53,8 @@ class Pages(Message, tag="pages"):
     The first chunk of a send opens it (dst, send_layers, timeout_s set); the last one closes it.
     Its pages come as one gathered [layers, 2, n, ...] buffer, or, when `runs` is set (lengths of
     runs of consecutive source blocks), as one buffer per (layer, K/V, run) in that order, sent
-    straight from the sender's pool.
+    straight from the sender's pool. `heads`: the KV heads [h0, h1) of the receiver's pages they
+    fill (None: all; pages then hold h1 - h0 heads each).
     """
 
     transfer_id: str
@@ -67,9 +69,12 @@ class Pages(Message, tag="pages"):
     send_layers: LayerRange | None = None
     timeout_s: float = 30.0
     runs: list[Annotated[int, Meta(gt=0)]] | None = None
+    heads: LayerRange | None = None
 
     def __post_init__(self) -> None:  # runs at decode too: a ValueError refuses the frame
         _check_range("layer", self.layers)
+        if self.heads is not None:
+            _check_range("head", self.heads)
         if self.lo >= self.hi:
             raise ValueError(f"empty block slice [{self.lo}, {self.hi})")
         if self.first and (self.dst is None or self.send_layers is None):
@@ -79,16 +84,20 @@ class Pages(Message, tag="pages"):
 
 
 class Begin(Message, tag="begin"):
-    """Ask to write layers x dst of a transfer straight into the receiver's (mapped) pool."""
+    """Ask to write layers x dst (KV heads `heads` of them; None: all) of a transfer straight
+    into the receiver's (mapped) pool."""
 
     transfer_id: str
     send_id: Count
     layers: LayerRange
     dst: list[Count]
     timeout_s: float = 30.0
+    heads: LayerRange | None = None
 
     def __post_init__(self) -> None:
         _check_range("layer", self.layers)
+        if self.heads is not None:
+            _check_range("head", self.heads)
 
 
 class Go(Message, tag="go"):

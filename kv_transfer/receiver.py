@@ -93,7 +93,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self.layout: KVLayout = pool.layout
         self._probe_interval_s = probe_interval_s
         self._max_held_bytes = max_held_bytes
-        self._arrivals = Arrivals(self.layout.num_layers, pool.num_blocks)
+        self._arrivals = Arrivals(self.layout.num_layers, pool.num_blocks, self.layout.num_kv_heads)
         self._ctx = zmq.Context(io_threads=1)
         self._security = Security(keys, encrypt)
         self._router, self.address = bind_router(
@@ -287,7 +287,13 @@ class ZmqReceiver(CommandThread, KVReceiver):
                 f"pages chunk of layers {list(msg.layers)} x blocks [{msg.lo}, {msg.hi}) is "
                 f"outside a pool of {self.layout.num_layers} layers x {self.pool.num_blocks}"
             )
-        nbytes = pages.Chunk(msg.layers, msg.lo, msg.hi).nbytes(self.layout)
+        if msg.heads is not None and msg.heads[1] > self.layout.num_kv_heads:
+            raise ProtocolError(
+                f"pages of heads {list(msg.heads)} for a pool of {self.layout.num_kv_heads}"
+            )
+        nbytes = pages.Chunk(msg.layers, msg.lo, msg.hi).nbytes(
+            pages.sliced(self.layout, msg.heads)
+        )
         if msg.nbytes != nbytes:
             raise ProtocolError(f"pages chunk says {msg.nbytes} bytes, its pages are {nbytes}")
         if msg.runs is not None and sum(msg.runs) != msg.hi - msg.lo:
@@ -299,7 +305,8 @@ class ZmqReceiver(CommandThread, KVReceiver):
                 raise ValueError(
                     f"transport mismatch: receiver is {self.name!r}, sender {hello.transport!r}"
                 )
-            self.layout.check_compatible(hello.layout)
+            # Head counts may differ: each send names the heads it fills.
+            self.layout.check_compatible(hello.layout, ignore=("num_kv_heads",))
             extra = self._welcome(peer, hello)
         except (ValueError, KeyError, TypeError) as e:
             msg = str(e) if isinstance(e, ValueError) else f"bad layout: {e!r}"
@@ -315,14 +322,15 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._peers.discard(peer)
 
     def _open(
-        self, peer: bytes, tid: str, send_id: int, dst, layers, timeout_s, direct: bool
+        self, peer: bytes, tid: str, send_id: int, dst, layers, timeout_s, direct: bool, heads
     ) -> Unit | None:
         if peer not in self._peers:
             self._send(peer, Nack(tid, send_id, "sender did not complete the handshake"))
             return None
         unit = self._arrivals.open_unit(
-            peer, send_id, tid, list(dst), tuple(layers), timeout_s, time.monotonic(), direct
-        )
+            peer, send_id, tid, list(dst), tuple(layers), timeout_s, time.monotonic(), direct,
+            heads,
+        )  # fmt: skip
         if isinstance(unit, str):
             self._send(peer, Nack(tid, send_id, unit))
             return None
@@ -330,7 +338,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
 
     def _on_begin(self, peer: bytes, msg: Begin) -> None:
         unit = self._open(
-            peer, msg.transfer_id, msg.send_id, msg.dst, msg.layers, msg.timeout_s, direct=True
+            peer, msg.transfer_id, msg.send_id, msg.dst, msg.layers, msg.timeout_s, True, msg.heads
         )
         if unit is not None and unit.state is UnitState.OPEN:
             self._grant(unit)
@@ -374,8 +382,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
     def _on_pages(self, peer: bytes, msg: Pages, payload: Payload) -> None:
         if msg.first:
             unit = self._open(
-                peer, msg.transfer_id, msg.send_id, msg.dst, msg.send_layers, msg.timeout_s, False
-            )
+                peer, msg.transfer_id, msg.send_id, msg.dst, msg.send_layers, msg.timeout_s, False,
+                msg.heads,
+            )  # fmt: skip
         else:
             unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is None:
@@ -388,6 +397,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
             return
         if msg.hi > len(unit.dst_blocks):
             self._fail_unit(unit, f"pages of blocks up to {msg.hi} of a send of fewer")
+            return
+        if msg.heads != unit.heads and not (msg.heads is None and unit.heads is None):
+            self._fail_unit(unit, f"pages of heads {msg.heads} in a send of heads {unit.heads}")
             return
         if unit.state is UnitState.WAITING:
             if self._arrivals.held_bytes + msg.nbytes > self._max_held_bytes:
@@ -425,18 +437,21 @@ class ZmqReceiver(CommandThread, KVReceiver):
 
     def _write(self, kv, dtype, layers, dst: list[int], msg: Pages, payload: Payload) -> None:
         ids = torch.tensor(dst, dtype=torch.int64, device=kv.device)
+        layout = pages.sliced(self.layout, msg.heads)
+        heads = None if msg.heads is None else tuple(msg.heads)
         if msg.runs is None:
-            shape = pages.Chunk(layers, msg.lo, msg.hi).shape(self.layout)
+            shape = pages.Chunk(layers, msg.lo, msg.hi).shape(layout)
             data = payload.parts[0].view(dtype).view(shape)
-            pages.scatter(kv, self._to_device(data), ids, layers)
+            pages.scatter(kv, self._to_device(data), ids, layers, heads)
             return
         parts = iter(payload.parts)
+        page = (layout.block_size, layout.num_kv_heads, layout.head_dim)
         for layer in range(*layers):
             for kind in (0, 1):
                 start = 0
                 for length in msg.runs:
-                    data = next(parts).view(dtype).view(length, *kv.shape[3:])
-                    pages.write(kv, layer, kind, ids[start : start + length], self._to_device(data))
+                    data = self._to_device(next(parts).view(dtype).view(length, *page))
+                    pages.write(kv, layer, kind, ids[start : start + length], data, heads)
                     start += length
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:

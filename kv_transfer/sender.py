@@ -76,6 +76,8 @@ class Outgoing:
     deadline: float
     ready: Any = None  # CUDA event: the pages are computed (recorded on the caller's stream)
     state: SendState = SendState.QUEUED
+    heads: tuple[int, int] | None = None  # the KV heads of our pages it sends (None: all)
+    dst_heads: tuple[int, int] | None = None  # the receiver's heads they fill (None: all)
 
 
 @dataclass(slots=True)
@@ -138,7 +140,10 @@ class ZmqSender(CommandThread, KVSender):
             raise ValueError(
                 f"protocol mismatch: {receiver_info.get('protocol')} != {KV_PROTOCOL_VERSION}"
             )
-        self.layout.check_compatible(KVLayout.from_dict(receiver_info["layout"]))
+        # Head counts may differ (tensor-parallel ranks): each send names the heads it moves.
+        self.layout.check_compatible(
+            KVLayout.from_dict(receiver_info["layout"]), ignore=("num_kv_heads",)
+        )
         check_security(self.keys, receiver_info)
         self._check_receiver(receiver_info)
         info = dict(receiver_info)
@@ -153,6 +158,8 @@ class ZmqSender(CommandThread, KVSender):
         dst_blocks: list[int],
         layers: tuple[int, int] | None = None,
         timeout_s: float = 30.0,
+        heads: tuple[int, int] | None = None,
+        dst_heads: tuple[int, int] | None = None,
     ) -> None:
         self._check_open()
         info = self._known.get(peer_id)
@@ -170,15 +177,39 @@ class ZmqSender(CommandThread, KVSender):
         l0, l1 = (0, self.layout.num_layers) if layers is None else (int(layers[0]), int(layers[1]))
         if not 0 <= l0 < l1 <= self.layout.num_layers:
             raise ValueError(f"layer range {(l0, l1)} outside [0, {self.layout.num_layers}]")
+        heads, dst_heads = self._head_slices(heads, dst_heads, info["layout"]["num_kv_heads"])
         ready = None
         if self.pool.kv.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.pool.kv.device))
         out = Outgoing(
             next(self._send_ids), transfer_id, peer_id, src, dst, (l0, l1), timeout_s,
-            time.monotonic() + timeout_s, ready,
+            time.monotonic() + timeout_s, ready, heads=heads, dst_heads=dst_heads,
         )  # fmt: skip
         self._command("send", out, info)
+
+    def _head_slices(
+        self, heads: tuple[int, int] | None, dst_heads: tuple[int, int] | None, dst_total: int
+    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """Check a send's head slices (None: all of that pool's); returned None where whole."""
+        mine = self.layout.num_kv_heads
+        h0, h1 = (0, mine) if heads is None else (int(heads[0]), int(heads[1]))
+        d0, d1 = (0, dst_total) if dst_heads is None else (int(dst_heads[0]), int(dst_heads[1]))
+        if not 0 <= h0 < h1 <= mine:
+            raise ValueError(f"heads {(h0, h1)} outside this pool's [0, {mine})")
+        if not 0 <= d0 < d1 <= dst_total:
+            raise ValueError(
+                f"destination heads {(d0, d1)} outside the receiver's [0, {dst_total})"
+            )
+        if h1 - h0 != d1 - d0:
+            raise ValueError(
+                f"{h1 - h0} KV heads sent into {d1 - d0} (a pool of {mine} heads into one of "
+                f"{dst_total}: name the heads)"
+            )
+        return (
+            None if (h0, h1) == (0, mine) else (h0, h1),
+            None if (d0, d1) == (0, dst_total) else (d0, d1),
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -427,7 +458,8 @@ class ZmqSender(CommandThread, KVSender):
             peer.waiting.append(out)  # started on the Welcome, failed if the handshake fails
         elif self.direct:
             out.state = SendState.AWAITING_GO
-            begin = Begin(out.transfer_id, out.send_id, out.layers, out.dst_blocks, out.timeout_s)
+            begin = Begin(out.transfer_id, out.send_id, out.layers, out.dst_blocks, out.timeout_s,
+                          out.dst_heads)  # fmt: skip
             self._send_to(peer, begin)
         else:
             self._queue.append(out)
@@ -450,7 +482,8 @@ class ZmqSender(CommandThread, KVSender):
 
     def _push(self, peer: Peer, out: Outgoing) -> None:
         n = len(out.src_blocks)
-        chunks = list(pages.plan_chunks(self.layout, n, out.layers, self.chunk_bytes))
+        layout = pages.sliced(self.layout, out.heads or out.dst_heads)
+        chunks = list(pages.plan_chunks(layout, n, out.layers, self.chunk_bytes))
         if self._stream is None:
             src = torch.tensor(out.src_blocks, dtype=torch.int64)
         else:
@@ -462,21 +495,25 @@ class ZmqSender(CommandThread, KVSender):
             first, last = i == 0, i == len(chunks) - 1
             header = Pages(
                 out.transfer_id, out.send_id, chunk.layers, chunk.lo, chunk.hi,
-                chunk.nbytes(self.layout), first, last,
+                chunk.nbytes(layout), first, last,
                 out.dst_blocks if first else None, out.layers if first else None,
-                out.timeout_s,
+                out.timeout_s, heads=out.dst_heads,
             )  # fmt: skip
             self._emit(peer, out, header, chunk, src[chunk.lo : chunk.hi])
         out.state = SendState.AWAITING_ACK
 
     def _gather(
-        self, chunk: pages.Chunk, src: torch.Tensor, out: torch.Tensor | None = None
+        self,
+        chunk: pages.Chunk,
+        src: torch.Tensor,
+        out: torch.Tensor | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Gather one chunk of pages (on the side stream for GPU pools)."""
+        """Gather one chunk of pages, only `heads` of each (on the side stream for GPU pools)."""
         if self._stream is None:
-            return pages.gather(self.pool.kv, src, chunk.layers, out=out)
+            return pages.gather(self.pool.kv, src, chunk.layers, out=out, heads=heads)
         with torch.cuda.stream(self._stream):
-            return pages.gather(self.pool.kv, src, chunk.layers, out=out)
+            return pages.gather(self.pool.kv, src, chunk.layers, out=out, heads=heads)
 
     def _do_write(self, peer: Peer, out: Outgoing) -> None:
         try:

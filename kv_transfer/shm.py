@@ -121,10 +121,12 @@ class ShmSender(ZmqSender):
 
     def _prepare_peer(self, peer: Peer) -> None:
         info = peer.info
-        peer.extra["kv"] = map_pool(info["shm_path"], self.layout, info["num_blocks"])
+        layout = KVLayout.from_dict(info["layout"])  # its head count may differ from ours
+        peer.extra["kv"] = map_pool(info["shm_path"], layout, info["num_blocks"])
 
     def _write(self, peer: Peer, out: Outgoing) -> None:
-        pages.copy(self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers)
+        pages.copy(self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers,
+                   out.heads, out.dst_heads)  # fmt: skip
 
     def _release_peer(self, peer: Peer) -> None:
         peer.extra.clear()  # drops the mapping

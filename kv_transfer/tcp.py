@@ -82,7 +82,7 @@ class TcpReceiver(ZmqReceiver):
         if msg.runs is None:
             sizes = [msg.nbytes]
         else:
-            half_page = pages.page_bytes(self.layout) // 2  # K or V of one block
+            half_page = pages.page_bytes(pages.sliced(self.layout, msg.heads)) // 2  # K or V
             sizes = [n * half_page for _ in range(*msg.layers) for _ in (0, 1) for n in msg.runs]
         got = [len(f) for f in frames]
         if got != sizes:
@@ -138,17 +138,18 @@ class TcpSender(ZmqSender):
     def _emit(
         self, peer: Peer, out: Outgoing, header: Pages, chunk: Chunk, src: torch.Tensor
     ) -> None:
-        if self._send_from_pool(peer, header, chunk, src):
+        if out.heads is None and self._send_from_pool(peer, header, chunk, src):
             return
         slot, buf = self._ring.acquire(header.nbytes, lambda: self._check_peer(peer, out))
         if self.pool.kv.is_cuda:
-            data = self._gather(chunk, src)
+            data = self._gather(chunk, src, heads=out.heads)
             with torch.cuda.stream(self._stream):
                 buf.copy_(data.reshape(-1).view(torch.uint8), non_blocking=True)
             self._stream.synchronize()
         else:  # gather straight into the buffer ZeroMQ sends from
-            shape = chunk.shape(self.layout)
-            self._gather(chunk, src, out=buf.view(self.layout.torch_dtype).view(shape))
+            shape = chunk.shape(pages.sliced(self.layout, out.heads))
+            view = buf.view(self.layout.torch_dtype).view(shape)
+            self._gather(chunk, src, out=view, heads=out.heads)
         try:
             peer.sock.send(control.encode(header), zmq.SNDMORE | zmq.NOBLOCK)
             tracker = peer.sock.send(buf.numpy(), zmq.NOBLOCK, copy=False, track=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from cluster.node_options import PLACEMENT, SECURITY, NodeOptions
 from cluster.schema import add_flags, from_args, names, values_from_args
 from coordinator.config import CoordinatorConfig
-from engine.config import EngineConfig
+from engine.config import EngineConfig, RoleTensorParallel
 from engine.embedded_models import EMBEDDED
 from pdserve import __version__
 
@@ -149,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
             client_port=args.client_port,
             engine={k: v for k, v in values_from_args(EngineConfig, args).items() if k != "model"},
             node={k: v for k, v in node.items() if k not in SECURITY},
+            roles=values_from_args(RoleTensorParallel, args),
             coordinator=values_from_args(CoordinatorConfig, args),
             cluster_keys=node.get("cluster_keys"),
             insecure=node.get("insecure", False),
@@ -298,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one log file per node here (unset: the nodes log to this console)")  # fmt: skip
     engine = serve.add_argument_group("engine settings (every node)")
     add_flags(engine, EngineConfig, exclude=("model",), suppress_defaults=True)
+    add_flags(engine, RoleTensorParallel, suppress_defaults=True)
     add_flags(engine, NodeOptions, only=SERVE_NODE_FLAGS, suppress_defaults=True)
     serve.set_defaults(func=_serve)
 

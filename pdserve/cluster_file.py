@@ -1,5 +1,6 @@
 """The cluster file (TOML) of `pdserve launch`: the model, the coordinator's place and ports, the
-cluster's key set, and per host the GPUs (or CPU workers) given to prefill and to decode. `plan`
+cluster's key set, and per host the GPUs (or CPU workers) given to prefill and to decode, with
+each role's settings (`tensor_parallel_size` groups a role's GPUs into nodes of that many). `plan`
 turns it into the processes one host runs: their commands, environments and ports. No process is
 started here."""
 
@@ -58,13 +59,24 @@ class HostSpec:
     prefill: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)
 
+    def tensor_parallel_size(self, role: str) -> int:
+        """Devices (processes) per node of this role: its table's tensor_parallel_size."""
+        settings = self.prefill if role == "prefill" else self.decode
+        return settings.get("tensor_parallel_size", 1)
+
+    def gpu_groups(self, role: str) -> list[list[int]]:
+        """Each node's GPUs: contiguous groups of tensor_parallel_size, in the order given."""
+        gpus = self.prefill_gpus if role == "prefill" else self.decode_gpus
+        size = self.tensor_parallel_size(role)
+        return [gpus[i : i + size] for i in range(0, len(gpus), size)]
+
     @property
     def num_prefill(self) -> int:
-        return len(self.prefill_gpus) or self.prefill_workers
+        return len(self.gpu_groups("prefill")) or self.prefill_workers
 
     @property
     def num_decode(self) -> int:
-        return len(self.decode_gpus) or self.decode_workers
+        return len(self.gpu_groups("decode")) or self.decode_workers
 
     @property
     def has_gpus(self) -> bool:
@@ -207,6 +219,13 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
                 )
             if role in raw:
                 setattr(host, role, _overrides(path, where, role, raw[role]))
+        for role in ("prefill", "decode"):
+            gpus, size = getattr(host, f"{role}_gpus"), host.tensor_parallel_size(role)
+            if len(gpus) % size:
+                raise _fail(
+                    path, where, f"key '{role}_gpus' names {len(gpus)} GPUs, not a multiple of "
+                    f"[host.{role}] tensor_parallel_size = {size}",
+                )  # fmt: skip
         overlap = set(host.prefill_gpus) & set(host.decode_gpus)
         if overlap:
             raise _fail(path, where, f"key 'decode_gpus' reuses prefill GPU {sorted(overlap)[0]}")
@@ -358,21 +377,24 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
         env = {API_KEY_ENV: ",".join(spec.api_keys)} if spec.api_keys else {}
         procs.append(ProcessPlan("pdserve-coordinator", "coordinator", cmd, env, ports))
     for role in ("prefill", "decode"):
-        gpus = host.prefill_gpus if role == "prefill" else host.decode_gpus
+        groups = host.gpu_groups(role)
         count = host.num_prefill if role == "prefill" else host.num_decode
         settings = host.prefill if role == "prefill" else host.decode
-        engine = EngineConfig(**spec.engine, device="cuda" if gpus else "cpu",
+        engine = EngineConfig(**spec.engine, device="cuda" if groups else "cpu",
                               **pick(EngineConfig, settings))  # fmt: skip
+        size = engine.tensor_parallel_size
         first = _global_index(spec, host, role)
         for local in range(count):
             index = first + local
             placement: dict[str, Any] = {"coordinator": coordinator, "node_id": f"{role}-{index}"}
-            env = {"CUDA_VISIBLE_DEVICES": str(gpus[local])} if gpus else {}
+            # A node's ranks see its GPUs alone, as cuda:0 .. cuda:N-1.
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, groups[local]))} if groups else {}
             ports: dict[str, int] = {}
             transport = None
             if role == "decode":
                 transport = spec.decode_transport(host)
-                ports["kv"] = host.kv_port_base + local
+                # Rank r of a node receives on kv + r: the next node's ports start after.
+                ports["kv"] = host.kv_port_base + local * size
                 placement.update(transport=transport, kv_host=host.address, kv_port=ports["kv"])
             options = NodeOptions(**placement, **security, **pick(NodeOptions, settings))
             node = NodeSpec(role, options, engine, env)

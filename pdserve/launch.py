@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cluster.node_options import NodeOptions
 from cluster.schema import to_flags
-from engine.config import EngineConfig
+from engine.config import EngineConfig, RoleTensorParallel
 
 PR_SET_PDEATHSIG = 1
 
@@ -54,13 +54,17 @@ def local_nodes(
     prefill: int,
     decode: int,
     colocated: bool = False,
+    roles: RoleTensorParallel | None = None,
     **node: object,
 ) -> list[NodeSpec]:
     """The nodes one machine runs for `pdserve serve`: prefill-i and decode-i, or colocated-i
-    workers; `node` holds the NodeOptions settings they share."""
+    workers; `node` holds the NodeOptions settings they share, `roles` their tensor-parallel
+    sizes by role."""
+    roles = roles or RoleTensorParallel()
 
     def spec(role: str, node_id: str) -> NodeSpec:
-        return NodeSpec(role, NodeOptions(coordinator=coordinator, node_id=node_id, **node), engine)
+        options = NodeOptions(coordinator=coordinator, node_id=node_id, **node)
+        return NodeSpec(role, options, roles.engine_for(role, engine))
 
     if colocated:
         return [spec("colocated", f"colocated-{i}") for i in range(decode)]

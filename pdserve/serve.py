@@ -18,7 +18,7 @@ from coordinator.api_server import build_app, default_model_names, listen_socket
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
 from coordinator.serving import OpenAIServing
-from engine.config import EngineConfig
+from engine.config import EngineConfig, RoleTensorParallel
 from engine.embedded_models import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from pdserve import __version__
@@ -41,10 +41,11 @@ class ServeOptions:
     start_nodes: bool = True
     log_dir: str | None = None
     drain_timeout_s: float = 30.0
-    # Settings given as flags, over the config file's: EngineConfig and NodeOptions (the nodes'),
-    # CoordinatorConfig (the coordinator's own).
+    # Settings given as flags, over the config file's: EngineConfig, NodeOptions and
+    # RoleTensorParallel (the nodes'), CoordinatorConfig (the coordinator's own).
     engine: dict[str, object] = field(default_factory=dict)
     node: dict[str, object] = field(default_factory=dict)
+    roles: dict[str, object] = field(default_factory=dict)  # RoleTensorParallel
     coordinator: dict[str, object] = field(default_factory=dict)
     served_model_names: tuple[str, ...] = ()  # unset: the embedded model's or directory's name
     chat_template: str | None = None  # a template file instead of the model's
@@ -113,8 +114,14 @@ def node_specs(
         prefill=options.prefill_nodes,
         decode=options.decode_nodes,
         colocated=options.colocated,
+        roles=node_roles(options, config),
         **{**file.node, **options.node, **security},
     )
+
+
+def node_roles(options: ServeOptions, config: CoordinatorConfig) -> RoleTensorParallel:
+    """Tensor-parallel sizes by role: flag over config file over tensor_parallel_size."""
+    return RoleTensorParallel(**{**config.node_settings.roles, **options.roles})
 
 
 async def serve_async(options: ServeOptions) -> int:
@@ -122,7 +129,7 @@ async def serve_async(options: ServeOptions) -> int:
     if any, restarts it)."""
     config = load_config(options)
     if options.start_nodes:
-        node_engine(options, config)  # a bad setting stops here, before anything starts
+        node_specs(options, config, "tcp://127.0.0.1:0")  # a bad setting stops here, at once
     chat_template = read_chat_template(options.chat_template)
     keys = cluster_keys(options)
     names = options.served_model_names or default_model_names(options.model)

@@ -10,9 +10,9 @@ sequence at once, and only the loop frees blocks or talks on the main socket.
 from __future__ import annotations
 
 import logging
-from functools import partial
+from collections.abc import Callable
 
-from cluster.keys import ClusterKeys, node_keys
+from cluster.keys import node_keys
 from cluster.node_link import NodeLink, stop_on_signals
 from cluster.node_messages import (
     Abort,
@@ -29,8 +29,11 @@ from cluster.node_messages import (
 )  # fmt: skip
 from cluster.node_options import NodeOptions
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
+from engine.kv_cache import KVPool
+from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from engine.tp_shard import kv_head_ranges
+from kv_transfer.base import KVSender
 from kv_transfer.handoff import PrefillHandoff
 from prefill_node.handoff_socket import HandoffSocket
 
@@ -39,16 +42,17 @@ logger = logging.getLogger(__name__)
 
 class PrefillNode:
     def __init__(
-        self, engine: LLMEngine, link: NodeLink, transport: str, keys: ClusterKeys | None = None
+        self,
+        engine: Engine,
+        link: NodeLink,
+        transport: str,
+        make_sender: Callable[[str, KVPool], KVSender] | None = None,
     ) -> None:
-        from kv_transfer import make_sender
-
+        """make_sender(transport, pool): a KV sender (default: `kv_transfer.make_sender`)."""
         self.engine = engine
         self.link = link
         self.transport = transport
-        self.handoff = PrefillHandoff(
-            engine.block_manager, engine.pool, transport, partial(make_sender, keys=keys)
-        )
+        self.handoff = PrefillHandoff(engine.block_manager, engine.pool, transport, make_sender)
         self.handoff_socket: HandoffSocket | None = None
         self.running = True
 
@@ -112,12 +116,22 @@ class PrefillNode:
 
     def step(self) -> None:
         busy = self.engine.has_unfinished() or self.handoff.num_pending > 0
-        for msg in self.link.receive(0 if busy else 5):
+        self.before_step(self.link.receive(0 if busy else 5))
+        self.after_step(self.engine.step() if self.engine.has_unfinished() else [])
+
+    # The loop's two halves around the engine's step, which a simulator drives on its own clock.
+
+    def before_step(self, orders: list[Message]) -> None:
+        """Carry out the orders received since the last step."""
+        for msg in orders:
             self.link.carry_out(msg, self.handle)
-        if self.engine.has_unfinished():
-            self._report_first_tokens(self.engine.step())
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        """Report the step's first tokens and the handoffs that ended; refresh the load report."""
+        self._report_first_tokens(outputs)
         self._report_handoffs()
         if self.link.load_due():
+            self.engine.check_alive()  # a dead rank takes the node down, idle or not
             self.link.set_load(
                 engine_heartbeat(self.engine, self.link.node_id, self.handoff.num_pending)
             )
@@ -139,10 +153,23 @@ class PrefillNode:
 
 def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
+    from kv_transfer import make_sender
+    from kv_transfer.rank_endpoint import rank_endpoints
+    from kv_transfer.sharded import ShardedSender
+
     keys = node_keys(options.cluster_keys, options.insecure)
-    engine = LLMEngine(engine_config)
+    size = engine_config.tensor_parallel_size
+    # Every rank sends the pages of its heads, holding the node's keys.
+    specs, links = rank_endpoints("sender", size, options={"keys": keys})
+    engine = LLMEngine(engine_config, kv_endpoints=specs)
+    heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
+
+    def sender(transport: str, pool: KVPool) -> KVSender:
+        # Sharded even at one rank: it routes heads to a decode node of any TP size.
+        return ShardedSender(make_sender(transport, pool, keys=keys), links, heads, engine.layout)
+
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
-    node = PrefillNode(engine, link, options.transport, keys)
+    node = PrefillNode(engine, link, options.transport, sender)
     if options.kv_handoff == "immediate":
         node.handoff_socket = HandoffSocket(
             options.coordinator, options.node_id, node.send_kv, keys

@@ -9,12 +9,13 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.keys import ClusterKeys, default_key_dir
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
-from engine.config import EngineConfig
+from engine.config import EngineConfig, RoleTensorParallel
 from engine.tiny_model import ensure_tiny_model
 from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
@@ -31,8 +32,12 @@ class Cluster:
         kv_handoff: str = "immediate",
         heartbeat_interval_s: float = 0.2,
         keyed: bool = True,
+        roles: RoleTensorParallel | None = None,
+        node_engines: dict[str, dict] | None = None,
         **engine_options: object,
     ) -> None:
+        """roles: tensor-parallel sizes of prefill and decode nodes; node_engines: engine
+        settings of single nodes, by node id (e.g. {"decode-1": {"tensor_parallel_size": 2}})."""
         ensure_tiny_model()  # once here, not raced by every node
         self.keys = ClusterKeys.load_or_create(default_key_dir()) if keyed else None
         self.num_prefill = 0 if colocated else prefill
@@ -41,6 +46,8 @@ class Cluster:
         self.transport = transport
         self.kv_handoff = kv_handoff
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.roles = roles
+        self.node_engines = node_engines or {}
         self.config = config or CoordinatorConfig(heartbeat_timeout_s=3.0, transfer_timeout_s=10.0)
         options = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=256)
         options.update(engine_options)
@@ -74,12 +81,13 @@ class Cluster:
             self.thread.join(10)
 
     def specs(self) -> list[NodeSpec]:
-        return local_nodes(
+        specs = local_nodes(
             self.coordinator.node_endpoint,
             self.engine,
             prefill=self.num_prefill,
             decode=self.num_decode,
             colocated=self.colocated,
+            roles=self.roles,
             transport=self.transport,
             kv_handoff=self.kv_handoff,
             heartbeat_interval_s=self.heartbeat_interval_s,
@@ -89,6 +97,9 @@ class Cluster:
                 else {"insecure": True}
             ),
         )
+        for spec in specs:
+            spec.engine = replace(spec.engine, **self.node_engines.get(spec.node_id, {}))
+        return specs
 
     def call(self, coro, timeout: float = 300):  # noqa: ANN001, ANN201
         """Run a coroutine in the coordinator's loop and return its result."""

@@ -59,3 +59,15 @@ def test_decode_bytes_count_weights_once_and_each_context():
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
     got = model_step.decode_bytes(model, pool, 5, 100)
     assert got == 4 * (params - table + 5 * cfg.hidden_size + 5 * 101 * kv_per_token)
+
+
+def test_tensor_parallel_steps_run_on_two_ranks_each_holding_about_half_the_weights():
+    argv = ["--preset", "tiny", "--device", "cpu", "--batches", "2", "--contexts", "16"]
+    argv += ["--prompt-len", "24", "--prefill-prompts", "1", "--repeats", "2"]
+    one = model_step.main(argv)
+    two = model_step.main([*argv, "--tensor-parallel-size", "2"])
+    assert (one["tensor_parallel_size"], two["tensor_parallel_size"]) == (1, 2)
+    # Everything is split but the norms, which every rank holds whole.
+    assert 0.5 < two["weights_gb_per_rank"] / one["weights_gb_per_rank"] < 0.55
+    assert two["decode"][0]["eager_ms"] > 0 and two["prefill"][0]["ms"] > 0
+    assert two["decode"][0]["bytes_gb"] < one["decode"][0]["bytes_gb"]

@@ -84,6 +84,29 @@ def test_two_hosts_split_roles_and_cross_with_nccl():
     assert flag(d7, "--kv-host") == "10.0.0.2"
 
 
+def test_llama3_70b_example_makes_tensor_parallel_nodes_of_contiguous_gpus():
+    spec = load_cluster_file(DEPLOY / "llama3-70b-two-hosts.toml")
+    prefill_host = by_name(plan(spec, "prefill-host"))
+    decode_host = by_name(plan(spec, "decode-host"))
+    prefill = [prefill_host[f"pdserve-prefill-{i}"] for i in (0, 1)]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in prefill] == ["0,1,2,3", "4,5,6,7"]
+    assert {engine(p).tensor_parallel_size for p in prefill} == {4}
+    assert sorted(decode_host) == ["pdserve-decode-0"]
+    decode = decode_host["pdserve-decode-0"]
+    assert decode.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert engine(decode).tensor_parallel_size == 8 and decode.transport == "nccl"
+
+
+def test_tensor_parallel_cpu_workers_leave_room_for_each_ranks_kv_port(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        BASE.format(extra="decode_workers = 2\n[host.decode]\ntensor_parallel_size = 2")
+    )
+    decode = [p for p in plan(load_cluster_file(path), "a") if p.role == "decode"]
+    assert [p.ports["kv"] for p in decode] == [5700, 5702]  # ranks 1 listen on 5701 and 5703
+    assert [node(p).kv_port for p in decode] == [5700, 5702]
+
+
 BASE = """
 [[host]]
 name = "a"
@@ -120,6 +143,10 @@ address = "127.0.0.1"
         ),
         ('[[host]]\nname = "a"\ndecode_workers = 1\n', ["host 'a'", "address"]),
         (BASE.format(extra="prefill_workers = 1"), ["decode"]),
+        (
+            BASE.format(extra="decode_gpus = [0, 1, 2]\n[host.decode]\ntensor_parallel_size = 2"),
+            ["host 'a'", "decode_gpus", "3 GPUs", "tensor_parallel_size = 2"],
+        ),
     ],
 )
 def test_bad_cluster_files_are_refused_naming_the_key(tmp_path, text, words):
@@ -140,6 +167,17 @@ def test_launch_dry_run_prints_the_plan_and_starts_nothing():
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("CUDA_VISIBLE_DEVICES=") == 8
     assert "--transport nccl" in res.stdout
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve", "launch", str(DEPLOY / "llama3-70b-two-hosts.toml"),
+         "--host", "prefill-host", "--dry-run"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stdout.splitlines() if "CUDA_VISIBLE_DEVICES=" in line]
+    assert [line.split()[0] for line in lines] == [
+        "CUDA_VISIBLE_DEVICES=0,1,2,3", "CUDA_VISIBLE_DEVICES=4,5,6,7",
+    ]  # fmt: skip
+    assert all("--tensor-parallel-size 4" in line for line in lines)
 
 
 def test_launch_of_a_bad_file_is_one_line(tmp_path):

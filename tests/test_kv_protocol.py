@@ -90,7 +90,7 @@ PAGES |= {"nbytes": 256, "first": True, "last": True, "dst": [3], "send_layers":
         ),  # fmt: skip
         (raw({"type": "go", "send_id": "1"}), "Expected `int`"),
         (raw({"type": "shutdown"}), "Invalid value 'shutdown'"),
-        (raw({"type": "ping"}, version=1), "version 1, expected 2"),
+        (raw({"type": "ping"}, version=1), f"version 1, expected {KV_PROTOCOL_VERSION}"),
         # what a version-1 peer sent: a msgpack map with its version inside
         (msgspec.msgpack.encode({"v": 1, "kind": "ping"}), "not a kv control message"),
         (b"\xc1", "undecodable"),

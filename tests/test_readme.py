@@ -78,7 +78,10 @@ def test_every_readme_example_runs_as_written(tmp_path):
                         "from readme_shim import main\nraise SystemExit(main())\n")  # fmt: skip
         shim.chmod(0o755)
     ports = {port: str(free_port()) for port in PORTS}
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    # The README's examples run on the default model, as a user's would (the suite's is
+    # pdserve-tiny).
+    inherited = {k: v for k, v in os.environ.items() if k != "PDSERVE_MODEL"}
+    env = {**inherited, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "README_PORT": ports["8000"], "README_STATE": str(state)}  # fmt: skip
     ran = 0
     try:

@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from cluster.node_options import NodeOptions
 from cluster.schema import Declared, add_flags, declared, from_args, values_from_args
 from coordinator.config import CoordinatorConfig, doc_tables, file_keys
-from engine.config import EngineConfig
+from engine.config import EngineConfig, RoleTensorParallel
 from pdserve.cli import build_parser
 from pdserve.cluster_file import NOT_PER_ROLE, ClusterFileError, load_cluster_file, plan
 from pdserve.launch import NodeSpec
 from pdserve.serve import ServeOptions, load_config, node_engine, node_specs
 
 REPO = Path(__file__).resolve().parent.parent
-DECLARATIONS = (EngineConfig, NodeOptions, CoordinatorConfig)
+DECLARATIONS = (EngineConfig, NodeOptions, CoordinatorConfig, RoleTensorParallel)
 COORDINATOR = "tcp://127.0.0.1:5555"
 
 

@@ -11,6 +11,10 @@ from torch import nn
 from engine.forward_batch import AttentionBatch
 from engine.kv_cache import KVPool
 from engine.model_config import ModelConfig
+from engine.models.parallel_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from engine.tp_group import TPGroup
+from engine.tp_shard import TPShard
+from engine.weights import CheckpointTensor
 from kernels.ops import Ops
 
 
@@ -22,20 +26,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_index: int, shard: TPShard, group: TPGroup | None
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = len(shard.q_heads(cfg.num_heads))
+        self.num_kv_heads = len(shard.kv_heads(cfg.num_kv_heads))
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        # q, k and v in one matmul; loading concatenates the checkpoint's three projections.
+        # q, k and v of this rank's heads in one matmul (column-parallel); loading concatenates
+        # the checkpoint's three projections.
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, group)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -76,11 +83,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = len(shard.columns(cfg.intermediate_size))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -88,24 +95,36 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_index: int, shard: TPShard, group: TPGroup | None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_index)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_index, shard, group)
+        self.mlp = MLP(cfg, shard, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Checkpoint names follow Hugging Face's, except the fused qkv_proj and gate_up_proj."""
+    """Checkpoint names follow Hugging Face's, except the fused qkv_proj and gate_up_proj.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With a tensor-parallel `shard` (and its `group`), the module holds that rank's part: its
+    query and KV heads, its MLP columns, its rows of the vocabulary."""
+
+    def __init__(
+        self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        shard = shard or TPShard()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.shard = shard
+        vocab_rows = shard.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, shard, group) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(vocab_rows, cfg.hidden_size, cfg.vocab_size, group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", self._rotary_table(cfg), persistent=False)
@@ -149,31 +168,49 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         return normed
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [n, vocab]; None on a tensor-parallel rank other than 0."""
+        return self.lm_head(hidden)
 
     # --- loading -------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in; raise naming the first missing or unexpected weight."""
+    def _slices(self) -> dict[str, tuple[str, int, range, int, int]]:
+        """Per split checkpoint weight (by the name's part before `weight` / `bias`): our
+        parameter's name part, the split dimension (0: rows, 1: columns), the range of it this
+        rank reads, the whole dimension's size, and where the rows go in our fused parameter."""
+        cfg, shard = self.config, self.shard
+        hd = cfg.head_dim
+        q = shard.q_heads(cfg.num_heads)
+        kv = shard.kv_heads(cfg.num_kv_heads)
+        q_rows = range(q.start * hd, q.stop * hd)
+        kv_rows = range(kv.start * hd, kv.stop * hd)
+        q_all, kv_all = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        mlp = shard.columns(cfg.intermediate_size)
+        inter = cfg.intermediate_size
+        vocab = shard.vocab_rows(cfg.vocab_size)
+        return {
+            "q_proj": ("qkv_proj", 0, q_rows, q_all, 0),
+            "k_proj": ("qkv_proj", 0, kv_rows, kv_all, len(q_rows)),
+            "v_proj": ("qkv_proj", 0, kv_rows, kv_all, len(q_rows) + len(kv_rows)),
+            "o_proj": ("o_proj", 1, q_rows, q_all, 0),
+            "gate_proj": ("gate_up_proj", 0, mlp, inter, 0),
+            "up_proj": ("gate_up_proj", 0, mlp, inter, len(mlp)),
+            "down_proj": ("down_proj", 1, mlp, inter, 0),
+            "embed_tokens": ("embed_tokens", 0, vocab, cfg.vocab_size, 0),
+            "lm_head": ("lm_head", 0, vocab, cfg.vocab_size, 0),
+        }
+
+    def load_weights(self, weights: Iterable[CheckpointTensor]) -> None:
+        """Read this rank's part of each checkpoint tensor into place (only that part is read
+        from the file); raise naming the first missing, unexpected or misshapen weight."""
         cfg = self.config
         params = dict(self.named_parameters())
-        # Fused destinations: (our param, slice start, slice length) per checkpoint name part.
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused = {
-            "q_proj": ("qkv_proj", 0, q),
-            "k_proj": ("qkv_proj", q, kv),
-            "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
-        }
+        slices = self._slices()
         expected = set(self._checkpoint_names())
         seen: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("model."):
-                local = name[len("model.") :]
-            else:
-                local = name
+        for tensor in weights:
+            name = tensor.name
+            local = name[len("model.") :] if name.startswith("model.") else name
             if local == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             if "rotary_emb" in local:
@@ -181,21 +218,32 @@ class LlamaForCausalLM(nn.Module):
             if name not in expected:
                 raise ValueError(f"unexpected weight '{name}' in checkpoint")
             parts = local.split(".")
-            target = local
-            rows = None
-            if len(parts) >= 2 and parts[-2] in fused:
-                dest, start, length = fused[parts[-2]]
-                target = ".".join(parts[:-2] + [dest, parts[-1]])
-                rows = (start, length)
-            param = params[target]
+            split = slices.get(parts[-2]) if len(parts) >= 2 else None
+            if split is not None and split[1] == 1 and parts[-1] == "bias":
+                split = None  # a row-parallel layer's bias is whole on every rank
+            if split is None:
+                param, want, part, offset = params[local], None, None, 0
+                full = tuple(param.shape)
+            else:
+                dest, dim, part, size, offset = split
+                param = params[".".join(parts[:-2] + [dest, parts[-1]])]
+                full = list(param.shape)
+                full[dim] = size
+                full = tuple(full)
+                if dim == 0 and dest == parts[-2]:
+                    offset = 0  # an unfused parameter holds exactly its rows
+                want = dim
+            if tuple(tensor.shape) != full:
+                raise ValueError(
+                    f"weight '{name}' has shape {tuple(tensor.shape)}, expected {full}"
+                )
             with torch.no_grad():
-                dst = param.data if rows is None else param.data.narrow(0, *rows)
-                if tuple(dst.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"weight '{name}' has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(dst.shape)}"
-                    )
-                dst.copy_(tensor)
+                if want is None:
+                    param.data.copy_(tensor.read())
+                elif want == 0:
+                    param.data.narrow(0, offset, len(part)).copy_(tensor.read(rows=part))
+                else:
+                    param.data.copy_(tensor.read(columns=part))
             seen.add(name)
         missing = sorted(expected - seen)
         if missing:

@@ -2,7 +2,7 @@
 and a small Llama-architecture model on the story grammar's corpus, saved as a Hugging Face-format
 checkpoint (bfloat16 safetensors, tokenizer, chat template) that pdserve and `transformers` load.
 
-    # the committed checkpoint, by its seed (40 min on two idle cores):
+    # the committed checkpoint, by its seed (83 min on two shared cores):
     python -m engine.stories.train --out engine/stories/pdserve-stories --plot docs/stories_training.png
     python -m engine.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
 

@@ -1,0 +1,97 @@
+"""One rank's share of a node: its part of the model on its device, the KV pool of its heads and
+the runner over them. Rank 0 of every node builds one (with one rank, the whole model); every
+other tensor-parallel rank builds its own in its process, alike, so the ranks agree on the pool's
+size and capture the same CUDA graphs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVLayout, KVPool
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.tp_group import TPGroup
+from engine.tp_shard import TPShard
+from kernels.ops import select_ops
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+PoolFactory = Callable[[KVLayout, int], KVPool]
+
+
+class ModelShard:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig,
+        shard: TPShard,
+        group: TPGroup | None = None,
+        pool_factory: PoolFactory | None = None,
+    ) -> None:
+        """pool_factory(layout, num_blocks) makes the KV pool of this rank's heads (e.g. a KV
+        receiver's, in shared memory); by default a plain tensor on the device."""
+        self.config = config
+        self.shard = shard
+        self.group = group
+        self.device = config.rank_device(shard.rank)
+        dtype = config.resolved_dtype()
+        self.model = load_model(model_dir, dtype, self.device, shard, group)
+        mcfg = self.model.config
+        self.layout = KVLayout(
+            mcfg.num_layers,
+            config.block_size,
+            len(shard.kv_heads(mcfg.num_kv_heads)),
+            mcfg.head_dim,
+            dtype,
+        )
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
+        if group is not None:
+            num_blocks = group.min(num_blocks)  # every rank's pool holds the same blocks
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget holds no block of {self.layout}")
+        self.num_blocks = num_blocks
+        if pool_factory is None:
+            self.pool = KVPool(self.layout, num_blocks, self.device)
+        else:
+            self.pool = pool_factory(self.layout, num_blocks)
+        self.ops = select_ops(self.device, config.kernel_backend)
+        self.runner = ModelRunner(self.model, self.pool, self.ops, self.device)
+
+    @property
+    def context_limit(self) -> int:
+        return self.config.context_limit(self.model.config.max_position_embeddings, self.num_blocks)
+
+    def _num_blocks_from_budget(self) -> int:
+        """This rank's share of the node's budget: a fraction of its GPU's free memory, or of the
+        node's CPU budget."""
+        if self.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // self.shard.size
+        return KVPool.num_blocks_for_budget(self.layout, budget)
+
+    def uses_cuda_graphs(self) -> bool:
+        """Graphs need CUDA and kernels free of host syncs: the Triton ones, not the reference
+        (which reads sequence lengths on the host to group its gathers)."""
+        if self.config.enforce_eager or not self.device.startswith("cuda"):
+            return False
+        if self.ops.name != "triton":
+            logger.info("decode steps run eagerly: CUDA graphs need the triton kernel backend")
+            return False
+        return True
+
+    def capture_decode_graphs(self) -> None:
+        """Capture when this rank can (every rank of a group decides alike)."""
+        if self.uses_cuda_graphs():
+            config = self.config
+            self.runner.capture_decode_graphs(
+                min(config.cuda_graph_max_batch_size, config.max_num_seqs), self.context_limit
+            )

@@ -1,0 +1,97 @@
+"""One step's plan as plain data: the token ids, positions and KV slots of every scheduled token,
+each sequence's context length and block table, and which sequences sample. The model runner
+turns it into tensors; under tensor parallelism rank 0 builds it and every other rank receives
+it, so all ranks run the same forward over their own shards.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import AttentionBatch
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepPlan:
+    # Python arrays, not lists: they turn into tensors by a copy of their bytes, not element by
+    # element, which matters at a few hundred sequences per step (and they pickle as bytes).
+    input_ids: array  # "q", one per token
+    positions: array  # "q"
+    slots: array  # "q": where each token's K and V go in the pool
+    seq_lens: array  # "q", one per sequence: its context after this step
+    query_start: array  # "q", num_seqs + 1
+    block_tables: array  # "i", num_seqs x width, padded with 0
+    width: int
+    sample_rows: list[int]  # indices of sequences whose chunk ends their tokens: they sample
+    max_query_len: int
+
+    @classmethod
+    def from_scheduled(cls, out: SchedulerOutput, block_size: int) -> StepPlan:
+        bs = block_size
+        input_ids = array("q")
+        positions = array("q")
+        slots = array("q")
+        seq_lens = array("q")
+        query_start = array("q", [0])
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        max_query_len = 1
+        for index, item in enumerate(out.scheduled):
+            seq = item.seq
+            start, n = seq.num_computed_tokens, item.num_new_tokens
+            end = start + n
+            table = seq.block_table
+            if n == 1:  # a decode: the common case at large batch, kept to a few appends
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                max_query_len = max(max_query_len, n)
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + n)
+            tables.append(table)
+            if end == seq.num_tokens:  # the chunk reaches the end: a token is sampled
+                sample_rows.append(index)
+        width = max(map(len, tables))
+        padding = array("i", bytes(4 * width))
+        flat = array("i")
+        for table in tables:
+            flat.extend(table)
+            flat.extend(padding[: width - len(table)])
+        return cls(input_ids, positions, slots, seq_lens, query_start, flat, width, sample_rows,
+                   max_query_len)  # fmt: skip
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """Input ids, positions and the attention batch as host tensors sharing the arrays'
+        memory: the step copies them to the device once, into the model's inputs or a graph's."""
+        batch = AttentionBatch(
+            slot_mapping=_tensor(self.slots),
+            block_tables=_tensor(self.block_tables).view(-1, self.width),
+            seq_lens=_tensor(self.seq_lens),
+            query_start_loc=_tensor(self.query_start),
+            max_query_len=self.max_query_len,
+        )
+        return _tensor(self.input_ids), _tensor(self.positions), batch
+
+
+def _tensor(values: array) -> torch.Tensor:
+    """int64 ("q") or int32 ("i") values, sharing the array's memory (and keeping it alive)."""
+    dtype = torch.long if values.typecode == "q" else torch.int32
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(values, dtype=dtype)

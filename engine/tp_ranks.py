@@ -1,0 +1,130 @@
+"""The other ranks of a tensor-parallel node, as rank 0 sees them: their processes (spawned, one
+per device), the channel that hands them each step's plan, and what happens when one dies: the
+whole group is stopped and rank 0 raises `TPGroupFailed`, naming the rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.plan_channel import PlanChannel, plan_capacity
+from engine.step_plan import StepPlan
+from engine.tp_group import host_store
+from engine.tp_worker import RankSpec, Stop
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+logger = logging.getLogger(__name__)
+
+
+class TPGroupFailed(RuntimeError):
+    """A rank of this node's tensor-parallel group died; the group is down."""
+
+
+class RankProcesses:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig,
+        max_position_embeddings: int,
+        kv_endpoints: list[Any] | None = None,
+    ) -> None:
+        """Start ranks 1..N-1; kv_endpoints[r - 1]: rank r's KV endpoint spec, if any."""
+        size = config.tensor_parallel_size
+        self.store = host_store(size)
+        max_len = config.max_model_len or max_position_embeddings
+        max_blocks = -(-max_len // config.block_size) + 1
+        self.channel = PlanChannel(
+            size - 1, plan_capacity(config.max_num_batched_tokens, max_blocks)
+        )
+        self.procs: list[subprocess.Popen] = []
+        self._stopped = False
+        # A process of its own, not a multiprocessing child: nothing of the caller's main module
+        # runs again in it (a script without `if __name__ == "__main__"` works).
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in range(1, size):
+            inbox = self.channel.inbox(rank - 1)
+            kv = kv_endpoints[rank - 1] if kv_endpoints else None
+            spec = RankSpec(
+                rank, size, str(model_dir), config, self.store.port, inbox, os.getpid(), level, kv
+            )
+            # Descriptors the rank inherits: its plan pipe, and the line to its KV endpoint.
+            fds = (inbox.fd,) + ((kv.fd,) if kv is not None else ())
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "from engine.tp_worker import main; main()"],
+                stdin=subprocess.PIPE, env=env, pass_fds=fds,
+            )  # fmt: skip
+            self.channel.handed_over(rank - 1)
+            if kv is not None:
+                os.close(kv.fd)
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def formed(self) -> None:
+        """The group formed (every rank mapped the channel): its file can go."""
+        self.channel.unlink()
+
+    def dead(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of the ranks that have exited."""
+        return [(r + 1, code) for r, p in enumerate(self.procs) if (code := p.poll()) is not None]
+
+    def check(self) -> None:
+        """Raise TPGroupFailed (stopping the group) if a rank has exited."""
+        if self.dead():
+            raise self.failure(None)
+
+    def publish(self, plan: StepPlan) -> None:
+        self.check()
+        try:
+            self.channel.publish(plan)
+        except OSError as exc:  # a rank's pipe broke: it is gone
+            raise self.failure(exc) from exc
+
+    def failure(self, cause: BaseException | None, wait_s: float = 5.0) -> TPGroupFailed:
+        """Stop the group after a failure; the error to raise names the rank that died (a
+        collective can fail before its process is reaped: waited for up to wait_s)."""
+        deadline = time.monotonic() + wait_s
+        while not self.dead() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = self.dead()
+        self.stop()
+        if dead:
+            ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
+            why = f"tensor-parallel {ranks} died; the node's group is down"
+        else:
+            why = f"the tensor-parallel group failed: {cause}"
+        logger.error(why)
+        return TPGroupFailed(why)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.dead():
+            timeout_s = 0.0  # the others may wait on a collective that never ends: no goodbye
+        else:
+            self.channel.publish(Stop())
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.channel.close()

@@ -1,0 +1,80 @@
+"""Which part of a model one tensor-parallel rank owns: its attention heads, its KV heads, its
+columns of the MLP and its rows of the vocabulary. Pure arithmetic, the same on every rank.
+
+Query heads and MLP columns split evenly. KV heads split evenly when there are at least as many
+as ranks; with fewer, each KV head is replicated on size / num_kv_heads consecutive ranks, so
+every rank's query heads still find their KV head locally. The vocabulary splits into
+ceil(vocab / size) rows per rank, the last rank's part shorter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} of a tensor-parallel group of {self.size}")
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ValueError naming the config field that this group size cannot split."""
+        size = self.size
+        for field, value in (
+            ("num_attention_heads", cfg.num_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ):
+            if value % size:
+                raise ValueError(
+                    f"config.json field '{field}' = {value} is not divisible by "
+                    f"tensor_parallel_size={size}"
+                )
+        kv = cfg.num_kv_heads
+        if (kv >= size and kv % size) or (kv < size and size % kv):
+            raise ValueError(
+                f"config.json field 'num_key_value_heads' = {kv} and tensor_parallel_size="
+                f"{size}: one must divide the other"
+            )
+
+    def q_heads(self, num_heads: int) -> range:
+        per = num_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def kv_heads(self, num_kv_heads: int) -> range:
+        """This rank's KV heads: a slice of them, or the one head it shares with
+        size / num_kv_heads ranks."""
+        return kv_head_range(self.rank, self.size, num_kv_heads)
+
+    def columns(self, n: int) -> range:
+        per = n // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def vocab_rows(self, vocab_size: int) -> range:
+        per = self.vocab_rows_per_rank(vocab_size)
+        return range(min(vocab_size, self.rank * per), min(vocab_size, (self.rank + 1) * per))
+
+    def vocab_rows_per_rank(self, vocab_size: int) -> int:
+        return -(-vocab_size // self.size)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def kv_head_range(rank: int, size: int, num_kv_heads: int) -> range:
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (size // num_kv_heads)
+    return range(head, head + 1)
+
+
+def kv_head_ranges(size: int, num_kv_heads: int) -> list[range]:
+    """Every rank's KV heads, by rank: what a node's KV layout handshake carries."""
+    return [kv_head_range(r, size, num_kv_heads) for r in range(size)]

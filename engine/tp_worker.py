@@ -1,0 +1,114 @@
+"""The life of a tensor-parallel rank other than 0, in a process of its own (`main`, its
+RankSpec pickled on stdin): join the node's group, build its share of the
+node (model part, KV pool of its heads), then run every plan rank 0 publishes until told to stop.
+It never decides anything; when its group breaks (a rank died) or rank 0's process goes away, it
+exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.plan_channel import PlanInbox, PublisherGone
+from engine.step_plan import StepPlan
+from engine.tp_shard import TPShard
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 0.2
+
+
+class Stop:
+    """Published by rank 0 when the node closes."""
+
+
+@dataclass
+class RankSpec:
+    """What a worker rank needs (picklable: it is its process's argument)."""
+
+    rank: int
+    size: int
+    model_dir: str
+    config: EngineConfig
+    store_port: int
+    plans: PlanInbox
+    parent_pid: int
+    log_level: int
+    # How this rank's KV endpoint is made, for a node that moves KV (`kv_transfer.rank_endpoint`).
+    kv_endpoint: Any = None
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit as soon as rank 0's process is gone, whatever this rank is doing."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_rank(spec: RankSpec) -> None:
+    _exit_with_parent(spec.parent_pid)
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: %(message)s",
+    )
+    import torch
+
+    from engine.model_shard import ModelShard
+    from engine.tp_group import TPGroup
+
+    config = spec.config
+    if not config.rank_device(spec.rank).startswith("cuda"):
+        # The ranks of a CPU node share its cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+    shard = TPShard(spec.rank, spec.size)
+    reader = spec.plans.open()
+    group = TPGroup.join(shard, config.rank_device(spec.rank), port=spec.store_port)
+    endpoint = None
+    pool_factory = None
+    if spec.kv_endpoint is not None:
+        from kv_transfer.rank_endpoint import RankEndpointServer
+
+        endpoint = RankEndpointServer(spec.kv_endpoint, config.rank_device(spec.rank))
+        pool_factory = endpoint.pool_factory
+    part = ModelShard(spec.model_dir, config, shard, group, pool_factory)
+    if endpoint is not None:
+        endpoint.start(part.pool)
+    part.capture_decode_graphs()
+    try:
+        while True:
+            msg = reader.receive()
+            if isinstance(msg, Stop):
+                break
+            assert isinstance(msg, StepPlan), type(msg)
+            part.runner.run_plan(msg)
+    except PublisherGone:
+        os._exit(1)
+    except RuntimeError as exc:  # a collective failed: another rank died
+        logger.error("tensor-parallel group broke: %s", exc)
+        os._exit(1)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+
+
+def main() -> None:
+    spec = pickle.load(sys.stdin.buffer)
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"pdserve-tp-rank{spec.rank}")
+    except ImportError:
+        pass
+    run_rank(spec)

@@ -1,0 +1,263 @@
+"""A node's KV endpoint over all its tensor-parallel ranks, behind the one-endpoint interface
+(`KVReceiver`, `KVSender`): node code (`DecodeHandoff`, `PrefillHandoff`) never knows the node
+is a group. Rank 0's own endpoint is called directly; each other rank's through its line.
+
+Decode side: the receiver's info carries every rank's (its address, its pool, its KV heads);
+`expect` is expected by every rank, and a transfer completes once every rank has all its heads
+of every layer; the first rank to fail ends the others' part. Prefill side: `connect` routes the
+decode node's heads to our ranks (`head_routes`), and `send` has each route's rank send its head
+slice to its destination rank; a send ends once every piece ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVLayout
+from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
+from kv_transfer.head_routes import HeadRange, HeadRoute, route_heads
+from kv_transfer.rank_endpoint import RankLinks
+
+logger = logging.getLogger(__name__)
+
+RANK_START_TIMEOUT_S = 300.0
+
+
+@dataclass(slots=True)
+class Pieces:
+    """The ranks' parts of one transfer (receiver) or one send (sender) not ended yet."""
+
+    waiting: set[int] | int  # ranks (receiver) or a count of pieces (sender)
+    error: str | None = None
+    ranks: set[int] = field(default_factory=set)  # sender: the ranks sending pieces
+
+
+class ShardedReceiver(KVReceiver):
+    def __init__(
+        self,
+        local: KVReceiver,
+        links: RankLinks,
+        head_ranges: list[HeadRange],
+        node_layout: KVLayout,
+        check_ranks=None,  # noqa: ANN001
+    ) -> None:
+        """head_ranges[r]: rank r's KV heads; check_ranks() raises if a rank died (waiting for
+        the other ranks' receivers to be up)."""
+        self.local = local
+        self.links = links
+        self.name = local.name
+        self.pool = local.pool
+        infos = [link.wait_info(RANK_START_TIMEOUT_S, check_ranks) for link in links.links]
+        self._ranks = [
+            {**info, "kv_heads": list(heads)}
+            for info, heads in zip([local.info(), *infos], head_ranges, strict=True)
+        ]
+        self._node_layout = node_layout.to_dict()
+        self._pending: dict[str, Pieces] = {}
+        self._all = set(range(len(head_ranges)))
+
+    @property
+    def failed(self) -> str | None:
+        if self.local.failed is not None:
+            return self.local.failed
+        failed = self.links.failed()
+        return next((f"rank {r}: {why}" for r, why in sorted(failed.items())), None)
+
+    def info(self) -> dict:
+        # Rank 0's own, so a sender that knows nothing of ranks fails cleanly on its head count.
+        return {**self.local.info(), "tp_ranks": self._ranks, "node_layout": self._node_layout}
+
+    def expect(
+        self,
+        transfer_id: str,
+        dst_blocks: list[int],
+        layers: tuple[int, int] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if self.failed is not None:
+            raise TransportFailed(self.failed)
+        self.local.expect(transfer_id, dst_blocks, layers, timeout_s)
+        for rank in range(1, len(self._all)):
+            self.links.order(rank, "expect", transfer_id, list(dst_blocks), layers, timeout_s)
+        self._pending[transfer_id] = Pieces(set(self._all))
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
+        if self.failed is not None:
+            raise TransportFailed(self.failed)
+        self._cancel(transfer_id, reason, self._all)
+
+    def _cancel(self, transfer_id: str, reason: str, ranks: set[int]) -> None:
+        for rank in ranks:
+            if rank == 0:
+                try:
+                    self.local.cancel(transfer_id, reason)
+                except TransportFailed:
+                    pass
+            else:
+                self.links.order(rank, "cancel", transfer_id, reason)
+
+    def poll(self) -> list[TransferResult]:
+        results = [(0, r) for r in self.local.poll()] + self.links.results(self.name)
+        lost = self.links.failed()
+        out: list[TransferResult] = []
+        for rank, result in results:
+            self._ended(rank, result.transfer_id, None if result.ok else result.error, out)
+        for rank, why in lost.items():  # a rank whose endpoint died ends its part of everything
+            for tid in [t for t, p in self._pending.items() if rank in p.waiting]:
+                self._ended(rank, tid, f"rank {rank}: {why}", out)
+        return out
+
+    def _ended(self, rank: int, tid: str, error: str | None, out: list[TransferResult]) -> None:
+        pieces = self._pending.get(tid)
+        if pieces is None or rank not in pieces.waiting:
+            return
+        pieces.waiting.discard(rank)
+        if error is not None and pieces.error is None:
+            pieces.error = error if rank == 0 else f"rank {rank}: {error}"
+            self._cancel(tid, f"another rank's part failed: {error}", set(pieces.waiting))
+        if not pieces.waiting:
+            del self._pending[tid]
+            out.append(TransferResult(tid, pieces.error is None, pieces.error))
+
+    def stats(self) -> dict[str, int]:
+        stats = dict(self.local.stats())
+        for key, value in self.links.stats().items():
+            stats[key] = stats.get(key, 0) + value
+        return stats
+
+    def close(self) -> None:
+        self.local.close()
+        self.links.close()
+
+
+class ShardedSender(KVSender):
+    def __init__(
+        self,
+        local: KVSender,
+        links: RankLinks,
+        head_ranges: list[HeadRange],
+        node_layout: KVLayout,
+    ) -> None:
+        """local: rank 0's sender of this transport; head_ranges[r]: rank r's KV heads."""
+        self.local = local
+        self.links = links
+        self.name = local.name
+        self.pool = local.pool
+        self.head_ranges = head_ranges
+        self.node_layout = node_layout
+        self._known: dict[str, dict] = {}
+        self._routes: dict[str, list[HeadRoute]] = {}
+        self._pending: dict[tuple[str, tuple[int, int]], Pieces] = {}
+        self._ended: list[TransferResult] = []  # sends over, for the next poll
+        self._lock = threading.Lock()  # sends come from the handoff thread, polls from the loop
+
+    @property
+    def failed(self) -> str | None:
+        return self.local.failed
+
+    def connect(self, peer_id: str, receiver_info: dict) -> None:
+        if self._known.get(peer_id) == receiver_info:
+            return
+        ranks = receiver_info.get("tp_ranks")
+        if ranks is None:  # a receiver of one rank: all the model's heads
+            heads = receiver_info["layout"]["num_kv_heads"]
+            ranks = [{**receiver_info, "kv_heads": [0, heads]}]
+        total = max(r["kv_heads"][1] for r in ranks)
+        if total != self.node_layout.num_kv_heads:
+            raise ValueError(
+                f"KV layout mismatch in field 'num_kv_heads': {self.node_layout.num_kv_heads!r} "
+                f"!= {total!r}"
+            )
+        routes = route_heads(self.head_ranges, [tuple(r["kv_heads"]) for r in ranks])
+        for src, dst in dict.fromkeys((r.src_rank, r.dst_rank) for r in routes):
+            info = ranks[dst]
+            if src == 0:
+                self.local.connect(_rank_peer(peer_id, dst), info)
+            else:
+                self.links.order(src, "connect", self.name, _rank_peer(peer_id, dst), info)
+        with self._lock:
+            self._routes[peer_id] = routes
+            self._known[peer_id] = receiver_info
+
+    def send(
+        self,
+        transfer_id: str,
+        peer_id: str,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        layers: tuple[int, int] | None = None,
+        timeout_s: float = 30.0,
+        heads: tuple[int, int] | None = None,
+        dst_heads: tuple[int, int] | None = None,
+    ) -> None:
+        if heads is not None or dst_heads is not None:
+            raise ValueError("a sharded sender routes heads itself")
+        with self._lock:
+            routes = self._routes.get(peer_id)
+        if routes is None:
+            raise ValueError(f"not connected to peer {peer_id!r}")
+        rng = (0, self.node_layout.num_layers) if layers is None else tuple(layers)
+        key = (transfer_id, (int(rng[0]), int(rng[1])))
+        with self._lock:
+            self._pending[key] = Pieces(len(routes), ranks={r.src_rank for r in routes})
+        src, dst = list(src_blocks), list(dst_blocks)
+        for route in routes:
+            peer = _rank_peer(peer_id, route.dst_rank)
+            if route.src_rank != 0:
+                self.links.order(route.src_rank, "send", self.name, transfer_id, peer, src, dst,
+                                 key[1], timeout_s, route.src_heads, route.dst_heads)  # fmt: skip
+                continue
+            try:
+                self.local.send(transfer_id, peer, src, dst, key[1], timeout_s,
+                                heads=route.src_heads, dst_heads=route.dst_heads)  # fmt: skip
+            except Exception as exc:  # this piece fails; the send ends once the others have
+                with self._lock:
+                    self._piece_ended(key, f"send failed: {exc}")
+
+    def poll(self) -> list[TransferResult]:
+        results = [(0, r) for r in self.local.poll()] + self.links.results(self.name)
+        with self._lock:
+            for rank, result in results:
+                key = (result.transfer_id, tuple(result.layers or (0, self.node_layout.num_layers)))
+                error = None if result.ok else (result.error if rank == 0 else
+                                                f"rank {rank}: {result.error}")  # fmt: skip
+                self._piece_ended(key, error)
+            for rank, why in self.links.failed().items():
+                # A rank whose line died reports no more: its pieces of every send fail.
+                for key, pieces in list(self._pending.items()):
+                    if rank in pieces.ranks:
+                        pieces.error = pieces.error or f"rank {rank}: {why}"
+                        self._end(key)
+            out, self._ended = self._ended, []
+        return out
+
+    def _piece_ended(self, key: tuple[str, tuple[int, int]], error: str | None) -> None:
+        """(Lock held.)"""
+        pieces = self._pending.get(key)
+        if pieces is None:
+            return
+        pieces.waiting -= 1
+        if error is not None and pieces.error is None:
+            pieces.error = error
+        if pieces.waiting <= 0:
+            self._end(key)
+
+    def _end(self, key: tuple[str, tuple[int, int]]) -> None:
+        """(Lock held.) The send is over: its result goes out at the next poll."""
+        pieces = self._pending.pop(key, None)
+        if pieces is not None:
+            self._ended.append(TransferResult(key[0], pieces.error is None, pieces.error, key[1]))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"outstanding": len(self._pending), "peers": len(self._known)}
+
+    def close(self) -> None:
+        self.local.close()
+
+
+def _rank_peer(peer_id: str, rank: int) -> str:
+    """How a rank's sender names a decode node's rank."""
+    return f"{peer_id}#{rank}"
