@@ -9,6 +9,7 @@ import sys
 from cluster.node_options import NodeOptions
 from cluster.schema import add_flags, from_args, values_from_args
 from engine.config import EngineConfig
+from tune.command import add_arguments as add_tune_arguments
 
 # The engine settings serve and coordinator take as flags; the others come from --config.
 SERVE_ENGINE_FLAGS = ("dtype", "device")
@@ -100,6 +101,12 @@ def _launch(args: argparse.Namespace) -> int:
     return supervisor.run()
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from tune.command import run
+
+    return run(args)
+
+
 def _process_title(args: argparse.Namespace) -> str:
     if args.command in ("prefill", "decode"):
         return f"pdserve-{args.node_id}"
@@ -155,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--host", default=None, help="which host of the file this is")
     launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     launch.set_defaults(func=_launch)
+
+    tune = sub.add_parser("tune", help="search deployments for goodput under an SLO, in simulation")
+    add_tune_arguments(tune)
+    tune.set_defaults(func=_tune)
 
     for verb in ("prefill", "decode"):
         p = sub.add_parser(verb, help=f"start one {verb} node pointed at a coordinator")
