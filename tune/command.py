@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "prefix_group, prefix_len]")  # fmt: skip
     w.add_argument("--sharegpt", help="ShareGPT-format JSON (lengths from --model's tokenizer)")
     w.add_argument("--num-requests", type=int, default=10000)
-    w.add_argument("--prompt-len", default="lognormal:256:1.0:4096",
+    w.add_argument("--prompt-len", default="lognormal:160:1.0:1024",
                    help="N, LO:HI or lognormal:MEDIAN:SIGMA[:MAX] (default: %(default)s)")  # fmt: skip
-    w.add_argument("--output-len", default="lognormal:200:0.8:2048", help="same forms")
+    w.add_argument("--output-len", default="lognormal:250:0.7:1024", help="same forms")
     w.add_argument(
         "--long-fraction", type=float, default=0.0, help="of requests from the long ones"
     )
@@ -195,7 +195,7 @@ def run_search(args: argparse.Namespace) -> int:
     from tune.model_shape import model_shape
     from tune.profile import Profile
     from tune.report import candidates_table, plot_curves, serve_command, write_outputs
-    from tune.search import SearchSpace, curves, search
+    from tune.search import CEILING, SearchSpace, curves, search
     from tune.simulator import Simulation
 
     missing = [f for f in ("profile", "devices", "slo_ttft_ms", "slo_tpot_ms")
@@ -238,6 +238,10 @@ def run_search(args: argparse.Namespace) -> int:
     print(f"\nbest of {result.num_simulations} simulations in {result.seconds:.0f} s "
           f"(latencies {where}; goodput: the highest rate with {slo.attainment:.0%} within the SLO)\n")  # fmt: skip
     print(candidates_table(top, args.devices, at))
+    if any(e.burst for e in top):
+        print(f"\nwarning: >= marks a deployment that met the SLO even at {CEILING:g} times its "
+              f"throughput bound: {len(workload)} requests arrive as one burst it absorbs; give "
+              "more requests (--num-requests) to measure a sustained rate")  # fmt: skip
     out = Path(args.out_dir)
     best = result.best
     model_arg = (
@@ -245,10 +249,13 @@ def run_search(args: argparse.Namespace) -> int:
     )
     written = write_outputs(best, profile, slo, args.devices, out, model_arg, args.gpus_per_host)
     if not args.no_plot:
-        shown = result.ranked[:3]
-        runs = curves(profile, workload, slo, shown, processes=args.processes)
+        shown = result.ranked[:2]
+        runs = curves(profile, workload, slo, shown, result.nodes, space.screen_nodes,
+                      processes=args.processes)  # fmt: skip
+        small = min(result.nodes, space.screen_nodes)
         title = (f"{profile.model.name} on {args.devices} devices ({profile.device}); "
-                 f"{profile.source.split(':')[0]} profile")  # fmt: skip
+                 f"{profile.source.split(':')[0]} profile; simulated on {small} of "
+                 f"{result.nodes} nodes, rates scaled")  # fmt: skip
         plot = plot_curves(runs, slo, out / "goodput.png", title)
         if plot is not None:
             written.append(plot)

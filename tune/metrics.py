@@ -60,6 +60,7 @@ class Summary:
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     stopped_early: bool = False  # the run ended once the SLO could no longer be met
+    peak_kv_usage: float = 0.0  # the fullest a decoding node's KV pool was
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -34,7 +34,8 @@ def candidates_table(
         summary = (at or {}).get(d, e.at_goodput)
         rows.append(
             f"| {i} | {d.placement} | {d.max_num_batched_tokens} | {d.max_num_seqs} "
-            f"| {d.admission_watermark:g} | {e.goodput:.2f} | {e.goodput / devices:.3f} "
+            f"| {d.admission_watermark:g} | {'>= ' if e.burst else ''}{e.goodput:.2f} "
+            f"| {e.goodput / devices:.3f} "
             f"| {_ms(summary, 'ttft_ms')} | {_ms(summary, 'tpot_ms')} |"
         )
     return "\n".join(rows)

@@ -5,16 +5,15 @@ requests meet both the TTFT and the TPOT target, found by bisection on the rate,
 simulation of the workload at that rate (a probe stops as soon as too many requests have missed).
 
 The space is placement (colocated workers, or P prefill + D decode nodes, with conditional
-disaggregation) x `max_num_batched_tokens` x `max_num_seqs` x `admission_watermark`. It is
-searched coarse to fine:
-1. screen: every placement on a slice of the cluster (at most `screen_nodes` nodes, the rate and
-   the number of requests scaled down with it, so that requests arrive over the same span of
-   time as on every node); placements whose throughput bound cannot reach the best found so far
-   are skipped;
-2. refine: for the best placements, one knob at a time (coordinate descent): from its current
-   value, the values either side, moving on while goodput grows (hill climbing), on the slice;
-3. final: the best candidates scaled back to every node (and the best's neighbouring P:D
-   splits), on the whole workload.
+disaggregation) x `max_num_batched_tokens` x `max_num_seqs` x `admission_watermark`. A simulation
+costs in proportion to the tokens it generates, so the space is searched coarse to fine:
+1. screen, on a slice of the cluster (`screen_nodes` nodes, the rate and the number of requests
+   scaled down with it, so that requests arrive over the same span of time as on every node):
+   colocated workers and the `screen_splits` P:D splits whose throughput bound is highest;
+2. refine, on the slice, the best placement one knob at a time (coordinate descent): the knob's
+   values either side of its current one, going on while goodput grows (hill climbing);
+3. final: the best candidates on every node with the whole workload; a slice's split maps to
+   several on every node, of which the one with the highest throughput bound is also tried.
 Evaluations of a stage run in parallel processes.
 """
 
@@ -33,6 +32,9 @@ from tune.simulator import Simulation
 from tune.step_model import StepShape
 from tune.workload import Workload
 
+KV_TIGHT = 0.7  # decode pools fuller than this at goodput: the admission watermark matters
+CEILING = 4.0  # probes stay below this multiple of a deployment's throughput bound
+
 
 @dataclass(frozen=True, slots=True)
 class SearchSpace:
@@ -41,17 +43,18 @@ class SearchSpace:
     watermarks: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2)
     # conditional_disagg_threshold, as quantiles of the workload's prompt lengths
     threshold_quantiles: tuple[float, ...] = (0.25, 0.5, 0.75)
-    screen_nodes: int = 8
+    screen_nodes: int = 4
+    screen_splits: int = 2  # disaggregated P:D splits simulated, by throughput bound
     min_screen_requests: int = 300  # on the slice, however small it is against every node
     refine_top: int = 1
-    final_top: int = 3
-    tolerance: float = 0.05  # bisection on the rate: stop when hi / lo - 1 is below this
-    final_tolerance: float = 0.03
+    final_top: int = 2
+    tolerance: float = 0.1  # bisection on the rate: stop when hi / lo - 1 is below this
+    final_tolerance: float = 0.05
 
     @classmethod
     def quick(cls) -> SearchSpace:
         """A few values of each knob, for checking the command itself."""
-        return cls((1024, 2048), (64, 256), (0.05,), (0.5,), 4, 100, 1, 2, 0.15, 0.1)
+        return cls((1024, 2048), (64, 256), (0.05,), (0.5,), 4, 2, 100, 1, 2, 0.15, 0.1)
 
 
 @dataclass(slots=True)
@@ -70,6 +73,9 @@ class Evaluation:
     goodput: float  # requests per second at which the SLO attainment holds (0: not even slowly)
     probes: list[Probe] = field(default_factory=list)
     scale: float = 1.0  # every node / the nodes simulated (a slice's)
+    # It met the SLO even at CEILING times its throughput bound: the workload arrives as one
+    # burst it absorbs, too short to measure a sustained rate.
+    burst: bool = False
 
     @property
     def full_goodput(self) -> float:
@@ -104,32 +110,46 @@ def probe(profile: Profile, d: Deployment, workload: Workload, slo: SLO, rate: f
     result = Simulation(d, profile).run(workload.at_rate(rate), slo)
     summary = summarize(result.outcomes, slo, rate)
     summary.stopped_early = result.stopped_early
+    summary.peak_kv_usage = result.peak_kv_usage
     return Probe(rate, summary)
 
 
 def max_rate(
-    profile: Profile, d: Deployment, workload: Workload, slo: SLO, hint: float, tolerance: float
+    profile: Profile,
+    d: Deployment,
+    workload: Workload,
+    slo: SLO,
+    hint: float,
+    tolerance: float,
+    spread: float = 1.5,
 ) -> Evaluation:
-    """Bisection (geometric) on the rate between a passing and a failing probe, from `hint`."""
+    """Bisection (geometric) on the rate between a passing and a failing probe, found from
+    `hint` in steps of `spread` (small where the hint is good). Rates are kept within a factor
+    of CEILING of the deployment's throughput bound: a workload that still passes there is too
+    short to tell (the deployment absorbs it as one burst), and the ceiling is reported."""
     probes: list[Probe] = []
+    bound = throughput_bound(profile, d, workload, slo)
+    ceiling, floor = bound * CEILING, bound / 1000
 
     def passes(rate: float) -> bool:
         probes.append(probe(profile, d, workload, slo, rate))
         return probes[-1].attainment >= slo.attainment
 
-    hint = max(hint, 1e-3)
+    hint = min(max(hint, floor), ceiling)
     if passes(hint):
-        lo, hi = hint, hint * 1.5
-        while passes(hi):
-            lo, hi = hi, hi * 1.5
-            if len(probes) > 12:
-                break
+        lo, hi = hint, min(hint * spread, ceiling)
+        while hi > lo and passes(hi):
+            lo, spread = hi, min(spread * spread, 4.0)  # a poor hint: widen
+            hi = min(hi * spread, ceiling)
+        if hi <= lo:
+            return Evaluation(d, lo, probes, burst=True)
     else:
-        lo, hi = hint / 1.5, hint
+        lo, hi = max(hint / spread, floor), hint
         while not passes(lo):
-            lo, hi = lo / 1.5, lo
-            if len(probes) > 12 or lo < hint * 1e-3:
+            if lo <= floor:
                 return Evaluation(d, 0.0, probes)
+            spread = min(spread * spread, 4.0)
+            lo, hi = max(lo / spread, floor), lo
     while hi / lo - 1 > tolerance:
         mid = math.sqrt(lo * hi)
         if passes(mid):
@@ -140,12 +160,19 @@ def max_rate(
 
 
 def throughput_bound(profile: Profile, d: Deployment, workload: Workload, slo: SLO) -> float:
-    """Requests per second the deployment could not exceed for long: its prefill nodes' prompt
-    tokens per second and its decode nodes' tokens per second at the largest batch that fits
-    their KV, max_num_seqs and the TPOT target; colocated workers pay for both."""
+    """An optimistic estimate of the requests per second a deployment sustains, from the step and
+    transfer models: prefill nodes' prompts per second in full chunks, their links' KV bytes per
+    second, and decode nodes' tokens per second at the largest batch that fits their KV pool,
+    max_num_seqs and the TPOT target; colocated workers pay for prefill and decode both. It
+    orders placements and starts the bisection; the simulation decides."""
     step, prompt, output = profile.step, workload.mean_prompt_len, workload.mean_output_len
-    chunk = min(d.max_num_batched_tokens, max(1, round(prompt)))
-    prefill_s = step.time(StepShape.prefill(1, chunk)) * prompt / chunk  # one prompt's share
+    length = max(1, round(prompt))
+    per_step = max(1, d.max_num_batched_tokens // length)  # prompts a chunk holds
+    if length > d.max_num_batched_tokens:  # one prompt over several chunks
+        chunks = -(-length // d.max_num_batched_tokens)
+        prefill_s = chunks * step.time(StepShape.prefill(1, length // chunks, length // 2))
+    else:
+        prefill_s = step.time(StepShape.prefill(per_step, length)) / per_step
     context = prompt + output / 2
     fits = profile.kv_blocks * profile.block_size // max(1, round(context + output / 2))
     batch = max(1, min(d.max_num_seqs, fits))
@@ -154,7 +181,9 @@ def throughput_bound(profile: Profile, d: Deployment, workload: Workload, slo: S
     decode_s = step.time(StepShape.decode(batch, round(context))) / batch  # one token's share
     if d.colocated:
         return d.decode / (prefill_s + output * decode_s)
-    return min(d.prefill / prefill_s, d.decode / (output * decode_s))
+    kv_bytes = -(-length // profile.block_size) * profile.kv_bytes_per_block
+    transfer_s = profile.transfer.wire_time(kv_bytes)
+    return min(d.prefill / max(prefill_s, transfer_s), d.decode / (output * decode_s))
 
 
 # --- the search ---------------------------------------------------------------------------------
@@ -169,11 +198,12 @@ class _Task:
     hint: float
     tolerance: float
     scale: float
+    spread: float = 1.5
 
 
 def _evaluate(task: _Task) -> Evaluation:
     found = max_rate(task.profile, task.deployment, task.workload, task.slo, task.hint,
-                     task.tolerance)  # fmt: skip
+                     task.tolerance, task.spread)  # fmt: skip
     found.scale = task.scale
     return found
 
@@ -257,22 +287,16 @@ def search(
     bar = _bar(progress)
     runner = _Runner(processes, bar.update)
     try:
-        # 1. Placements on the slice, best-bound first; hopeless ones skipped.
+        # 1. Colocated and the splits with the highest throughput bounds, on the slice.
         candidates = placements(small, base) if small > 1 else [base.with_(
             prefill=0, decode=1, colocated=True)]  # fmt: skip
         bounds = {c: throughput_bound(profile, c, sample, slo) for c in candidates}
-        candidates.sort(key=lambda c: -bounds[c])
+        splits = sorted((c for c in candidates if not c.colocated), key=lambda c: -bounds[c])
+        candidates = [c for c in candidates if c.colocated] + splits[: space.screen_splits]
         bar.stage(f"screening {len(candidates)} placements on {small} nodes", len(candidates))
-        screened: list[Evaluation] = []
-        for group in _batches(candidates, processes):
-            best = max((e.goodput for e in screened), default=0.0)
-            batch = [c for c in group if bounds[c] * 1.3 >= best]
-            bar.update(len(group) - len(batch))
-            if batch:
-                hint = best or min(bounds[c] for c in batch) * 0.7
-                tasks = [_Task(profile, c, sample, slo, hint, space.tolerance, scale)
-                         for c in batch]  # fmt: skip
-                screened += runner.run(tasks)
+        hint = 0.7 * max(bounds[c] for c in candidates)
+        screened = runner.run([_Task(profile, c, sample, slo, hint, space.tolerance, scale)
+                               for c in candidates])  # fmt: skip
         screened.sort(key=lambda e: -e.goodput)
         say(_summary_line("screened", screened[0]))
         # 2. One knob at a time for the best placements.
@@ -281,19 +305,23 @@ def search(
             values = knob_values(space, workload, incumbent.deployment)
             bar.stage(f"refining {incumbent.deployment.placement}", None)
             for knob, options in values.items():
+                run = incumbent.at_goodput
+                if knob == "admission_watermark" and run and run.peak_kv_usage < KV_TIGHT:
+                    continue  # the pools never filled: what is kept free never mattered
                 incumbent = _climb(runner, incumbent, knob, options, profile, sample, slo, space)
             refined.append(incumbent)
             say(_summary_line("refined", incumbent))
         # 3. Every node, the whole workload.
-        best_of = {e.deployment: e for e in [*refined, *screened[: space.final_top]]}
+        best_of = {e.deployment: e for e in [*refined, *screened]}
         pool = sorted(best_of.values(), key=lambda e: -e.goodput)[: space.final_top]
         finals: dict[Deployment, float] = {}
         for rank, e in enumerate(pool):
-            for d in _scaled(e.deployment, nodes, scale, neighbours=rank == 0):
+            for d in _scaled(e.deployment, nodes, scale, profile, workload, slo, rank == 0):
                 finals.setdefault(d, e.full_goodput)
         bar.stage(f"final: {len(finals)} candidates on {nodes} nodes, {len(workload)} requests",
                   len(finals))  # fmt: skip
-        tasks = [_Task(profile, d, workload, slo, hint, space.final_tolerance, 1.0)
+        spread = 1 + space.final_tolerance  # the slice's goodput is a good hint: two probes
+        tasks = [_Task(profile, d, workload, slo, hint, space.final_tolerance, 1.0, spread)
                  for d, hint in finals.items()]  # fmt: skip
         ranked = sorted(runner.run(tasks), key=lambda e: -e.goodput)
     finally:
@@ -341,20 +369,29 @@ def _climb(
         found = evaluate([index + step])
 
 
-def _scaled(d: Deployment, nodes: int, scale: float, neighbours: bool) -> list[Deployment]:
-    """A slice's deployment on every node; with neighbours, the P:D splits a step either side."""
+def _scaled(
+    d: Deployment,
+    nodes: int,
+    scale: float,
+    profile: Profile,
+    workload: Workload,
+    slo: SLO,
+    alternatives: bool,
+) -> list[Deployment]:
+    """A slice's deployment on every node: its split scaled; with alternatives, also the split
+    of highest throughput bound among those the slice's split stands for."""
     if d.colocated:
         return [d.with_(decode=nodes)]
     prefill = min(nodes - 1, max(1, round(d.prefill * scale)))
-    splits = {prefill}
-    if neighbours:
-        step = max(1, round(scale / 2))
-        splits |= {min(nodes - 1, max(1, prefill + s)) for s in (-step, step)}
-    return [d.with_(prefill=p, decode=nodes - p) for p in sorted(splits)]
-
-
-def _batches(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
+    out = [d.with_(prefill=prefill, decode=nodes - prefill)]
+    if alternatives and scale > 1:
+        lo = max(1, math.ceil((d.prefill - 0.5) * scale))
+        hi = min(nodes - 1, math.floor((d.prefill + 0.5) * scale))
+        options = [d.with_(prefill=p, decode=nodes - p) for p in range(lo, hi + 1)]
+        best = max(options, key=lambda c: throughput_bound(profile, c, workload, slo))
+        if best not in out:
+            out.append(best)
+    return out
 
 
 def _summary_line(stage: str, e: Evaluation) -> str:
@@ -366,23 +403,37 @@ def curves(
     workload: Workload,
     slo: SLO,
     evaluations: Sequence[Evaluation],
-    factors: Sequence[float] = (0.4, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5),
-    num_requests: int = 2000,
+    nodes: int,
+    slice_nodes: int = 4,
+    factors: Sequence[float] = (0.6, 0.85, 1.0, 1.2),
     processes: int = 2,
 ) -> dict[Deployment, list[Summary]]:
-    """Each deployment's runs at rates around the best goodput (whole runs, no early stop)."""
-    reference = max(e.goodput for e in evaluations) or 1.0
-    sample = workload.head(num_requests)
-    jobs = [(profile, e.deployment, sample, slo, f * reference) for e in evaluations
-            for f in factors]  # fmt: skip
+    """Each deployment's whole runs (no early stop) at rates around its goodput, simulated on a
+    slice of `slice_nodes` nodes as the search screens, rates and goodputs scaled to every
+    node."""
+    small = min(nodes, slice_nodes)
+    scale = nodes / small
+    sample = workload.head(max(300, round(len(workload) / scale)))
+    jobs = []
+    for e in evaluations:
+        d = e.deployment
+        if d.colocated:
+            part = d.with_(decode=small)
+        else:
+            prefill = min(small - 1, max(1, round(d.prefill / scale)))
+            part = d.with_(prefill=prefill, decode=small - prefill)
+        jobs += [(profile, part, sample, slo, f * e.goodput / scale, d) for f in factors]
     if processes > 1:
         with mp.get_context("fork").Pool(processes) as pool:
-            runs = pool.starmap(_whole_run, jobs)
+            runs = pool.starmap(_whole_run, [job[:5] for job in jobs])
     else:
-        runs = [_whole_run(*job) for job in jobs]
+        runs = [_whole_run(*job[:5]) for job in jobs]
     out: dict[Deployment, list[Summary]] = {}
-    for (_, d, *_rest), summary in zip(jobs, runs):
-        out.setdefault(d, []).append(summary)
+    for job, summary in zip(jobs, runs):
+        summary.rate *= scale
+        summary.goodput *= scale
+        summary.throughput *= scale
+        out.setdefault(job[5], []).append(summary)
     return out
 
 

@@ -46,6 +46,7 @@ from tune.step_model import StepShape, StepTimeModel
 from tune.workload import SimRequest
 
 START_S = 1.0  # nodes register and report before the first request arrives
+HORIZON_S = 3600.0  # after the last arrival, a run that has not ended is stopped (a safety net)
 SAMPLED_TOKEN = 11  # what every modeled step samples: an id valid in any vocabulary
 
 
@@ -75,6 +76,7 @@ class SimNode:
         self.executor: ModeledExecutor = node.engine.executor
         self.inbox: list[Message] = []
         self.busy = False  # a step in progress, or a loop iteration due now
+        self.decodes = isinstance(node, DecodeNode)
 
     def deliver(self, msg: Message) -> None:
         self.inbox.append(msg)
@@ -121,6 +123,7 @@ class RunResult:
     sim_seconds: float  # simulated time the run took
     num_steps: int
     num_preemptions: int
+    peak_kv_usage: float  # the fullest any decoding node's KV pool was at a heartbeat
 
 
 class Simulation:
@@ -192,6 +195,9 @@ class Simulation:
 
     def _heartbeat(self, node: SimNode) -> None:
         node.heartbeat()
+        if node.decodes:
+            bm = node.engine.block_manager
+            self._peak_kv_usage = max(self._peak_kv_usage, bm.num_used_blocks / bm.num_blocks)
         if not self._done:
             self.at(self.now + self.profile.heartbeat_interval_s, self._heartbeat, node)
 
@@ -217,6 +223,8 @@ class Simulation:
     def _tick(self) -> None:
         self._deliver(self.core.on_tick(self.now))
         self._check_deadlines()
+        if self.now > self._horizon:
+            self._stopped = self._done = True
         if not self._done:
             self.at(self.now + TICK_S, self._tick)
 
@@ -240,6 +248,8 @@ class Simulation:
         vocab = self.profile.model.vocab_size
         self._token_range = (min(10, vocab - 1), min(250, vocab))  # small ints: cheap lists
         self._stopped = False
+        self._peak_kv_usage = 0.0
+        self._horizon = START_S + (requests[-1].arrival_s if requests else 0.0) + HORIZON_S
         self.at(START_S, self._tick)
         if requests:
             self.at(START_S + requests[0].arrival_s, self._arrive, 0)
@@ -258,6 +268,7 @@ class Simulation:
             self.now - START_S,
             sum(e.stats.num_steps for e in engines),
             sum(e.scheduler.num_preemptions for e in engines),
+            self._peak_kv_usage,
         )
 
     def _prompt(self, request: SimRequest) -> list[int]:
