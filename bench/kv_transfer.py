@@ -131,10 +131,17 @@ def _block_ids(n: int, total: int, pattern: str, rng: random.Random) -> tuple[li
 class TransferBench:
     """One transport: a receiver in a child process, the sender here."""
 
-    def __init__(self, transport: str, max_blocks: int, device: str, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        transport: str,
+        max_blocks: int,
+        device: str,
+        chunk_bytes: int,
+        layout: KVLayout = LLAMA3_8B,
+    ) -> None:
         rx_device = "cuda:1" if transport == "nccl" else device
-        self.remote = RemoteEndpoint("receiver", transport, LLAMA3_8B, max_blocks, device=rx_device)
-        self.pool = KVPool(LLAMA3_8B, max_blocks, device)
+        self.remote = RemoteEndpoint("receiver", transport, layout, max_blocks, device=rx_device)
+        self.pool = KVPool(layout, max_blocks, device)
         self.pool.kv.view(torch.int16).random_()  # touch every page, arbitrary bits
         self.sender = make_sender(transport, self.pool, chunk_bytes=chunk_bytes)
         self.sender.connect("decode", self.remote.info)

@@ -241,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for system, d in systems.items():
         config = tomllib.loads(written.read_text()) if d == picked else None
+        before = os.getloadavg()[0]
         measured = asyncio.run(measure(system, d, args, work, model, config))
+        # Other jobs on the machine share its cores with the nodes: the load says how much.
+        print(f"# {system}: 1-min load average {before:.2f} before, {os.getloadavg()[0]:.2f} "
+              "after", flush=True)  # fmt: skip
         for i, rate in enumerate(args.rates):
             requests = sim_requests(requests_at(args, rate, args.seed + i), rate, args.seed + i)
             predicted = predict(profile, d, requests, slo, rate)

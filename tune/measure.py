@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import torch
 
 from cluster.sampling_params import SamplingParams
 from engine.config import EngineConfig
+from engine.kv_cache import KVLayout
 from engine.llm_engine import LLMEngine
 from tune.model_shape import ModelShape
 from tune.profile import Profile
@@ -138,25 +140,31 @@ def measure_steps(
 
 
 def measure_transfer(
-    transport: str, blocks: tuple[int, ...] = (1, 4, 16), repeats: int = 5
+    transport: str,
+    layout: KVLayout,
+    blocks: tuple[int, ...] = (1, 8, 32, 128),
+    repeats: int = 5,
 ) -> TransferModel:
-    """`bench.kv_transfer`'s transfers (its Llama-3-8B-shaped layout, 2 MiB a block, receiver in
-    another process) at a few sizes, fitted to latency + bytes / bandwidth."""
+    """`bench.kv_transfer`'s transfers of the model's own KV layout (a receiver in another
+    process, blocks scattered over its pool as a busy node's are) at a few sizes, fitted to
+    latency + bytes / bandwidth; a transfer's cost per page shows in the bandwidth."""
     try:
-        from bench.kv_transfer import LLAMA3_8B, TransferBench
+        from bench.kv_transfer import TransferBench
     except ImportError as exc:
         raise ValueError(
             "measuring the transfer needs bench/ (a source checkout); or give "
             "--transfer-gbps and --transfer-latency-ms"
         ) from exc
-    bench = TransferBench(transport, max(blocks), "cpu", chunk_bytes=8 << 20)
+    pool_blocks = 2 * max(blocks) + 1
+    bench = TransferBench(transport, pool_blocks, "cpu", chunk_bytes=8 << 20, layout=layout)
+    rng = random.Random(0)
     try:
         sizes, seconds = [], []
         for n in blocks:
-            ids = list(range(n))
-            bench.run(ids, ids)  # warm-up: first touch of pages, the connection
-            times = [bench.run(ids, ids) for _ in range(repeats)]
-            sizes.append(n * LLAMA3_8B.bytes_per_block)
+            src, dst = rng.sample(range(pool_blocks), n), rng.sample(range(pool_blocks), n)
+            bench.run(src, dst)  # warm-up: first touch of pages, the connection
+            times = [bench.run(src, dst) for _ in range(repeats)]
+            sizes.append(n * layout.bytes_per_block)
             seconds.append(statistics.median(times))
     finally:
         bench.close()
@@ -188,7 +196,7 @@ def measure_profile(
     step = fit(shapes, seconds)
     if transfer is None:
         progress(f"KV transfer ({transport})")
-        transfer = measure_transfer(transport)
+        transfer = measure_transfer(transport, engine.layout)
     if kv_blocks is None:
         sized = EngineConfig(model=model_dir, device=device, dtype=dtype, block_size=block_size)
         kv_blocks = pool_blocks(sized, shape)

@@ -12,8 +12,9 @@ costs in proportion to the tokens it generates, so the space is searched coarse 
    colocated workers and the `screen_splits` P:D splits whose throughput bound is highest;
 2. refine, on the slice, the best placement one knob at a time (coordinate descent): the knob's
    values either side of its current one, going on while goodput grows (hill climbing);
-3. final: the best candidates on every node with the whole workload; a slice's split maps to
-   several on every node, of which the one with the highest throughput bound is also tried.
+3. final: the best candidates, and colocated workers as the baseline, on every node with the
+   whole workload; a slice's split maps to several on every node, of which the one with the
+   highest throughput bound is also tried.
 Evaluations of a stage run in parallel processes.
 """
 
@@ -314,6 +315,8 @@ def search(
         # 3. Every node, the whole workload.
         best_of = {e.deployment: e for e in [*refined, *screened]}
         pool = sorted(best_of.values(), key=lambda e: -e.goodput)[: space.final_top]
+        # Colocated workers stay in as the baseline disaggregation is measured against.
+        pool += [e for e in screened if e.deployment.colocated and e not in pool][:1]
         finals: dict[Deployment, float] = {}
         for rank, e in enumerate(pool):
             for d in _scaled(e.deployment, nodes, scale, profile, workload, slo, rank == 0):
@@ -352,8 +355,10 @@ def _climb(
     def evaluate(indexes: list[int]) -> list[Evaluation]:
         picks = [i for i in indexes if 0 <= i < len(options) and options[i] not in tried]
         tried.update(options[i] for i in picks)
+        # Near the incumbent's goodput, a bracket of one tolerance: two probes when it holds.
         tasks = [_Task(profile, incumbent.deployment.with_(**{knob: options[i]}), workload, slo,
-                       incumbent.goodput or 1.0, space.tolerance, incumbent.scale)
+                       incumbent.goodput or 1.0, space.tolerance, incumbent.scale,
+                       1 + space.tolerance)
                  for i in picks]  # fmt: skip
         return runner.run(tasks)
 
