@@ -1,9 +1,11 @@
 """Disaggregated against colocated serving, and continuous against static batching, in one run:
 starts each pdserve configuration with `pdserve serve`, sweeps the same request rates against it
 (a mostly-short workload with long prompts arriving mid-stream, and the same without them), and
-writes the results JSON, the figure, and the table in docs/benchmarks.md.
+prints the results table. The results JSON and the figure go to the work directory (or to
+--results and --plot); with --write-docs, to bench/results/, docs/serving_sweep.png and the
+results block of docs/benchmarks.md.
 
-    .venv/bin/python -m bench.compare
+    python -m bench.compare
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.serve_load import HelpFormatter
 from bench.serving.bench_model import BENCH_NAME, ensure_bench_model
 from bench.serving.load_generator import LoadConfig
 from bench.serving.metrics import SLO
@@ -31,6 +34,12 @@ from bench.serving.sweep import run_sweep
 from bench.serving.workload import SyntheticWorkload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where --write-docs puts the results, under the repository.
+RESULTS, PLOT, DOC = (
+    "bench/results/serving_compare.json",
+    "docs/serving_sweep.png",
+    "docs/benchmarks.md",
+)
 BEGIN, END = "<!-- serving-results:begin -->", "<!-- serving-results:end -->"
 
 # The same node settings for every system; prefix caching stays on (prompts are random, so no
@@ -148,7 +157,7 @@ def compact(results: dict) -> dict:
     return rounded(results)  # type: ignore[return-value]
 
 
-def markdown(results: dict, args: argparse.Namespace) -> str:
+def markdown(results: dict, args: argparse.Namespace, doc: Path) -> str:
     sweeps, m = results["sweeps"], results["machine"]
     systems = list(dict.fromkeys(s["system"] for s in sweeps))
     static = "colocated-static" if "colocated-static" in systems else None
@@ -162,7 +171,7 @@ def markdown(results: dict, args: argparse.Namespace) -> str:
         f"Requests per rate: {args.duration_s:g} s of arrivals, at least {args.min_requests}. "
         "Every token streamed in its own chunk (`logprobs: 0`).",
         "",
-        f"![serving sweep]({os.path.relpath(args.plot, Path(args.doc).parent)})",
+        f"![serving sweep]({os.path.relpath(args.plot, doc.parent)})",
         "",
         results_table(sweeps),
         "",
@@ -196,30 +205,52 @@ def length_range(text: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=DEFAULT_SYSTEMS)
-    p.add_argument("--rates", type=floats, default=[2.0, 4.0, 6.0, 8.0, 10.0])
+                                formatter_class=HelpFormatter)  # fmt: skip
+    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=DEFAULT_SYSTEMS,
+                   metavar="SYSTEM", help=f"systems to run, of {', '.join(SYSTEMS)}")  # fmt: skip
+    p.add_argument("--rates", type=floats, default=[2.0, 4.0, 6.0, 8.0, 10.0],
+                   help="request rates of the sweep, req/s")  # fmt: skip
     p.add_argument("--duration-s", type=float, default=20.0, help="of arrivals per rate")
     p.add_argument("--min-requests", type=int, default=60, help="per rate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64))
-    p.add_argument("--short-output-len", type=length_range, default=(32, 96))
-    p.add_argument("--long-fraction", type=float, default=0.15)
-    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900))
-    p.add_argument("--long-output-len", type=length_range, default=(8, 16))
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=25.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workloads and arrivals")
+    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64),
+                   help="short prompts' tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--short-output-len", type=length_range, default=(32, 96),
+                   help="short requests' output tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--long-fraction", type=float, default=0.15,
+                   help="share of long prompts in the mixed workload")  # fmt: skip
+    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900),
+                   help="long prompts' tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--long-output-len", type=length_range, default=(8, 16),
+                   help="long prompts' output tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT objective of goodput")
+    p.add_argument("--slo-tpot-ms", type=float, default=25.0, help="TPOT objective of goodput")
     p.add_argument("--latency-limits-ms", type=floats, default=[1000.0, 2000.0, 3000.0],
                    help="P99 end-to-end latencies at which continuous and static are compared")  # fmt: skip
     p.add_argument("--model", default="pdserve-bench",
                    help="checkpoint directory, pdserve-tiny, or pdserve-bench (generated)")  # fmt: skip
-    p.add_argument("--results", default=str(REPO_ROOT / "bench/results/serving_compare.json"))
-    p.add_argument("--plot", default=str(REPO_ROOT / "docs/serving_sweep.png"))
-    p.add_argument("--doc", default=str(REPO_ROOT / "docs/benchmarks.md"))
-    p.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone")
-    p.add_argument("--work-dir", default=None, help="configs and logs (default: a temp dir)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--results", default=None,
+                   help="results JSON (default: WORK_DIR/serving_compare.json)")  # fmt: skip
+    p.add_argument("--plot", default=None, help="figure (default: WORK_DIR/serving_sweep.png)")
+    p.add_argument("--write-docs", action="store_true",
+                   help="write the results to bench/results/serving_compare.json, the figure to "
+                   "docs/serving_sweep.png and the table into docs/benchmarks.md (unless "
+                   "--results or --plot say otherwise)")  # fmt: skip
+    p.add_argument("--no-doc", action="store_true", help=argparse.SUPPRESS)  # the default now
+    p.add_argument("--work-dir", default=None,
+                   help="configs, logs and results (default: a new temporary directory)")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def outputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path | None]:
+    """Where the results JSON, the figure and the doc's results block go: the paths given, else
+    the work directory and no doc; with --write-docs, the repository's files."""
+    if args.write_docs:
+        results, plot, doc = REPO_ROOT / RESULTS, REPO_ROOT / PLOT, REPO_ROOT / DOC
+    else:
+        results, plot, doc = work / "serving_compare.json", work / "serving_sweep.png", None
+    return Path(args.results or results), Path(args.plot or plot), doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     results["command"] = "python -m bench.compare " + " ".join(argv or sys.argv[1:])
     results["settings"] = {k: v for k, v in vars(args).items()}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-    print(f"configs and logs in {work}", flush=True)
+    print(f"configs, logs and results in {work}", flush=True)
+    results_path, plot_path, doc = outputs(args, work)
+    args.results, args.plot = str(results_path), str(plot_path)
     if args.model == BENCH_NAME:
         args.model = str(ensure_bench_model())
     results["model"] = args.model
@@ -241,11 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"pdserve on {results['machine']['cores']} CPU cores: mixed workload (solid) "
              f"and short-only (dashed)")  # fmt: skip
     plot_sweeps(results["sweeps"], args.plot, title)
-    block = markdown(results, args)
+    block = markdown(results, args, doc or REPO_ROOT / DOC)
     print(block)
-    if not args.no_doc:
-        update_doc(Path(args.doc), block)
-    print(f"wrote {args.results}, {args.plot}" + ("" if args.no_doc else f", {args.doc}"))
+    if doc is not None:
+        update_doc(doc, block)
+    print(f"wrote {args.results}, {args.plot}" + (f", {doc}" if doc else ""))
     return 0
 
 

@@ -4,6 +4,7 @@ TFLOP/s as a fraction of a bf16 matmul; the torch reference is timed on the same
 
     .venv/bin/python -m bench.kernels                    # Llama-3-8B attention shapes, bf16
     .venv/bin/python -m bench.kernels --batches 1,16 --contexts 4096 --json out.json
+    .venv/bin/python -m bench.kernels --quick            # gpu-check's shorter sweep
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch
 # Llama-3-8B attention: 32 q heads over 8 KV heads of 128, bf16 pages of 16 tokens.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+# The sweeps: the full one for the docs, the quick one for `make gpu-check`'s time box.
+FULL_SWEEP = {"batches": [1, 16, 64, 256], "contexts": [512, 4096], "prefill_prompts": [1, 4]}
+QUICK_SWEEP = {"batches": [1, 64, 256], "contexts": [4096], "prefill_prompts": [1]}
 # Decode inputs rotated through in graph timing: several times an H100's 50 MB L2.
 ROTATE_BYTES = 256 << 20
 
@@ -175,13 +179,21 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
-    parser.add_argument("--contexts", type=_ints, default=[512, 4096])
-    parser.add_argument("--prefill-prompts", type=_ints, default=[1, 4])
+    parser.add_argument("--batches", type=_ints, default=None, help="default 1,16,64,256")
+    parser.add_argument("--contexts", type=_ints, default=None, help="default 512,4096")
+    parser.add_argument("--prefill-prompts", type=_ints, default=None, help="default 1,4")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch ref")
+    parser.add_argument(
+        "--quick", action="store_true", help="batches 1,64,256 at 4096 tokens, 1 prompt"
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    # Flags given win over either sweep.
+    sweep = QUICK_SWEEP if args.quick else FULL_SWEEP
+    for name, values in sweep.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values)
     if not torch.cuda.is_available():
         print("bench.kernels: CUDA is not available; the Triton kernels need an NVIDIA GPU.")
         return 0

@@ -11,6 +11,7 @@ engine runs them (batch preparation, the forward, logits, the copy of logits to 
     python -m bench.model_step                                  # on a GPU: Llama-3-8B, bf16
     python -m bench.model_step --json out.json --batches 1,64 --contexts 4096
     python -m bench.model_step --preset tiny --device cpu       # the script itself, on a CPU
+    python -m bench.model_step --quick                          # gpu-check's shorter sweep
 
 A combination whose weights and KV do not fit the device is listed as such and skipped.
 """
@@ -62,6 +63,19 @@ PRESETS = {
     ),
 }
 BLOCK_SIZE = 16
+# The sweeps: the full one for the docs, the quick one for `make gpu-check`'s time box.
+FULL_SWEEP = {
+    "batches": [1, 16, 64, 256],
+    "contexts": [512, 4096],
+    "prefill_prompts": [1, 4],
+    "repeats": 20,
+}
+QUICK_SWEEP = {
+    "batches": [1, 64, 256],
+    "contexts": [512, 4096],
+    "prefill_prompts": [1],
+    "repeats": 10,
+}
 
 
 @dataclass(slots=True)
@@ -279,15 +293,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
-    parser.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
-    parser.add_argument("--contexts", type=_ints, default=[512, 4096])
-    parser.add_argument("--prefill-prompts", type=_ints, default=[1, 4])
+    parser.add_argument("--batches", type=_ints, default=None, help="default 1,16,64,256")
+    parser.add_argument("--contexts", type=_ints, default=None, help="default 512,4096")
+    parser.add_argument("--prefill-prompts", type=_ints, default=None, help="default 1,4")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=None, help="default 20 (quick: 10)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quick", action="store_true", help="batches 1,64,256, 1 prompt, 10 repeats"
+    )
     parser.add_argument("--json", help="also write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Flags given win over either sweep.
+    for name, values in (QUICK_SWEEP if args.quick else FULL_SWEEP).items():
+        if getattr(args, name) is None:
+            setattr(args, name, values)
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,9 +1,11 @@
 """Load generator for any OpenAI-compatible completions endpoint: streams requests at a given rate
 (Poisson or gamma arrivals) or concurrency, and reports TTFT, TPOT, ITL, latency, throughput and
-goodput. Several rates (`--rate 1,2,4`) make a sweep; `--plot` draws it.
+goodput (requests per second that met both SLOs). Several rates (`--rate 1,2,4`) make a sweep;
+`--plot` draws it.
 
-    python -m bench.serve_load --base-url http://127.0.0.1:8000 --rate 4 --num-requests 100 \\
-        --slo-ttft-ms 500 --slo-tpot-ms 50 --output run.json
+    python -m bench.serve_load --rate 4 --num-requests 20       # against pdserve serve's default
+    python -m bench.serve_load --base-url http://HOST:PORT --rate 1,2,4 --slo-ttft-ms 500 \\
+        --slo-tpot-ms 30 --output run.json --plot run.png
 """
 
 from __future__ import annotations
@@ -37,42 +39,69 @@ def rates(text: str) -> list[float]:
     return [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",")]
 
 
+# Default SLOs: the first token within a second, then tokens at 20/s or faster (reading speed).
+SLO_TTFT_MS = 1000.0
+SLO_TPOT_MS = 50.0
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every option's default after its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.serve_load",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m bench.serve_load", description=__doc__, formatter_class=HelpFormatter
     )
-    p.add_argument("--base-url", required=True, help="http://HOST:PORT (with or without /v1)")
-    p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
-    p.add_argument("--rate", type=rates, default=[math.inf], help="req/s, or a,b,c for a sweep")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server, http://HOST:PORT (with or without /v1)")  # fmt: skip
+    p.add_argument("--model", default=None, help="model name (unset: the first of /v1/models)")
+    p.add_argument("--rate", type=rates, default=[math.inf],
+                   help="requests/s (inf: all at once), or a,b,c for a sweep")  # fmt: skip
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (unset: no limit)")  # fmt: skip
     p.add_argument("--num-requests", type=int, default=100, help="per rate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first")
-    p.add_argument("--slo-ttft-ms", type=float, required=True)
-    p.add_argument("--slo-tpot-ms", type=float, required=True)
-    p.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic")
+    p.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS,
+                   help="time-to-first-token objective for goodput")  # fmt: skip
+    p.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS,
+                   help="time-per-output-token objective for goodput")  # fmt: skip
+    p.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic",
+                   help="random token prompts, or conversations from a ShareGPT file")  # fmt: skip
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON")
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer.json (or its folder) for ShareGPT lengths"
     )
-    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64))
-    p.add_argument("--short-output-len", type=length_range, default=(64, 128))
-    p.add_argument("--long-fraction", type=float, default=0.0)
-    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900))
-    p.add_argument("--long-output-len", type=length_range, default=(8, 16))
-    p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
-    p.add_argument("--token-id-range", type=length_range, default=(10, 500))
+    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64),
+                   help="synthetic prompt tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--short-output-len", type=length_range, default=(64, 128),
+                   help="synthetic output tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--long-fraction", type=float, default=0.0,
+                   help="share of synthetic requests that are long prompts")  # fmt: skip
+    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900),
+                   help="long prompts' tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--long-output-len", type=length_range, default=(8, 16),
+                   help="long prompts' output tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens",
+                   help="synthetic prompts as token ids or as words")  # fmt: skip
+    p.add_argument("--token-id-range", type=length_range, default=(10, 500),
+                   help="synthetic token ids, LO:HI")  # fmt: skip
     p.add_argument("--no-usage", action="store_true", help="do not ask for stream usage")
     p.add_argument("--logprobs", type=int, default=None,
                    help="ask for logprobs, so that every token comes in a chunk of its own")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    p.add_argument("--label", default="server")
+    p.add_argument("--label", default="server", help="the system's name in results and plots")
     p.add_argument("--output", default=None, help="results JSON")
     p.add_argument("--plot", default=None, help="PNG of the sweep")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

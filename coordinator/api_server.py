@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn, in the coordinator's event loop): its
-routes (completions, chat completions, models, health, Prometheus metrics), the OpenAI error body
-for every failure, and running it on a socket bound before the nodes start."""
+routes (completions, chat completions, models, vLLM's tokenize and detokenize, version, health,
+Prometheus metrics, the OpenAPI schema and its docs page), the OpenAI error body for every
+failure, and running it on a socket bound before the nodes start."""
 
 from __future__ import annotations
 
@@ -8,36 +9,82 @@ import asyncio
 import contextlib
 import logging
 import socket
-from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.access_log import AccessLog, RequestIdLogFilter
 from coordinator.metrics import CONTENT_TYPE
-from coordinator.openai_protocol import APIError, coordinator_error
+from coordinator.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    coordinator_error,
+)  # fmt: skip
 from coordinator.serving import OpenAIServing
 from coordinator.serving_chat import OpenAIServingChat
 from coordinator.serving_completion import OpenAIServingCompletion
+from coordinator.serving_tokenization import OpenAIServingTokenization
+from engine.embedded_models import model_name
 
 logger = logging.getLogger(__name__)
 
 
-def served_model_name(model: str | None) -> str:
-    """What clients call the model: `pdserve-tiny`, or the checkpoint directory's name."""
-    return "pdserve-tiny" if model in (None, "pdserve-tiny") else Path(model).resolve().name
+def default_model_names(model: str | None) -> tuple[str, ...]:
+    """What clients call the model without --served-model-name: the embedded model's name, or the
+    checkpoint directory's name."""
+    return (model_name(model),)
+
+
+# The bodies the routes parse themselves (strictly, with OpenAI's errors), for the schema.
+REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
+    "/v1/completions": (CompletionRequest,),
+    "/v1/chat/completions": (ChatCompletionRequest,),
+    "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+    "/detokenize": (DetokenizeRequest,),
+}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes, with the request bodies the routes read by hand."""
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)  # fmt: skip
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, models in REQUEST_BODIES.items():
+        refs = []
+        for model in models:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
+        content = refs[0] if len(refs) == 1 else {"anyOf": refs}
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": content}},
+        }  # fmt: skip
+    return schema
 
 
 def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
-def build_app(serving: OpenAIServing) -> FastAPI:
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(serving: OpenAIServing, version: str) -> FastAPI:
+    app = FastAPI(
+        title="pdserve",
+        version=version,
+        description="OpenAI-compatible API of a disaggregated prefill/decode LLM server.",
+        redoc_url=None,
+    )
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
+    tokenization = OpenAIServingTokenization(serving)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -63,9 +110,21 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await chat.create_chat_completion(request)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        return await tokenization.detokenize(request)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return serving.models()
+
+    @app.get("/version")
+    async def version_() -> dict:
+        return {"version": version}
 
     @app.get("/health")
     async def health() -> Response:
@@ -77,6 +136,12 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
+    def schema() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(app)
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
     return app
 
 

@@ -29,8 +29,10 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core import CoordinatorCore, Outbox, SubmitError
 from coordinator.nodes import NodeRegistry
 from coordinator.request_state import RequestState
+from coordinator.stats import INTERVAL_S, StatsCounter
 
 logger = logging.getLogger(__name__)
+stats_logger = logging.getLogger("pdserve.stats")
 
 __all__ = ["Coordinator", "RequestHandle", "SubmitError"]
 
@@ -72,12 +74,10 @@ class Coordinator:
         config: CoordinatorConfig | None = None,
         node_addr: str = "tcp://127.0.0.1:0",
         client_addr: str | None = None,
-        model_name: str = "pdserve-tiny",
         config_path: str | Path | None = None,
     ) -> None:
         self.core = CoordinatorCore(config)
         self.config_path = config_path
-        self.model_name = model_name
         self._node_bind = node_addr
         self._client_bind = client_addr
         self._streams: dict[str, asyncio.Queue[Event]] = {}  # by request id
@@ -88,6 +88,8 @@ class Coordinator:
         self.failure: BaseException | None = None
         self._malformed_nodes = MalformedLog(logger, "coordinator node socket")
         self._malformed_clients = MalformedLog(logger, "coordinator client socket")
+        self.stats = StatsCounter(time.monotonic())
+        self.core.listeners.append(self.stats.observe)
 
     # --- what the HTTP API, metrics and tests read ------------------------------------------------
 
@@ -258,7 +260,9 @@ class Coordinator:
     def _log_send_failure(sent: asyncio.Future, identity: bytes, msg: Message) -> bool:
         if sent.cancelled() or sent.exception() is None:
             return False
-        logger.warning("could not send %s to %r: %s", msg.TYPE, identity, sent.exception())
+        # A node that stopped before its Shutdown (on its own signal, or serve stopped it) is fine.
+        level = logging.DEBUG if isinstance(msg, node_messages.Shutdown) else logging.WARNING
+        logger.log(level, "could not send %s to %r: %s", msg.TYPE, identity, sent.exception())
         return True
 
     # --- loops -----------------------------------------------------------------------------------
@@ -272,12 +276,18 @@ class Coordinator:
 
     async def _clock_loop(self) -> None:
         last = time.monotonic()
+        next_stats = last + INTERVAL_S
         while True:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
             stalled = now - last - TICK_S
             last = now
             self._deliver(self.core.on_tick(now, stalled))
+            if now >= next_stats:
+                next_stats = now + INTERVAL_S
+                stats = self.stats.sample(self.core, now)
+                if stats is not None:
+                    stats_logger.info("%s", stats.line())
 
     async def _client_loop(self) -> None:
         forwarders: set[asyncio.Task] = set()

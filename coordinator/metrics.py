@@ -1,9 +1,12 @@
-"""Prometheus metrics of the serving API: the nodes' KV blocks and queues, read from the
-coordinator at scrape time, and request latency histograms fed by the coordinator's listeners."""
+"""Prometheus metrics of the serving API: the nodes' KV blocks, queues and prefix-cache lookups,
+and the requests in each phase, read from the coordinator at scrape time; request latency and
+KV handoff histograms fed by the coordinator's listeners. `deploy/grafana/pdserve.json` charts
+them."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 from prometheus_client import (
     CollectorRegistry,
@@ -12,7 +15,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from coordinator.coordinator import Coordinator
@@ -50,6 +53,16 @@ class ClusterCollector:
         alive = GaugeMetricFamily(
             "pdserve_node_up", "1 while a node is alive", labels=["node", "role"]
         )
+        hits = CounterMetricFamily(
+            "pdserve_prefix_cache_hit_blocks",
+            "Prompt blocks a node found in its prefix cache (since the node started)",
+            labels=["node"],
+        )
+        misses = CounterMetricFamily(
+            "pdserve_prefix_cache_miss_blocks",
+            "Prompt blocks a node looked up in its prefix cache and computed (since it started)",
+            labels=["node"],
+        )
         for node in list(c.nodes.nodes.values()):
             alive.add_metric([node.node_id, node.role.value], 1.0 if node.alive else 0.0)
             if not node.alive:
@@ -58,13 +71,27 @@ class ClusterCollector:
             total.add_metric([node.node_id], node.num_blocks)
             node_running.add_metric([node.node_id], node.running)
             node_waiting.add_metric([node.node_id], node.waiting)
+            hits.add_metric([node.node_id], node.prefix_hits)
+            misses.add_metric([node.node_id], node.prefix_misses)
         states = list(c.requests.values())
         decoding = sum(1 for s in states if s.phase is Phase.DECODING)
+        phases = GaugeMetricFamily(
+            "pdserve_requests_phase",
+            "Requests at the coordinator by phase: prefilling, local_prefill, waiting_admission, "
+            "admitting, transferring (KV on its way), decoding",
+            labels=["phase"],
+        )
+        for phase in Phase:
+            if phase is not Phase.DONE:
+                phases.add_metric([phase.value], sum(1 for s in states if s.phase is phase))
         yield free
         yield total
         yield node_running
         yield node_waiting
         yield alive
+        yield hits
+        yield misses
+        yield phases
         yield GaugeMetricFamily(
             "pdserve_requests_running", "Requests generating tokens on a decode node", decoding
         )
@@ -112,17 +139,39 @@ class Metrics:
         self.generation_tokens = Counter(
             "pdserve_generation_tokens", "Tokens generated", registry=self.registry
         )
+        self.handoff = Histogram(
+            "pdserve_kv_handoff_seconds",
+            "Time from a prefilled request's admission into a decode node to its first token "
+            "there: the KV transfer and one decode step",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._handed_off: dict[str, int] = {}  # request id -> the attempt whose handoff was timed
 
     def observe(self, name: str, state: RequestState) -> None:
         try:
             if name == "first_token" and state.first_token_at is not None:
                 self.ttft.observe(state.first_token_at - state.arrival)
+            elif name == "tokens":
+                self._on_tokens(state)
             elif name == "finished":
                 self._on_finished(state)
         except Exception:  # metrics must never break the coordinator's message loop
             logger.exception("[%s] metrics listener failed", state.request_id)
 
+    def _on_tokens(self, state: RequestState) -> None:
+        """The first token a decode node made after a handoff ends that handoff."""
+        if (
+            state.phase is Phase.DECODING
+            and state.prefill_node is not None
+            and self._handed_off.get(state.request_id) != state.attempt
+        ):
+            self._handed_off[state.request_id] = state.attempt
+            # The coordinator's clock is time.monotonic(), read in this same process.
+            self.handoff.observe(time.monotonic() - state.handoff_started)
+
     def _on_finished(self, state: RequestState) -> None:
+        self._handed_off.pop(state.request_id, None)
         reason = state.finish_reason or "error"
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(len(state.prompt_token_ids))

@@ -1,11 +1,16 @@
 """The OpenAI-compatible request bodies (validated strictly: a wrong type is an error, never
-coerced) and the error every refusal carries: its status, headers and OpenAI error body."""
+coerced; an unknown field is ignored, as vLLM does) and the error every refusal carries: its
+status, headers and OpenAI error body."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import logging
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 INT64 = 2**63
@@ -70,6 +75,39 @@ def coordinator_error(code: str, message: str) -> APIError:
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send extras such as `user`); known ones are strict.
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    def check(self) -> None:
+        """Rules across fields, checked after the fields themselves; a 400 if one is broken."""
+
+
+Body = TypeVar("Body", bound=_Body)
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    """A request body's JSON object, or the 400 that says why it is none."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("The body must be a JSON object", code="invalid_type")
+    return data
+
+
+def parse_body(data: bytes | dict[str, Any], model: type[Body]) -> Body:
+    """A request body (raw, or its JSON object) as `model`, or the 400 that says what is wrong
+    with it. Fields the model does not know are ignored, with a debug line naming them."""
+    if not isinstance(data, dict):
+        data = load_json(data)
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    unknown = sorted(set(data) - set(model.model_fields))
+    if unknown:
+        logger.debug("ignored unknown fields %s", ", ".join(unknown))
+    body.check()
+    return body
 
 
 class StreamOptions(_Body):
@@ -174,6 +212,36 @@ class ChatCompletionRequest(_Sampling):
             raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("only the text response_format is supported", "response_format")
+
+
+class TokenizeCompletionRequest(_Body):
+    """`POST /tokenize` of a prompt, as vLLM takes it."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """`POST /tokenize` of chat messages through the chat template, as vLLM takes it."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if not self.messages:
+            raise bad_request("messages must be a non-empty array", "messages")
+
+
+class DetokenizeRequest(_Body):
+    """`POST /detokenize`: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- validation errors -----------------------------------------------------------------------

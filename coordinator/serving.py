@@ -14,7 +14,6 @@ from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from cluster.sampling_params import SamplingParams
 from coordinator.choice_stream import ChoiceDelta, ChoiceResult, ChoiceStream
@@ -23,11 +22,12 @@ from coordinator.detokenizer import TokenVocabulary
 from coordinator.metrics import Metrics
 from coordinator.openai_protocol import (
     APIError,
+    Body,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
     coordinator_error,
-    validation_error,
+    parse_body,
 )  # fmt: skip
 from engine.tokenizer import Tokenizer
 
@@ -48,8 +48,8 @@ class Submission:
 
 
 class OpenAIServing:
-    """The served model and the coordinator behind it, shared by the completions and chat
-    endpoints; also the server's metrics, fed by the coordinator's request events."""
+    """The served model and the coordinator behind it, shared by the completions, chat and
+    tokenization endpoints; also the server's metrics, fed by the coordinator's request events."""
 
     def __init__(
         self,
@@ -58,44 +58,44 @@ class OpenAIServing:
         model_dir: str | Path,
         model_name: str,
         aliases: tuple[str, ...] = (),
+        listed: tuple[str, ...] = (),
     ) -> None:
+        """model_name: the name responses carry when a request names none; aliases: other names
+        requests may use; listed: the names /v1/models lists (default: model_name)."""
         self.coordinator = coordinator
         self.tokenizer = tokenizer
+        self.model_dir = str(model_dir)
         self.vocab = TokenVocabulary(tokenizer, model_dir)
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
+        self.listed = listed or (model_name,)
         self.created = int(time.time())
         self.metrics = Metrics(coordinator)
         coordinator.listeners.append(self.metrics.observe)
 
     def models(self) -> dict:
+        max_model_len = self.coordinator.max_model_len
         return {
             "object": "list",
             "data": [{
-                "id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "pdserve", "max_model_len": self.coordinator.max_model_len,
-            }],
+                "id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "root": self.model_dir, "parent": None, "max_model_len": max_model_len,
+            } for name in self.listed],
         }  # fmt: skip
+
+    def response_model(self, requested: str | None) -> str:
+        """The `model` a response carries: the name the request used, or the first name."""
+        return requested if requested in self.model_names else self.model_name
 
     # --- parsing and validation ---------------------------------------------------------------
 
-    async def parse(
-        self, request: Request, model: type
-    ) -> CompletionRequest | ChatCompletionRequest:
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"The body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise bad_request("The body must be a JSON object", code="invalid_type")
-        try:
-            body = model.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-        body.check()
-        if body.model is not None and body.model not in self.model_names:
-            raise APIError(404, f"The model `{body.model}` does not exist.", param="model",
+    async def parse(self, request: Request, model: type[Body]) -> Body:
+        return self.check_model(parse_body(await request.body(), model))
+
+    def check_model(self, body: Body) -> Body:
+        name = getattr(body, "model", None)
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")  # fmt: skip
         return body
 

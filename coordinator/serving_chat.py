@@ -29,7 +29,7 @@ class OpenAIServingChat:
         sub = serving.submission(body, [prompt], requested, None, num_logprobs, "messages")
         choices = await serving.submit(request_id, sub)
         base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": serving.model_name}  # fmt: skip
+                "model": serving.response_model(body.model)}  # fmt: skip
 
         def logprobs(entries: list[TokenLogprob]) -> dict | None:
             return self.logprobs(entries) if body.logprobs else None

@@ -30,7 +30,7 @@ class OpenAIServingCompletion:
         )
         choices = await serving.submit(request_id, sub)
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": serving.model_name}  # fmt: skip
+                "model": serving.response_model(body.model)}  # fmt: skip
         with_logprobs = body.logprobs is not None
 
         def choice(index: int, text: str, logprobs: list, finish_reason: str | None) -> dict:
@@ -55,13 +55,15 @@ class OpenAIServingCompletion:
         })  # fmt: skip
 
     def prompts(self, body: CompletionRequest) -> list[list[int]]:
-        """Token ids of each prompt: one string, strings, token ids, or lists of token ids."""
+        """Token ids of each prompt: one string, strings, token ids, or lists of token ids. An
+        empty prompt (of any of these shapes) is refused, even where the tokenizer would add a
+        beginning-of-sequence token to it."""
         tokenizer = self.serving.tokenizer
         p = body.prompt
+        if not p or (isinstance(p, list) and any(isinstance(x, str | list) and not x for x in p)):
+            raise bad_request("'prompt' must not be empty", "prompt")
         if isinstance(p, str):
             prompts = [tokenizer.encode(p)]
-        elif not p:
-            raise bad_request("'prompt' must not be empty", "prompt")
         elif isinstance(p[0], str):
             prompts = [tokenizer.encode(s) for s in p]
         elif isinstance(p[0], int):

@@ -15,7 +15,8 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = setting(
-        None, "checkpoint directory in Hugging Face format (unset: the embedded pdserve-tiny)"
+        None,
+        "checkpoint directory in Hugging Face format, or pdserve-stories / pdserve-tiny (unset: $PDSERVE_MODEL, else pdserve-stories)",
     )
     dtype: str = setting(
         "auto", "weights and KV cache dtype; auto: float32 on CPU, bfloat16 on GPU", choices=DTYPES

@@ -18,13 +18,13 @@ import torch
 from cluster.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.embedded_models import resolve_model_dir
 from engine.kv_cache import KVLayout, KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from engine.tiny_model import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from kernels.ops import select_ops
 

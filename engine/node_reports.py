@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from cluster.node_messages import Heartbeat, NodeRole, Register, TokenLogprobs
+from engine.embedded_models import model_name
 from engine.llm_engine import LLMEngine
 
 
@@ -24,7 +25,7 @@ def engine_registration(
     return Register(
         node_id=node_id,
         role=role,
-        model=str(engine.config.model or "pdserve-tiny"),
+        model=model_name(engine.config.model),
         block_size=engine.layout.block_size,
         num_blocks=engine.block_manager.num_blocks,
         max_model_len=engine.max_model_len,

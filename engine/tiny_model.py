@@ -1,6 +1,6 @@
-"""`pdserve-tiny`: the embedded default model. A small Llama-shaped checkpoint with a byte-level BPE
-tokenizer, generated deterministically on first use into a cache folder and then loaded through
-the same Hugging Face-format loading code as any checkpoint."""
+"""`pdserve-tiny`: a small random-weight Llama-shaped checkpoint with a byte-level BPE tokenizer,
+generated deterministically on first use into a cache folder and then loaded through the same
+Hugging Face-format loading code as any checkpoint. Its text is noise; tests use it for speed."""
 
 from __future__ import annotations
 
@@ -152,16 +152,3 @@ def ensure_tiny_model() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """None or the name `pdserve-tiny` -> the embedded model; anything else is a directory."""
-    if model is None or model == TINY_NAME:
-        return ensure_tiny_model()
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model directory {model!r} does not exist (no model hub is used: give a local "
-            "Hugging Face-format directory, or omit --model for the embedded pdserve-tiny)"
-        )
-    return path

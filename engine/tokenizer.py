@@ -1,5 +1,6 @@
 """Tokenizer of a checkpoint: `tokenizer.json` through the `tokenizers` library, the chat template
-of `tokenizer_config.json` rendered with jinja2, and the end-of-sequence ids."""
+of `tokenizer_config.json` (or one given instead) rendered with jinja2, and the end-of-sequence
+ids."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _raise_exception(message: str) -> None:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        """chat_template: a Jinja template to use instead of tokenizer_config.json's."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -31,7 +33,7 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = cfg.get("chat_template")
+        self.chat_template: str | None = chat_template or cfg.get("chat_template")
         self.bos_token = _token_content(cfg.get("bos_token"))
         self.eos_token = _token_content(cfg.get("eos_token"))
         eos: list[int] = []
@@ -74,7 +76,12 @@ class Tokenizer:
             **kwargs,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The rendered template already carries its special tokens.
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        # The rendered template usually carries its special tokens already.
         text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)

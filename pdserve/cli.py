@@ -4,18 +4,90 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+import time
+from pathlib import Path
 
-from cluster.node_options import NodeOptions
-from cluster.schema import add_flags, from_args, values_from_args
+from cluster.node_options import PLACEMENT, NodeOptions
+from cluster.schema import add_flags, from_args, names, values_from_args
+from coordinator.config import CoordinatorConfig
 from engine.config import EngineConfig
+from engine.embedded_models import EMBEDDED
+from pdserve import __version__
+from tune.command import DESCRIPTION as TUNE_DESCRIPTION
 from tune.command import add_arguments as add_tune_arguments
 
-# The engine settings serve and coordinator take as flags; the others come from --config.
-SERVE_ENGINE_FLAGS = ("dtype", "device")
+DESCRIPTION = (
+    "pdserve serves open-weight LLMs (Hugging Face checkpoints of the Llama, Mistral, Qwen2 and "
+    "Qwen3 families) behind an OpenAI-compatible HTTP API, with prefill and decode on separate "
+    "worker processes: `pdserve serve [MODEL]` starts everything on this machine, `pdserve "
+    "launch CLUSTER.toml` one host's part of a cluster. With no MODEL it serves pdserve-stories, a "
+    "small embedded model that writes simple stories (or $PDSERVE_MODEL). pdserve never downloads "
+    "a model: MODEL is a local directory."
+)
+
+# Node settings that serve's flags may set: where a node sits in the cluster is serve's to give.
+SERVE_NODE_FLAGS = tuple(n for n in names(NodeOptions) if n not in PLACEMENT or n == "transport")
+# The coordinator's own settings offered as flags too (vLLM users expect this one on the command
+# line); every other one is a key of --config.
+SERVE_COORDINATOR_FLAGS = ("max_pending_requests",)
+# A Hugging Face hub id: ORG/NAME, nothing else in it.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help line ends with its default, once (settings' help already has it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False
+        if "default" in text or not action.option_strings or unset:
+            return text
+        if action.default is argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def check_model(model: str | None) -> None:
+    """A model is an embedded one or a local checkpoint directory; a hub id gets told how to
+    fetch it."""
+    if model is None or model in EMBEDDED:
+        return
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{model} has no config.json: not a Hugging Face checkpoint")
+        return
+    if HUB_ID.fullmatch(model) and not model.startswith("."):
+        raise ValueError(
+            f"model {model!r} is not a local directory, and pdserve never downloads: fetch it "
+            f"with `huggingface-cli download {model} --local-dir DIR`, then give DIR"
+        )
+    raise ValueError(f"model directory {model!r} does not exist")
+
+
+def _model_arg(args: argparse.Namespace) -> str | None:
+    """The model given as MODEL or --model (not both, unless they agree)."""
+    positional, flag = getattr(args, "model_arg", None), getattr(args, "model", None)
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"two models given: {positional!r} and --model {flag!r}; give one")
+    model = positional if positional is not None else flag
+    check_model(model)
+    if model is None or model in EMBEDDED:
+        return model
+    return str(Path(model).expanduser())
+
+
+def escape_controls(text: str) -> str:
+    """Control characters (but newline and tab) as Python escapes, for a terminal."""
+    return "".join(
+        c if c in "\n\t" or (c.isprintable() and c != "\x7f") else repr(c)[1:-1] for c in text
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
+    model = _model_arg(args)  # a bad model is refused before torch is imported
     from engine import LLM, SamplingParams
 
     params = SamplingParams(
@@ -26,16 +98,23 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(**values_from_args(EngineConfig, args))
+    llm = LLM(**{**values_from_args(EngineConfig, args), "model": model})
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    started = time.perf_counter()
     (out,) = llm.generate([prompt], params)
-    print(out.text)
+    elapsed = time.perf_counter() - started
+    # Generated text may hold control characters that would drive a terminal; a pipe gets it raw.
+    print(escape_controls(out.text) if sys.stdout.isatty() else out.text, flush=True)
+    num = len(out.token_ids)
+    print(f"pdserve: {num} tokens in {elapsed:.2f} s ({num / max(elapsed, 1e-9):.1f} tokens/s)",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 
 def _node(args: argparse.Namespace) -> int:
+    check_model(args.model)
     options, engine = from_args(NodeOptions, args), from_args(EngineConfig, args)
     if args.command == "prefill":
         from prefill_node.worker import serve
@@ -51,21 +130,25 @@ def _node(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pdserve.serve import ServeOptions, run_serve
 
+    start_nodes = args.command == "serve"
     return run_serve(
         ServeOptions(
-            model=args.model,
+            model=_model_arg(args),
             config_path=args.config,
-            prefill_nodes=args.prefill_nodes,
-            decode_nodes=args.decode_nodes,
-            colocated=args.colocated,
+            prefill_nodes=getattr(args, "prefill_nodes", 0),
+            decode_nodes=getattr(args, "decode_nodes", 0),
+            colocated=getattr(args, "colocated", False),
             host=args.host,
             port=args.port,
             node_port=args.node_port,
             client_port=args.client_port,
-            engine=values_from_args(EngineConfig, args),
+            engine={k: v for k, v in values_from_args(EngineConfig, args).items() if k != "model"},
             node=values_from_args(NodeOptions, args),
-            start_nodes=args.command == "serve",
-            log_dir=args.log_dir,
+            coordinator=values_from_args(CoordinatorConfig, args),
+            served_model_names=tuple(args.served_model_name or ()),
+            chat_template=args.chat_template,
+            start_nodes=start_nodes,
+            log_dir=getattr(args, "log_dir", None),
             drain_timeout_s=args.drain_timeout,
         )
     )
@@ -74,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     import socket
 
-    from pdserve.cluster_file import load_cluster_file, plan
+    from pdserve.cluster_file import load_cluster_file, log_dir, plan
     from pdserve.supervisor import Supervisor
 
     spec = load_cluster_file(args.cluster_file)
@@ -91,13 +174,15 @@ def _launch(args: argparse.Namespace) -> int:
                 f"this machine ({here}) is none of the hosts {names}: give --host NAME"
             )
     plans = plan(spec, host)
+    logs = log_dir(spec)
     if args.dry_run:
-        print(f"# pdserve launch {args.cluster_file} --host {host}: {len(plans)} processes")
+        print(f"# pdserve launch {args.cluster_file} --host {host}: {len(plans)} processes, "
+              f"logs in {logs}")  # fmt: skip
         for p in plans:
             print(p.describe())
         return 0
-    log_dir = spec.log_dir or (spec.path.parent / "logs")
-    supervisor = Supervisor(plans, log_dir, drain_timeout_s=spec.drain_timeout_s)
+    url = f"http://{spec.coordinator_address}:{spec.http_port}"
+    supervisor = Supervisor(plans, logs, drain_timeout_s=spec.drain_timeout_s, serving_url=url)
     return supervisor.run()
 
 
@@ -113,62 +198,148 @@ def _process_title(args: argparse.Namespace) -> str:
     return f"pdserve-{args.command}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_model_positional(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        help="checkpoint directory in Hugging Face format, as --model (default: pdserve-stories)",
+    )
 
-    gen = sub.add_parser("generate", help="generate a completion offline and print it")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true")
+
+def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
+    """What the coordinator's HTTP frontend takes, in serve and coordinator alike."""
+    add_flags(p, EngineConfig, only=("model",))
+    p.add_argument("--config", default=None, help="config file (TOML) of the coordinator and the "
+                   "nodes it starts, see docs/configuration.md; the flags given override its "
+                   "keys (unset: every setting at its default or flag)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument(
+        "--client-port",
+        type=int,
+        default=None,
+        help="port of the Python client's socket (CoordinatorClient); unset: none",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        default=None,
+        help="the model's names in the API: the first in responses and /v1/models, any in "
+        "requests (unset: the embedded model's name or the model directory's name)",
+    )
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template file (unset: the model's own)")  # fmt: skip
+    add_flags(p, CoordinatorConfig, only=SERVE_COORDINATOR_FLAGS, suppress_defaults=True)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="log lines of this level and above",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help, description=description, formatter_class=HelpFormatter
+        )
+
+    serve = command(
+        "serve",
+        "serve a model: the coordinator and its nodes on this machine",
+        "Serve MODEL behind an OpenAI-compatible HTTP API: the coordinator, which takes the "
+        "requests, and its prefill and decode nodes as child processes of this one. Engine "
+        "flags apply to every node; they override the --config file's keys of the same name, "
+        "which override the defaults. Ctrl-C stops everything; SIGTERM lets running requests "
+        "finish first; SIGHUP re-reads --config.",
+    )
+    _add_model_positional(serve)
+    _add_frontend_flags(serve)
+    serve.add_argument("--prefill-nodes", type=int, default=1, help="prefill node processes")
+    serve.add_argument("--decode-nodes", type=int, default=1,
+                       help="decode node processes (colocated workers with --colocated)")  # fmt: skip
+    serve.add_argument("--colocated", action="store_true",
+                       help="workers that prefill and decode alike: no disaggregation")  # fmt: skip
+    serve.add_argument("--node-port", type=int, default=0, help="port nodes connect to (0: any)")
+    serve.add_argument("--log-dir", default=None,
+                       help="one log file per node here (unset: the nodes log to this console)")  # fmt: skip
+    engine = serve.add_argument_group("engine settings (every node)")
+    add_flags(engine, EngineConfig, exclude=("model",), suppress_defaults=True)
+    add_flags(engine, NodeOptions, only=SERVE_NODE_FLAGS, suppress_defaults=True)
+    serve.set_defaults(func=_serve)
+
+    coordinator = command(
+        "coordinator",
+        "start the coordinator alone; nodes join it from any host",
+        "Start the coordinator alone: the OpenAI-compatible HTTP API, routing and admission. "
+        "It starts no node: nodes started with `pdserve prefill` and `pdserve decode` (or "
+        "`pdserve launch`) on any host connect to --node-port and take their engine settings "
+        "as their own flags. MODEL gives the tokenizer and the served name; it must be the "
+        "nodes' checkpoint.",
+    )
+    _add_model_positional(coordinator)
+    _add_frontend_flags(coordinator)
+    coordinator.add_argument("--node-port", type=int, default=0,
+                             help="port nodes connect to (0: any, printed at start)")  # fmt: skip
+    coordinator.set_defaults(func=_serve)
+
+    gen = command(
+        "generate",
+        "generate a completion offline and print it",
+        "Load MODEL in this process, generate one completion and print its text; the token "
+        "count, time and tokens/s go to stderr.",
+    )
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="-1: no top-k")
+    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                     help="sampling seed (unset: unseeded)")  # fmt: skip
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     # The engine's own seed would clash with the sampling seed's flag; it keeps its default.
     add_flags(gen.add_argument_group("engine settings"), EngineConfig, exclude=("seed",))
     gen.set_defaults(func=_generate)
 
-    for verb, text in (
-        ("serve", "start the coordinator and its nodes on this machine"),
-        ("coordinator", "start the coordinator alone; nodes join it from any host"),
-    ):
-        p = sub.add_parser(verb, help=text)
-        add_flags(p, EngineConfig, only=("model",))
-        p.add_argument("--config", default=None, help="coordinator config (TOML)")
-        p.add_argument("--host", default="127.0.0.1", help="HTTP host")
-        p.add_argument("--port", type=int, default=8000, help="HTTP port")
-        p.add_argument("--node-port", type=int, default=0, help="port nodes connect to (0: any)")
-        p.add_argument(
-            "--client-port", type=int, default=None, help="port of the Python client socket"
-        )
-        p.add_argument("--log-dir", default=None, help="one log file per node here")
-        p.add_argument("--prefill-nodes", type=int, default=1)
-        p.add_argument("--decode-nodes", type=int, default=1)
-        p.add_argument(
-            "--colocated", action="store_true", help="colocated workers, no disaggregation"
-        )
-        # Given flags only, so that they override the config file's node settings.
-        add_flags(p, NodeOptions, only=("transport",), suppress_defaults=True)
-        add_flags(p, EngineConfig, only=SERVE_ENGINE_FLAGS, suppress_defaults=True)
-        p.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="on SIGTERM, seconds running requests get to finish")  # fmt: skip
-        p.set_defaults(func=_serve)
-
-    launch = sub.add_parser("launch", help="start and supervise one host's part of a cluster file")
+    launch = command(
+        "launch",
+        "start and supervise one host's part of a cluster file",
+        "Start this host's processes of CLUSTER_FILE, restart one that dies (one that dies "
+        "within seconds of starting, again and again, stops everything), and drain on SIGTERM. "
+        "See docs/deployment.md.",
+    )
     launch.add_argument("cluster_file", help="cluster file (TOML), see docs/deployment.md")
-    launch.add_argument("--host", default=None, help="which host of the file this is")
+    launch.add_argument("--host", default=None,
+                        help="which [[host]] of the file this machine is (unset: the one named "
+                        "like this machine, or the only one)")  # fmt: skip
     launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     launch.set_defaults(func=_launch)
 
-    tune = sub.add_parser("tune", help="search deployments for goodput under an SLO, in simulation")
+    tune = command(
+        "tune", "search deployments for goodput under an SLO, in simulation", TUNE_DESCRIPTION
+    )
     add_tune_arguments(tune)
     tune.set_defaults(func=_tune)
 
     for verb in ("prefill", "decode"):
-        p = sub.add_parser(verb, help=f"start one {verb} node pointed at a coordinator")
+        p = command(
+            verb,
+            f"start one {verb} node pointed at a coordinator",
+            f"Start one {verb} node that joins the coordinator at --coordinator. Every engine "
+            "setting is a flag named after its config key.",
+        )
         add_flags(p.add_argument_group("node settings"), NodeOptions)
         if verb == "decode":
             p.add_argument("--colocated", action="store_true", help="prefill here too")
@@ -186,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format=f"%(asctime)s %(levelname)s {args.command} %(name)s: %(message)s",
     )
     try:
@@ -195,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: one line, no traceback.
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C before the signal handlers were in place: no traceback either
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from cluster.node_options import PLACEMENT, NodeOptions
 from cluster.node_options import TRANSPORTS as NODE_TRANSPORTS
 from cluster.schema import pick, read_table
 from engine.config import EngineConfig
+from engine.tiny_model import cache_root
 from pdserve.launch import NodeSpec
 
 TRANSPORTS = ("auto", *NODE_TRANSPORTS)
@@ -235,6 +236,12 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
     if len(gpu_hosts) > 1:
         raise _fail(path, "", "hosts mix GPUs and CPU workers; give all GPUs or all CPU workers")
     return spec
+
+
+def log_dir(spec: ClusterSpec) -> Path:
+    """Where this cluster's processes log: the file's log_dir, else pdserve's cache folder
+    (`~/.cache/pdserve/logs/<cluster file's name>`), never beside the file (a repository)."""
+    return spec.log_dir or cache_root() / "logs" / spec.path.stem
 
 
 # --- the plan -----------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ class NodeGroup:
 
     def __init__(self, log_dir: Path | None = None) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
+        self.roles: dict[str, str] = {}
         self.log_dir = log_dir
 
     def start(self, spec: NodeSpec) -> subprocess.Popen:
@@ -81,18 +82,23 @@ class NodeGroup:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{spec.node_id}.log", "ab")  # noqa: SIM115
+        # A session of its own: Ctrl-C at a terminal reaches serve alone, which stops the nodes
+        # in order (they never outlive it: _die_with_parent).
         proc = subprocess.Popen(
             spec.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent, start_new_session=True,
         )  # fmt: skip
         self.procs[spec.node_id] = proc
+        self.roles[spec.node_id] = spec.role
         return proc
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for proc in self.procs.values():
+    def stop(self, timeout_s: float = 10.0, roles: tuple[str, ...] | None = None) -> None:
+        """SIGTERM to the nodes (of those roles), then SIGKILL to any still up after timeout_s."""
+        procs = [p for n, p in self.procs.items() if roles is None or self.roles[n] in roles]
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
+        for proc in procs:
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

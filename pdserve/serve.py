@@ -10,13 +10,17 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.api_server import build_app, listen_socket, serve_http, served_model_name
+import jinja2
+
+from cluster.schema import validate
+from coordinator.api_server import build_app, default_model_names, listen_socket, serve_http
 from coordinator.config import CoordinatorConfig
 from coordinator.coordinator import Coordinator
 from coordinator.serving import OpenAIServing
 from engine.config import EngineConfig
-from engine.tiny_model import resolve_model_dir
+from engine.embedded_models import resolve_model_dir
 from engine.tokenizer import Tokenizer
+from pdserve import __version__
 from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
 logger = logging.getLogger("pdserve.serve")
@@ -36,16 +40,50 @@ class ServeOptions:
     start_nodes: bool = True
     log_dir: str | None = None
     drain_timeout_s: float = 30.0
-    # Node settings given as serve's flags, over the config file's: EngineConfig and NodeOptions.
+    # Settings given as flags, over the config file's: EngineConfig and NodeOptions (the nodes'),
+    # CoordinatorConfig (the coordinator's own).
     engine: dict[str, object] = field(default_factory=dict)
     node: dict[str, object] = field(default_factory=dict)
+    coordinator: dict[str, object] = field(default_factory=dict)
+    served_model_names: tuple[str, ...] = ()  # unset: the embedded model's or directory's name
+    chat_template: str | None = None  # a template file instead of the model's
+
+
+def load_config(options: ServeOptions) -> CoordinatorConfig:
+    """The coordinator's settings: flag over config file over default."""
+    path = options.config_path
+    config = CoordinatorConfig.from_toml(path) if path else CoordinatorConfig()
+    for name, value in options.coordinator.items():
+        setattr(config, name, value)
+    validate(config)
+    return config
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of a chat template file, checked to be a Jinja template."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the chat template {path}: {exc.strerror}") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {path}, line {exc.lineno}: {exc.message}") from None
+    return text
+
+
+def node_engine(options: ServeOptions, config: CoordinatorConfig) -> EngineConfig:
+    """Every node's engine settings: flag over config file over default."""
+    return EngineConfig(**{"model": options.model, **config.node_settings.engine, **options.engine})
 
 
 def node_specs(
     options: ServeOptions, config: CoordinatorConfig, coordinator_addr: str
 ) -> list[NodeSpec]:
     file = config.node_settings
-    engine = EngineConfig(**{"model": options.model, **file.engine, **options.engine})
+    engine = node_engine(options, config)
     return local_nodes(
         coordinator_addr,
         engine,
@@ -59,11 +97,11 @@ def node_specs(
 async def serve_async(options: ServeOptions) -> int:
     """Serve until stopped; 0 after a clean stop, 1 if the coordinator failed (its supervisor,
     if any, restarts it)."""
-    config = (
-        CoordinatorConfig.from_toml(options.config_path)
-        if options.config_path
-        else CoordinatorConfig()
-    )
+    config = load_config(options)
+    if options.start_nodes:
+        node_engine(options, config)  # a bad setting stops here, before anything starts
+    chat_template = read_chat_template(options.chat_template)
+    names = options.served_model_names or default_model_names(options.model)
     client_addr = (
         None if options.client_port is None else f"tcp://{options.host}:{options.client_port}"
     )
@@ -72,7 +110,6 @@ async def serve_async(options: ServeOptions) -> int:
         config,
         node_addr=f"tcp://{node_host}:{options.node_port}",
         client_addr=client_addr,
-        model_name=options.model or "pdserve-tiny",
         config_path=options.config_path,
     )
     # The HTTP port first: a busy port fails at once, before any node starts.
@@ -99,7 +136,7 @@ async def serve_async(options: ServeOptions) -> int:
 
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    loop.add_signal_handler(signal.SIGHUP, coordinator.reload_config)
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_config(coordinator, options))
 
     async def stop_on_failure() -> None:
         await coordinator.failed.wait()
@@ -114,19 +151,23 @@ async def serve_async(options: ServeOptions) -> int:
             waiting = asyncio.create_task(
                 coordinator.wait_for_nodes(wanted_prefill, options.decode_nodes, timeout_s=600)
             )
-            done, _ = await asyncio.wait(
-                {waiting, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
-            )
+            others = {asyncio.create_task(stop.wait()), asyncio.create_task(node_exited(group))}
+            done, _ = await asyncio.wait({waiting, *others}, return_when=asyncio.FIRST_COMPLETED)
+            for task in {waiting, *others} - done:
+                task.cancel()
             if waiting in done:
                 waiting.result()
-            else:
-                waiting.cancel()
-        logger.info("coordinator ready: nodes on %s, clients on %s",
-                    coordinator.node_endpoint, coordinator.client_endpoint or "-")  # fmt: skip
-        print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
-        await run_frontend(coordinator, options, stop, http_sock)
+            elif not stop.is_set():
+                raise ValueError(next(iter(done)).result())
+        if not stop.is_set():  # Ctrl-C while the nodes were starting: nothing to serve
+            logger.info("coordinator ready: nodes on %s, clients on %s",
+                        coordinator.node_endpoint, coordinator.client_endpoint or "-")  # fmt: skip
+            print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
+            await run_frontend(coordinator, options, names, chat_template, stop, http_sock)
     finally:
         watchdog.cancel()
+        # Senders before receivers: no prefill node sees a decode node it sends to vanish.
+        group.stop(roles=("prefill",))
         await coordinator.stop()
         group.stop()
     if coordinator.failure is not None:
@@ -135,20 +176,54 @@ async def serve_async(options: ServeOptions) -> int:
     return 0
 
 
+async def node_exited(group: NodeGroup) -> str:
+    """Returns (why) once a node has exited: before they all registered, that ends the start."""
+    while True:
+        for node_id, proc in group.procs.items():
+            if proc.poll() is not None:
+                where = f"; its log: {group.log_dir / (node_id + '.log')}" if group.log_dir else ""
+                return f"node {node_id} exited ({proc.returncode}) before it registered{where}"
+        await asyncio.sleep(0.2)
+
+
+def reload_config(coordinator: Coordinator, options: ServeOptions) -> None:
+    """SIGHUP: re-read the config file and apply its live settings; flags still win."""
+    if options.config_path is None:
+        logger.info("SIGHUP: no --config to re-read")
+        return
+    try:
+        new = load_config(options)
+    except ValueError as exc:
+        logger.error("config not reloaded: %s", exc)
+        return
+    changed = coordinator.config.reload_from(new)
+    fixed = coordinator.config.fixed_differences(new)
+    logger.info("config reloaded: changed %s", changed or "nothing")
+    if fixed:
+        logger.warning("config fields %s need a restart to take effect", fixed)
+
+
 async def run_frontend(
-    coordinator: Coordinator, options: ServeOptions, stop: asyncio.Event, sock: socket.socket
+    coordinator: Coordinator,
+    options: ServeOptions,
+    names: tuple[str, ...],
+    chat_template: str | None,
+    stop: asyncio.Event,
+    sock: socket.socket,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API until asked to stop."""
     model_dir = resolve_model_dir(options.model)
-    name = served_model_name(options.model)
+    # Without --served-model-name, the model as it was given is a name for it too.
+    aliases = () if options.served_model_names else tuple(filter(None, [options.model]))
     serving = OpenAIServing(
         coordinator,
-        Tokenizer(model_dir),
+        Tokenizer(model_dir, chat_template=chat_template),
         model_dir,
-        name,
-        aliases=tuple(filter(None, [options.model])),
+        names[0],
+        aliases=names[1:] + aliases,
+        listed=names,
     )
-    await serve_http(build_app(serving), sock, stop)
+    await serve_http(build_app(serving, __version__), sock, stop)
 
 
 def run_serve(options: ServeOptions) -> int:

@@ -1,6 +1,8 @@
 """Supervision of one host's processes for `pdserve launch`: start them, restart a process that
-dies with exponential backoff, and stop gracefully (the coordinator drains first; a second
-signal stops everything at once). One log file per process."""
+dies with exponential backoff (one that keeps dying within seconds of starting is a permanent
+error: everything stops), say when the cluster serves, and stop gracefully (the coordinator
+drains first; a second signal stops everything at once). One log file per process; a process
+that dies has the end of its log shown on the console."""
 
 from __future__ import annotations
 
@@ -8,13 +10,18 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.cluster_file import ProcessPlan
 
 logger = logging.getLogger("pdserve.launch")
+
+TAIL_LINES = 20
 
 
 @dataclass
@@ -23,9 +30,20 @@ class Supervised:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
+    quick_deaths: int = 0  # deaths in a row, each soon after its start
     next_start: float = 0.0  # when a dead process may start again
     done: bool = False  # exited cleanly (told to stop): not restarted
     history: list[int] = field(default_factory=list)  # exit codes
+
+
+def log_tail(path: Path | None, lines: int = TAIL_LINES) -> str:
+    """The last lines of a log file, indented for the console ('' if there is none)."""
+    if path is None or not path.is_file():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+        text = f.read().decode(errors="replace")
+    return "\n".join("  | " + line for line in text.splitlines()[-lines:])
 
 
 class Supervisor:
@@ -36,21 +54,36 @@ class Supervisor:
         backoff_s: tuple[float, float] = (1.0, 30.0),
         stable_s: float = 60.0,
         drain_timeout_s: float = 30.0,
+        serving_url: str | None = None,
+        quick_death_s: float = 10.0,
+        max_quick_deaths: int = 3,
     ) -> None:
+        """serving_url: the cluster's HTTP API, announced once its /health answers 200.
+        A process that exits within quick_death_s of its start max_quick_deaths times in a row
+        (a port in use, a bad model path) stops the whole host with an error."""
         self.children = [Supervised(p) for p in plans]
         self.log_dir = log_dir
         self.backoff_min, self.backoff_max = backoff_s
         self.stable_s = stable_s
         self.drain_timeout_s = drain_timeout_s
+        self.serving_url = serving_url
+        self.quick_death_s = quick_death_s
+        self.max_quick_deaths = max_quick_deaths
         self.signals = 0
         self.stop_requested_at: float | None = None
+        self.failure: str | None = None  # why everything is being stopped, if by an error
+        self._next_probe = 0.0
+
+    def log_path(self, child: Supervised) -> Path | None:
+        return None if self.log_dir is None else self.log_dir / f"{child.plan.name}.log"
 
     def _start(self, child: Supervised) -> None:
         env = {**os.environ, **child.plan.env}
         out = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{child.plan.name}.log", "ab")  # noqa: SIM115
+        path = self.log_path(child)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(path, "ab")  # noqa: SIM115
         child.proc = subprocess.Popen(
             child.plan.command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None
         )
@@ -66,12 +99,29 @@ class Supervisor:
             child.done = True  # told to stop (or stopping): leave it
             logger.info("%s exited (%d)", child.plan.name, code)
             return
-        if time.monotonic() - child.started_at > self.stable_s:
+        lived = time.monotonic() - child.started_at
+        child.quick_deaths = child.quick_deaths + 1 if lived < self.quick_death_s else 0
+        tail = log_tail(self.log_path(child))
+        where = f"; the end of {self.log_path(child)}:\n{tail}" if tail else ""
+        if child.quick_deaths >= self.max_quick_deaths:
+            self.failure = (
+                f"{child.plan.name} exited ({code}) within {self.quick_death_s:.0f} s of "
+                f"starting, {child.quick_deaths} times in a row; stopping everything{where}"
+            )
+            self._stop_all()
+            return
+        if lived > self.stable_s:
             child.restarts = 0  # it ran long enough: start the backoff over
         delay = min(self.backoff_max, self.backoff_min * 2**child.restarts)
         child.restarts += 1
         child.next_start = time.monotonic() + delay
-        logger.warning("%s died (%d); restarting in %.1fs", child.plan.name, code, delay)
+        logger.warning("%s died (%d); restarting in %.1fs%s", child.plan.name, code, delay, where)
+
+    def _stop_all(self) -> None:
+        self.stop_requested_at = time.monotonic()
+        for child in self.children:
+            if child.proc is not None:
+                child.proc.send_signal(signal.SIGTERM)
 
     def _signal(self, signum: int, frame: object) -> None:  # noqa: ARG002
         self.signals += 1
@@ -101,9 +151,26 @@ class Supervisor:
             ):
                 child.proc.send_signal(signal.SIGTERM)
 
+    def _announce_when_serving(self, now: float) -> None:
+        """Print the cluster's URL once its /health answers 200, as `pdserve serve` does."""
+        if self.serving_url is None or now < self._next_probe:
+            return
+        self._next_probe = now + 0.5
+        try:
+            with urllib.request.urlopen(self.serving_url + "/health", timeout=1) as response:
+                up = response.status == 200
+        except (urllib.error.URLError, OSError):
+            up = False
+        if up:
+            print(f"pdserve: serving {self.serving_url}", flush=True)
+            self.serving_url = None
+
     def run(self) -> int:
+        """Until every process has exited: 0 after a clean stop, 1 after a permanent error."""
         signal.signal(signal.SIGTERM, self._signal)
         signal.signal(signal.SIGINT, self._signal)
+        if self.log_dir is not None:
+            print(f"pdserve: logs in {self.log_dir}", flush=True)
         for child in self.children:
             self._start(child)
         while True:
@@ -117,8 +184,13 @@ class Supervisor:
                     self._start(child)
             if self.stop_requested_at is not None:
                 if all(c.proc is None for c in self.children):
+                    if self.failure is not None:
+                        print(f"pdserve: error: {self.failure}", file=sys.stderr, flush=True)
+                        return 1
                     return 0
                 self._escalate()
             elif self.children and all(c.done for c in self.children):
                 return 0  # everything was shut down by the coordinator
+            else:
+                self._announce_when_serving(now)
             time.sleep(0.1)

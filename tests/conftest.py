@@ -17,6 +17,9 @@ def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # pdserve-tiny is generated once per test session, never read from a user's cache.
     if "PDSERVE_CACHE" not in os.environ:
         os.environ["PDSERVE_CACHE"] = str(tmp_path_factory.mktemp("pdserve-cache"))
+    # The suite runs on the small random pdserve-tiny unless a test names another model (the
+    # stories tests name pdserve-stories): node processes inherit this.
+    os.environ["PDSERVE_MODEL"] = "pdserve-tiny"
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP API for real: `pdserve serve` as a subprocess (1 prefill + 1 decode
-node on pdserve-tiny), driven by the official `openai` package and httpx."""
+node on pdserve-tiny, started with vLLM's flags over a config file), driven by the official
+`openai` package and httpx: completions, chat, tokenization, the schema, refusals, metrics and
+the Grafana dashboard over them, the stats line, disconnects, and a SIGTERM that ends it all."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,12 +30,21 @@ from engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 # Heartbeats often, so a request's KV blocks show in /metrics soon after it starts decoding.
+# max_model_len here is overridden by the flag (2040); num_kv_blocks is not (a flag > the file >
+# the default, which would be a 1 GiB pool).
 CONFIG = """
 num_kv_blocks = 256
 block_size = 8
 heartbeat_interval_s = 0.05
+max_model_len = 1000
 max_pending_requests = {max_pending}
 """
+MAX_MODEL_LEN = 2040
+NAMES = ("pdserve-tiny", "tiny")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 WORDS = ("the quick brown fox jumps over lazy dog hello world prefill decode worker model "
          "token cache page paris france small time").split()  # fmt: skip
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -119,10 +132,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("http")
     config, log = tmp / "pdserve.toml", tmp / "server.log"
     config.write_text(CONFIG.format(max_pending=512))
+    template = tmp / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "--port", str(port), "--config", str(config)],
+            [sys.executable, "-m", "pdserve", "serve", "pdserve-tiny", "--port", str(port),
+             "--config", str(config), "--max-model-len", str(MAX_MODEL_LEN),
+             "--served-model-name", *NAMES, "--chat-template", str(template)],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(),
         )  # fmt: skip
     srv = Server(proc, port, config, log)
@@ -164,10 +181,69 @@ def sse_events(response: httpx.Response) -> list[dict]:
 # --- completions and chat ----------------------------------------------------------------------
 
 
-def test_models_and_health(server):
+def test_models_list_every_served_name_with_the_context_limit_of_the_flag(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = server.client().models.list()
-    assert [m.id for m in models.data] == ["pdserve-tiny"]
+    assert [m.id for m in models.data] == list(NAMES)
+    # --max-model-len over the config file's max_model_len; the file's num_kv_blocks over the
+    # default.
+    assert {m.model_extra["max_model_len"] for m in models.data} == {MAX_MODEL_LEN}
+    m = server.metrics()
+    assert m['pdserve_kv_blocks_total{node="decode-0"}'] == 256
+    # Either name serves, and the response says which was asked for.
+    for name in NAMES:
+        out = server.client().completions.create(model=name, prompt="Hi", max_tokens=2)
+        assert out.model == name
+    out = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert out.json()["model"] == NAMES[0]
+
+
+def test_version_openapi_schema_and_docs(server):
+    import pdserve
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": pdserve.__version__}
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    assert schema["info"]["version"] == pdserve.__version__
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                 "/detokenize", "/version", "/health", "/metrics"):  # fmt: skip
+        assert path in schema["paths"], path
+    components = schema["components"]["schemas"]
+    for path, model, field in [("/v1/completions", "CompletionRequest", "prompt"),
+                               ("/v1/chat/completions", "ChatCompletionRequest", "messages")]:  # fmt: skip
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert field in components[model]["properties"]
+        assert field in components[model]["required"]
+    assert "ChatMessage" in components  # nested models resolve
+    docs = httpx.get(f"{server.url}/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert "/openapi.json" in docs.text
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, offline):
+    url = server.url
+    text = "Hello, world"
+    out = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    ids = offline.tokenizer.encode(text)
+    assert out["tokens"] == ids and out["count"] == len(ids)
+    assert out["max_model_len"] == MAX_MODEL_LEN
+    assert out["token_strs"] == [offline.tokenizer.id_to_token(t) for t in ids]
+    plain = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": text,
+                                                "add_special_tokens": False}).json()  # fmt: skip
+    assert plain["tokens"] == offline.tokenizer.encode(text, add_special_tokens=False)
+    assert plain["token_strs"] is None
+    # Chat messages go through --chat-template, not the model's own template.
+    chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hi!"}]})
+    rendered = offline.tokenizer.decode(chat.json()["tokens"], skip_special_tokens=False)
+    assert rendered == "[user] Hi!\n[assistant] "
+    back = httpx.post(f"{url}/detokenize", json={"tokens": out["tokens"]}).json()
+    assert back == {"prompt": offline.tokenizer.decode(ids, skip_special_tokens=False)}
+    assert text in back["prompt"]
+    assert_error_body(httpx.post(f"{url}/detokenize", json={"tokens": [1, 10**6]}), 400, "tokens")
+    assert_error_body(httpx.post(f"{url}/tokenize", json={"prompt": 5}), 400, "prompt")
+    assert_error_body(
+        httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"}), 404, "model"
+    )
 
 
 def test_streamed_completion_equals_the_non_streamed_one(server, offline):
@@ -360,6 +436,9 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": [], "max_tokens": 5}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt"),  # refused even though BOS would fill it
+    (COMPLETIONS, {"prompt": ["hi", ""]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[5, 6], []]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [1, 99999]}, 400, "prompt"),
     (
         COMPLETIONS,
@@ -408,6 +487,46 @@ def test_bad_inputs_get_their_status_and_error_body_and_hold_nothing(server):
             server.client(max_retries=0).chat.completions.create(model="pdserve-tiny", messages=[])
         assert http.get("/health").status_code == 200
     server.wait_until_idle()
+
+
+def test_context_limits_are_refused_not_clamped_as_documented(server):
+    """A prompt with no room for a token, or a max_tokens past the context, is refused with
+    context_length_exceeded; a max_tokens left out is the default (16) or the room left."""
+    url = f"{server.url}{COMPLETIONS}"
+    full = [10 + i % 400 for i in range(MAX_MODEL_LEN)]  # ids within the vocabulary
+    error = assert_error_body(httpx.post(url, json={"prompt": full}, timeout=30), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    prompt = full[:-10]  # room for exactly 10 tokens
+    body = {"prompt": prompt, "max_tokens": 11, "ignore_eos": True}
+    error = assert_error_body(httpx.post(url, json=body, timeout=30), 400, "max_tokens")
+    assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"]
+    fits = httpx.post(url, json={**body, "max_tokens": 10}, timeout=WAIT_S).json()
+    assert fits["usage"]["completion_tokens"] == 10
+    left_out = httpx.post(url, json={"prompt": full[:-1], "ignore_eos": True}, timeout=WAIT_S)
+    assert left_out.json()["usage"]["completion_tokens"] == 1
+    assert left_out.json()["choices"][0]["finish_reason"] == "length"
+    server.wait_until_idle()
+
+
+def test_unknown_fields_are_accepted_and_ignored(server):
+    extra = {"user": "u-1", "frobnicate": {"deep": [1, 2]}, "guided_json": None}
+    r = httpx.post(f"{server.url}{COMPLETIONS}",
+                   json={"prompt": "Hi", "max_tokens": 2, **extra}, timeout=WAIT_S)  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    r = httpx.post(f"{server.url}{CHAT}", json={"messages": HI, "max_tokens": 2, **extra},
+                   timeout=WAIT_S)  # fmt: skip
+    assert r.status_code == 200
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi", **extra})
+    assert r.status_code == 200
+
+
+def test_unknown_fields_are_named_in_a_debug_line(caplog):
+    from coordinator.openai_protocol import CompletionRequest, parse_body
+
+    with caplog.at_level(logging.DEBUG, logger="coordinator.openai_protocol"):
+        body = parse_body(b'{"prompt": "hi", "user": "u", "zzz": 1}', CompletionRequest)
+    assert body.prompt == "hi"
+    assert "ignored unknown fields user, zzz" in caplog.text
 
 
 def test_overload_is_refused_whole_with_retry_after(server):
@@ -468,3 +587,65 @@ def test_client_disconnect_during_a_non_streamed_request_aborts_it(server):
         wait_until(server.decoding_with_blocks, "the request to hold KV blocks", poll_s=0.02)
     server.wait_until_idle()
     assert server.metrics()[ABORTED] == before + 1
+
+
+# --- what operators watch ----------------------------------------------------------------------
+
+GRAFANA = REPO / "deploy" / "grafana" / "pdserve.json"
+# What the dashboard must chart, by the metrics it reads.
+CHARTED = {
+    "TTFT": "pdserve_time_to_first_token_seconds_bucket",
+    "TPOT": "pdserve_time_per_output_token_seconds_bucket",
+    "throughput": "pdserve_generation_tokens_total",
+    "KV usage per node": "pdserve_kv_blocks_free",
+    "queue": "pdserve_requests_waiting",
+    "transfers": "pdserve_kv_handoff_seconds_bucket",
+}
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+
+
+def test_the_grafana_dashboard_charts_only_metrics_the_server_serves(server):
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\bpdserve_[a-z0-9_]+", expr)}
+    for what, name in CHARTED.items():
+        assert name in used, f"the dashboard charts no {what} ({name})"
+    families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+    served = {f.name + suffix for f in families for suffix in SUFFIXES.get(f.type, ("",))}
+    assert used <= served, f"charted but not served: {sorted(used - served)}"
+    # A request went through a KV handoff by now: the transfers panel has data.
+    assert server.metrics()["pdserve_kv_handoff_seconds_count"] >= 1
+
+
+def test_the_coordinator_logs_a_stats_line_while_requests_run(server):
+    body = {"prompt": "stats", "max_tokens": 64, "ignore_eos": True}
+    assert httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=WAIT_S).status_code == 200
+
+    def stats_line() -> str | None:
+        lines = [x for x in server.log.read_text().splitlines() if "pdserve.stats" in x]
+        return lines[-1] if lines else None
+
+    # Every 10 s while anything runs; earlier tests kept it busy for longer than that.
+    line = wait_until(stats_line, "a stats line in the coordinator's log")
+    for words in ("prompt throughput", "generation throughput", "running", "waiting",
+                  "KV cache usage prefill", "decode", "prefix cache hit rate"):  # fmt: skip
+        assert words in line, line
+
+
+def test_sigterm_lets_a_stream_finish_then_stops_with_no_traceback(server):
+    """Last: it stops the module's server. The stream outlasts the signal by far (300 tokens
+    against the first one); the drain lets it end."""
+    body = {"prompt": "last", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    reasons = []
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=WAIT_S) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if not reasons:
+                server.proc.send_signal(signal.SIGTERM)
+            reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+    assert reasons[-1] == "length"
+    assert server.proc.wait(WAIT_S) == 0
+    log = server.log.read_text()
+    for bad in ("Traceback", "exception was never retrieved", "Host unreachable"):
+        assert bad not in log, bad

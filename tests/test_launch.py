@@ -1,5 +1,7 @@
-"""`pdserve launch` for real: a CPU cluster file on loopback (a killed worker is restarted; SIGTERM
-lets running streams finish and refuses new ones), and two hosts in network namespaces."""
+"""`pdserve launch` for real: a CPU cluster file on loopback (it says when it serves; a killed
+worker is restarted and the end of its log shown; SIGTERM lets running streams finish and refuses
+new ones), a child that keeps dying at start stops everything, logs go to pdserve's cache folder,
+and two hosts in network namespaces."""
 
 from __future__ import annotations
 
@@ -82,12 +84,14 @@ def cpu_cluster(tmp_path):
     path = tmp_path / "cluster.toml"
     path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="local", http_port=http_port,
                                    node_port=node_port, hosts=hosts))  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", str(path)],
-                            start_new_session=True)  # fmt: skip
+    console = tmp_path / "console.txt"
+    with open(console, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", str(path)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_health(url)
-        yield proc, url, tmp_path / "logs"
+        yield proc, url, tmp_path / "logs", console
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -104,8 +108,9 @@ def metric(url: str, name: str, node: str) -> float | None:
 
 @pytest.mark.timeout(900)  # generous deadlines below for a loaded machine; it takes ~40 s idle
 def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(cpu_cluster):
-    launch, url, logs = cpu_cluster
+    launch, url, logs, console = cpu_cluster
     assert complete(url).status_code == 200
+    wait_until(lambda: f"pdserve: serving {url}\n" in console.read_text(), "the serving line")
     titles = ["pdserve-coordinator", "pdserve-prefill-0", "pdserve-prefill-1",
               "pdserve-decode-0", "pdserve-decode-1"]  # fmt: skip
     for title in titles:
@@ -125,6 +130,9 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
             break
         time.sleep(0.3)
     assert pids and pids != [victim] and started_again
+    # The console showed the end of the dead worker's log.
+    shown = console.read_text().split("pdserve-decode-1 died (-9)", 1)[1]
+    assert "| " in shown and "decode node decode-1 serving" in shown
     responses = [complete(url) for _ in range(6)]
     assert all(r.status_code == 200 for r in responses)
 
@@ -165,6 +173,43 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     assert [reason for reason, _ in results] == ["length"] * 8
     assert launch.wait(120) == 0
     assert not children_titled(launch.pid, "pdserve-")
+
+
+def wait_until(condition, what: str, timeout_s: float = 180) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.1)
+
+
+def test_a_child_that_keeps_dying_at_start_stops_everything_with_its_log(tmp_path):
+    """The coordinator's HTTP port is taken: it exits at once, every time. Launch gives up after
+    three quick deaths, stops the nodes and exits non-zero with the coordinator's last lines.
+    With no log_dir, the logs are in pdserve's cache folder."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http_port = taken.getsockname()[1]
+        hosts = HOST.format(name="local", address="127.0.0.1", kv_port=free_port(),
+                            roles="prefill_workers = 1\ndecode_workers = 1")  # fmt: skip
+        text = CLUSTER.format(log_dir="", first="local", http_port=http_port,
+                              node_port=free_port(), hosts=hosts)  # fmt: skip
+        path = tmp_path / "doomed.toml"
+        path.write_text(text.replace('log_dir = ""\n', ""))
+        dry = subprocess.run([sys.executable, "-m", "pdserve", "launch", str(path), "--dry-run"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        logs = Path(os.environ["PDSERVE_CACHE"]) / "logs" / "doomed"
+        assert f"logs in {logs}" in dry.stdout
+        res = subprocess.run([sys.executable, "-m", "pdserve", "launch", str(path)],
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert res.returncode == 1, res.stderr[-3000:]
+    error = res.stderr[res.stderr.index("pdserve: error: ") :]
+    assert "pdserve-coordinator exited (2) within 10 s of starting, 3 times in a row" in error
+    assert f"cannot listen on 127.0.0.1:{http_port}" in error
+    assert (logs / "pdserve-coordinator.log").read_text().count("cannot listen") == 3
+    assert (logs / "pdserve-decode-0.log").is_file()
+    assert not list(tmp_path.glob("**/*.log"))  # nothing beside the cluster file
 
 
 def _netns_available() -> bool:

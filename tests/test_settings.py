@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from cluster.node_options import NodeOptions
 from cluster.schema import Declared, add_flags, declared, from_args, values_from_args
-from coordinator.config import CoordinatorConfig, doc_tables
+from coordinator.config import CoordinatorConfig, doc_tables, file_keys
 from engine.config import EngineConfig
 from pdserve.cli import build_parser
 from pdserve.cluster_file import NOT_PER_ROLE, ClusterFileError, load_cluster_file, plan
 from pdserve.launch import NodeSpec
-from pdserve.serve import ServeOptions, node_specs
+from pdserve.serve import ServeOptions, load_config, node_engine, node_specs
 
 REPO = Path(__file__).resolve().parent.parent
 DECLARATIONS = (EngineConfig, NodeOptions, CoordinatorConfig)
@@ -287,6 +287,89 @@ def test_serve_with_a_bad_config_is_one_line(tmp_path):
     assert res.returncode == 2
     assert res.stderr.startswith("pdserve: error: ") and res.stderr.count("\n") == 1
     assert "max_num_seqs" in res.stderr
+
+
+# --- serve's flags over the file ---------------------------------------------------------------
+
+
+def serve_options(argv: list[str]) -> ServeOptions:
+    """ServeOptions as `pdserve serve ARGV` builds them."""
+    args = build_parser().parse_args(["serve", *argv])
+    return ServeOptions(
+        model=args.model_arg or args.model, config_path=args.config,
+        engine={k: v for k, v in values_from_args(EngineConfig, args).items() if k != "model"},
+        node=values_from_args(NodeOptions, args),
+        coordinator=values_from_args(CoordinatorConfig, args),
+    )  # fmt: skip
+
+
+def test_every_setting_a_file_gives_the_nodes_is_a_serve_flag_of_the_same_name():
+    parser = build_parser()
+    for cls in (EngineConfig, NodeOptions):
+        for name in file_keys(cls):
+            d = next(d for d in declared(cls) if d.name == name)
+            argv = [d.flag if d.kind is bool else f"{d.flag}={other_value(d)}"]
+            args = parser.parse_args(["serve", *argv])
+            assert name in values_from_args(cls, args), name
+    # vLLM's engine flags, by vLLM's names; dtype and device are flags only.
+    args = parser.parse_args(
+        ["serve", "/m", "--max-model-len", "1024", "--max-num-seqs", "8", "--block-size", "32",
+         "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.5", "--seed", "3",
+         "--no-enable-prefix-caching", "--enforce-eager", "--dtype", "float16",
+         "--kv-cache-bytes", "1000000", "--served-model-name", "a", "b", "--max-pending-requests",
+         "9", "--chat-template", "t.jinja"]
+    )  # fmt: skip
+    assert args.model_arg == "/m" and args.served_model_name == ["a", "b"]
+    assert args.chat_template == "t.jinja" and args.max_pending_requests == 9
+    assert values_from_args(EngineConfig, args) == {
+        "model": None, "max_model_len": 1024, "max_num_seqs": 8, "block_size": 32,
+        "max_num_batched_tokens": 512, "gpu_memory_utilization": 0.5, "seed": 3,
+        "enable_prefix_caching": False, "enforce_eager": True, "dtype": "float16",
+        "kv_cache_bytes": 1000000,
+    }  # fmt: skip
+
+
+def test_a_flag_beats_the_file_which_beats_the_default(tmp_path):
+    path = tmp_path / "pdserve.toml"
+    path.write_text("max_model_len = 50\nmax_num_seqs = 8\nmax_pending_requests = 7\n"
+                    "kv_handoff = 'between-steps'\n")  # fmt: skip
+    options = serve_options(["--config", str(path), "--max-model-len", "100",
+                             "--max-pending-requests", "3", "--kv-handoff", "immediate"])  # fmt: skip
+    config = load_config(options)
+    engine = node_engine(options, config)
+    assert (engine.max_model_len, engine.max_num_seqs, engine.block_size) == (100, 8, 16)
+    assert config.max_pending_requests == 3
+    assert config.admission_watermark == CoordinatorConfig().admission_watermark
+    (spec, *_) = node_specs(options, config, COORDINATOR)
+    assert parse_node_command(spec.command())[0].kv_handoff == "immediate"
+    without = serve_options(["--config", str(path)])
+    assert load_config(without).max_pending_requests == 7
+    assert node_engine(without, load_config(without)).max_model_len == 50
+
+
+def test_the_precedence_example_of_the_docs_holds(monkeypatch):
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    command = doc.split("## Flag, file, default")[1].split("```\n")[1].split()
+    assert command[:2] == ["pdserve", "serve"]
+    monkeypatch.chdir(REPO)  # the command names deploy/ from the repository's root
+    options = serve_options(command[2:])
+    engine = node_engine(options, load_config(options))
+    assert (engine.max_num_batched_tokens, engine.max_num_seqs) == (512, 64)
+    assert load_config(options).conditional_disagg_threshold == 32  # the file's
+
+
+def test_sighup_keeps_the_flags_over_the_file(tmp_path):
+    from coordinator.coordinator import Coordinator
+    from pdserve.serve import reload_config
+
+    path = tmp_path / "pdserve.toml"
+    path.write_text("max_pending_requests = 7\nadmission_watermark = 0.1\n")
+    options = serve_options(["--config", str(path), "--max-pending-requests", "3"])
+    coordinator = Coordinator(load_config(options))
+    path.write_text("max_pending_requests = 9\nadmission_watermark = 0.2\n")
+    reload_config(coordinator, options)
+    assert coordinator.config.max_pending_requests == 3
+    assert coordinator.config.admission_watermark == 0.2
 
 
 def test_the_docs_tables_are_the_declarations():

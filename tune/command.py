@@ -16,14 +16,18 @@ def _ms(text: str) -> float:
     return float(text) / 1e3
 
 
+DESCRIPTION = (
+    "Search P:D placement, chunk size, max_num_seqs, admission watermark and conditional "
+    "disaggregation for the most goodput under an SLO, in a simulator that runs pdserve's own "
+    "scheduler, block manager, nodes and coordinator; write the winner as a config file for "
+    "`pdserve serve --config` and a cluster file for `pdserve launch`. `pdserve tune profile` "
+    "makes the profile it needs. See docs/tuning.md."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The search's flags on `parser`, and `profile` as its one sub-command."""
     parser.allow_abbrev = False  # the sub-command's flags must not read as the search's prefixes
-    parser.description = (
-        "Search P:D placement, chunk size, max_num_seqs, admission watermark and conditional "
-        "disaggregation for the most goodput under an SLO, in a simulator that runs pdserve's own "
-        "scheduler, block manager, nodes and coordinator. See docs/tuning.md."
-    )
     parser.add_argument("--profile", help="profile JSON from `pdserve tune profile` (required)")
     parser.add_argument(
         "--model",
@@ -64,10 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--no-plot", action="store_true")
     s.add_argument("--no-progress", action="store_true")
     sub = parser.add_subparsers(dest="tune_command")
-    p = sub.add_parser("profile", help="measure (or derive) a profile: step and transfer times")
+    p = sub.add_parser(
+        "profile",
+        help="measure (or derive) a profile: step and transfer times",
+        description="Measure this machine's step times (real engine steps, fitted) and KV "
+        "transfer, or derive them from a roofline of a device's stated peaks (--roofline) or from "
+        "`python -m bench.model_step --json` (--model-step); write the profile JSON.",
+        formatter_class=parser.formatter_class,
+    )
     p.add_argument("--model", default=None,
                    help="checkpoint directory (measured), or for --roofline / --model-step also "
-                   "a config.json or a preset: llama3-8b, llama3-70b (default: pdserve-tiny)")  # fmt: skip
+                   "a config.json or a preset: llama3-8b, llama3-70b (default: $PDSERVE_MODEL, else "
+                   "pdserve-stories, as serve)")  # fmt: skip
     p.add_argument("--out", required=True, help="the profile JSON to write")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--roofline", metavar="DEVICE",

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.embedded_models import EMBEDDED, resolve_model_dir
 from engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -120,13 +121,12 @@ PRESETS = {
 
 
 def model_shape(model: str | None) -> ModelShape:
-    """A checkpoint directory, its config.json, a preset name, or None (pdserve-tiny)."""
+    """A checkpoint directory, its config.json, a preset name, an embedded model's name, or None
+    (the default model, as serve's)."""
     if model in PRESETS:
         return PRESETS[model]
-    if model is None:
-        from engine.tiny_model import ensure_tiny_model
-
-        return ModelShape.from_model_dir(ensure_tiny_model())
+    if model is None or model in EMBEDDED:
+        return ModelShape.from_model_dir(resolve_model_dir(model))
     path = Path(model)
     if path.is_file():
         return ModelShape.from_config(ModelConfig.from_dict(json.loads(path.read_text())),

@@ -1,0 +1,65 @@
+"""The steps of a GPU check, in order, each with its time box: the quick plan (`make gpu-check`)
+proves every CUDA path and takes the headline figures; the long plan (`make gpu-check-long`)
+runs the full benchmark sweeps for the docs. Each fits one 10-minute run of the device tool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Seconds for all steps: under the device tool's 600 s per command, with room for the
+# interpreter's start, the report and the copy of the results.
+BUDGET_S = 540
+# A step offered less than this is skipped rather than started to be cut off at once.
+MIN_STEP_S = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    title: str
+    module: str  # run as `python -m <module> <args> --json ... --work ... --deadline ...`
+    box_s: int  # its time box; time left unused by earlier steps is added to it
+    needs: tuple[str, ...] = ()  # facts of the env step: "cuda", "cupy"
+    args: tuple[str, ...] = ()
+
+
+INSTALL = Step("install", "wheels installed with pip --no-index", "bench.gpu_check.install", 30)
+ENV = Step("env", "the host, and every import and requirement", "bench.gpu_check.env", 25)
+CUDA = ("cuda",)
+BENCH = "bench.gpu_check.bench_steps"
+
+
+def gpu_step(name: str, title: str, module: str, box_s: int, *args: str) -> Step:
+    return Step(name, title, module, box_s, CUDA, args)
+
+
+QUICK = (
+    INSTALL,
+    ENV,
+    gpu_step("tests", "every test that skips without CUDA", "bench.gpu_check.gpu_tests", 160),
+    gpu_step("kernels", "bench.kernels --quick (Llama-3-8B attention)", BENCH, 50, "kernels"),
+    gpu_step("tiles", "Triton attention tile sweep", "bench.gpu_check.tiles", 55),
+    gpu_step("model_step", "bench.model_step --quick (Llama-3-8B)", BENCH, 70, "model_step"),
+    gpu_step("serving", "pdserve serve on cuda_ipc and tcp", "bench.gpu_check.serving", 115),
+    gpu_step("parity", "float32: Triton vs torch vs transformers", "bench.gpu_check.parity", 35),
+)
+
+LONG = (
+    INSTALL,
+    ENV,
+    gpu_step("kernels", "bench.kernels, full sweep", BENCH, 120, "kernels"),
+    gpu_step("model_step", "bench.model_step, full sweep", BENCH, 150, "model_step"),
+    gpu_step("tiles", "Triton attention tile sweep, full grid", "bench.gpu_check.tiles", 150),
+    Step(
+        "kv_transfer",
+        "bench.kv_transfer over cuda_ipc",
+        BENCH,
+        65,
+        ("cuda", "cupy"),
+        ("kv_transfer",),
+    ),
+)
+
+
+def plan(long: bool = False) -> tuple[Step, ...]:
+    return LONG if long else QUICK

@@ -1,0 +1,434 @@
+"""The GPU check's report: a first screen that says what failed, where, and how the key figures
+stand against the aims, then each step's details; beside it the raw JSON and one archive of
+every log. Three files, so that the device tool brings them all back."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from bench.gpu_check.runner import StepResult
+
+# The aims (docs/benchmarks.md): decode steps at batch >= 64 read at >= 70% of the measured copy
+# bandwidth; a 2k-token prefill step computes at >= 50% of the measured bf16 matmul rate.
+DECODE_AIM, DECODE_MIN_BATCH = 0.70, 64
+PREFILL_AIM, PREFILL_MIN_LEN = 0.50, 2048
+FAILURES_ON_FIRST_SCREEN = 15
+# Logs, records and configs go in the archive; no checkpoint, installed wheel or other bulk.
+ARCHIVED_SUFFIXES = (".log", ".json", ".jsonl", ".toml", ".txt")
+ARCHIVED_MAX_BYTES = 4 << 20
+NOT_ARCHIVED = ("site", "model-cache")
+REPORT, RESULTS, LOGS = "report.md", "results.json", "logs.tar.gz"
+
+
+DECODE_TEXT = f"decode step, batch >= {DECODE_MIN_BATCH}: >= {DECODE_AIM:.0%} of copy"
+PREFILL_TEXT = f"{PREFILL_MIN_LEN}-token prefill: >= {PREFILL_AIM:.0%} of bf16 matmul"
+
+
+def _aim(aim: str, case: str, measured: str, verdict: str) -> dict[str, str]:
+    return {"aim": aim, "case": case, "measured": measured, "verdict": verdict}
+
+
+def aims(results: Iterable[StepResult]) -> list[dict[str, str]]:
+    """One row per measured case the aims cover, from bench.model_step's figures."""
+    step = next((r for r in results if r.name == "model_step"), None)
+    if step is None or "decode" not in step.data:
+        why = "model_step did not run" if step is None else f"model_step {step.status}"
+        why += f": {step.summary}" if step is not None and step.summary else ""
+        return [
+            _aim(text, "-", "-", f"not measured ({why})") for text in (DECODE_TEXT, PREFILL_TEXT)
+        ]
+    data = step.data
+    rows = []
+    for r in data["decode"]:
+        if r["batch"] >= DECODE_MIN_BATCH:
+            graph = "graph" if r.get("graph_ms") and r["graph_ms"] <= r["eager_ms"] else "eager"
+            measured = (
+                f"{r['fraction_of_copy']:.0%} ({r['gbps']:.0f} of {data['copy_gbps']:.0f} GB/s)"
+            )
+            verdict = "met" if r["fraction_of_copy"] >= DECODE_AIM else "MISSED"
+            case = f"batch {r['batch']}, {r['context']} tokens ({graph})"
+            rows.append(_aim(DECODE_TEXT, case, measured, verdict))
+    for r in data["prefill"]:
+        if r["prompt_len"] >= PREFILL_MIN_LEN:
+            measured = (
+                f"{r['fraction_of_matmul']:.0%} ({r['tflops']:.0f} of "
+                f"{data['matmul_tflops']:.0f} TFLOP/s)"
+            )
+            verdict = "met" if r["fraction_of_matmul"] >= PREFILL_AIM else "MISSED"
+            case = f"{r['prompts']} x {r['prompt_len']} tokens"
+            rows.append(_aim(PREFILL_TEXT, case, measured, verdict))
+    return rows
+
+
+def headline(results: list[StepResult]) -> str:
+    bad = [r for r in results if r.status in ("failed", "timed out")]
+    ran_gpu = [r for r in results if r.name not in ("install", "env") and r.status != "skipped"]
+    if bad:
+        return f"FAILED ({len(bad)} of {len(results)} steps: {', '.join(r.name for r in bad)})"
+    if not ran_gpu:
+        return "NOTHING RAN ON A GPU"
+    return "PASSED"
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], rows: Iterable[Iterable[object]], align: str = "") -> list[str]:
+    """A markdown table; `align` has one letter a column, r for right."""
+    lines = ["| " + " | ".join(header) + " |"]
+    seps = [("---:" if c == "r" else "---") for c in (align or "l" * len(header))]
+    lines.append("| " + " | ".join(seps) + " |")
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def first_screen(run: dict[str, Any], results: list[StepResult]) -> list[str]:
+    facts = next((r.data.get("facts", {}) for r in results if r.name == "env"), {})
+    device = ", ".join(d["name"] for d in facts.get("devices", [])) or "no GPU"
+    lines = [
+        f"# pdserve GPU check: {headline(results)}",
+        "",
+        f"`{run['command']}` · {run['plan']} plan · {device} · commit {facts.get('commit', '?')}"
+        f" · {run['started']} · {run['seconds']:.0f} s of a {run['budget_s']:.0f} s budget",
+        "",
+    ]
+    lines += table(
+        ["step", "result", "s", "summary"],
+        (
+            [
+                r.name,
+                r.status.upper() if r.status in ("failed", "timed out") else r.status,
+                f"{r.seconds:.0f}",
+                r.summary,
+            ]
+            for r in results
+        ),
+        "llrl",
+    )
+    lines += ["", "## Aims", ""]
+    lines += table(
+        ["aim", "case", "measured", "verdict"],
+        ([a["aim"], a["case"], a["measured"], a["verdict"]] for a in aims(results)),
+    )
+    failures = [(r.name, f) for r in results for f in r.failures]
+    lines += ["", f"## Failures ({len(failures)})", ""]
+    if not failures:
+        lines.append("None.")
+    for name, f in failures[:FAILURES_ON_FIRST_SCREEN]:
+        lines.append(f"- **{name}** `{f['where']}`: {f['what']}")
+    if len(failures) > FAILURES_ON_FIRST_SCREEN:
+        lines.append(
+            f"- … and {len(failures) - FAILURES_ON_FIRST_SCREEN} more: the steps below, `{RESULTS}`"
+        )
+    lines += [
+        "",
+        f"Logs: `{LOGS}` (`logs/<step>.log`; each step's folder with its record and, for "
+        f"serving, every node's log). Raw figures: `{RESULTS}`.",
+    ]
+    return lines
+
+
+# --- details ------------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _reason(test: dict[str, Any]) -> str:
+    where = test.get("where")
+    return test.get("reason", "") + (f" ({where})" if where else "")
+
+
+def details_tests(r: StepResult) -> list[str]:
+    sel = r.data.get("selection", {})
+    lines = [
+        f"Selected {sel.get('selected', '?')} of {sel.get('collected', '?')} tests (those that "
+        f"skip with CUDA hidden, and tests/test_gpu_*.py) in {len(sel.get('files', []))} files."
+    ]
+    tests = r.data.get("tests", {})
+    order = {"error": 0, "failed": 1, "not run": 2, "skipped": 3}
+    others = sorted(
+        ((k, v) for k, v in tests.items() if v["outcome"] != "passed"),
+        key=lambda kv: (order.get(kv[1]["outcome"], 4), kv[0]),
+    )
+    if others:
+        lines += [""] + table(
+            ["test", "outcome", "s", "reason"],
+            ([k, v["outcome"], f"{v['seconds']:.1f}", _reason(v)] for k, v in others),
+            "llrl",
+        )
+    passed = sorted((k, v["seconds"]) for k, v in tests.items() if v["outcome"] == "passed")
+    if passed:
+        lines += ["", f"<details><summary>{len(passed)} passed</summary>", ""]
+        lines += [f"- {k} ({s:.1f} s)" for k, s in passed] + ["", "</details>"]
+    for k, v in others:
+        if v.get("detail"):
+            lines += ["", f"<details><summary>{k}</summary>", "", "```", v["detail"], "```"]
+            lines += ["", "</details>"]
+    return lines
+
+
+def details_kernels(r: StepResult) -> list[str]:
+    d = r.data
+    lines = [
+        f"Copy {d['copy_gbps']:.0f} GB/s, bf16 matmul {d['matmul_tflops']:.0f} TFLOP/s; "
+        f"`{d.get('command', '')}`.",
+        "",
+    ]
+    lines += table(
+        ["batch", "context", "µs graph", "µs eager", "µs torch ref", "GB/s", "of copy"],
+        (
+            [
+                x["batch"],
+                x["context"],
+                _num(x["triton_graph_us"]),
+                _num(x["triton_eager_us"]),
+                _num(x["reference_us"]),
+                f"{x['triton_gbps']:.0f}",
+                _pct(x["fraction_of_copy"]),
+            ]
+            for x in d["decode"]
+        ),
+        "rrrrrrr",
+    )
+    lines += [""] + table(
+        ["prompts", "len", "ms", "ms torch ref", "TFLOP/s", "of matmul"],
+        (
+            [
+                x["prompts"],
+                x["prompt_len"],
+                _num(x["triton_ms"], ".2f"),
+                _num(x["reference_ms"], ".2f"),
+                f"{x['triton_tflops']:.0f}",
+                _pct(x["fraction_of_matmul"]),
+            ]
+            for x in d["prefill"]
+        ),
+        "rrrrrr",
+    )
+    return lines
+
+
+def details_model_step(r: StepResult) -> list[str]:
+    d = r.data
+    lines = [
+        f"{d['device']}, {d['preset']} {d['dtype']}; copy {d['copy_gbps']:.0f} GB/s, "
+        f"matmul {d['matmul_tflops']:.0f} TFLOP/s; `{d.get('command', '')}`.",
+        "",
+    ]
+    lines += table(
+        ["batch", "context", "ms graph", "ms eager", "GB read", "GB/s", "of copy"],
+        (
+            [
+                x["batch"],
+                x["context"],
+                _num(x["graph_ms"], ".3f"),
+                _num(x["eager_ms"], ".3f"),
+                f"{x['bytes_gb']:.2f}",
+                f"{x['gbps']:.0f}",
+                _pct(x["fraction_of_copy"]),
+            ]
+            for x in d["decode"]
+        ),
+        "rrrrrrr",
+    )
+    lines += [""] + table(
+        ["prompts", "len", "ms", "TFLOP", "TFLOP/s", "of matmul"],
+        (
+            [
+                x["prompts"],
+                x["prompt_len"],
+                f"{x['ms']:.2f}",
+                f"{x['tflop']:.2f}",
+                f"{x['tflops']:.0f}",
+                _pct(x["fraction_of_matmul"]),
+            ]
+            for x in d["prefill"]
+        ),
+        "rrrrrr",
+    )
+    return lines
+
+
+def details_tiles(r: StepResult) -> list[str]:
+    lines = table(
+        ["case", "default ms", "best ms", "speedup", "best config", "default / best fraction"],
+        (
+            [
+                case,
+                f"{f['default_ms']:.3f}",
+                f"{f['best_ms']:.3f}",
+                f"{f['speedup']:.2f}x",
+                " ".join(f"{k}={v}" for k, v in f["best"].items()),
+                f"{_pct(f['default_fraction'])} / {_pct(f['best_fraction'])}",
+            ]
+            for case, f in r.figures.items()
+        ),
+        "lrrrll",
+    )
+    problems = [x for k in ("decode", "prefill") for x in r.data.get(k, []) if x.get("problem")]
+    if problems:
+        lines += ["", f"{len(problems)} configurations did not run or gave wrong results:"]
+        lines += [
+            f"- {x['case']} block_m={x['block_m']} block_n={x['block_n']} "
+            f"warps={x['num_warps']} stages={x['num_stages']}: {x['problem']}"
+            for x in problems[:20]
+        ]
+    parts = r.data.get("partitions", [])
+    if parts:
+        lines += [""] + table(
+            ["case", "partition", "ms", "fraction", "problem"],
+            (
+                [
+                    x["case"],
+                    x["partition"],
+                    _num(x["ms"], ".3f"),
+                    _pct(x["fraction"]),
+                    x.get("problem") or "",
+                ]
+                for x in parts
+            ),
+            "lrrrl",
+        )
+    return lines
+
+
+def details_serving(r: StepResult) -> list[str]:
+    model = r.data.get("model", {})
+    lines = [
+        f"Model: {model.get('parameters', 0) / 1e9:.2f} B parameters, bf16, engine "
+        f"{model.get('engine')}; offline reference took {r.data.get('offline_s', 0):.0f} s."
+    ]
+    rows = []
+    for t, x in r.data.get("transports", {}).items():
+        load = x.get("load", {})
+        ttft, tpot = load.get("ttft_ms", {}), load.get("tpot_ms", {})
+        rows.append(
+            [
+                t,
+                _num(x.get("start_s"), ".0f"),
+                x.get("identical", "-"),
+                f"{_num(ttft.get('p50'), '.0f')} / {_num(ttft.get('p99'), '.0f')}",
+                f"{_num(tpot.get('p50'))} / {_num(tpot.get('p99'))}",
+                _num(load.get("output_tokens_per_s"), ".0f"),
+                _num(load.get("requests_per_s")),
+                load.get("failed", "-"),
+            ]
+        )
+    lines += [""] + table(
+        [
+            "transport",
+            "start s",
+            "streams identical",
+            "TTFT ms p50 / p99",
+            "TPOT ms p50 / p99",
+            "output tok/s",
+            "req/s",
+            "failed",
+        ],
+        rows,
+        "lrlrrrrr",
+    )
+    return lines
+
+
+def details_parity(r: StepResult) -> list[str]:
+    return table(
+        [
+            "family",
+            "block",
+            "triton = torch",
+            "triton = transformers",
+            "torch = transformers",
+            "max logprob gap",
+        ],
+        (
+            [
+                x["family"],
+                x["block_size"],
+                x["triton_equals_torch"],
+                x["triton_equals_transformers"],
+                x["torch_equals_transformers"],
+                f"{x['max_logprob_gap']:.2e}",
+            ]
+            for x in r.data.get("cases", [])
+        ),
+        "lrlllr",
+    )
+
+
+def details_env(r: StepResult) -> list[str]:
+    facts = r.data.get("facts", {})
+    lines = [f"- {k}: {_cell(v)}" for k, v in facts.items()]
+    versions = r.data.get("versions", {})
+    if versions:
+        lines.append(
+            "- packages: " + ", ".join(f"{k} {v or 'missing'}" for k, v in versions.items())
+        )
+    return lines
+
+
+DETAILS = {
+    "env": details_env,
+    "tests": details_tests,
+    "kernels": details_kernels,
+    "model_step": details_model_step,
+    "tiles": details_tiles,
+    "serving": details_serving,
+    "parity": details_parity,
+}
+
+
+def render(run: dict[str, Any], results: list[StepResult]) -> str:
+    lines = first_screen(run, results)
+    lines += ["", "---", "", "## Steps"]
+    for r in results:
+        lines += ["", f"### {r.name}: {r.status} — {r.title}", "", r.summary or ""]
+        if r.status == "skipped":
+            continue
+        if r.name in DETAILS and r.data:
+            try:
+                lines += [""] + DETAILS[r.name](r)
+            except (KeyError, TypeError, ValueError) as exc:  # a partial record: say so
+                lines += ["", f"(details incomplete: {type(exc).__name__}: {exc})"]
+        for note in r.notes:
+            lines.append(f"- note: {note}")
+        lines.append(f"\nLog: `{r.log}`.")
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, run: dict[str, Any], results: list[StepResult], work: Path) -> list[Path]:
+    """report.md, results.json and logs.tar.gz in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / REPORT
+    report.write_text(render(run, results))
+    raw = out / RESULTS
+    raw.write_text(
+        json.dumps(
+            {"run": run, "aims": aims(results), "steps": [r.as_dict() for r in results]},
+            indent=1,
+            default=str,
+        )
+    )
+    archive = out / LOGS
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(work.rglob("*")):
+            relative = path.relative_to(work)
+            if (
+                path.is_file()
+                and relative.parts[0] not in NOT_ARCHIVED
+                and path.suffix in ARCHIVED_SUFFIXES
+                and path.stat().st_size <= ARCHIVED_MAX_BYTES
+            ):
+                tar.add(path, arcname=str(relative))
+    return [report, raw, archive]

@@ -1,0 +1,379 @@
+"""The GPU check kit without a GPU: its plan fits one device run, the pinned wheels and the host's
+packages cover every import, the CUDA tests are found and run by the pytest plugin, the install
+step installs with pip alone, a run without CUDA completes and says which steps it skipped and
+why, and the report puts failures and the aims on its first screen."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+import zipfile
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_check import deps, gpu_tests, report
+from bench.gpu_check.plan import BUDGET_S, LONG, MIN_STEP_S, QUICK, Step
+from bench.gpu_check.runner import RunSettings, StepResult, run_step
+
+REPO = Path(__file__).resolve().parents[1]
+# The device tool: one command runs 600 s at most; at most 8 files come back, named plainly.
+DEVICE_COMMAND_S = 600
+DEVICE_FILES = 8
+PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+
+def test_each_plan_fits_one_device_run_with_room_for_start_and_report():
+    for steps in (QUICK, LONG):
+        assert sum(s.box_s for s in steps) <= BUDGET_S
+        assert all(s.box_s >= MIN_STEP_S for s in steps)
+    assert BUDGET_S + 45 <= DEVICE_COMMAND_S
+
+
+def test_quick_plan_runs_the_steps_in_the_issues_order_and_gpu_steps_need_cuda():
+    order = "install env tests kernels tiles model_step serving parity".split()
+    assert [s.name for s in QUICK] == order
+    assert all("cuda" in s.needs for s in QUICK[2:])
+    assert not QUICK[0].needs and not QUICK[1].needs
+
+
+# --- the wheels and the host --------------------------------------------------------------------
+
+
+def test_pins_name_one_exact_version_of_each_wheel():
+    pins = deps.read_pins()
+    assert len({p.name for p in pins}) == len(pins) > 0
+    assert all(re.fullmatch(r"[0-9][0-9A-Za-z.+!_-]*", p.version) for p in pins)
+
+
+def test_a_pin_file_with_a_range_or_a_name_twice_is_refused(tmp_path: Path):
+    ranged = tmp_path / "ranged.txt"
+    ranged.write_text("pyzmq>=27\n")
+    with pytest.raises(ValueError, match="not name==version"):
+        deps.read_pins(ranged)
+    twice = tmp_path / "twice.txt"
+    twice.write_text("pyzmq==27.3.0\nPyZMQ==26.0.0  # again\n")
+    with pytest.raises(ValueError, match="more than once: pyzmq"):
+        deps.read_pins(twice)
+
+
+def _provided() -> dict[str, str]:
+    pins = deps.read_pins()
+    return deps.host_import_names(deps.read_host()) | {
+        m: f"wheel: {p.name}" for p in pins for m in deps.import_names(p.name)
+    }
+
+
+def test_every_import_of_the_code_is_on_the_gpu_host_or_in_the_wheels():
+    assert deps.uncovered_imports(_provided()) == {}
+
+
+def test_the_serving_packages_the_gpu_host_lacks_come_from_the_wheels():
+    provided = _provided()
+    for module in ("zmq", "msgspec", "fastapi", "starlette", "pydantic", "uvicorn", "setproctitle"):
+        assert provided[module].startswith("wheel: "), module
+
+
+def test_the_import_scan_sees_an_import_nothing_provides(tmp_path: Path):
+    for folder in deps.SCANNED:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "engine" / "lazy.py").write_text("def f():\n    import orjson\n    import torch\n")
+    assert deps.uncovered_imports(_provided(), tmp_path) == {"orjson": {"engine/lazy.py"}}
+
+
+def test_pdserve_and_check_requirements_are_met_by_the_host_and_the_wheels():
+    available = dict(deps.read_host()) | {p.name: p.version for p in deps.read_pins()}
+    result = deps.check_requirements(deps.project_needs(), available)
+    assert result.ok, result
+
+
+def test_requirement_check_names_what_is_missing_too_old_or_unverifiable():
+    needs = [
+        ("a 1", "b>=2"),
+        ("a 1", "c"),
+        ("a 1", "cffi; implementation_name == 'pypy'"),
+        ("a 1", "d>=1"),
+        ("a 1", "e[extra]>=1,<3"),
+        ("a 1", "f; python_version < '3.11'"),
+    ]
+    result = deps.check_requirements(needs, {"b": "1.5", "d": None, "e": "2.0"})
+    assert result.missing == ["a 1 needs c"]
+    assert result.conflicts == ["a 1 needs b>=2: b 1.5 is there"]
+    assert result.unverified == ["a 1 needs d>=1: present, version unknown"]
+    assert not result.ok
+
+
+# --- the CUDA tests -----------------------------------------------------------------------------
+
+CUDA_TESTS = """
+import os
+import pytest
+
+hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+needs_cuda = pytest.mark.skipif(hidden, reason="needs CUDA")
+
+
+@needs_cuda
+def test_on_gpu_passes():
+    pass
+
+
+@needs_cuda
+def test_on_gpu_fails():
+    assert 1 + 1 == 3, "wrong sum"
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 2])
+def test_on_gpu_param(n):
+    pass
+
+
+@pytest.mark.skipif(True, reason="needs 2 GPUs")
+def test_needs_two_gpus():
+    pass
+
+
+def test_on_cpu():
+    pass
+
+
+@pytest.mark.skip(reason="never runs")
+def test_never():
+    pass
+"""
+MODULE_SKIP = """
+import os
+import pytest
+
+if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def test_whole_module_on_gpu():
+    pass
+"""
+
+
+def _pytest(tmp_path: Path, args: list[str], **env: str) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(tmp_path),
+        *gpu_tests.PLUGIN,
+        *args,
+    ]
+    subprocess.run(cmd, cwd=tmp_path, env=_env(**env), capture_output=True, timeout=120)
+
+
+def test_plugin_runs_exactly_the_tests_that_skip_without_cuda(tmp_path: Path):
+    (tmp_path / "test_cuda.py").write_text(CUDA_TESTS)
+    (tmp_path / "test_module.py").write_text(MODULE_SKIP)
+    (tmp_path / "test_gpu_things.py").write_text("def test_unmarked():\n    pass\n")
+    skips, events = tmp_path / "skips.json", tmp_path / "events.jsonl"
+    hidden = ["--collect-only", "--cuda-skips-out", str(skips), "."]
+    _pytest(tmp_path, hidden, CUDA_VISIBLE_DEVICES="")
+    found = json.loads(skips.read_text())
+    assert found["tests"] == {
+        "test_cuda.py::test_on_gpu_passes": "needs CUDA",
+        "test_cuda.py::test_on_gpu_fails": "needs CUDA",
+        "test_cuda.py::test_on_gpu_param[1]": "needs CUDA",
+        "test_cuda.py::test_on_gpu_param[2]": "needs CUDA",
+        "test_cuda.py::test_needs_two_gpus": "needs 2 GPUs",
+        "test_gpu_things.py::test_unmarked": "in a GPU test file",
+    }
+    assert found["skipped_modules"] == {"test_module.py": "needs CUDA"}
+
+    # With the device visible: those alone run, each reported as it ends.
+    visible = ["--cuda-select", str(skips), "--cuda-events", str(events), "."]
+    _pytest(tmp_path, visible, CUDA_VISIBLE_DEVICES="0")
+    tests = gpu_tests.outcomes(events)
+    assert {k: v["outcome"] for k, v in tests.items()} == {
+        "test_cuda.py::test_on_gpu_passes": "passed",
+        "test_cuda.py::test_on_gpu_fails": "failed",
+        "test_cuda.py::test_on_gpu_param[1]": "passed",
+        "test_cuda.py::test_on_gpu_param[2]": "passed",
+        "test_cuda.py::test_needs_two_gpus": "skipped",
+        "test_module.py::test_whole_module_on_gpu": "passed",
+        "test_gpu_things.py::test_unmarked": "passed",
+    }
+    failed = tests["test_cuda.py::test_on_gpu_fails"]
+    assert failed["reason"].startswith("AssertionError: wrong sum")
+    assert re.search(r"test_cuda\.py:\d+$", failed["where"])
+    assert "assert 1 + 1 == 3" in failed["detail"]
+    assert tests["test_cuda.py::test_needs_two_gpus"]["reason"] == "needs 2 GPUs"
+
+
+# --- steps and the run --------------------------------------------------------------------------
+
+
+def _wheel(folder: Path, name: str = "gpucheck_probe", version: str = "1.0") -> Path:
+    """A minimal pure-Python wheel."""
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 42\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as whl:
+        for arcname, text in files.items():
+            whl.writestr(arcname, text)
+    return path
+
+
+def test_install_step_installs_with_pip_alone_and_names_wheels_off_the_pins(tmp_path: Path):
+    wheels, site, record = tmp_path / "whl", tmp_path / "site", tmp_path / "install.json"
+    wheels.mkdir()
+    _wheel(wheels)
+    cmd = [sys.executable, "-m", "bench.gpu_check.install", "--json", str(record)]
+    cmd += ["--work", str(tmp_path), "--wheels", str(wheels), "--site", str(site)]
+    subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, timeout=120, check=True)
+    assert (site / "gpucheck_probe" / "__init__.py").read_text() == "VALUE = 42\n"
+    saved = json.loads(record.read_text())
+    assert saved["status"] == "failed"
+    problems = [f["what"] for f in saved["failures"]]
+    assert "gpucheck-probe 1.0 is there but not pinned" in problems
+    assert any(p.startswith("pyzmq==") and "not in" in p for p in problems)
+    assert "--no-index --no-deps" in saved["data"]["command"]
+
+
+def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tmp_path: Path):
+    out, empty = tmp_path / "out", tmp_path / "no-wheels"
+    empty.mkdir()
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--out", str(out), "--wheels", str(empty)]
+    env = _env(CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["logs.tar.gz", "report.md", "results.json"]
+    assert len(files) <= DEVICE_FILES and all(PLAIN_NAME.match(f) for f in files)
+
+    steps = {s["name"]: s for s in json.loads((out / "results.json").read_text())["steps"]}
+    assert list(steps) == [s.name for s in QUICK]
+    assert steps["install"]["status"] == "skipped" and "no wheels in" in steps["install"]["summary"]
+    assert steps["env"]["status"] == "passed"
+    assert steps["env"]["data"]["facts"]["cuda"] is False
+    for name in ("tests", "kernels", "tiles", "model_step", "serving", "parity"):
+        assert steps[name]["status"] == "skipped"
+        assert steps[name]["summary"].startswith("no CUDA device"), steps[name]
+
+    text = (out / "report.md").read_text()
+    assert text.startswith("# pdserve GPU check: NOTHING RAN ON A GPU")
+    assert "| serving | skipped | 0 | no CUDA device" in text
+    assert "not measured (model_step skipped: no CUDA device" in text
+    assert done.stdout.rstrip().splitlines()[-1].startswith("wrote ")  # the first screen is last
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "logs/env.log" in names and "env/record.json" in names
+
+
+def _hanging_step(folder: Path, crash: bool) -> Step:
+    """A step module that records a partial result, then hangs (or dies)."""
+    ending = "os._exit(3)" if crash else "threading.Event().wait()"
+    (folder / "hanging_step.py").write_text(
+        textwrap.dedent(f"""
+        import os, threading
+        from bench.gpu_check.record import StepRecord, step_args
+        args = step_args("hangs")
+        record = StepRecord(args.json)
+        record.data["half"] = "done"
+        record.save()
+        {ending}
+    """)
+    )
+    return Step("hanging", "a step that never ends", "hanging_step", 5)
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["hangs", "dies"])
+def test_a_step_stopped_at_its_box_or_dying_fails_and_keeps_what_it_recorded(
+    tmp_path: Path, crash: bool
+):
+    settings = RunSettings(work=tmp_path, wheels=tmp_path, site=tmp_path, budget_s=30)
+    settings.logs.mkdir()
+    step = _hanging_step(tmp_path, crash)
+    result = run_step(step, settings, time.time() + step.box_s)
+    assert result.status == ("failed" if crash else "timed out")
+    assert result.data == {"half": "done"}
+    assert result.failures and result.log == "logs/hanging.log"
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def _model_step_data() -> dict:
+    """bench.model_step's results as it writes them (its own dataclasses), graph the faster."""
+    from bench import model_step
+
+    def decode(batch: int, context: int, gbps: float, fraction: float) -> dict:
+        return asdict(model_step.DecodeResult(batch, context, 1.0, 2.0, 1.0, gbps, fraction))
+
+    rows = [decode(1, 4096, 2766, 0.83), decode(64, 4096, 2100, 0.63), decode(256, 512, 2711, 0.81)]
+    prefill = asdict(model_step.PrefillResult(1, 2048, 70.0, 33.0, 471.0, 0.6))
+    return {"device": "NVIDIA H100", "preset": "llama3-8b", "dtype": "bfloat16",
+            "copy_gbps": 3340.0, "matmul_tflops": 785.0, "decode": rows, "prefill": [prefill]}  # fmt: skip
+
+
+def _kernels_data() -> dict:
+    """bench.kernels' results as it writes them."""
+    from bench import kernels
+
+    decode = kernels.DecodeResult(64, 4096, 400.0, 420.0, 9000.0, 1.07, 2684.0, 0.8)
+    prefill = kernels.PrefillResult(1, 2048, 0.4, None, 0.14, 350.0, 0.45)
+    return {"copy_gbps": 3340.0, "matmul_tflops": 785.0, "command": "python -m bench.kernels",
+            "decode": [asdict(decode)], "prefill": [asdict(prefill)]}  # fmt: skip
+
+
+def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
+    test_id = "tests/test_gpu_engine.py::test_cuda_graph_decode_matches_cpu_reference[llama-False]"
+    facts = {"devices": [{"name": "NVIDIA H100"}], "commit": "abc1234"}
+    failed = {"outcome": "failed", "seconds": 3.0, "reason": "AssertionError: lists differ",
+              "where": "tests/test_gpu_engine.py:91"}  # fmt: skip
+    results = [
+        StepResult("env", "env", "passed", summary="NVIDIA H100", data={"facts": facts}),
+        StepResult("tests", "tests", "failed", 120, summary="55 passed, 1 failed",
+                   failures=[{"where": test_id, "what": "AssertionError: lists differ"}],
+                   data={"tests": {test_id: failed}}),
+        StepResult("kernels", "kernels", "passed", 30, data=_kernels_data()),
+        StepResult("model_step", "model_step", "passed", 60, data=_model_step_data()),
+        StepResult("serving", "serving", "timed out", 115, summary="stopped"),
+    ]  # fmt: skip
+    run = {"command": "python -m bench.gpu_check", "plan": "quick", "started": "now",
+           "seconds": 300.0, "budget_s": 540.0}  # fmt: skip
+    screen = report.first_screen(run, results)
+    assert len(screen) <= 40
+    text = "\n".join(screen)
+    assert screen[0] == "# pdserve GPU check: FAILED (2 of 5 steps: tests, serving)"
+    assert "NVIDIA H100" in screen[2] and "abc1234" in screen[2]
+    assert f"`{test_id}`: AssertionError: lists differ" in text
+    assert "| batch 64, 4096 tokens (graph) | 63% (2100 of 3340 GB/s) | MISSED |" in text
+    assert "| batch 256, 512 tokens (graph) | 81% (2711 of 3340 GB/s) | met |" in text
+    assert "| 1 x 2048 tokens | 60% (471 of 785 TFLOP/s) | met |" in text
+    assert "batch 1," not in text  # the aim is for batches of 64 and more
+    full = report.render(run, results)
+    assert full.startswith(text) and "tests/test_gpu_engine.py:91" in full
+    assert "| 64 | 4096 | 400.0 | 420.0 | 9000.0 | 2684 | 80% |" in full  # kernels' table
+    assert "| 1 | 2048 | 0.40 | - | 350 | 45% |" in full
+    assert "(details incomplete" not in full

@@ -1,0 +1,99 @@
+"""The story grammar and its recognizer, without a model: everything the grammar generates is
+accepted, near misses are not, the corpus is a function of its seed, and the training script
+writes a checkpoint that `transformers` reads as the model it trained."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine.stories import grammar
+from engine.stories.corpus import corpus
+from engine.stories.recognizer import accepts, read, split_sentences
+
+
+def test_every_sentence_the_grammar_generates_is_accepted():
+    rng = random.Random(5)
+    texts = [grammar.story(rng) for _ in range(400)]
+    texts += [" ".join(grammar.chat_turn(rng)) for _ in range(400)]
+    rejected = [s for t in texts for s in read(t).rejected]
+    assert not rejected, rejected[:5]
+    assert sum(read(t).num_sentences for t in texts) > 5000
+
+
+def test_every_template_is_generated():
+    rng = random.Random(6)
+    seen = set()
+    for _ in range(3000):
+        text = grammar.story(rng) + " " + " ".join(grammar.chat_turn(rng))
+        seen.update(split_sentences(text)[0])
+    for template in grammar.TEMPLATES:
+        pattern = template.split("{")[0].lstrip('"')[:12]
+        assert any(pattern.lower() in s.lower() for s in seen), template
+
+
+@pytest.mark.parametrize(
+    "sentence",
+    [
+        "One day, Tom went to the.",  # a slot left empty
+        "One day, went Tom to the park.",  # words out of order
+        "One day, Tom went to the moon.",  # a word no class holds
+        "once upon a time, there was a little cat named Lily.",  # not capitalized
+        "Once upon a time, there was a little cat named lily.",  # a name in lower case
+        "Once upon a time, there was a little cat named Lily",  # no full stop
+        '"Can I play with your ball?" asked.',  # nobody asks
+        "Tom Tom Tom Tom.",
+        "",
+    ],
+)
+def test_near_misses_are_rejected(sentence):
+    assert not accepts(sentence)
+
+
+def test_sentences_split_at_their_ends_not_inside_quotes():
+    text = 'One day, Tom went to the park. "Hello, Lily!" said Tom. "Can I play?" asked Lily. Then'
+    sentences, rest = split_sentences(text)
+    assert sentences == [
+        "One day, Tom went to the park.",
+        '"Hello, Lily!" said Tom.',
+        '"Can I play?" asked Lily.',
+    ]
+    assert rest == "Then"
+    reading = read(text)
+    assert reading.accepted == sentences[:2] and reading.rejected == sentences[2:]
+    assert reading.share == 2 / 3
+
+
+def test_the_corpus_is_a_function_of_its_seed():
+    a, b, c = corpus(0, 200_000), corpus(0, 200_000), corpus(1, 200_000)
+    assert a == b and a != c
+    assert 200_000 <= sum(len(d) + 1 for d in a) < 202_000
+    chats = [d for d in a if d.startswith("<|im_start|>user\n")]
+    assert 0.2 < len(chats) / len(a) < 0.4  # stories and chat turns both
+
+
+def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(tmp_path):
+    import transformers
+
+    from engine.stories.train import Recipe, Shape, train
+
+    shape = Shape(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, max_position_embeddings=128)  # fmt: skip
+    recipe = Recipe(corpus_megabytes=0.2, steps=3, batch_size=2, seq_len=32, threads=1)
+    record = train(shape, recipe, tmp_path, plot=tmp_path / "loss.png", progress=False)
+    assert (tmp_path / "loss.png").stat().st_size > 1000 and len(record["losses"]) == 3
+    assert json.loads((tmp_path / "training.json").read_text())["final_loss"] > 0
+
+    # Its logits, from the bfloat16 weights it saved, are the model transformers loads.
+    from engine.stories.train import StoryModel
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    mine = StoryModel(shape)
+    state = {k: v.float() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    mine.load_state_dict(state)
+    ids = torch.randint(0, shape.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(mine(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
