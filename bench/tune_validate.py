@@ -185,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="checkpoint (default: pdserve-bench)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint (default: pdserve-bench, the serving benchmark's)"
+    )
     p.add_argument("--profile", default=None, help="use this profile instead of measuring one")
     p.add_argument("--quick", action="store_true",
                    help="a few profile points and a small search: checks the command itself")  # fmt: skip
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-tune-validate-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"# {platform.platform()}, {os.cpu_count()} CPUs; load before: {uptime()}", flush=True)
+    print(f"# model: {Path(model).name} ({model})", flush=True)
     if args.profile:
         profile = Profile.load(args.profile)
     else:

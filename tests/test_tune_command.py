@@ -4,11 +4,13 @@ whose written files `pdserve serve --config` and `pdserve launch` take as they a
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 
 from coordinator.config import CoordinatorConfig
+from pdserve import serve
 from pdserve.cli import main
 from pdserve.cluster_file import load_cluster_file, plan
 from tune.deployment import ALL_LOCAL, Deployment
@@ -119,7 +121,7 @@ def test_the_written_configs_are_what_serve_and_launch_take(tmp_path, colocated,
     assert "pdserve-coordinator" in capsys.readouterr().out
 
 
-def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path):
+def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path, capsys, monkeypatch):
     profile_path = tmp_path / "cpu.json"
     p = Profile(
         PRESETS["llama3-8b"], "float32",
@@ -135,11 +137,27 @@ def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path):
         "--out-dir", str(out),
     ])  # fmt: skip
     assert code == 0
-    config = CoordinatorConfig.from_toml(out / "pdserve.toml")
-    assert config.node_settings.engine["num_kv_blocks"] == 4000
-    spec = load_cluster_file(out / "cluster.toml")
-    (host,) = spec.hosts
-    assert host.num_prefill + host.num_decode == 3
+    printed = capsys.readouterr().out
     results = json.loads((out / "tune.json").read_text())
     assert results["ranked"][0]["goodput"] > 0 and results["simulations"] > 0
     assert Path(out / "pdserve.toml").read_text().startswith("# Written by pdserve tune")
+    # The serve command tune prints, through serve's own parser and config loader: the nodes it
+    # would start carry the file's engine settings.
+    (serve_line,) = [line for line in printed.splitlines() if line.startswith("pdserve serve")]
+    started: list = []
+    monkeypatch.setattr(serve, "run_serve", lambda options: started.append(options) or 0)
+    assert main(shlex.split(serve_line)[1:]) == 0
+    (options,) = started
+    config = serve.load_config(options)
+    nodes = serve.node_specs(options, config, "tcp://127.0.0.1:5555")
+    assert len(nodes) == 3 and all(n.engine.num_kv_blocks == 4000 for n in nodes)
+    chunk = results["ranked"][0]["deployment"]
+    assert all(f"chunk {n.engine.max_num_batched_tokens}" in chunk for n in nodes)
+    # The cluster file, through launch's loader and its dry run.
+    spec = load_cluster_file(out / "cluster.toml")
+    (host,) = spec.hosts
+    assert host.num_prefill + host.num_decode == 3
+    assert spec.coordinator_config == (out / "pdserve.toml").resolve()
+    assert main(["launch", str(out / "cluster.toml"), "--dry-run"]) == 0
+    planned = capsys.readouterr().out
+    assert planned.count("--num-kv-blocks 4000") == 3

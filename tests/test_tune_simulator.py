@@ -165,6 +165,28 @@ def test_a_node_short_of_blocks_preempts_and_still_finishes_every_request():
     assert result.num_preemptions > 0
 
 
+def test_a_long_idle_gap_is_skipped_and_changes_no_outcome():
+    # Two identical requests a day apart: the second is served as the first was, and the day's
+    # heartbeats and ticks are not simulated one by one.
+    requests = [SimRequest(0.0, 32, 5), SimRequest(86_400.0, 32, 5)]
+    sim = Simulation(Deployment(1, 1), profile())
+    events = 0
+    schedule = sim.at
+
+    def counting(time: float, fn, *args: object) -> None:  # noqa: ANN001
+        nonlocal events
+        events += 1
+        schedule(time, fn, *args)
+
+    sim.at = counting
+    result = sim.run(requests)
+    first, second = result.outcomes
+    assert second.success and second.arrival_s == 86_400.0
+    assert (second.ttft_s, second.latency_s) == pytest.approx((first.ttft_s, first.latency_s))
+    assert result.sim_seconds > 86_400.0
+    assert events < 1_000  # a day of 0.1 s ticks alone would be 864,000
+
+
 def test_a_run_stops_once_its_slo_attainment_cannot_be_met():
     # Far more than one node can prefill in time: most requests miss the TTFT target.
     workload = synthetic(200, LengthDist.parse("500"), LengthDist.parse("10"), seed=2)

@@ -28,45 +28,57 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The search's flags on `parser`, and `profile` as its one sub-command."""
     parser.allow_abbrev = False  # the sub-command's flags must not read as the search's prefixes
-    parser.add_argument("--profile", help="profile JSON from `pdserve tune profile` (required)")
+    parser.add_argument(
+        "--profile", help="profile JSON from `pdserve tune profile` (required: no default)"
+    )
     parser.add_argument(
         "--model",
         help="checkpoint directory or config.json (default: the profile's model shape)",
     )
-    parser.add_argument("--devices", type=int, help="GPUs (or CPU workers) to place (required)")
+    parser.add_argument(
+        "--devices", type=int, help="GPUs (or CPU workers) to place (required: no default)"
+    )
     slo = parser.add_argument_group("SLO")
-    slo.add_argument("--slo-ttft-ms", type=float, help="time to first token target (required)")
-    slo.add_argument("--slo-tpot-ms", type=float, help="time per output token target (required)")
+    slo.add_argument(
+        "--slo-ttft-ms", type=float, help="time to first token target (required: no default)"
+    )
+    slo.add_argument(
+        "--slo-tpot-ms", type=float, help="time per output token target (required: no default)"
+    )
     slo.add_argument("--slo-percentile", type=float, default=90.0,
                      help="percent of requests that must meet both targets (default: 90)")  # fmt: skip
     w = parser.add_argument_group("workload (synthetic unless --trace or --sharegpt)")
     w.add_argument("--trace", help="CSV or JSON lines: arrival_s, prompt_len, output_len[, "
-                   "prefix_group, prefix_len]")  # fmt: skip
-    w.add_argument("--sharegpt", help="ShareGPT-format JSON (lengths from --model's tokenizer)")
-    w.add_argument("--num-requests", type=int, default=10000)
+                   "prefix_group, prefix_len] (unset: synthetic)")  # fmt: skip
+    w.add_argument(
+        "--sharegpt",
+        help="ShareGPT-format JSON, lengths from --model's tokenizer (unset: synthetic)",
+    )
+    w.add_argument("--num-requests", type=int, default=10000, help="requests simulated")
     w.add_argument("--prompt-len", default="lognormal:160:1.0:1024",
                    help="N, LO:HI or lognormal:MEDIAN:SIGMA[:MAX] (default: %(default)s)")  # fmt: skip
     w.add_argument("--output-len", default="lognormal:250:0.7:1024", help="same forms")
     w.add_argument(
         "--long-fraction", type=float, default=0.0, help="of requests from the long ones"
     )
-    w.add_argument("--long-prompt-len", default="1536:1900")
-    w.add_argument("--long-output-len", default="8:16")
+    w.add_argument("--long-prompt-len", default="1536:1900", help="same forms")
+    w.add_argument("--long-output-len", default="8:16", help="same forms")
     w.add_argument("--shared-prefix-len", type=int, default=0,
                    help="tokens every prompt starts with (a system prompt)")  # fmt: skip
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson")
     w.add_argument("--rate", type=float, default=None,
                    help="also report latencies at this rate (req/s); default: at each goodput")  # fmt: skip
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="of the synthetic lengths and arrivals")
     s = parser.add_argument_group("search")
     s.add_argument("--quick", action="store_true", help="a few values of each knob")
-    s.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
+    s.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
+                   help="simulations run in parallel")  # fmt: skip
     s.add_argument("--top", type=int, default=5, help="candidates in the table")
     s.add_argument("--out-dir", default="pdserve-tune",
                    help="where pdserve.toml, cluster.toml, the plot and tune.json go")  # fmt: skip
     s.add_argument("--gpus-per-host", type=int, default=8, help="for the cluster file")
-    s.add_argument("--no-plot", action="store_true")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-plot", action="store_true", help="no goodput.png")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="tune_command")
     p = sub.add_parser(
         "profile",
@@ -84,25 +96,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--roofline", metavar="DEVICE",
                      help="no measurement: the model's FLOPs and bytes against a device's stated "
-                     "peaks (h100, h200, a100, l40s)")  # fmt: skip
+                     "peaks: h100, h200, a100, l40s (unset: measured)")  # fmt: skip
     how.add_argument("--model-step", metavar="JSON",
-                     help="the rates a GPU reached in `python -m bench.model_step --json`")  # fmt: skip
+                     help="the rates a GPU reached in `python -m bench.model_step --json` (unset: measured)")  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, default=1,
                    help="roofline: a node is a tensor-parallel group of this many GPUs "
                    "(modelled, not runnable yet)")  # fmt: skip
-    p.add_argument("--memory-gb", type=float, default=None, help="--model-step: device memory")
-    p.add_argument("--compute-efficiency", type=float, default=None)
-    p.add_argument("--memory-efficiency", type=float, default=None)
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="--model-step: device memory (no default: required there)",
+    )
+    p.add_argument("--compute-efficiency", type=float, default=None,
+                   help="roofline: share of peak FLOP/s a step reaches (default: 0.6)")  # fmt: skip
+    p.add_argument("--memory-efficiency", type=float, default=None,
+                   help="roofline: share of peak bandwidth a step reaches (default: 0.75)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="measured: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="measured: default float32 on CPU, else bfloat16")
     p.add_argument("--threads", type=int, default=None,
-                   help="measured: torch threads (nodes under `bench` run with 1)")  # fmt: skip
+                   help="measured: torch threads, nodes under `bench` run with 1 (unset: torch's default)")  # fmt: skip
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="measured: a node's KV blocks (default: the engine's sizing)")  # fmt: skip
-    p.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
+    p.add_argument("--transport", default="tcp", choices=("tcp", "shm"),
+                   help="measured: the KV transport whose transfers are timed")  # fmt: skip
     p.add_argument("--transfer-gbps", type=float, default=None,
-                   help="state the KV transfer bandwidth instead of measuring it")  # fmt: skip
-    p.add_argument("--transfer-latency-ms", type=float, default=None)
+                   help="state the KV transfer bandwidth instead of measuring it (unset: measured; "
+                   "roofline: 50)")  # fmt: skip
+    p.add_argument("--transfer-latency-ms", type=float, default=None,
+                   help="with --transfer-gbps: per transfer (default: 0; roofline: 0.5)")  # fmt: skip
     p.add_argument("--frontend-ms", type=float, default=None,
                    help="the HTTP front end's share of TTFT (default: 0, or measured with "
                    "--measure-frontend)")  # fmt: skip
@@ -256,10 +278,8 @@ def run_search(args: argparse.Namespace) -> int:
               "more requests (--num-requests) to measure a sustained rate")  # fmt: skip
     out = Path(args.out_dir)
     best = result.best
-    model_arg = (
-        str(Path(args.model).resolve()) if args.model and Path(args.model).exists() else None
-    )
-    written = write_outputs(best, profile, slo, args.devices, out, model_arg, args.gpus_per_host)
+    written = write_outputs(best, profile, slo, args.devices, out, _served_model(args.model),
+                            args.gpus_per_host)  # fmt: skip
     if not args.no_plot:
         shown = result.ranked[:2]
         runs = curves(profile, workload, slo, shown, result.nodes, space.screen_nodes,
@@ -280,6 +300,19 @@ def run_search(args: argparse.Namespace) -> int:
         )
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _served_model(model: str | None) -> str | None:
+    """What the cluster file names as its model: an embedded model's name or the checkpoint's
+    directory; None (the nodes' default) for a preset or none given."""
+    from engine.embedded_models import EMBEDDED
+
+    if model is None or model in EMBEDDED:
+        return model
+    path = Path(model).expanduser().resolve()
+    if path.is_file():  # a config.json: its checkpoint directory
+        path = path.parent
+    return str(path) if path.is_dir() else None
 
 
 def _results(result, profile, slo, workload) -> dict:  # noqa: ANN001

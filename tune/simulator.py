@@ -13,7 +13,9 @@ Time: a node with work starts a step at t (the engine schedules, the modeled exe
 the scheduler postprocesses, all at t) and is busy until t + the step's modeled time, when its
 reports leave; orders that arrive meanwhile wait for the step's end, as in the node's loop,
 except SendKV, which the prefill node's handoff socket starts at once. Heartbeats carry each
-node's last load snapshot every `heartbeat_interval_s`; the coordinator ticks every 0.1 s.
+node's last load snapshot every `heartbeat_interval_s`; the coordinator ticks every 0.1 s. Once
+the deployment has been idle for a few heartbeats, nothing changes until the next arrival: the
+clock skips the rest of the gap (metrics keep the workload's own arrival times).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from tune.workload import SimRequest
 
 START_S = 1.0  # nodes register and report before the first request arrives
 HORIZON_S = 3600.0  # after the last arrival, a run that has not ended is stopped (a safety net)
+IDLE_HEARTBEATS = 3  # idle this long (every node reported its empty pool): skip to the arrival
 SAMPLED_TOKEN = 11  # what every modeled step samples: an id valid in any vocabulary
 
 
@@ -223,10 +226,36 @@ class Simulation:
     def _tick(self) -> None:
         self._deliver(self.core.on_tick(self.now))
         self._check_deadlines()
-        if self.now > self._horizon:
+        if self.now > self._horizon - self._skipped:
             self._stopped = self._done = True
         if not self._done:
+            self._skip_idle_time()
             self.at(self.now + TICK_S, self._tick)
+
+    def _idle(self) -> bool:
+        """No request in the deployment: every one that arrived has ended, every node is idle."""
+        if self.core.requests or self._next_arrival > len(self._requests) - self._remaining:
+            return False
+        return all(not n.busy and not n.engine.has_unfinished() for n in self.nodes.values())
+
+    def _skip_idle_time(self) -> None:
+        """Idle since `_idle_since` and still for a while: the heartbeats and ticks of the rest of
+        the gap change nothing, so the next arrival comes at once (a long gap at a low rate would
+        otherwise cost its every heartbeat)."""
+        if not self._idle():
+            self._idle_since = None
+            return
+        if self._idle_since is None:
+            self._idle_since = self.now
+        if self._next_arrival >= len(self._requests):
+            return
+        settle = IDLE_HEARTBEATS * self.profile.heartbeat_interval_s
+        due = self._arrival_time(self._next_arrival)
+        if self.now - self._idle_since >= settle and due > self.now + TICK_S:
+            self._skipped += due - (self.now + TICK_S)
+            self._arrival_generation += 1
+            self.at(self._arrival_time(self._next_arrival), self._arrive, self._next_arrival,
+                    self._arrival_generation)  # fmt: skip
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -250,9 +279,13 @@ class Simulation:
         self._stopped = False
         self._peak_kv_usage = 0.0
         self._horizon = START_S + (requests[-1].arrival_s if requests else 0.0) + HORIZON_S
+        self._skipped = 0.0  # idle time the clock skipped: arrivals come this much earlier
+        self._idle_since: float | None = None
+        self._next_arrival = 0  # the index of the request to arrive next
+        self._arrival_generation = 0  # a skip reschedules the next arrival; the old one lapses
         self.at(START_S, self._tick)
         if requests:
-            self.at(START_S + requests[0].arrival_s, self._arrive, 0)
+            self.at(self._arrival_time(0), self._arrive, 0, 0)
         while self._events and not self._done:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
@@ -265,7 +298,7 @@ class Simulation:
         return RunResult(
             outcomes,
             self._stopped,
-            self.now - START_S,
+            self.now - START_S + self._skipped,
             sum(e.stats.num_steps for e in engines),
             sum(e.scheduler.num_preemptions for e in engines),
             self._peak_kv_usage,
@@ -285,10 +318,16 @@ class Simulation:
         rest = self._rng.integers(lo, hi, max(0, request.prompt_len - len(prefix))).tolist()
         return prefix + rest
 
-    def _arrive(self, index: int) -> None:
+    def _arrival_time(self, index: int) -> float:
+        return START_S + self._requests[index].arrival_s - self._skipped
+
+    def _arrive(self, index: int, generation: int) -> None:
+        if generation != self._arrival_generation:
+            return  # rescheduled earlier by a skip of idle time
         request = self._requests[index]
+        self._next_arrival = index + 1
         if index + 1 < len(self._requests):
-            self.at(START_S + self._requests[index + 1].arrival_s, self._arrive, index + 1)
+            self.at(self._arrival_time(index + 1), self._arrive, index + 1, generation)
         params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
         try:
             _, out = self.core.submit(self._prompt(request), params, self.now, f"r{index}")
