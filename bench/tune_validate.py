@@ -9,7 +9,9 @@ each prediction beside its measurement.
 
 The last line: `tune validation: goodput error max X%, TTFT p50 error max Y%, TPOT p50 error max
 Z%, ranking same|different`. Errors are |predicted - measured| / measured; the ranking orders the
-configurations by their goodput summed over the rates, predicted and measured.
+configurations by their goodput summed over the rates, predicted and measured. The table's last
+column is the CPU the machine's other processes took during each measurement, in cores: the
+simulator models the deployment alone, so on a shared machine that is load it cannot foresee.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def predict(profile: Profile, d: Deployment, requests: list[SimRequest], slo: SL
     return summarize(result.outcomes, slo, rate).to_dict()
 
 
-def measured_summary(summary: dict) -> dict:
+def measured_summary(summary: dict, other_cores: float | None) -> dict:
     return {
         "goodput": summary["goodput"],
         "attainment": summary["slo_attainment"],
@@ -108,7 +110,52 @@ def measured_summary(summary: dict) -> dict:
         "tpot_ms": summary["tpot_ms"],
         "completed": summary["completed"],
         "duration_s": summary["duration_s"],
+        "other_cores": other_cores,
     }
+
+
+class CPUWatch:
+    """The CPU time the machine's other processes took while a run measured (Linux): every
+    core's busy time (/proc/stat) less that of the deployment's processes and this one. The
+    simulator models the deployment alone; on a shared machine, this is what it cannot see."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.start: tuple[float, float, float] | None = None
+
+    def _busy(self) -> float:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / self.tick  # less idle and iowait
+
+    def _tree(self, pid: int) -> float:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return 0.0
+        own = (int(stat[11]) + int(stat[12])) / self.tick
+        return own + sum(self._tree(int(c)) for c in children)
+
+    def _now(self) -> tuple[float, float, float]:
+        ours = self._tree(self.root_pid) + time.process_time()
+        return self._busy(), ours, time.monotonic()
+
+    def begin(self) -> None:
+        try:
+            self.start = self._now()
+        except OSError:
+            self.start = None
+
+    def other_cores(self) -> float | None:
+        """Cores' worth of CPU the other processes used since `begin`."""
+        if self.start is None:
+            return None
+        busy, ours, at = self._now()
+        elapsed = at - self.start[2]
+        others = (busy - self.start[0]) - (ours - self.start[1])
+        return max(0.0, others) / elapsed if elapsed > 0 else None
 
 
 async def measure(
@@ -134,8 +181,10 @@ async def measure(
         for i, rate in enumerate(args.rates):
             cfg.rate, cfg.seed = rate, args.seed + i
             specs = requests_at(args, rate, args.seed + i)
+            watch = CPUWatch(server.proc.pid)
+            watch.begin()
             run = await run_load(specs, cfg, slo, warmup if i == 0 else ())
-            out[rate] = measured_summary(run["summary"])
+            out[rate] = measured_summary(run["summary"], watch.other_cores())
     return out
 
 
@@ -150,8 +199,8 @@ def table(points: list[Point]) -> str:
     rows = [
         "| configuration | rate (req/s) | goodput predicted / measured (req/s) | error "
         "| TTFT p50 predicted / measured (ms) | error | TPOT p50 predicted / measured (ms) "
-        "| error | SLO met predicted / measured |",
-        "|" + " --- |" * 9,
+        "| error | SLO met predicted / measured | other processes' CPU (cores) |",
+        "|" + " --- |" * 10,
     ]
     for p in points:
         pr, me = p.predicted, p.measured
@@ -162,7 +211,8 @@ def table(points: list[Point]) -> str:
             f"| {p.error('ttft_ms.p50'):.0%} "
             f"| {pr['tpot_ms']['p50']:.2f} / {me['tpot_ms']['p50']:.2f} "
             f"| {p.error('tpot_ms.p50'):.0%} "
-            f"| {pr['attainment']:.0%} / {me['attainment']:.0%} |"
+            f"| {pr['attainment']:.0%} / {me['attainment']:.0%} "
+            f"| {'-' if me.get('other_cores') is None else format(me['other_cores'], '.2f')} |"
         )
     return "\n".join(rows)
 

@@ -30,5 +30,7 @@ def test_the_validation_command_runs_end_to_end(tmp_path):
     names = {"1P+1D", "2 colocated", picked}
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and " 3 |" in line]
     assert sorted(row.split(" | ")[0][2:] for row in rows) == sorted(names)
+    # The other processes' CPU during each measurement, in cores (Linux), or "-".
+    assert all(re.fullmatch(r"\d+\.\d\d|-", row.split(" | ")[-1].rstrip(" |")) for row in rows)
     assert (tmp_path / "tune" / "pdserve.toml").is_file()
     assert (tmp_path / "profile.json").is_file()
