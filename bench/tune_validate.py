@@ -4,7 +4,7 @@ workers here) at three rates on the serving benchmark's workload, runs the same 
 same arrival times against `pdserve serve` with `bench.serve_load`'s load generator, and prints
 each prediction beside its measurement.
 
-    .venv/bin/python -m bench.tune_validate                    # ~8 min on 2 cores
+    .venv/bin/python -m bench.tune_validate                    # ~5 min on 2 cores
     .venv/bin/python -m bench.tune_validate --rates 2 --duration-s 3 --min-requests 6 --quick
 
 The last line: `tune validation: goodput error max X%, TTFT p50 error max Y%, TPOT p50 error max
