@@ -15,6 +15,8 @@ from coordinator.config import CoordinatorConfig
 from engine.config import EngineConfig, RoleTensorParallel
 from engine.embedded_models import EMBEDDED
 from pdserve import __version__
+from tune.command import DESCRIPTION as TUNE_DESCRIPTION
+from tune.command import add_arguments as add_tune_arguments
 
 DESCRIPTION = (
     "pdserve serves open-weight LLMs (Hugging Face checkpoints of the Llama, Mistral, Qwen2 and "
@@ -211,6 +213,12 @@ def _launch(args: argparse.Namespace) -> int:
     return supervisor.run()
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from tune.command import run
+
+    return run(args)
+
+
 def _process_title(args: argparse.Namespace) -> str:
     if args.command in ("prefill", "decode"):
         return f"pdserve-{args.node_id}"
@@ -363,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "like this machine, or the only one)")  # fmt: skip
     launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     launch.set_defaults(func=_launch)
+
+    tune = command(
+        "tune", "search deployments for goodput under an SLO, in simulation", TUNE_DESCRIPTION
+    )
+    add_tune_arguments(tune)
+    tune.set_defaults(func=_tune)
 
     for verb in ("prefill", "decode"):
         p = command(

@@ -1,0 +1,329 @@
+"""The tuner's predictions beside real runs: profiles this machine (`pdserve tune profile`), predicts
+three configurations (1 prefill + 1 decode, 2 colocated, and the one `pdserve tune` picks for two
+workers here) at three rates on the serving benchmark's workload, runs the same requests at the
+same arrival times against `pdserve serve` with `bench.serve_load`'s load generator, and prints
+each prediction beside its measurement.
+
+    .venv/bin/python -m bench.tune_validate                    # ~5 min on 2 cores
+    .venv/bin/python -m bench.tune_validate --rates 2 --duration-s 3 --min-requests 6 --quick
+
+The last line: `tune validation: goodput error max X%, TTFT p50 error max Y%, TPOT p50 error max
+Z%, ranking same|different`. Errors are |predicted - measured| / measured; the ranking orders the
+configurations by their goodput summed over the rates, predicted and measured. The table's last
+column is the CPU the machine's other processes took during each measurement, in cores: the
+simulator models the deployment alone, so on a shared machine that is load it cannot foresee.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.serving.arrivals import arrival_offsets
+from bench.serving.bench_model import ensure_bench_model
+from bench.serving.load_generator import LoadConfig, run_load
+from bench.serving.metrics import SLO as BenchSLO
+from bench.serving.pdserve_server import PdserveServer, PdserveSystem
+from bench.serving.workload import RequestSpec, SyntheticWorkload
+from tune.deployment import Deployment
+from tune.measure import StepGrid, measure_frontend, measure_profile
+from tune.metrics import SLO, summarize
+from tune.profile import Profile
+from tune.report import write_outputs
+from tune.search import SearchSpace, search
+from tune.simulator import Simulation
+from tune.transfer_model import TransferModel
+from tune.workload import SimRequest, from_requests
+
+# The serving benchmark's node settings (bench/compare.py), on every configuration.
+NUM_KV_BLOCKS = 2048
+BASE = Deployment(1, 1, max_num_batched_tokens=2048, max_num_seqs=256)
+
+
+@dataclass(slots=True)
+class Point:
+    system: str
+    rate: float
+    predicted: dict
+    measured: dict
+
+    def error(self, key: str) -> float:
+        p, m = self.value(self.predicted, key), self.value(self.measured, key)
+        return abs(p - m) / m if m else (0.0 if p == m else float("inf"))
+
+    @staticmethod
+    def value(summary: dict, key: str) -> float:
+        value = summary
+        for part in key.split("."):
+            value = value[part]
+        return float(value)
+
+
+def workload(args: argparse.Namespace) -> SyntheticWorkload:
+    return SyntheticWorkload(
+        short_prompt_len=(16, 64),
+        short_output_len=(32, 96),
+        long_fraction=args.long_fraction,
+        long_prompt_len=(1536, 1900),
+        long_output_len=(8, 16),
+    )
+
+
+def requests_at(args: argparse.Namespace, rate: float, seed: int) -> list[RequestSpec]:
+    return workload(args).sample(max(args.min_requests, round(rate * args.duration_s)), seed)
+
+
+def sim_requests(specs: list[RequestSpec], rate: float, seed: int) -> list[SimRequest]:
+    """The same requests at the same arrival times as the load generator sends them."""
+    offsets = arrival_offsets(len(specs), rate, 1.0, seed)
+    return [
+        SimRequest(float(t), s.prompt_len, s.output_len, tuple(s.prompt))
+        for s, t in zip(specs, offsets)
+    ]
+
+
+def system_for(name: str, d: Deployment) -> PdserveSystem:
+    config = {"num_kv_blocks": NUM_KV_BLOCKS, **d.engine_settings(), **d.coordinator_settings()}
+    return PdserveSystem(name, d.prefill, d.decode, d.colocated, config)
+
+
+def predict(profile: Profile, d: Deployment, requests: list[SimRequest], slo: SLO, rate: float):
+    result = Simulation(d, profile).run(requests)
+    return summarize(result.outcomes, slo, rate).to_dict()
+
+
+def measured_summary(summary: dict, other_cores: float | None) -> dict:
+    return {
+        "goodput": summary["goodput"],
+        "attainment": summary["slo_attainment"],
+        "ttft_ms": summary["ttft_ms"],
+        "tpot_ms": summary["tpot_ms"],
+        "completed": summary["completed"],
+        "duration_s": summary["duration_s"],
+        "other_cores": other_cores,
+    }
+
+
+class CPUWatch:
+    """The CPU time the machine's other processes took while a run measured (Linux): every
+    core's busy time (/proc/stat) less that of the deployment's processes and this one. The
+    simulator models the deployment alone; on a shared machine, this is what it cannot see."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.start: tuple[float, float, float] | None = None
+
+    def _busy(self) -> float:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / self.tick  # less idle and iowait
+
+    def _tree(self, pid: int) -> float:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return 0.0
+        own = (int(stat[11]) + int(stat[12])) / self.tick
+        return own + sum(self._tree(int(c)) for c in children)
+
+    def _now(self) -> tuple[float, float, float]:
+        ours = self._tree(self.root_pid) + time.process_time()
+        return self._busy(), ours, time.monotonic()
+
+    def begin(self) -> None:
+        try:
+            self.start = self._now()
+        except OSError:
+            self.start = None
+
+    def other_cores(self) -> float | None:
+        """Cores' worth of CPU the other processes used since `begin`."""
+        if self.start is None:
+            return None
+        busy, ours, at = self._now()
+        elapsed = at - self.start[2]
+        others = (busy - self.start[0]) - (ours - self.start[1])
+        return max(0.0, others) / elapsed if elapsed > 0 else None
+
+
+async def measure(
+    name: str,
+    d: Deployment,
+    args: argparse.Namespace,
+    work: Path,
+    model: str,
+    config: dict | None = None,
+) -> dict[float, dict]:
+    """Run the rates against `pdserve serve` with `config` (default: the deployment's settings)."""
+    slo = BenchSLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    warmup = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(8, 8)).sample(
+        4, args.seed + 1_000_003
+    )
+    out = {}
+    system = system_for(name, d)
+    if config is not None:
+        system.config = config
+    with PdserveServer(system, work, model=model) as server:
+        cfg = LoadConfig(server.base_url, seed=args.seed, progress=False,
+                         extra_body={"logprobs": 0})  # fmt: skip
+        for i, rate in enumerate(args.rates):
+            cfg.rate, cfg.seed = rate, args.seed + i
+            specs = requests_at(args, rate, args.seed + i)
+            watch = CPUWatch(server.proc.pid)
+            watch.begin()
+            run = await run_load(specs, cfg, slo, warmup if i == 0 else ())
+            out[rate] = measured_summary(run["summary"], watch.other_cores())
+    return out
+
+
+def ranking(points: list[Point], which: str) -> list[str]:
+    totals: dict[str, float] = {}
+    for p in points:
+        totals[p.system] = totals.get(p.system, 0.0) + getattr(p, which)["goodput"]
+    return sorted(totals, key=lambda s: -totals[s])
+
+
+def table(points: list[Point]) -> str:
+    rows = [
+        "| configuration | rate (req/s) | goodput predicted / measured (req/s) | error "
+        "| TTFT p50 predicted / measured (ms) | error | TPOT p50 predicted / measured (ms) "
+        "| error | SLO met predicted / measured | other processes' CPU (cores) |",
+        "|" + " --- |" * 10,
+    ]
+    for p in points:
+        pr, me = p.predicted, p.measured
+        rows.append(
+            f"| {p.system} | {p.rate:g} | {pr['goodput']:.2f} / {me['goodput']:.2f} "
+            f"| {p.error('goodput'):.0%} "
+            f"| {pr['ttft_ms']['p50']:.1f} / {me['ttft_ms']['p50']:.1f} "
+            f"| {p.error('ttft_ms.p50'):.0%} "
+            f"| {pr['tpot_ms']['p50']:.2f} / {me['tpot_ms']['p50']:.2f} "
+            f"| {p.error('tpot_ms.p50'):.0%} "
+            f"| {pr['attainment']:.0%} / {me['attainment']:.0%} "
+            f"| {'-' if me.get('other_cores') is None else format(me['other_cores'], '.2f')} |"
+        )
+    return "\n".join(rows)
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.tune_validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
+                   default=[2.0, 5.0, 8.0])  # fmt: skip
+    p.add_argument("--duration-s", type=float, default=20.0, help="of arrivals per rate")
+    p.add_argument("--min-requests", type=int, default=60, help="per rate")
+    p.add_argument("--long-fraction", type=float, default=0.15)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=25.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model", default=None, help="checkpoint (default: pdserve-bench, the serving benchmark's)"
+    )
+    p.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    p.add_argument("--quick", action="store_true",
+                   help="a few profile points and a small search: checks the command itself")  # fmt: skip
+    p.add_argument("--transfer-gbps", type=float, default=None,
+                   help="state the KV transfer's bandwidth instead of measuring it")  # fmt: skip
+    p.add_argument("--transfer-latency-ms", type=float, default=1.0)
+    p.add_argument("--json", default=None, help="also write every figure here")
+    p.add_argument("--work-dir", default=None, help="configs and logs (default: a temp dir)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started = time.monotonic()
+    model = args.model or str(ensure_bench_model())
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-tune-validate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"# {platform.platform()}, {os.cpu_count()} CPUs; load before: {uptime()}", flush=True)
+    print(f"# model: {Path(model).name} ({model})", flush=True)
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        # One torch thread, as every node of the serving benchmark runs (SINGLE_THREAD_ENV).
+        transfer = None
+        if args.transfer_gbps is not None:
+            latency = args.transfer_latency_ms / 1e3
+            transfer = TransferModel(latency, args.transfer_gbps * 1e9, "tcp")
+        profile = measure_profile(
+            model,
+            device="cpu",
+            threads=1,
+            grid=StepGrid.quick() if args.quick else StepGrid(),
+            kv_blocks=NUM_KV_BLOCKS,
+            transfer=transfer,
+        )
+        if not args.quick:
+            profile = measure_frontend(profile, model)
+        profile.save(work / "profile.json")
+    print(f"# profile: {profile.source}", flush=True)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    # What pdserve tune picks for two workers here, on the same workload at the middle rate.
+    rate = args.rates[len(args.rates) // 2]
+    sample = sim_requests(requests_at(args, rate, args.seed), rate, args.seed)
+    space = SearchSpace.quick() if args.quick else SearchSpace()
+    found = search(profile, from_requests(sample, "the serving benchmark's"), slo, 2, space=space,
+                   base=BASE, processes=1)  # fmt: skip
+    picked = found.best.deployment
+    # The pick runs from the coordinator config pdserve tune writes, as it is.
+    written = write_outputs(found.best, profile, slo, 2, work / "tune", model, 8)[0]
+    systems = {"1P+1D": BASE, "2 colocated": BASE.with_(prefill=0, decode=2, colocated=True)}
+    name = next((n for n, d in systems.items() if d == picked), "tune's pick")
+    systems[name] = picked
+    print(f"# tune picks: {picked.label} ({name}); {written}", flush=True)
+    points = []
+    for system, d in systems.items():
+        config = tomllib.loads(written.read_text()) if d == picked else None
+        before = os.getloadavg()[0]
+        measured = asyncio.run(measure(system, d, args, work, model, config))
+        # Other jobs on the machine share its cores with the nodes: the load says how much.
+        print(f"# {system}: 1-min load average {before:.2f} before, {os.getloadavg()[0]:.2f} "
+              "after", flush=True)  # fmt: skip
+        for i, rate in enumerate(args.rates):
+            requests = sim_requests(requests_at(args, rate, args.seed + i), rate, args.seed + i)
+            predicted = predict(profile, d, requests, slo, rate)
+            points.append(Point(system, rate, predicted, measured[rate]))
+            print(f"{system} @ {rate:g}: predicted {predicted['goodput']:.2f}, measured "
+                  f"{measured[rate]['goodput']:.2f} req/s", flush=True)  # fmt: skip
+    print(f"# load after: {uptime()}; {(time.monotonic() - started) / 60:.1f} min")
+    print(table(points))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "command": "python -m bench.tune_validate " + " ".join(argv or sys.argv[1:]),
+            "profile": profile.to_dict(),
+            "picked": picked.label,
+            "points": [{"system": p.system, "rate": p.rate, "predicted": p.predicted,
+                        "measured": p.measured} for p in points],
+        }, indent=1))  # fmt: skip
+    same = ranking(points, "predicted") == ranking(points, "measured")
+    worst = {k: max(p.error(k) for p in points) for k in ("goodput", "ttft_ms.p50", "tpot_ms.p50")}
+    print(
+        f"tune validation: goodput error max {worst['goodput']:.0%}, TTFT p50 error max "
+        f"{worst['ttft_ms.p50']:.0%}, TPOT p50 error max {worst['tpot_ms.p50']:.0%}, "
+        f"ranking {'same' if same else 'different'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

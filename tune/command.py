@@ -1,0 +1,337 @@
+"""`pdserve tune` and `pdserve tune profile`: their flags and what each does with them. The
+flags are declared here so that `pdserve`'s parser imports nothing heavy; the work is imported
+when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _ms(text: str) -> float:
+    return float(text) / 1e3
+
+
+DESCRIPTION = (
+    "Search P:D placement, chunk size, max_num_seqs, admission watermark and conditional "
+    "disaggregation for the most goodput under an SLO, in a simulator that runs pdserve's own "
+    "scheduler, block manager, nodes and coordinator; write the winner as a config file for "
+    "`pdserve serve --config` and a cluster file for `pdserve launch`. `pdserve tune profile` "
+    "makes the profile it needs. See docs/tuning.md."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The search's flags on `parser`, and `profile` as its one sub-command."""
+    parser.allow_abbrev = False  # the sub-command's flags must not read as the search's prefixes
+    parser.add_argument(
+        "--profile", help="profile JSON from `pdserve tune profile` (required: no default)"
+    )
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory or config.json (default: the profile's model shape)",
+    )
+    parser.add_argument(
+        "--devices", type=int, help="GPUs (or CPU workers) to place (required: no default)"
+    )
+    slo = parser.add_argument_group("SLO")
+    slo.add_argument(
+        "--slo-ttft-ms", type=float, help="time to first token target (required: no default)"
+    )
+    slo.add_argument(
+        "--slo-tpot-ms", type=float, help="time per output token target (required: no default)"
+    )
+    slo.add_argument("--slo-percentile", type=float, default=90.0,
+                     help="percent of requests that must meet both targets (default: 90)")  # fmt: skip
+    w = parser.add_argument_group("workload (synthetic unless --trace or --sharegpt)")
+    w.add_argument("--trace", help="CSV or JSON lines: arrival_s, prompt_len, output_len[, "
+                   "prefix_group, prefix_len] (unset: synthetic)")  # fmt: skip
+    w.add_argument(
+        "--sharegpt",
+        help="ShareGPT-format JSON, lengths from --model's tokenizer (unset: synthetic)",
+    )
+    w.add_argument("--num-requests", type=int, default=10000, help="requests simulated")
+    w.add_argument("--prompt-len", default="lognormal:160:1.0:1024",
+                   help="N, LO:HI or lognormal:MEDIAN:SIGMA[:MAX] (default: %(default)s)")  # fmt: skip
+    w.add_argument("--output-len", default="lognormal:250:0.7:1024", help="same forms")
+    w.add_argument(
+        "--long-fraction", type=float, default=0.0, help="of requests from the long ones"
+    )
+    w.add_argument("--long-prompt-len", default="1536:1900", help="same forms")
+    w.add_argument("--long-output-len", default="8:16", help="same forms")
+    w.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens every prompt starts with (a system prompt)")  # fmt: skip
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson")
+    w.add_argument("--rate", type=float, default=None,
+                   help="also report latencies at this rate (req/s); default: at each goodput")  # fmt: skip
+    w.add_argument("--seed", type=int, default=0, help="of the synthetic lengths and arrivals")
+    s = parser.add_argument_group("search")
+    s.add_argument("--quick", action="store_true", help="a few values of each knob")
+    s.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
+                   help="simulations run in parallel")  # fmt: skip
+    s.add_argument("--top", type=int, default=5, help="candidates in the table")
+    s.add_argument("--out-dir", default="pdserve-tune",
+                   help="where pdserve.toml, cluster.toml, the plot and tune.json go")  # fmt: skip
+    s.add_argument("--gpus-per-host", type=int, default=8, help="for the cluster file")
+    s.add_argument("--no-plot", action="store_true", help="no goodput.png")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="tune_command")
+    p = sub.add_parser(
+        "profile",
+        help="measure (or derive) a profile: step and transfer times",
+        description="Measure this machine's step times (real engine steps, fitted) and KV "
+        "transfer, or derive them from a roofline of a device's stated peaks (--roofline) or from "
+        "`python -m bench.model_step --json` (--model-step); write the profile JSON.",
+        formatter_class=parser.formatter_class,
+    )
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (measured), or for --roofline / --model-step also "
+                   "a config.json or a preset: llama3-8b, llama3-70b (default: $PDSERVE_MODEL, else "
+                   "pdserve-stories, as serve)")  # fmt: skip
+    p.add_argument("--out", required=True, help="the profile JSON to write")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--roofline", metavar="DEVICE",
+                     help="no measurement: the model's FLOPs and bytes against a device's stated "
+                     "peaks: h100, h200, a100, l40s (unset: measured)")  # fmt: skip
+    how.add_argument("--model-step", metavar="JSON",
+                     help="the rates a GPU reached in `python -m bench.model_step --json` (unset: measured)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=1,
+                   help="roofline: a node is a tensor-parallel group of this many GPUs "
+                   "(modelled, not runnable yet)")  # fmt: skip
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="--model-step: device memory (no default: required there)",
+    )
+    p.add_argument("--compute-efficiency", type=float, default=None,
+                   help="roofline: share of peak FLOP/s a step reaches (default: 0.6)")  # fmt: skip
+    p.add_argument("--memory-efficiency", type=float, default=None,
+                   help="roofline: share of peak bandwidth a step reaches (default: 0.75)")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="measured: cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, help="measured: default float32 on CPU, else bfloat16")
+    p.add_argument("--threads", type=int, default=None,
+                   help="measured: torch threads, nodes under `bench` run with 1 (unset: torch's default)")  # fmt: skip
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="measured: a node's KV blocks (default: the engine's sizing)")  # fmt: skip
+    p.add_argument("--transport", default="tcp", choices=("tcp", "shm"),
+                   help="measured: the KV transport whose transfers are timed")  # fmt: skip
+    p.add_argument("--transfer-gbps", type=float, default=None,
+                   help="state the KV transfer bandwidth instead of measuring it (unset: measured; "
+                   "roofline: 50)")  # fmt: skip
+    p.add_argument("--transfer-latency-ms", type=float, default=None,
+                   help="with --transfer-gbps: per transfer (default: 0; roofline: 0.5)")  # fmt: skip
+    p.add_argument("--frontend-ms", type=float, default=None,
+                   help="the HTTP front end's share of TTFT (default: 0, or measured with "
+                   "--measure-frontend)")  # fmt: skip
+    p.add_argument("--measure-frontend", action="store_true",
+                   help="measured: start `pdserve serve` and time what HTTP adds to TTFT")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="measured: a few steps only")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tune_command == "profile":
+        return run_profile(args)
+    return run_search(args)
+
+
+# --- profile ------------------------------------------------------------------------------------
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from tune.model_shape import model_shape
+    from tune.roofline import DEVICES, Assumptions, model_step_profile, roofline_profile
+    from tune.transfer_model import TransferModel
+
+    efficiency = {
+        k: v
+        for k, v in (
+            ("compute_efficiency", args.compute_efficiency),
+            ("memory_efficiency", args.memory_efficiency),
+        )  # fmt: skip
+        if v is not None
+    }
+    if args.transfer_gbps is not None:
+        efficiency["transfer_gbps"] = args.transfer_gbps
+    if args.transfer_latency_ms is not None:
+        efficiency["transfer_latency_s"] = args.transfer_latency_ms / 1e3
+    assumptions = Assumptions(**efficiency)
+    if args.roofline:
+        if args.roofline not in DEVICES:
+            raise ValueError(f"--roofline {args.roofline!r}: one of {', '.join(DEVICES)}")
+        profile = roofline_profile(model_shape(args.model), args.roofline,
+                                   gpus_per_node=args.gpus_per_node, assumptions=assumptions)  # fmt: skip
+    elif args.model_step:
+        profile = model_step_profile(args.model_step, model_shape(args.model),
+                                     memory_gb=args.memory_gb, assumptions=assumptions)  # fmt: skip
+    else:
+        from tune.measure import StepGrid, measure_frontend, measure_profile
+
+        transfer = None
+        if args.transfer_gbps is not None:
+            latency = (args.transfer_latency_ms or 0.0) / 1e3
+            transfer = TransferModel(latency, args.transfer_gbps * 1e9, args.transport)
+        profile = measure_profile(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            threads=args.threads,
+            grid=StepGrid.quick() if args.quick else StepGrid(),
+            kv_blocks=args.num_kv_blocks,
+            transfer=transfer,
+            transport=args.transport,
+            progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True),
+        )
+        if args.measure_frontend:
+            profile = measure_frontend(profile, args.model)
+    if args.frontend_ms is not None:
+        from dataclasses import replace
+
+        profile = replace(profile, frontend_s=args.frontend_ms / 1e3)
+    profile.save(args.out)
+    print(f"wrote {args.out}: {profile.source}")
+    print(f"  {profile.model.name}: {profile.kv_blocks} KV blocks a node, step "
+          f"{json.dumps(profile.step.to_dict())}")  # fmt: skip
+    return 0
+
+
+# --- search -------------------------------------------------------------------------------------
+
+
+def _workload(args: argparse.Namespace):  # noqa: ANN202
+    from tune.workload import LengthDist, load_sharegpt, load_trace, synthetic, token_counter
+
+    if args.trace:
+        return load_trace(args.trace)
+    if args.sharegpt:
+        model_dir = args.model if args.model and Path(args.model).is_dir() else None
+        return load_sharegpt(args.sharegpt, args.num_requests, token_counter(model_dir),
+                             burstiness=args.burstiness, seed=args.seed)  # fmt: skip
+    return synthetic(
+        args.num_requests,
+        LengthDist.parse(args.prompt_len),
+        LengthDist.parse(args.output_len),
+        long_fraction=args.long_fraction,
+        long_prompt_len=LengthDist.parse(args.long_prompt_len),
+        long_output_len=LengthDist.parse(args.long_output_len),
+        shared_prefix_len=args.shared_prefix_len,
+        burstiness=args.burstiness,
+        seed=args.seed,
+    )
+
+
+def run_search(args: argparse.Namespace) -> int:
+    from tune.metrics import SLO, summarize
+    from tune.model_shape import model_shape
+    from tune.profile import Profile
+    from tune.report import candidates_table, plot_curves, serve_command, write_outputs
+    from tune.search import CEILING, SearchSpace, curves, search
+    from tune.simulator import Simulation
+
+    missing = [f for f in ("profile", "devices", "slo_ttft_ms", "slo_tpot_ms")
+               if getattr(args, f) is None]  # fmt: skip
+    if missing:
+        raise ValueError(
+            "pdserve tune needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
+        )
+    profile = Profile.load(args.profile)
+    if args.model:
+        shape = model_shape(args.model)
+        if not shape.same_shape(profile.model):
+            raise ValueError(
+                f"the profile is of {profile.model.name}'s shape, not {args.model}'s: profile it"
+            )
+    if not 0 < args.slo_percentile <= 100:
+        raise ValueError("--slo-percentile must be in (0, 100]")
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.slo_percentile / 100)
+    workload = _workload(args)
+    # The simulated nodes and coordinator log as the real ones do: registrations, and so on.
+    for name in ("coordinator", "prefill_node", "decode_node", "engine", "kv_transfer"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if not args.no_progress else None
+    print(f"profile: {profile.source}")
+    print(f"workload: {len(workload)} requests, {workload.description}")
+    print(f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms for "
+          f"{slo.attainment:.0%} of requests; {args.devices} devices, "
+          f"{profile.devices_per_node} a node")  # fmt: skip
+    space = SearchSpace.quick() if args.quick else SearchSpace()
+    result = search(profile, workload, slo, args.devices, space=space,
+                    processes=args.processes, progress=say)  # fmt: skip
+    top = result.ranked[: args.top]
+    at = None
+    if args.rate:
+        at = {}
+        for e in top:
+            run = Simulation(e.deployment, profile).run(workload.at_rate(args.rate))
+            at[e.deployment] = summarize(run.outcomes, slo, args.rate)
+    where = f"at {args.rate:g} req/s" if args.rate else "at each one's goodput"
+    print(f"\nbest of {result.num_simulations} simulations in {result.seconds:.0f} s "
+          f"(latencies {where}; goodput: the highest rate with {slo.attainment:.0%} within the SLO)\n")  # fmt: skip
+    print(candidates_table(top, args.devices, at))
+    if any(e.burst for e in top):
+        print(f"\nwarning: >= marks a deployment that met the SLO even at {CEILING:g} times its "
+              f"throughput bound: {len(workload)} requests arrive as one burst it absorbs; give "
+              "more requests (--num-requests) to measure a sustained rate")  # fmt: skip
+    out = Path(args.out_dir)
+    best = result.best
+    written = write_outputs(best, profile, slo, args.devices, out, _served_model(args.model),
+                            args.gpus_per_host)  # fmt: skip
+    if not args.no_plot:
+        shown = result.ranked[:2]
+        runs = curves(profile, workload, slo, shown, result.nodes, space.screen_nodes,
+                      processes=args.processes)  # fmt: skip
+        small = min(result.nodes, space.screen_nodes)
+        title = (f"{profile.model.name} on {args.devices} devices ({profile.device}); "
+                 f"{profile.source.split(':')[0]} profile; simulated on {small} of "
+                 f"{result.nodes} nodes, rates scaled")  # fmt: skip
+        plot = plot_curves(runs, slo, out / "goodput.png", title)
+        if plot is not None:
+            written.append(plot)
+    (out / "tune.json").write_text(json.dumps(_results(result, profile, slo, workload), indent=1))
+    written.append(out / "tune.json")
+    print(f"\n{serve_command(best.deployment, str(out / 'pdserve.toml'))}")
+    if result.best.deployment and profile.devices_per_node > 1:
+        print(
+            "(a node is a tensor-parallel group here: no cluster file, pdserve cannot run it yet)"
+        )
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _served_model(model: str | None) -> str | None:
+    """What the cluster file names as its model: an embedded model's name or the checkpoint's
+    directory; None (the nodes' default) for a preset or none given."""
+    from engine.embedded_models import EMBEDDED
+
+    if model is None or model in EMBEDDED:
+        return model
+    path = Path(model).expanduser().resolve()
+    if path.is_file():  # a config.json: its checkpoint directory
+        path = path.parent
+    return str(path) if path.is_dir() else None
+
+
+def _results(result, profile, slo, workload) -> dict:  # noqa: ANN001
+    def evaluation(e) -> dict:  # noqa: ANN001
+        s = e.at_goodput
+        return {
+            "deployment": e.deployment.label,
+            "goodput": e.full_goodput,
+            "probes": [{"rate": p.rate * e.scale, "attainment": p.attainment} for p in e.probes],
+            "at_goodput": s.to_dict() if s is not None else None,
+        }
+
+    return {
+        "profile": profile.source,
+        "workload": workload.description,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
+        "devices": result.devices,
+        "seconds": result.seconds,
+        "simulations": result.num_simulations,
+        "ranked": [evaluation(e) for e in result.ranked],
+        "screened": [evaluation(e) for e in result.screened],
+    }

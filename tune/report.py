@@ -1,0 +1,198 @@
+"""What `pdserve tune` hands back: the table of the best candidates, the plot of goodput against
+rate, and the winner as files pdserve reads as they are: the coordinator's config
+(`pdserve serve --config`) and a cluster file (`pdserve launch`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from tune.deployment import Deployment
+from tune.metrics import SLO, Summary
+from tune.profile import Profile
+from tune.search import Evaluation
+
+
+def _ms(summary: Summary | None, key: str) -> str:
+    if summary is None:
+        return "-"
+    d = getattr(summary, key)
+    return " / ".join("-" if math.isnan(d[p]) else f"{d[p]:.0f}" for p in ("p50", "p90", "p99"))
+
+
+def candidates_table(
+    ranked: Sequence[Evaluation], devices: int, at: dict[Deployment, Summary] | None = None
+) -> str:
+    """Best first: placement, knobs, goodput (and per device), latency percentiles at the
+    goodput rate (or at the rate given, in `at`)."""
+    head = ("| # | placement | chunk | max seqs | watermark | goodput (req/s) | per device "
+            "| TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |")  # fmt: skip
+    rows = [head, "|" + " --- |" * 9]
+    for i, e in enumerate(ranked, 1):
+        d = e.deployment
+        summary = (at or {}).get(d, e.at_goodput)
+        rows.append(
+            f"| {i} | {d.placement} | {d.max_num_batched_tokens} | {d.max_num_seqs} "
+            f"| {d.admission_watermark:g} | {'>= ' if e.burst else ''}{e.goodput:.2f} "
+            f"| {e.goodput / devices:.3f} "
+            f"| {_ms(summary, 'ttft_ms')} | {_ms(summary, 'tpot_ms')} |"
+        )
+    return "\n".join(rows)
+
+
+def plot_curves(
+    curves: dict[Deployment, list[Summary]], slo: SLO, out: str | Path, title: str
+) -> Path | None:
+    """Goodput and SLO attainment against the offered rate, one line per deployment; None
+    without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for d, runs in curves.items():
+        rates = [s.rate for s in runs]
+        left.plot(rates, [s.goodput for s in runs], marker="o", label=d.label)
+        right.plot(rates, [s.attainment for s in runs], marker="o", label=d.placement)
+    top = max((s.rate for runs in curves.values() for s in runs), default=1.0)
+    left.plot([0, top], [0, top], ":", color="grey", label="every request within the SLO")
+    left.set_xlabel("offered rate (req/s)")
+    left.set_ylabel("goodput (req/s within the SLO)")
+    right.axhline(slo.attainment, ls=":", color="grey")
+    right.set_xlabel("offered rate (req/s)")
+    right.set_ylabel("SLO attainment")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# --- files pdserve reads ------------------------------------------------------------------------
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return str(v)
+
+
+def _lines(settings: dict) -> list[str]:
+    return [f"{k} = {_toml_value(v)}" for k, v in settings.items()]
+
+
+def node_settings(d: Deployment, profile: Profile) -> dict:
+    """The engine settings every node of the winner takes."""
+    settings = {"block_size": profile.block_size, **d.engine_settings()}
+    if profile.kv_blocks_setting:
+        settings["num_kv_blocks"] = profile.kv_blocks
+    return settings
+
+
+def serve_command(d: Deployment, config: str) -> str:
+    if d.colocated:
+        return f"pdserve serve --config {config} --colocated --decode-nodes {d.decode}"
+    return f"pdserve serve --config {config} --prefill-nodes {d.prefill} --decode-nodes {d.decode}"
+
+
+def coordinator_config(e: Evaluation, profile: Profile, slo: SLO, devices: int) -> str:
+    """The coordinator's file: its own settings and the nodes' (docs/configuration.md)."""
+    d = e.deployment
+    settings = {**d.coordinator_settings(), **node_settings(d, profile)}
+    settings.pop("block_size")  # the default; the cluster file states it for every node
+    header = [
+        f"# Written by pdserve tune: {d.placement} on {devices} devices, predicted goodput "
+        f"{e.goodput:.2f} req/s",
+        f"# (TTFT <= {slo.ttft_s * 1e3:g} ms and TPOT <= {slo.tpot_s * 1e3:g} ms for "
+        f"{slo.attainment:.0%} of requests). Profile: {profile.source}",
+        f"#   {serve_command(d, 'pdserve.toml')}",
+    ]
+    if d.colocated:
+        header.append(
+            "# conditional_disagg_threshold sends every prompt to the node that decodes it: "
+            "colocated workers, also under pdserve launch (decode-only hosts)."
+        )
+    return "\n".join(header + _lines(settings)) + "\n"
+
+
+def cluster_file(
+    e: Evaluation,
+    profile: Profile,
+    model: str | None,
+    gpus_per_host: int,
+    config_name: str = "pdserve.toml",
+) -> str | None:
+    """The cluster file of `pdserve launch`, or None where a node is more than one GPU (a
+    tensor-parallel group, which the cluster file cannot describe yet)."""
+    if profile.devices_per_node != 1:
+        return None
+    d = e.deployment
+    engine = node_settings(d, profile)
+    lines = [
+        f"# Written by pdserve tune: {d.placement}, predicted goodput {e.goodput:.2f} req/s.",
+        "#   pdserve launch cluster.toml --host NAME      (on every host)",
+    ]
+    if model:
+        lines.append(f"model = {_toml_value(model)}")
+    lines += [
+        f"dtype = {_toml_value(profile.dtype)}",
+        f"block_size = {engine.pop('block_size')}",
+        f"coordinator_config = {_toml_value(config_name)}",
+        "",
+    ]
+    gpus = not profile.kv_blocks_setting  # a CPU profile sizes pools in blocks: CPU workers
+    roles = ["prefill"] * d.prefill + ["decode"] * d.decode
+    per_host = gpus_per_host if gpus else len(roles)
+    hosts = [roles[i : i + per_host] for i in range(0, len(roles), per_host)]
+    if len(hosts) > 1:
+        lines.append("# Host names and addresses are placeholders: write your hosts'.")
+    for index, host in enumerate(hosts):
+        name = f"gpu{index}" if gpus else "local"
+        address = name if gpus else "127.0.0.1"
+        lines += ["[[host]]", f'name = "{name}"', f'address = "{address}"']
+        for role in ("prefill", "decode"):
+            count = host.count(role)
+            if not count:
+                continue
+            if gpus:
+                first = host.index(role)
+                lines.append(f"{role}_gpus = {list(range(first, first + count))}")
+            else:
+                lines.append(f"{role}_workers = {count}")
+        for role in ("prefill", "decode"):
+            if role in host:
+                lines += [f"[host.{role}]", *_lines(engine)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_outputs(
+    e: Evaluation,
+    profile: Profile,
+    slo: SLO,
+    devices: int,
+    out_dir: str | Path,
+    model: str | None,
+    gpus_per_host: int,
+) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "pdserve.toml"
+    config.write_text(coordinator_config(e, profile, slo, devices))
+    written = [config]
+    cluster = cluster_file(e, profile, model, gpus_per_host, config.name)
+    if cluster is not None:
+        path = out / "cluster.toml"
+        path.write_text(cluster)
+        written.append(path)
+    return written

@@ -1,0 +1,169 @@
+"""Profiles for GPUs not at hand: a roofline of the model's FLOPs and bytes against a device's stated
+peaks times stated efficiencies, or against the rates a device reached in `bench.model_step`.
+Every figure that is assumed rather than measured is named in the profile's `source`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tune.model_shape import DTYPE_BYTES, ModelShape
+from tune.profile import Profile
+from tune.step_model import StepTimeModel
+from tune.transfer_model import TransferModel
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str
+    tflops: float  # dense bf16 peak, TFLOP/s, as the vendor states it
+    gbps: float  # memory bandwidth peak, GB/s
+    memory_gb: float
+
+
+# NVIDIA's datasheet figures (dense, no sparsity).
+DEVICES = {
+    "h100": Device("NVIDIA H100 SXM5 80GB", 989.0, 3350.0, 80.0),
+    "h200": Device("NVIDIA H200 SXM 141GB", 989.0, 4800.0, 141.0),
+    "a100": Device("NVIDIA A100 SXM4 80GB", 312.0, 2039.0, 80.0),
+    "l40s": Device("NVIDIA L40S 48GB", 362.0, 864.0, 48.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Assumptions:
+    """What a roofline takes as given; each shows in the profile's source line."""
+
+    compute_efficiency: float = 0.6  # of peak FLOP/s reached by a step's matmuls and attention
+    memory_efficiency: float = 0.75  # of peak bandwidth reached by weight and KV reads
+    step_overhead_s: float = 0.0005  # per step: launches (graphs), scheduling, sampling
+    per_seq_s: float = 5e-6  # per sequence in a step: the host's bookkeeping
+    memory_utilization: float = 0.9  # of device memory given to weights, activations and KV
+    activation_reserve_gb: float = 4.0  # per device, out of the KV pool
+    transfer_gbps: float = 50.0  # per node's KV sends (400 Gb/s InfiniBand per GPU)
+    transfer_latency_s: float = 0.0005
+    transport: str = "nccl"
+
+    def describe(self) -> str:
+        return (
+            f"{self.compute_efficiency:.0%} of peak FLOP/s, {self.memory_efficiency:.0%} of peak "
+            f"bandwidth, {self.step_overhead_s * 1e3:g} ms + {self.per_seq_s * 1e6:g} us per "
+            f"sequence of overhead a step; KV at {self.transfer_gbps:g} GB/s + "
+            f"{self.transfer_latency_s * 1e3:g} ms a transfer"
+        )
+
+
+def roofline_step(
+    model: ModelShape, dtype: str, tflops: float, gbps: float, overhead_s: float, per_seq_s: float
+) -> StepTimeModel:
+    """A step's time as the larger of its FLOPs over `tflops` and its bytes over `gbps` (the rates
+    reached, not the peaks), plus overheads."""
+    flop_s, byte_s = 1.0 / (tflops * 1e12), 1.0 / (gbps * 1e9)
+    return StepTimeModel(
+        base_s=overhead_s,
+        per_seq_s=per_seq_s,
+        per_token_s=model.flops_per_token * flop_s,
+        per_pair_s=model.flops_per_attention_pair * flop_s,
+        per_row_s=model.flops_per_logits_row * flop_s,
+        per_context_s=model.kv_bytes_per_token(dtype) * byte_s,
+        weights_s=model.step_weight_bytes(dtype) * byte_s,
+        overlap=True,
+    )
+
+
+def kv_blocks(
+    model: ModelShape, dtype: str, block_size: int, memory_gb: float, a: Assumptions, gpus: int
+) -> int:
+    budget = gpus * (memory_gb * a.memory_utilization - a.activation_reserve_gb) * 1e9
+    free = budget - model.weight_bytes(dtype)
+    blocks = int(free // model.kv_bytes_per_block(block_size, dtype))
+    if blocks < 1:
+        raise ValueError(
+            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of {dtype} weights) leaves "
+            f"no room for KV on {gpus} x {memory_gb:g} GB: give --gpus-per-node"
+        )
+    return blocks
+
+
+def roofline_profile(
+    model: ModelShape,
+    device: str,
+    *,
+    gpus_per_node: int = 1,
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    assumptions: Assumptions | None = None,
+) -> Profile:
+    """The roofline of `device` (a key of DEVICES). With gpus_per_node > 1 a node is a
+    tensor-parallel group modelled as one device of that many times the peaks and memory, with no
+    cost for its all-reduces: pdserve does not run tensor parallelism yet."""
+    a = assumptions or Assumptions()
+    d = DEVICES[device]
+    g = gpus_per_node
+    step = roofline_step(model, dtype, g * d.tflops * a.compute_efficiency,
+                         g * d.gbps * a.memory_efficiency, a.step_overhead_s, a.per_seq_s)  # fmt: skip
+    group = (
+        f"a group of {g} (no all-reduce cost: tensor parallelism has not landed)" if g > 1 else ""
+    )
+    return Profile(
+        model=model,
+        dtype=dtype,
+        step=step,
+        transfer=TransferModel(a.transfer_latency_s, g * a.transfer_gbps * 1e9, a.transport),
+        kv_blocks=kv_blocks(model, dtype, block_size, d.memory_gb, a, g),
+        block_size=block_size,
+        source=(
+            f"roofline, not measured: {d.name} at {d.tflops:g} TFLOP/s and {d.gbps:g} GB/s "
+            f"stated peaks, {a.describe()}" + (f"; a node is {group}" if g > 1 else "")
+        ),
+        device=d.name if g == 1 else f"{g} x {d.name}",
+        devices_per_node=g,
+    )
+
+
+def model_step_profile(
+    path: str | Path,
+    model: ModelShape,
+    *,
+    memory_gb: float | None = None,
+    block_size: int = 16,
+    assumptions: Assumptions | None = None,
+) -> Profile:
+    """The roofline at the rates a device reached in `bench.model_step --json`: its best decode
+    bandwidth (bytes a step must read over the step's time) and its best prefill FLOP/s, with the
+    smallest decode step's excess over its bytes as the per-step overhead."""
+    a = assumptions or Assumptions()
+    data = json.loads(Path(path).read_text())
+    dtype = data.get("dtype", "bfloat16")
+    decode, prefill = data.get("decode") or [], data.get("prefill") or []
+    if not decode or not prefill:
+        raise ValueError(f"{path}: needs decode and prefill results of bench.model_step --json")
+    gbps = max(r["gbps"] for r in decode)
+    tflops = max(r["tflops"] for r in prefill)
+
+    def ms(r: dict) -> float:
+        return min(t for t in (r.get("graph_ms"), r["eager_ms"]) if t is not None)
+
+    smallest = min(decode, key=lambda r: (r["batch"], r["context"]))
+    overhead = max(0.0, (ms(smallest) - smallest["bytes_gb"] / gbps * 1e3) * 1e-3)
+    step = roofline_step(model, dtype, tflops, gbps, overhead, a.per_seq_s)
+    device = data.get("device", "unknown device")
+    if memory_gb is None:
+        raise ValueError("a profile from bench.model_step needs the device's memory (--memory-gb)")
+    return Profile(
+        model=model,
+        dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+        step=step,
+        transfer=TransferModel(a.transfer_latency_s, a.transfer_gbps * 1e9, a.transport),
+        kv_blocks=kv_blocks(model, dtype, block_size, memory_gb, a, 1),
+        block_size=block_size,
+        source=(
+            f"from bench.model_step on {device} ({data.get('preset')}, {dtype}): "
+            f"{gbps:.0f} GB/s decode, {tflops:.0f} TFLOP/s prefill, {overhead * 1e3:.2f} ms "
+            f"overhead a step, as reached; KV at {a.transfer_gbps:g} GB/s + "
+            f"{a.transfer_latency_s * 1e3:g} ms a transfer (assumed)"
+        ),
+        device=device,
+    )
