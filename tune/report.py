@@ -151,6 +151,11 @@ def cluster_file(
         "",
     ]
     gpus = not profile.kv_blocks_setting  # a CPU profile sizes pools in blocks: CPU workers
+    if gpus:  # hosts off loopback: launch requires the cluster's keys (docs/security.md)
+        lines[-1:-1] = [
+            "# The cluster key set: `pdserve keygen /etc/pdserve/cluster-keys`, copied to every host.",
+            'cluster_keys = "/etc/pdserve/cluster-keys"',
+        ]
     roles = ["prefill"] * d.prefill + ["decode"] * d.decode
     per_host = gpus_per_host if gpus else len(roles)
     hosts = [roles[i : i + per_host] for i in range(0, len(roles), per_host)]
