@@ -311,13 +311,13 @@ def test_rotary_rotates_qkv_views_in_place(tk, dtype, head_dim):
 def test_engine_with_triton_ops_generates_what_the_reference_does(tk, monkeypatch):
     # The whole model through the Triton op table (interpreted): chunked prefill, a prefix-cache
     # hit between the two prompts, decode steps and the engine's strided qkv views.
-    from engine import LLM, SamplingParams, llm_engine
+    from engine import LLM, SamplingParams, model_shard
 
     prompts = [list(range(5, 40)), list(range(5, 21)) + [7, 8, 9]]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     options = dict(num_kv_blocks=32, max_num_batched_tokens=24, block_size=16)
     expected = [o.token_ids for o in LLM(None, **options).generate(prompts, params)]
-    monkeypatch.setattr(llm_engine, "select_ops", lambda device, backend: tk.ops)
+    monkeypatch.setattr(model_shard, "select_ops", lambda device, backend: tk.ops)
     llm = LLM(None, **options)
     assert llm.engine.ops.name == "triton"
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
