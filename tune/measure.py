@@ -229,7 +229,7 @@ def pool_blocks(config: EngineConfig, shape: ModelShape) -> int:
     if config.resolved_device().startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         return int(free * config.gpu_memory_utilization) // per_block
-    from engine.llm_engine import DEFAULT_CPU_KV_BYTES
+    from engine.model_shard import DEFAULT_CPU_KV_BYTES
 
     return (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // per_block
 
