@@ -7,9 +7,11 @@ exits.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -63,6 +65,7 @@ def run_rank(spec: RankSpec) -> None:
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: %(message)s",
     )
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # as the CLI's processes do
     import torch
 
     from engine.model_shard import ModelShard

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -405,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s {args.command} %(name)s: %(message)s",
     )
+    # `kill -USR1 PID` writes every thread's stack to the process's log: what a stuck one is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -230,8 +230,13 @@ def test_nodes_without_the_cluster_keys_never_join_while_one_with_them_serves(tm
         prefill("stranger", "--cluster-keys", str(tmp_path / "other"))
         prefill("keyless", "--insecure")
         for name in ("stranger", "keyless"):
-            wait_until(lambda n=name: "refuses this node's handshake" in log(n),
-                       f"{name} to be refused", 240)  # fmt: skip
+            try:
+                wait_until(lambda n=name: "refuses this node's handshake" in log(n),
+                           f"{name} to be refused", 240)  # fmt: skip
+            except AssertionError as exc:  # what the node was doing meanwhile
+                procs[name].send_signal(signal.SIGUSR1)
+                time.sleep(3)
+                raise AssertionError(f"{exc}; its log:\n{log(name)[-6000:]}") from exc
         assert httpx.get(f"{url}/health", timeout=10).status_code == 503
         assert "stranger" not in metrics() and "keyless" not in metrics()
         body = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}

@@ -119,6 +119,14 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
         assert len(children_titled(launch.pid, title)) == 1, title
         assert (logs / f"{title}.log").is_file()
 
+    # SIGUSR1 writes a process's thread stacks to its log, and it goes on serving.
+    (dumped,) = children_titled(launch.pid, "pdserve-decode-0")
+    os.kill(dumped, signal.SIGUSR1)
+    wait_until(lambda: "most recent call first" in (logs / "pdserve-decode-0.log").read_text(),
+               "decode-0's stacks")  # fmt: skip
+    assert complete(url).status_code == 200
+    assert children_titled(launch.pid, "pdserve-decode-0") == [dumped]
+
     # A worker killed outright is restarted by the supervisor and registers again.
     (victim,) = children_titled(launch.pid, "pdserve-decode-1")
     os.kill(victim, signal.SIGKILL)
@@ -131,7 +139,13 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
         if pids and pids != [victim] and started_again and registered:
             break
         time.sleep(0.3)
-    assert pids and pids != [victim] and started_again
+    if pids and pids != [victim] and not started_again:
+        os.kill(pids[0], signal.SIGUSR1)  # every pdserve process dumps its threads' stacks
+        time.sleep(3)
+        log = (logs / "pdserve-decode-1.log").read_text()
+    assert pids and pids != [victim] and started_again, (
+        f"the restarted decode-1 ({pids}) never served; its log:\n{log[-6000:]}"
+    )
     # The console showed the end of the dead worker's log.
     shown = console.read_text().split("pdserve-decode-1 died (-9)", 1)[1]
     assert "| " in shown and "decode node decode-1 serving" in shown
