@@ -173,6 +173,6 @@ def test_a_workload_too_short_for_a_sustained_rate_is_told_apart():
     many = synthetic(10_000, LengthDist.parse("100"), LengthDist.parse("200"), seed=0)
     # A 200-token output may take 1 + 199 x 0.05 = 10.95 s within the SLO; 100 requests at
     # 10 req/s arrive over about 10 s, 10,000 over about 1,000 s.
-    span, longest = _short_span(few, slo, 10.0)
-    assert longest == pytest.approx(10.95) and 5.0 < span < 15.0
+    span, typical = _short_span(few, slo, 10.0)
+    assert typical == pytest.approx(10.95) and 5.0 < span < 15.0
     assert _short_span(many, slo, 10.0) is None
