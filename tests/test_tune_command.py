@@ -13,6 +13,7 @@ from coordinator.config import CoordinatorConfig
 from pdserve import serve
 from pdserve.cli import main
 from pdserve.cluster_file import load_cluster_file, plan
+from tune.command import _short_span
 from tune.deployment import ALL_LOCAL, Deployment
 from tune.measure import StepGrid, measure_profile
 from tune.metrics import SLO
@@ -22,6 +23,7 @@ from tune.report import cluster_file, coordinator_config
 from tune.search import Evaluation
 from tune.step_model import StepShape, StepTimeModel
 from tune.transfer_model import TransferModel
+from tune.workload import LengthDist, synthetic
 
 
 def test_a_roofline_profile_says_so_and_costs_decode_by_bytes_and_prefill_by_flops(tmp_path):
@@ -138,6 +140,8 @@ def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path, capsys, mo
     ])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
+    # 150 requests arrive over a few seconds: a sustained rate would need more, and it says so.
+    assert "give more requests (--num-requests)" in printed
     results = json.loads((out / "tune.json").read_text())
     assert results["ranked"][0]["goodput"] > 0 and results["simulations"] > 0
     assert Path(out / "pdserve.toml").read_text().startswith("# Written by pdserve tune")
@@ -161,3 +165,14 @@ def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path, capsys, mo
     assert main(["launch", str(out / "cluster.toml"), "--dry-run"]) == 0
     planned = capsys.readouterr().out
     assert planned.count("--num-kv-blocks 4000") == 3
+
+
+def test_a_workload_too_short_for_a_sustained_rate_is_told_apart():
+    slo = SLO(ttft_s=1.0, tpot_s=0.05)
+    few = synthetic(100, LengthDist.parse("100"), LengthDist.parse("200"), seed=0)
+    many = synthetic(10_000, LengthDist.parse("100"), LengthDist.parse("200"), seed=0)
+    # A 200-token output may take 1 + 199 x 0.05 = 10.95 s within the SLO; 100 requests at
+    # 10 req/s arrive over about 10 s, 10,000 over about 1,000 s.
+    span, typical = _short_span(few, slo, 10.0)
+    assert typical == pytest.approx(10.95) and 5.0 < span < 15.0
+    assert _short_span(many, slo, 10.0) is None

@@ -276,6 +276,13 @@ def run_search(args: argparse.Namespace) -> int:
         print(f"\nwarning: >= marks a deployment that met the SLO even at {CEILING:g} times its "
               f"throughput bound: {len(workload)} requests arrive as one burst it absorbs; give "
               "more requests (--num-requests) to measure a sustained rate")  # fmt: skip
+    elif (short := _short_span(workload, slo, result.best.goodput)) is not None:
+        span, typical = short
+        print(f"\nwarning: at {result.best.goodput:.3g} req/s the {len(workload)} requests arrive "
+              f"over {span:.0f} s, less than 3 times the {typical:.0f} s a request of mean length "
+              "may take within the SLO: a queue that grows slowly never reaches the target, which "
+              "favours deployments bound by a queue (prefill); give more requests "
+              "(--num-requests) for a sustained rate")  # fmt: skip
     out = Path(args.out_dir)
     best = result.best
     written = write_outputs(best, profile, slo, args.devices, out, _served_model(args.model),
@@ -300,6 +307,17 @@ def run_search(args: argparse.Namespace) -> int:
         )
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _short_span(workload, slo, rate: float) -> tuple[float, float] | None:  # noqa: ANN001
+    """(span, typical) when the workload's arrivals at `rate` span less than 3 times what a
+    request of the mean output length may take within the SLO (over a rate the deployment cannot
+    sustain, a batch fills and a queue grows over about that long); else None."""
+    if rate <= 0 or len(workload) < 2:
+        return None
+    span = float(workload.offsets[-1] - workload.offsets[0]) / rate
+    typical = slo.ttft_s + slo.tpot_s * max(0.0, workload.mean_output_len - 1)
+    return (span, typical) if span < 3 * typical else None
 
 
 def _served_model(model: str | None) -> str | None:
