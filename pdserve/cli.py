@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import logging
 import re
 import signal
@@ -407,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s {args.command} %(name)s: %(message)s",
     )
-    # `kill -USR1 PID` writes every thread's stack to the process's log: what a stuck one is doing.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1 PID` writes every thread's stack to the process's log: what a stuck one is doing
+    # (not where stderr is no file, as when main() is called inside a test runner).
+    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
