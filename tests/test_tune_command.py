@@ -45,14 +45,21 @@ def test_a_roofline_profile_says_so_and_costs_decode_by_bytes_and_prefill_by_flo
     assert 20_000 < p.kv_blocks < 30_000  # (80 GB x 0.9 - 4 GB - 16 GB of weights) / 2 MiB
 
 
-def test_a_model_too_big_for_one_gpu_needs_a_tensor_parallel_group(tmp_path):
+def test_a_model_too_big_for_one_gpu_needs_a_tensor_parallel_group(tmp_path, capsys):
     out = tmp_path / "70b.json"
     assert main(["tune", "profile", "--model", "llama3-70b", "--roofline", "h100",
-                 "--out", str(out)]) == 2  # fmt: skip
+                 "--gpus-per-node", "1", "--out", str(out)]) == 2  # fmt: skip
+    assert "pdserve: error: " in capsys.readouterr().err
+    # By default the groups that hold 140 GB of weights with room for KV: 4 and 8 GPUs.
+    assert main(["tune", "profile", "--model", "llama3-70b", "--roofline", "h100",
+                 "--out", str(out)]) == 0  # fmt: skip
+    p = Profile.load(out)
+    assert p.tp_sizes == [4, 8] and "(1, 2: no room for KV)" in p.source
+    assert "two all-reduces a layer" in p.source and "450 GB/s" in p.source
+    assert p.at_tp(8).kv_blocks > 2 * p.at_tp(4).kv_blocks  # the weights held once, not twice
     assert main(["tune", "profile", "--model", "llama3-70b", "--roofline", "h100",
                  "--gpus-per-node", "4", "--out", str(out)]) == 0  # fmt: skip
-    p = Profile.load(out)
-    assert p.devices_per_node == 4 and "tensor parallelism has not landed" in p.source
+    assert Profile.load(out).tp_sizes == [4]
 
 
 def test_a_profile_from_bench_model_step_uses_the_rates_the_device_reached(tmp_path):

@@ -17,7 +17,7 @@ def _ms(text: str) -> float:
 
 
 DESCRIPTION = (
-    "Search P:D placement, chunk size, max_num_seqs, admission watermark and conditional "
+    "Search P:D placement, each role's tensor-parallel size, chunk size, max_num_seqs, admission watermark and conditional "
     "disaggregation for the most goodput under an SLO, in a simulator that runs pdserve's own "
     "scheduler, block manager, nodes and coordinator; write the winner as a config file for "
     "`pdserve serve --config` and a cluster file for `pdserve launch`. `pdserve tune profile` "
@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--top", type=int, default=5, help="candidates in the table")
     s.add_argument("--out-dir", default="pdserve-tune",
                    help="where pdserve.toml, cluster.toml, the plot and tune.json go")  # fmt: skip
-    s.add_argument("--gpus-per-host", type=int, default=8, help="for the cluster file")
+    s.add_argument("--gpus-per-host", type=int, default=8,
+                   help="GPUs a host: node sizes (TP) must divide it; the cluster file's hosts")  # fmt: skip
     s.add_argument("--no-plot", action="store_true", help="no goodput.png")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="tune_command")
@@ -99,9 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "peaks: h100, h200, a100, l40s (unset: measured)")  # fmt: skip
     how.add_argument("--model-step", metavar="JSON",
                      help="the rates a GPU reached in `python -m bench.model_step --json` (unset: measured)")  # fmt: skip
-    p.add_argument("--gpus-per-node", type=int, default=1,
-                   help="roofline: a node is a tensor-parallel group of this many GPUs "
-                   "(modelled, not runnable yet)")  # fmt: skip
+    p.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="LIST",
+                   help="roofline: node sizes (tensor-parallel groups of GPUs) to model, of "
+                   "which those that hold the model with room for KV are kept (default: "
+                   "%(default)s)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="roofline: only nodes of this many GPUs (--tensor-parallel-sizes N)")  # fmt: skip
     p.add_argument(
         "--memory-gb",
         type=float,
@@ -164,7 +168,7 @@ def run_profile(args: argparse.Namespace) -> int:
         if args.roofline not in DEVICES:
             raise ValueError(f"--roofline {args.roofline!r}: one of {', '.join(DEVICES)}")
         profile = roofline_profile(model_shape(args.model), args.roofline,
-                                   gpus_per_node=args.gpus_per_node, assumptions=assumptions)  # fmt: skip
+                                   tp_sizes=_sizes(args), assumptions=assumptions)  # fmt: skip
     elif args.model_step:
         profile = model_step_profile(args.model_step, model_shape(args.model),
                                      memory_gb=args.memory_gb, assumptions=assumptions)  # fmt: skip
@@ -197,6 +201,20 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"  {profile.model.name}: {profile.kv_blocks} KV blocks a node, step "
           f"{json.dumps(profile.step.to_dict())}")  # fmt: skip
     return 0
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    if args.gpus_per_node is not None:
+        text = str(args.gpus_per_node)
+    else:
+        text = args.tensor_parallel_sizes
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--tensor-parallel-sizes {text!r}: give sizes as 1,2,4,8")
+    return sizes
 
 
 # --- search -------------------------------------------------------------------------------------
@@ -256,11 +274,11 @@ def run_search(args: argparse.Namespace) -> int:
     print(f"profile: {profile.source}")
     print(f"workload: {len(workload)} requests, {workload.description}")
     print(f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms for "
-          f"{slo.attainment:.0%} of requests; {args.devices} devices, "
-          f"{profile.devices_per_node} a node")  # fmt: skip
+          f"{slo.attainment:.0%} of requests; {args.devices} devices, nodes of "
+          f"{'/'.join(map(str, profile.tp_sizes))} ({args.gpus_per_host} a host)")  # fmt: skip
     space = SearchSpace.quick() if args.quick else SearchSpace()
-    result = search(profile, workload, slo, args.devices, space=space,
-                    processes=args.processes, progress=say)  # fmt: skip
+    result = search(profile, workload, slo, args.devices, space=space, processes=args.processes,
+                    progress=say, gpus_per_host=args.gpus_per_host)  # fmt: skip
     top = result.ranked[: args.top]
     at = None
     if args.rate:
@@ -289,22 +307,17 @@ def run_search(args: argparse.Namespace) -> int:
                             args.gpus_per_host)  # fmt: skip
     if not args.no_plot:
         shown = result.ranked[:2]
-        runs = curves(profile, workload, slo, shown, result.nodes, space.screen_nodes,
+        runs = curves(profile, workload, slo, shown, result.devices, space.screen_nodes,
                       processes=args.processes)  # fmt: skip
-        small = min(result.nodes, space.screen_nodes)
         title = (f"{profile.model.name} on {args.devices} devices ({profile.device}); "
-                 f"{profile.source.split(':')[0]} profile; simulated on {small} of "
-                 f"{result.nodes} nodes, rates scaled")  # fmt: skip
+                 f"{profile.source.split(':')[0]} profile; simulated on a slice of "
+                 f"{space.screen_nodes} nodes, rates scaled")  # fmt: skip
         plot = plot_curves(runs, slo, out / "goodput.png", title)
         if plot is not None:
             written.append(plot)
     (out / "tune.json").write_text(json.dumps(_results(result, profile, slo, workload), indent=1))
     written.append(out / "tune.json")
     print(f"\n{serve_command(best.deployment, str(out / 'pdserve.toml'))}")
-    if result.best.deployment and profile.devices_per_node > 1:
-        print(
-            "(a node is a tensor-parallel group here: no cluster file, pdserve cannot run it yet)"
-        )
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

@@ -23,10 +23,16 @@ class Deployment:
     max_num_seqs: int = 256
     admission_watermark: float = 0.05
     conditional_disagg_threshold: int = 0
+    prefill_tp: int = 1  # devices a prefill node (tensor_parallel_size)
+    decode_tp: int = 1  # devices a decode node, or a colocated worker
 
     def __post_init__(self) -> None:
         if self.colocated and self.prefill:
             raise ValueError("a colocated deployment has no prefill nodes")
+        if self.colocated and self.prefill_tp != self.decode_tp:
+            raise ValueError("a colocated deployment has one tensor-parallel size: decode_tp")
+        if min(self.prefill_tp, self.decode_tp) < 1:
+            raise ValueError("tensor-parallel sizes must be at least 1")
         if self.decode < 1 or (not self.colocated and self.prefill < 1):
             raise ValueError(
                 f"{self.label}: needs decode nodes, and prefill nodes unless colocated"
@@ -39,10 +45,23 @@ class Deployment:
         return self.prefill + self.decode
 
     @property
+    def devices(self) -> int:
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+
+    @property
+    def tp(self) -> str:
+        """The tensor-parallel sizes, prefill / decode (colocated: the one)."""
+        return str(self.decode_tp) if self.colocated else f"{self.prefill_tp} / {self.decode_tp}"
+
+    @property
     def placement(self) -> str:
         if self.colocated:
-            return f"{self.decode} colocated"
-        text = f"{self.prefill}P + {self.decode}D"
+            text = f"{self.decode} colocated"
+            return text + (f" x TP{self.decode_tp}" if self.decode_tp > 1 else "")
+        if self.prefill_tp == self.decode_tp == 1:
+            text = f"{self.prefill}P + {self.decode}D"
+        else:
+            text = f"{self.prefill}P x TP{self.prefill_tp} + {self.decode}D x TP{self.decode_tp}"
         if self.conditional_disagg_threshold:
             text += f", < {self.conditional_disagg_threshold} local"
         return text
@@ -63,6 +82,16 @@ class Deployment:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
         }
+
+    def role_settings(self) -> dict[str, Any]:
+        """The tensor-parallel sizes by role, as `pdserve serve --config` reads them (none where
+        every node is one device)."""
+        if self.prefill_tp == self.decode_tp == 1:
+            return {}
+        sizes = {"decode_tensor_parallel_size": self.decode_tp}
+        if not self.colocated:
+            sizes["prefill_tensor_parallel_size"] = self.prefill_tp
+        return sizes
 
     def coordinator_settings(self) -> dict[str, Any]:
         threshold = self.conditional_disagg_threshold

@@ -6,7 +6,7 @@ of stated peaks), which every output of the tuner repeats."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tune.model_shape import ModelShape
@@ -14,6 +14,25 @@ from tune.step_model import StepTimeModel
 from tune.transfer_model import TransferModel
 
 VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class GroupModel:
+    """A node of `size` devices (a tensor-parallel group): its step times, KV pool and sends."""
+
+    size: int
+    step: StepTimeModel
+    transfer: TransferModel
+    kv_blocks: int
+
+    def to_dict(self) -> dict:
+        return {"size": self.size, "step": self.step.to_dict(),
+                "transfer": self.transfer.to_dict(), "kv_blocks": self.kv_blocks}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GroupModel:
+        return cls(int(d["size"]), StepTimeModel.from_dict(d["step"]),
+                   TransferModel.from_dict(d["transfer"]), int(d["kv_blocks"]))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +45,9 @@ class Profile:
     block_size: int = 16
     source: str = ""  # how the figures were made, in a line
     device: str = ""  # what a node runs on, in words
-    devices_per_node: int = 1  # GPUs behind one node (a roofline of a tensor-parallel group)
+    devices_per_node: int = 1  # devices behind a node of `step`, `transfer` and `kv_blocks`
+    # Nodes of other sizes (tensor-parallel groups) the profile also models, e.g. a roofline's.
+    groups: tuple[GroupModel, ...] = ()
     # Written as num_kv_blocks in the configs the tuner writes (CPU pools are sized by it; GPU
     # pools by free memory, so it is left out there).
     kv_blocks_setting: bool = False
@@ -34,6 +55,24 @@ class Profile:
     frontend_s: float = 0.0  # a client's request in and its first token out, through HTTP
     heartbeat_interval_s: float = 0.5
     fit: list[dict] = field(default_factory=list)  # measured points beside the model's times
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        """The node sizes (devices a node) this profile models."""
+        return sorted({self.devices_per_node, *(g.size for g in self.groups)})
+
+    def at_tp(self, size: int) -> Profile:
+        """This profile with `step`, `transfer` and `kv_blocks` those of a node of `size`
+        devices."""
+        if size == self.devices_per_node:
+            return self
+        for g in self.groups:
+            if g.size == size:
+                mine = GroupModel(self.devices_per_node, self.step, self.transfer, self.kv_blocks)
+                others = tuple(o for o in self.groups if o is not g) + (mine,)
+                return replace(self, step=g.step, transfer=g.transfer, kv_blocks=g.kv_blocks,
+                               devices_per_node=size, groups=others)  # fmt: skip
+        raise ValueError(f"the profile models nodes of {self.tp_sizes} devices, not {size}")
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -45,6 +84,7 @@ class Profile:
             "source": self.source,
             "device": self.device,
             "devices_per_node": self.devices_per_node,
+            "tensor_parallel": [g.to_dict() for g in self.groups],
             "model": self.model.to_dict(),
             "dtype": self.dtype,
             "block_size": self.block_size,
@@ -72,6 +112,7 @@ class Profile:
             source=d.get("source", ""),
             device=d.get("device", ""),
             devices_per_node=int(d.get("devices_per_node", 1)),
+            groups=tuple(GroupModel.from_dict(g) for g in d.get("tensor_parallel", [])),
             kv_blocks_setting=bool(d.get("kv_blocks_setting", False)),
             hop_s=float(d.get("hop_s", 0.0002)),
             frontend_s=float(d.get("frontend_s", 0.0)),

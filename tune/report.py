@@ -26,14 +26,14 @@ def candidates_table(
 ) -> str:
     """Best first: placement, knobs, goodput (and per device), latency percentiles at the
     goodput rate (or at the rate given, in `at`)."""
-    head = ("| # | placement | chunk | max seqs | watermark | goodput (req/s) | per device "
-            "| TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |")  # fmt: skip
-    rows = [head, "|" + " --- |" * 9]
+    head = ("| # | placement | TP (P / D) | chunk | max seqs | watermark | goodput (req/s) "
+            "| per device | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |")  # fmt: skip
+    rows = [head, "|" + " --- |" * 10]
     for i, e in enumerate(ranked, 1):
         d = e.deployment
         summary = (at or {}).get(d, e.at_goodput)
         rows.append(
-            f"| {i} | {d.placement} | {d.max_num_batched_tokens} | {d.max_num_seqs} "
+            f"| {i} | {d.placement} | {d.tp} | {d.max_num_batched_tokens} | {d.max_num_seqs} "
             f"| {d.admission_watermark:g} | {'>= ' if e.burst else ''}{e.goodput:.2f} "
             f"| {e.goodput / devices:.3f} "
             f"| {_ms(summary, 'ttft_ms')} | {_ms(summary, 'tpot_ms')} |"
@@ -108,7 +108,7 @@ def serve_command(d: Deployment, config: str) -> str:
 def coordinator_config(e: Evaluation, profile: Profile, slo: SLO, devices: int) -> str:
     """The coordinator's file: its own settings and the nodes' (docs/configuration.md)."""
     d = e.deployment
-    settings = {**d.coordinator_settings(), **node_settings(d, profile)}
+    settings = {**d.coordinator_settings(), **node_settings(d, profile), **d.role_settings()}
     settings.pop("block_size")  # the default; the cluster file states it for every node
     header = [
         f"# Written by pdserve tune: {d.placement} on {devices} devices, predicted goodput "
@@ -131,11 +131,9 @@ def cluster_file(
     model: str | None,
     gpus_per_host: int,
     config_name: str = "pdserve.toml",
-) -> str | None:
-    """The cluster file of `pdserve launch`, or None where a node is more than one GPU (a
-    tensor-parallel group, which the cluster file cannot describe yet)."""
-    if profile.devices_per_node != 1:
-        return None
+) -> str:
+    """The cluster file of `pdserve launch`: every node's GPUs on hosts of `gpus_per_host` (a
+    tensor-parallel node within one host), each role's tensor_parallel_size in its table."""
     d = e.deployment
     engine = node_settings(d, profile)
     lines = [
@@ -156,9 +154,9 @@ def cluster_file(
             "# The cluster key set: `pdserve keygen /etc/pdserve/cluster-keys`, copied to every host.",
             'cluster_keys = "/etc/pdserve/cluster-keys"',
         ]
-    roles = ["prefill"] * d.prefill + ["decode"] * d.decode
-    per_host = gpus_per_host if gpus else len(roles)
-    hosts = [roles[i : i + per_host] for i in range(0, len(roles), per_host)]
+    sizes = {"prefill": d.prefill_tp, "decode": d.decode_tp}
+    nodes = [("prefill", d.prefill_tp)] * d.prefill + [("decode", d.decode_tp)] * d.decode
+    hosts = _hosts(nodes, gpus_per_host if gpus else sum(size for _, size in nodes))
     if len(hosts) > 1:
         lines.append("# Host names and addresses are placeholders: write your hosts'.")
     for index, host in enumerate(hosts):
@@ -166,19 +164,40 @@ def cluster_file(
         address = name if gpus else "127.0.0.1"
         lines += ["[[host]]", f'name = "{name}"', f'address = "{address}"']
         for role in ("prefill", "decode"):
-            count = host.count(role)
-            if not count:
+            if role not in host:
                 continue
             if gpus:
-                first = host.index(role)
-                lines.append(f"{role}_gpus = {list(range(first, first + count))}")
+                lines.append(f"{role}_gpus = {host[role]}")
             else:
-                lines.append(f"{role}_workers = {count}")
+                lines.append(f"{role}_workers = {len(host[role]) // sizes[role]}")
         for role in ("prefill", "decode"):
             if role in host:
-                lines += [f"[host.{role}]", *_lines(engine)]
+                lines.append(f"[host.{role}]")
+                if sizes[role] > 1:
+                    lines.append(f"tensor_parallel_size = {sizes[role]}")
+                lines += _lines(engine)
         lines.append("")
     return "\n".join(lines)
+
+
+def _hosts(nodes: list[tuple[str, int]], gpus_per_host: int) -> list[dict[str, list[int]]]:
+    """Nodes (role, GPUs) onto hosts of `gpus_per_host` GPUs, largest first, each into the first
+    host with room (sizes that divide the host's GPUs fill every host but the last): each host's
+    GPU indices by role, a node's contiguous."""
+    hosts: list[dict[str, list[int]]] = []
+    free: list[int] = []
+    for role, size in sorted(nodes, key=lambda n: -n[1]):
+        if size > gpus_per_host:
+            raise ValueError(f"a node of {size} GPUs does not fit a host of {gpus_per_host}")
+        index = next((i for i, f in enumerate(free) if f >= size), None)
+        if index is None:
+            hosts.append({})
+            free.append(gpus_per_host)
+            index = len(hosts) - 1
+        first = gpus_per_host - free[index]
+        hosts[index].setdefault(role, []).extend(range(first, first + size))
+        free[index] -= size
+    return hosts
 
 
 def write_outputs(
@@ -195,9 +214,7 @@ def write_outputs(
     config = out / "pdserve.toml"
     config.write_text(coordinator_config(e, profile, slo, devices))
     written = [config]
-    cluster = cluster_file(e, profile, model, gpus_per_host, config.name)
-    if cluster is not None:
-        path = out / "cluster.toml"
-        path.write_text(cluster)
-        written.append(path)
+    path = out / "cluster.toml"
+    path.write_text(cluster_file(e, profile, model, gpus_per_host, config.name))
+    written.append(path)
     return written

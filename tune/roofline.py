@@ -6,11 +6,12 @@ Every figure that is assumed rather than measured is named in the profile's `sou
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tune.model_shape import DTYPE_BYTES, ModelShape
-from tune.profile import Profile
+from tune.profile import GroupModel, Profile
 from tune.step_model import StepTimeModel
 from tune.transfer_model import TransferModel
 
@@ -21,15 +22,19 @@ class Device:
     tflops: float  # dense bf16 peak, TFLOP/s, as the vendor states it
     gbps: float  # memory bandwidth peak, GB/s
     memory_gb: float
+    link: str = ""  # what joins the GPUs of one host
+    link_gbps: float = 0.0  # per GPU, each direction, as stated
 
 
-# NVIDIA's datasheet figures (dense, no sparsity).
+# NVIDIA's datasheet figures (dense, no sparsity; NVLink's total halved for one direction).
 DEVICES = {
-    "h100": Device("NVIDIA H100 SXM5 80GB", 989.0, 3350.0, 80.0),
-    "h200": Device("NVIDIA H200 SXM 141GB", 989.0, 4800.0, 141.0),
-    "a100": Device("NVIDIA A100 SXM4 80GB", 312.0, 2039.0, 80.0),
-    "l40s": Device("NVIDIA L40S 48GB", 362.0, 864.0, 48.0),
+    "h100": Device("NVIDIA H100 SXM5 80GB", 989.0, 3350.0, 80.0, "NVLink 4", 450.0),
+    "h200": Device("NVIDIA H200 SXM 141GB", 989.0, 4800.0, 141.0, "NVLink 4", 450.0),
+    "a100": Device("NVIDIA A100 SXM4 80GB", 312.0, 2039.0, 80.0, "NVLink 3", 300.0),
+    "l40s": Device("NVIDIA L40S 48GB", 362.0, 864.0, 48.0, "PCIe 4.0 x16", 32.0),
 }
+
+TP_SIZES = (1, 2, 4, 8)  # the groups a roofline profile models, of those that fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +47,40 @@ class Assumptions:
     per_seq_s: float = 5e-6  # per sequence in a step: the host's bookkeeping
     memory_utilization: float = 0.9  # of device memory given to weights, activations and KV
     activation_reserve_gb: float = 4.0  # per device, out of the KV pool
-    transfer_gbps: float = 50.0  # per node's KV sends (400 Gb/s InfiniBand per GPU)
+    transfer_gbps: float = 50.0  # per GPU's KV sends (400 Gb/s InfiniBand per GPU)
     transfer_latency_s: float = 0.0005
     transport: str = "nccl"
+    allreduce_efficiency: float = 0.7  # of the link's stated bandwidth an all-reduce reaches
+    allreduce_latency_s: float = 10e-6  # per all-reduce, whatever its size
 
     def describe(self) -> str:
         return (
             f"{self.compute_efficiency:.0%} of peak FLOP/s, {self.memory_efficiency:.0%} of peak "
             f"bandwidth, {self.step_overhead_s * 1e3:g} ms + {self.per_seq_s * 1e6:g} us per "
-            f"sequence of overhead a step; KV at {self.transfer_gbps:g} GB/s + "
+            f"sequence of overhead a step; KV at {self.transfer_gbps:g} GB/s a GPU + "
             f"{self.transfer_latency_s * 1e3:g} ms a transfer"
         )
+
+    def describe_allreduce(self, d: Device) -> str:
+        return (
+            f"a node of G GPUs splits weights, KV and FLOPs over G and adds two all-reduces a "
+            f"layer of the step's tokens x hidden x dtype bytes, ring (2(G-1)/G of the bytes "
+            f"each way) over {d.link} at {d.link_gbps:g} GB/s a direction (stated) x "
+            f"{self.allreduce_efficiency:.0%}, + {self.allreduce_latency_s * 1e6:g} us each "
+            "(assumed); the LM head's gather not counted"
+        )
+
+
+def allreduce_seconds(
+    model: ModelShape, dtype: str, gpus: int, tokens: int, d: Device, a: Assumptions
+) -> float:
+    """The all-reduces of one step of `tokens` new tokens on a tensor-parallel group of `gpus`:
+    two a layer (after attention, after the MLP), each of tokens x hidden values, by a ring."""
+    if gpus == 1:
+        return 0.0
+    message = tokens * model.hidden_size * DTYPE_BYTES[dtype]
+    wire = 2 * (gpus - 1) / gpus * message / (d.link_gbps * 1e9 * a.allreduce_efficiency)
+    return 2 * model.num_layers * (a.allreduce_latency_s + wire)
 
 
 def roofline_step(
@@ -76,50 +104,81 @@ def roofline_step(
 def kv_blocks(
     model: ModelShape, dtype: str, block_size: int, memory_gb: float, a: Assumptions, gpus: int
 ) -> int:
+    """A node's KV pool: what its GPUs' memory holds beyond the weights (split over them) and the
+    activations; 0 or less where nothing is left."""
     budget = gpus * (memory_gb * a.memory_utilization - a.activation_reserve_gb) * 1e9
     free = budget - model.weight_bytes(dtype)
-    blocks = int(free // model.kv_bytes_per_block(block_size, dtype))
-    if blocks < 1:
-        raise ValueError(
-            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of {dtype} weights) leaves "
-            f"no room for KV on {gpus} x {memory_gb:g} GB: give --gpus-per-node"
-        )
-    return blocks
+    return int(free // model.kv_bytes_per_block(block_size, dtype))
+
+
+def group_model(
+    model: ModelShape, d: Device, gpus: int, dtype: str, block_size: int, a: Assumptions
+) -> GroupModel:
+    """A node of `gpus` GPUs of device `d` as a tensor-parallel group: G times the peaks and the
+    memory, plus its all-reduces."""
+    step = roofline_step(model, dtype, gpus * d.tflops * a.compute_efficiency,
+                         gpus * d.gbps * a.memory_efficiency, a.step_overhead_s, a.per_seq_s)  # fmt: skip
+    allreduce_latency = allreduce_seconds(model, dtype, gpus, 0, d, a)
+    per_token = allreduce_seconds(model, dtype, gpus, 1, d, a) - allreduce_latency
+    step = replace(step, base_s=step.base_s + allreduce_latency, allreduce_per_token_s=per_token)
+    return GroupModel(
+        gpus,
+        step,
+        TransferModel(a.transfer_latency_s, gpus * a.transfer_gbps * 1e9, a.transport),
+        kv_blocks(model, dtype, block_size, d.memory_gb, a, gpus),
+    )
 
 
 def roofline_profile(
     model: ModelShape,
     device: str,
     *,
-    gpus_per_node: int = 1,
+    tp_sizes: Sequence[int] = TP_SIZES,
     dtype: str = "bfloat16",
     block_size: int = 16,
     assumptions: Assumptions | None = None,
 ) -> Profile:
-    """The roofline of `device` (a key of DEVICES). With gpus_per_node > 1 a node is a
-    tensor-parallel group modelled as one device of that many times the peaks and memory, with no
-    cost for its all-reduces: pdserve does not run tensor parallelism yet."""
+    """The roofline of `device` (a key of DEVICES) for nodes of each of `tp_sizes` GPUs that
+    hold the model with room for KV (one sequence of its whole context, at least): a node of G
+    GPUs is a tensor-parallel group, G times the peaks and memory, plus its all-reduces."""
     a = assumptions or Assumptions()
     d = DEVICES[device]
-    g = gpus_per_node
-    step = roofline_step(model, dtype, g * d.tflops * a.compute_efficiency,
-                         g * d.gbps * a.memory_efficiency, a.step_overhead_s, a.per_seq_s)  # fmt: skip
-    group = (
-        f"a group of {g} (no all-reduce cost: tensor parallelism has not landed)" if g > 1 else ""
+    groups, left_out = [], []
+    for g in sorted(set(tp_sizes)):
+        group = group_model(model, d, g, dtype, block_size, a)
+        if group.kv_blocks * block_size >= model.max_position_embeddings:
+            groups.append(group)
+        else:
+            left_out.append(g)
+    if not groups:
+        raise ValueError(
+            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of {dtype} weights) leaves "
+            f"no room for KV on {max(tp_sizes)} x {d.memory_gb:g} GB: give larger "
+            "--tensor-parallel-sizes"
+        )
+    sizes = [g.size for g in groups]
+    source = (
+        f"roofline, not measured: {d.name} at {d.tflops:g} TFLOP/s and {d.gbps:g} GB/s "
+        f"stated peaks, {a.describe()}"
     )
+    if sizes != [1]:
+        source += f"; nodes of {', '.join(map(str, sizes))} GPUs"
+        if left_out:
+            source += f" ({', '.join(map(str, left_out))}: no room for KV)"
+        if max(sizes) > 1:
+            source += "; " + a.describe_allreduce(d)
+    base, rest = groups[0], tuple(groups[1:])
     return Profile(
         model=model,
         dtype=dtype,
-        step=step,
-        transfer=TransferModel(a.transfer_latency_s, g * a.transfer_gbps * 1e9, a.transport),
-        kv_blocks=kv_blocks(model, dtype, block_size, d.memory_gb, a, g),
+        step=base.step,
+        transfer=base.transfer,
+        kv_blocks=base.kv_blocks,
         block_size=block_size,
-        source=(
-            f"roofline, not measured: {d.name} at {d.tflops:g} TFLOP/s and {d.gbps:g} GB/s "
-            f"stated peaks, {a.describe()}" + (f"; a node is {group}" if g > 1 else "")
-        ),
-        device=d.name if g == 1 else f"{g} x {d.name}",
-        devices_per_node=g,
+        source=source,
+        device=d.name,
+        devices_per_node=base.size,
+        groups=rest,
     )
 
 
@@ -157,7 +216,7 @@ def model_step_profile(
         dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
         step=step,
         transfer=TransferModel(a.transfer_latency_s, a.transfer_gbps * 1e9, a.transport),
-        kv_blocks=kv_blocks(model, dtype, block_size, memory_gb, a, 1),
+        kv_blocks=_fits(kv_blocks(model, dtype, block_size, memory_gb, a, 1), model, dtype),
         block_size=block_size,
         source=(
             f"from bench.model_step on {device} ({data.get('preset')}, {dtype}): "
@@ -167,3 +226,12 @@ def model_step_profile(
         ),
         device=device,
     )
+
+
+def _fits(blocks: int, model: ModelShape, dtype: str) -> int:
+    if blocks < 1:
+        raise ValueError(
+            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of {dtype} weights) leaves "
+            "no room for KV on one GPU"
+        )
+    return blocks

@@ -5,14 +5,18 @@ requests meet both the TTFT and the TPOT target, found by bisection on the rate,
 simulation of the workload at that rate (a probe stops as soon as too many requests have missed).
 
 The space is placement (colocated workers, or P prefill + D decode nodes, with conditional
-disaggregation) x `max_num_batched_tokens` x `max_num_seqs` x `admission_watermark`. A simulation
-costs in proportion to the tokens it generates, so the space is searched coarse to fine:
-1. screen, on a slice of the cluster (`screen_nodes` nodes, the rate and the number of requests
-   scaled down with it, so that requests arrive over the same span of time as on every node):
-   colocated workers and the `screen_splits` P:D splits whose throughput bound is highest;
+disaggregation) x each role's tensor-parallel size x `max_num_batched_tokens` x `max_num_seqs` x
+`admission_watermark`. A simulation costs in proportion to the tokens it generates, so the space
+is searched coarse to fine:
+0. TP sizes, by throughput bound alone: colocated workers at the size of highest bound, and the
+   `screen_pairs` (prefill TP, decode TP) pairs whose best split has the highest bound;
+1. screen, on a slice of the cluster (`screen_nodes` nodes of the larger size, the rate and the
+   number of requests scaled down with it, so that requests arrive over the same span of time as
+   on every device): those colocated workers and, for each pair, the `screen_splits` P:D splits
+   whose throughput bound is highest;
 2. refine, on the slice, the best placement one knob at a time (coordinate descent): the knob's
    values either side of its current one, going on while goodput grows (hill climbing);
-3. final: the best candidates, and colocated workers as the baseline, on every node with the
+3. final: the best candidates, and colocated workers as the baseline, on every device with the
    whole workload; a slice's split maps to several on every node, of which the one with the
    highest throughput bound is also tried.
 Evaluations of a stage run in parallel processes.
@@ -51,11 +55,14 @@ class SearchSpace:
     final_top: int = 2
     tolerance: float = 0.1  # bisection on the rate: stop when hi / lo - 1 is below this
     final_tolerance: float = 0.05
+    # (prefill TP, decode TP) pairs simulated, by throughput bound on every device; colocated
+    # workers at the TP size of highest bound.
+    screen_pairs: int = 2
 
     @classmethod
     def quick(cls) -> SearchSpace:
         """A few values of each knob, for checking the command itself."""
-        return cls((1024, 2048), (64, 256), (0.05,), (0.5,), 4, 2, 100, 1, 2, 0.15, 0.1)
+        return cls((1024, 2048), (64, 256), (0.05,), (0.5,), 4, 2, 100, 1, 2, 0.15, 0.1, 1)
 
 
 @dataclass(slots=True)
@@ -73,7 +80,7 @@ class Evaluation:
     deployment: Deployment
     goodput: float  # requests per second at which the SLO attainment holds (0: not even slowly)
     probes: list[Probe] = field(default_factory=list)
-    scale: float = 1.0  # every node / the nodes simulated (a slice's)
+    scale: float = 1.0  # every device / the devices simulated (a slice's)
     # It met the SLO even at CEILING times its throughput bound: the workload arrives as one
     # burst it absorbs, too short to measure a sustained rate.
     burst: bool = False
@@ -93,9 +100,8 @@ class Evaluation:
 @dataclass(slots=True)
 class SearchResult:
     ranked: list[Evaluation]  # the final candidates, best first
-    screened: list[Evaluation]  # every placement evaluated on the slice
+    screened: list[Evaluation]  # every placement evaluated on a slice
     devices: int
-    nodes: int
     seconds: float
     num_simulations: int
 
@@ -166,7 +172,10 @@ def throughput_bound(profile: Profile, d: Deployment, workload: Workload, slo: S
     second, and decode nodes' tokens per second at the largest batch that fits their KV pool,
     max_num_seqs and the TPOT target; colocated workers pay for prefill and decode both. It
     orders placements and starts the bisection; the simulation decides."""
-    step, prompt, output = profile.step, workload.mean_prompt_len, workload.mean_output_len
+    prefill_profile, decode_profile = profile.at_tp(d.prefill_tp), profile.at_tp(d.decode_tp)
+    step, prompt, output = prefill_profile.step, workload.mean_prompt_len, workload.mean_output_len
+    if d.colocated:
+        step = decode_profile.step
     length = max(1, round(prompt))
     per_step = max(1, d.max_num_batched_tokens // length)  # prompts a chunk holds
     if length > d.max_num_batched_tokens:  # one prompt over several chunks
@@ -174,8 +183,9 @@ def throughput_bound(profile: Profile, d: Deployment, workload: Workload, slo: S
         prefill_s = chunks * step.time(StepShape.prefill(1, length // chunks, length // 2))
     else:
         prefill_s = step.time(StepShape.prefill(per_step, length)) / per_step
+    step = decode_profile.step
     context = prompt + output / 2
-    fits = profile.kv_blocks * profile.block_size // max(1, round(context + output / 2))
+    fits = decode_profile.kv_blocks * profile.block_size // max(1, round(context + output / 2))
     batch = max(1, min(d.max_num_seqs, fits))
     while batch > 1 and step.time(StepShape.decode(batch, round(context))) > slo.tpot_s:
         batch = max(1, batch * 3 // 4)
@@ -183,7 +193,7 @@ def throughput_bound(profile: Profile, d: Deployment, workload: Workload, slo: S
     if d.colocated:
         return d.decode / (prefill_s + output * decode_s)
     kv_bytes = -(-length // profile.block_size) * profile.kv_bytes_per_block
-    transfer_s = profile.transfer.wire_time(kv_bytes)
+    transfer_s = prefill_profile.transfer.wire_time(kv_bytes)
     return min(d.prefill / max(prefill_s, transfer_s), d.decode / (output * decode_s))
 
 
@@ -244,10 +254,48 @@ class _Runner:
             self.pool.join()
 
 
-def placements(nodes: int, base: Deployment) -> list[Deployment]:
-    out = [base.with_(prefill=0, decode=nodes, colocated=True, conditional_disagg_threshold=0)]
-    out += [base.with_(prefill=p, decode=nodes - p, colocated=False) for p in range(1, nodes)]
+def splits(devices: int, prefill_tp: int, decode_tp: int) -> list[tuple[int, int]]:
+    """(prefill nodes, decode nodes) of those sizes that use every one of `devices`."""
+    out = []
+    for p in range(1, devices // prefill_tp + 1):
+        rest = devices - p * prefill_tp
+        if rest >= decode_tp and rest % decode_tp == 0:
+            out.append((p, rest // decode_tp))
     return out
+
+
+def placements(devices: int, base: Deployment, prefill_tp: int = 1,
+               decode_tp: int = 1) -> list[Deployment]:  # fmt: skip
+    """The P:D splits of `devices` into prefill nodes of `prefill_tp` and decode nodes of
+    `decode_tp` devices."""
+    return [base.with_(prefill=p, decode=q, colocated=False, prefill_tp=prefill_tp,
+                       decode_tp=decode_tp)
+            for p, q in splits(devices, prefill_tp, decode_tp)]  # fmt: skip
+
+
+def colocated(devices: int, base: Deployment, tp: int = 1) -> Deployment | None:
+    """Colocated workers of `tp` devices on every one of `devices` (None if they do not divide)."""
+    if devices % tp:
+        return None
+    return base.with_(prefill=0, decode=devices // tp, colocated=True,
+                      conditional_disagg_threshold=0, prefill_tp=tp, decode_tp=tp)  # fmt: skip
+
+
+def usable_tp_sizes(profile: Profile, devices: int, gpus_per_host: int) -> list[int]:
+    """The node sizes the profile models that fit a host (divide its GPUs) and the devices."""
+    sizes = [g for g in profile.tp_sizes if g <= devices and (g == 1 or gpus_per_host % g == 0)]
+    if not sizes:
+        raise ValueError(
+            f"the profile models nodes of {profile.tp_sizes} devices: none divides "
+            f"--gpus-per-host {gpus_per_host} within {devices} devices"
+        )
+    return sizes
+
+
+def slice_devices(devices: int, d: Deployment, screen_nodes: int) -> int:
+    """The slice of the cluster a deployment of these TP sizes is screened on: `screen_nodes`
+    nodes of its larger size (all of them where there are fewer)."""
+    return min(devices, screen_nodes * max(d.prefill_tp, d.decode_tp))
 
 
 def knob_values(space: SearchSpace, workload: Workload, d: Deployment) -> dict[str, list]:
@@ -273,32 +321,62 @@ def search(
     base: Deployment | None = None,
     processes: int = 2,
     progress: Callable[[str], None] | None = None,
+    gpus_per_host: int = 8,
 ) -> SearchResult:
-    """The best deployments of `devices` devices (a node is `profile.devices_per_node` of them)."""
+    """The best deployments of `devices` devices, with nodes of the sizes the profile models
+    that divide `gpus_per_host`, prefill and decode each of its own size."""
     space = space or SearchSpace()
     base = base or Deployment(1, 1)
     say = progress or (lambda _: None)
     started = time.monotonic()
-    nodes = devices // profile.devices_per_node
-    if nodes < 1:
-        raise ValueError(f"{devices} devices make no node of {profile.devices_per_node}")
-    small = min(nodes, space.screen_nodes)
-    scale = nodes / small
-    sample = workload.head(max(space.min_screen_requests, round(len(workload) / scale)))
+    sizes = usable_tp_sizes(profile, devices, gpus_per_host)
+    samples: dict[float, Workload] = {}
+
+    def sample(scale: float) -> Workload:
+        if scale not in samples:
+            count = max(space.min_screen_requests, round(len(workload) / scale))
+            samples[scale] = workload.head(count)
+        return samples[scale]
+
     bar = _bar(progress)
     runner = _Runner(processes, bar.update)
     try:
-        # 1. Colocated and the splits with the highest throughput bounds, on the slice.
-        candidates = placements(small, base) if small > 1 else [base.with_(
-            prefill=0, decode=1, colocated=True)]  # fmt: skip
-        bounds = {c: throughput_bound(profile, c, sample, slo) for c in candidates}
-        splits = sorted((c for c in candidates if not c.colocated), key=lambda c: -bounds[c])
-        candidates = [c for c in candidates if c.colocated] + splits[: space.screen_splits]
-        bar.stage(f"screening {len(candidates)} placements on {small} nodes", len(candidates))
-        hint = 0.7 * max(bounds[c] for c in candidates)
-        screened = runner.run([_Task(profile, c, sample, slo, hint, space.tolerance, scale)
-                               for c in candidates])  # fmt: skip
-        screened.sort(key=lambda e: -e.goodput)
+        # 0. The TP sizes: colocated workers at the size, and the (prefill, decode) pairs, of
+        # the highest throughput bound on every device.
+        together = [c for g in sizes if (c := colocated(devices, base, g)) is not None]
+        pairs = [placements(devices, base, p, q) for p in sizes for q in sizes]
+        pairs = [options for options in pairs if options]
+        if not together and not pairs:
+            raise ValueError(f"{devices} devices make no node of {sizes} devices")
+
+        def bound(c: Deployment) -> float:
+            return throughput_bound(profile, c, workload, slo)
+
+        together = sorted(together, key=lambda c: -bound(c))[:1]
+        pairs = sorted(pairs, key=lambda options: -max(map(bound, options)))
+        pairs = pairs[: space.screen_pairs]
+        # 1. Those colocated workers and each pair's splits of highest bound, on a slice.
+        candidates: list[tuple[Deployment, float]] = []  # (on the slice, scale)
+        for c in together:
+            small = slice_devices(devices, c, space.screen_nodes)
+            candidates.append((c.with_(decode=small // c.decode_tp), devices / small))
+        for options in pairs:
+            small = slice_devices(devices, options[0], space.screen_nodes)
+            scale = devices / small
+            on_slice = placements(small, base, options[0].prefill_tp, options[0].decode_tp)
+            if not on_slice:  # no split of the slice: the whole cluster is the slice
+                small, scale, on_slice = devices, 1.0, options
+            part = sample(scale)
+            on_slice.sort(key=lambda c, w=part: -throughput_bound(profile, c, w, slo))
+            candidates += [(c, scale) for c in on_slice[: space.screen_splits]]
+        hints: dict[float, float] = {}
+        for c, scale in candidates:
+            hints[scale] = max(hints.get(scale, 0.0),
+                               0.7 * throughput_bound(profile, c, sample(scale), slo))  # fmt: skip
+        bar.stage(f"screening {len(candidates)} placements on slices", len(candidates))
+        screened = runner.run([_Task(profile, c, sample(scale), slo, hints[scale],
+                                     space.tolerance, scale) for c, scale in candidates])  # fmt: skip
+        screened.sort(key=lambda e: -e.full_goodput)
         say(_summary_line("screened", screened[0]))
         # 2. One knob at a time for the best placements.
         refined: list[Evaluation] = []
@@ -309,20 +387,21 @@ def search(
                 run = incumbent.at_goodput
                 if knob == "admission_watermark" and run and run.peak_kv_usage < KV_TIGHT:
                     continue  # the pools never filled: what is kept free never mattered
-                incumbent = _climb(runner, incumbent, knob, options, profile, sample, slo, space)
+                incumbent = _climb(runner, incumbent, knob, options, profile,
+                                   sample(incumbent.scale), slo, space)  # fmt: skip
             refined.append(incumbent)
             say(_summary_line("refined", incumbent))
-        # 3. Every node, the whole workload.
+        # 3. Every device, the whole workload.
         best_of = {e.deployment: e for e in [*refined, *screened]}
-        pool = sorted(best_of.values(), key=lambda e: -e.goodput)[: space.final_top]
+        pool = sorted(best_of.values(), key=lambda e: -e.full_goodput)[: space.final_top]
         # Colocated workers stay in as the baseline disaggregation is measured against.
         pool += [e for e in screened if e.deployment.colocated and e not in pool][:1]
         finals: dict[Deployment, float] = {}
         for rank, e in enumerate(pool):
-            for d in _scaled(e.deployment, nodes, scale, profile, workload, slo, rank == 0):
+            for d in _scaled(e.deployment, devices, profile, workload, slo, rank == 0):
                 finals.setdefault(d, e.full_goodput)
-        bar.stage(f"final: {len(finals)} candidates on {nodes} nodes, {len(workload)} requests",
-                  len(finals))  # fmt: skip
+        bar.stage(f"final: {len(finals)} candidates on {devices} devices, {len(workload)} "
+                  "requests", len(finals))  # fmt: skip
         spread = 1 + space.final_tolerance  # the slice's goodput is a good hint: two probes
         tasks = [_Task(profile, d, workload, slo, hint, space.final_tolerance, 1.0, spread)
                  for d, hint in finals.items()]  # fmt: skip
@@ -330,7 +409,7 @@ def search(
     finally:
         runner.close()
         bar.close()
-    return SearchResult(ranked, screened, devices, nodes, time.monotonic() - started,
+    return SearchResult(ranked, screened, devices, time.monotonic() - started,
                         runner.num_simulations)  # fmt: skip
 
 
@@ -376,31 +455,38 @@ def _climb(
 
 def _scaled(
     d: Deployment,
-    nodes: int,
-    scale: float,
+    devices: int,
     profile: Profile,
     workload: Workload,
     slo: SLO,
     alternatives: bool,
 ) -> list[Deployment]:
-    """A slice's deployment on every node: its split scaled; with alternatives, also the split
+    """A slice's deployment on every device: its split scaled; with alternatives, also the split
     of highest throughput bound among those the slice's split stands for."""
     if d.colocated:
-        return [d.with_(decode=nodes)]
-    prefill = min(nodes - 1, max(1, round(d.prefill * scale)))
-    out = [d.with_(prefill=prefill, decode=nodes - prefill)]
+        return [d.with_(decode=devices // d.decode_tp)]
+    scale = devices / d.devices
+    out = [_split_near(d, devices, d.prefill * d.prefill_tp * scale)]
     if alternatives and scale > 1:
-        lo = max(1, math.ceil((d.prefill - 0.5) * scale))
-        hi = min(nodes - 1, math.floor((d.prefill + 0.5) * scale))
-        options = [d.with_(prefill=p, decode=nodes - p) for p in range(lo, hi + 1)]
-        best = max(options, key=lambda c: throughput_bound(profile, c, workload, slo))
-        if best not in out:
-            out.append(best)
+        lo, hi = ((d.prefill + side) * d.prefill_tp * scale for side in (-0.5, 0.5))
+        options = [c for c in placements(devices, d, d.prefill_tp, d.decode_tp)
+                   if lo <= c.prefill * c.prefill_tp <= hi]  # fmt: skip
+        if options:
+            best = max(options, key=lambda c: throughput_bound(profile, c, workload, slo))
+            if best not in out:
+                out.append(best)
     return out
 
 
+def _split_near(d: Deployment, devices: int, prefill_devices: float) -> Deployment:
+    """`d`'s TP sizes on `devices` devices, the split whose prefill devices are nearest."""
+    options = placements(devices, d, d.prefill_tp, d.decode_tp)
+    return min(options, key=lambda c: (abs(c.prefill * c.prefill_tp - prefill_devices),
+                                       c.prefill))  # fmt: skip
+
+
 def _summary_line(stage: str, e: Evaluation) -> str:
-    return f"{stage}: {e.deployment.label}: {e.full_goodput:.2f} req/s on every node"
+    return f"{stage}: {e.deployment.label}: {e.full_goodput:.2f} req/s on every device"
 
 
 def curves(
@@ -408,26 +494,25 @@ def curves(
     workload: Workload,
     slo: SLO,
     evaluations: Sequence[Evaluation],
-    nodes: int,
+    devices: int,
     slice_nodes: int = 4,
     factors: Sequence[float] = (0.6, 0.85, 1.0, 1.2),
     processes: int = 2,
 ) -> dict[Deployment, list[Summary]]:
     """Each deployment's whole runs (no early stop) at rates around its goodput, simulated on a
-    slice of `slice_nodes` nodes as the search screens, rates and goodputs scaled to every
-    node."""
-    small = min(nodes, slice_nodes)
-    scale = nodes / small
-    sample = workload.head(max(300, round(len(workload) / scale)))
+    slice of `slice_nodes` nodes (of its larger TP size) as the search screens, rates and
+    goodputs scaled to every device."""
     jobs = []
     for e in evaluations:
         d = e.deployment
+        small = slice_devices(devices, d, slice_nodes)
+        scale = devices / small
+        sample = workload.head(max(300, round(len(workload) / scale)))
         if d.colocated:
-            part = d.with_(decode=small)
+            part = d.with_(decode=small // d.decode_tp)
         else:
-            prefill = min(small - 1, max(1, round(d.prefill / scale)))
-            part = d.with_(prefill=prefill, decode=small - prefill)
-        jobs += [(profile, part, sample, slo, f * e.goodput / scale, d) for f in factors]
+            part = _split_near(d, small, d.prefill * d.prefill_tp / scale)
+        jobs += [(profile, part, sample, slo, f * e.goodput / scale, d, scale) for f in factors]
     if processes > 1:
         with mp.get_context("fork").Pool(processes) as pool:
             runs = pool.starmap(_whole_run, [job[:5] for job in jobs])
@@ -435,6 +520,7 @@ def curves(
         runs = [_whole_run(*job[:5]) for job in jobs]
     out: dict[Deployment, list[Summary]] = {}
     for job, summary in zip(jobs, runs):
+        scale = job[6]
         summary.rate *= scale
         summary.goodput *= scale
         summary.throughput *= scale

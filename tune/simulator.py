@@ -139,7 +139,11 @@ class Simulation:
         config = CoordinatorConfig(**deployment.coordinator_settings())
         self.core = CoordinatorCore(config)
         self.core.listeners.append(self._on_request)
-        self.kv = SimKV(self, profile.transfer, profile.kv_bytes_per_block)
+        # Each role's nodes are groups of its tensor-parallel size: their own step times, KV
+        # pools and (prefill) sends.
+        self.prefill_profile = profile.at_tp(deployment.prefill_tp)
+        self.decode_profile = profile.at_tp(deployment.decode_tp)
+        self.kv = SimKV(self, self.prefill_profile.transfer, profile.kv_bytes_per_block)
         self.nodes: dict[bytes, SimNode] = {}  # by every identity a node's sockets have
         self.handoff_sockets: dict[bytes, SimNode] = {}
         self._build_nodes()
@@ -151,8 +155,8 @@ class Simulation:
 
     # --- the deployment -------------------------------------------------------------------------
 
-    def _engine(self) -> Engine:
-        p, d = self.profile, self.deployment
+    def _engine(self, role: str) -> Engine:
+        p, d = self.prefill_profile if role == "prefill" else self.decode_profile, self.deployment
         config = EngineConfig(block_size=p.block_size, **d.engine_settings())
         layout = KVLayout(p.model.num_layers, p.block_size, p.model.num_kv_heads,
                           p.model.head_dim, p.dtype)  # fmt: skip
@@ -179,12 +183,12 @@ class Simulation:
                 holder[0].wake()
 
             if role == "prefill":
-                node = PrefillNode(self._engine(), link, self.kv.model.transport,
+                node = PrefillNode(self._engine(role), link, self.kv.model.transport,
                                    make_sender=lambda _t, _p, w=wake: self.kv.sender(w))  # fmt: skip
             elif role == "decode":
-                node = DecodeNode(self._engine(), link, self.kv.receiver(node_id, wake))
+                node = DecodeNode(self._engine(role), link, self.kv.receiver(node_id, wake))
             else:
-                node = DecodeNode(self._engine(), link, None, NodeRole.COLOCATED)
+                node = DecodeNode(self._engine(role), link, None, NodeRole.COLOCATED)
             sim_node = SimNode(self, node, link)
             holder.append(sim_node)
             self.nodes[link.identity] = sim_node

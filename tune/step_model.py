@@ -9,7 +9,9 @@ rows) and costs
     memory = weights + per_context * KV tokens read
 
 where `combine` is a sum (`overlap = False`, a CPU, fitted from measured steps) or a max
-(`overlap = True`, a roofline: compute and memory traffic overlap on a GPU).
+(`overlap = True`, a roofline: compute and memory traffic overlap on a GPU). A tensor-parallel
+node adds its all-reduces after that, `allreduce_per_token * tokens` (their bytes; their
+latencies are in `base`): a layer waits for its all-reduce, which overlaps nothing.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class StepTimeModel:
     per_context_s: float = 0.0
     weights_s: float = 0.0  # reading the weights once per step
     overlap: bool = False  # compute and memory overlap (max) instead of adding up
+    allreduce_per_token_s: float = 0.0  # a tensor-parallel group's all-reduces, per new token
 
     def time(self, shape: StepShape) -> float:
         compute = (
@@ -86,7 +89,8 @@ class StepTimeModel:
         )
         memory = self.weights_s + self.per_context_s * shape.num_context
         both = max(compute, memory) if self.overlap else compute + memory
-        return self.base_s + self.per_seq_s * shape.num_seqs + both
+        allreduce = self.allreduce_per_token_s * shape.num_tokens
+        return self.base_s + self.per_seq_s * shape.num_seqs + both + allreduce
 
     @staticmethod
     def features(shape: StepShape) -> list[float]:
