@@ -344,6 +344,8 @@ class Simulation:
             heapq.heappush(self._deadlines, (deadline, index, "ttft"))
 
     def _on_request(self, event: str, state: RequestState) -> None:
+        if event not in ("first_token", "finished"):
+            return  # every token's event: nothing to record
         index = int(state.request_id[1:])
         if event == "first_token" and self._slo is not None:
             outputs = self._requests[index].output_len
