@@ -74,10 +74,25 @@ class EngineConfig:
     cuda_graph_max_batch_size: int = setting(
         256, "largest decode batch captured as a CUDA graph (capped at max_num_seqs)", minimum=1
     )
+    cpu_threads: int | None = setting(
+        None,
+        "intra-op math threads of each rank of a CPU node (unset: one per core of its share)",
+        minimum=1,
+    )
+    cpu_bind: str | None = setting(
+        None,
+        "cores a CPU node runs on, split among its tensor-parallel ranks: a list like 0-1 or 0,2, "
+        "or auto (the cores it may use); unset: not bound (nodes that `pdserve serve` or "
+        "`pdserve launch` start together on a host get disjoint shares of its cores)",
+    )
     seed: int = setting(0, "seed of the engine's own random state (requests carry their own seeds)")
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.cpu_bind is not None and self.cpu_bind != "auto":
+            from engine.cpu_threads import parse_cores
+
+            parse_cores(self.cpu_bind)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
