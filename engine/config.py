@@ -9,7 +9,7 @@ from cluster.schema import setting, validate
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 @dataclass(slots=True)
@@ -67,7 +67,8 @@ class EngineConfig:
     )
     kernel_backend: str = setting(
         "auto",
-        "attention/norm/rotary kernels: auto (Triton on CUDA), torch (the reference) or triton",
+        "attention/norm/rotary kernels: auto (triton on CUDA, cpu on CPU), torch (the reference), "
+        "triton, or cpu (the reference with a C paged-attention kernel reading KV pages in place)",
         choices=KERNEL_BACKENDS,
     )
     enforce_eager: bool = setting(False, "run decode steps eagerly, never from CUDA graphs")
