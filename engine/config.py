@@ -72,6 +72,11 @@ class EngineConfig:
         choices=KERNEL_BACKENDS,
     )
     enforce_eager: bool = setting(False, "run decode steps eagerly, never from CUDA graphs")
+    compile: bool = setting(
+        False,
+        "run the model step compiled (torch.compile, token counts padded to power-of-two buckets; "
+        "CPU nodes without tensor parallelism; needs g++); on failure it says so and runs eagerly",
+    )
     cuda_graph_max_batch_size: int = setting(
         256, "largest decode batch captured as a CUDA graph (capped at max_num_seqs)", minimum=1
     )
