@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(f"machine: {machine()}")
     print(f"model: {num_parameters(cfg) / 1e6:.1f}M parameters, float32; load: {args.load} "
           f"busy-loop processes")  # fmt: skip
+    # Stopped by a signal, the run still stops its load (the `finally` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.load)]
     results: dict[str, list[dict]] = {name: [] for name, _ in variants}
     try:
