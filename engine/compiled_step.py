@@ -117,6 +117,12 @@ class CompiledStep:
         self.ops = _opaque_ops(ops)
         self.max_tokens = max_tokens
         self.compile_s = 0.0
+        self._eager_ops = ops
+        self._failed = False
+        # One graph per bucket (and per bucket, one for a single sequence): room for them all.
+        config = torch._dynamo.config
+        buckets = max(1, self.max_tokens).bit_length() + 1
+        config.recompile_limit = max(config.recompile_limit, 2 * buckets + 4)
         # Static token counts (one graph per bucket: inductor's dynamic token dimension gave wrong
         # results here), dynamic sequence counts and block-table widths (the attention op's only).
         self._fn = torch.compile(self._forward, dynamic=None, fullgraph=True)
@@ -139,15 +145,18 @@ class CompiledStep:
                 torch._dynamo.mark_dynamic(tensor, dim)
         for tensor in (ids, positions, slots):
             torch._dynamo.mark_static(tensor, 0)
-        hidden = self._fn(
-            ids,
-            positions,
-            slots,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            self.pool.kv,
-        )
+        if self._failed:
+            return self.model(ids[:n], positions[:n], batch, self.pool, self._eager_ops)
+        try:
+            hidden = self._fn(
+                ids, positions, slots, batch.block_tables, batch.seq_lens,
+                batch.query_start_loc, self.pool.kv,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a shape that does not compile: run eagerly
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            logger.warning("compile: failed for %d tokens (%s); steps run eagerly", n, first[:300])
+            self._failed = True
+            return self.model(ids[:n], positions[:n], batch, self.pool, self._eager_ops)
         return hidden[:n]
 
     def warm_up(self, device: torch.device) -> float:

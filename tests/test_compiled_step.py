@@ -50,3 +50,29 @@ def test_without_a_compiler_the_step_runs_eagerly_saying_why(checkpoint_dir, cap
     assert llm.engine.runner.compiled is None
     assert "no C++ compiler" in caplog.text and "runs eagerly" in caplog.text
     assert tokens == hf_greedy(checkpoint_dir("llama"), PROMPTS, NEW_TOKENS)
+
+
+def test_a_shape_that_fails_to_compile_runs_eagerly_from_then_on(checkpoint_dir, caplog):
+    import torch
+
+    from engine.compiled_step import CompiledStep
+    from engine.forward_batch import AttentionBatch
+
+    llm = LLM(str(checkpoint_dir("llama")), device="cpu", num_kv_blocks=8)
+    runner = llm.engine.runner
+    step = CompiledStep(runner.model, runner.pool, runner.ops, 16)
+
+    def broken(*args):
+        raise RuntimeError("inductor: no\nmore")
+
+    step._fn = broken
+    ids, positions = torch.tensor([5, 6, 7]), torch.arange(3)
+    batch = AttentionBatch(
+        torch.arange(3), torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]),
+        torch.tensor([0, 3]), 3,
+    )  # fmt: skip
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="engine.compiled_step"):
+        got = step(ids, positions, batch)
+        want = runner.model(ids, positions, batch, runner.pool, runner.ops)
+    torch.testing.assert_close(got, want)
+    assert "compile: failed for 3 tokens (inductor: no); steps run eagerly" in caplog.text
