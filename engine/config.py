@@ -9,7 +9,7 @@ from cluster.schema import setting, validate
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 @dataclass(slots=True)
@@ -67,17 +67,38 @@ class EngineConfig:
     )
     kernel_backend: str = setting(
         "auto",
-        "attention/norm/rotary kernels: auto (Triton on CUDA), torch (the reference) or triton",
+        "attention/norm/rotary kernels: auto (triton on CUDA, cpu on CPU), torch (the reference), "
+        "triton, or cpu (the reference with a C paged-attention kernel reading KV pages in place)",
         choices=KERNEL_BACKENDS,
     )
     enforce_eager: bool = setting(False, "run decode steps eagerly, never from CUDA graphs")
+    compile: bool = setting(
+        False,
+        "run the model step compiled (torch.compile, token counts padded to power-of-two buckets; "
+        "CPU nodes without tensor parallelism; needs g++); on failure it says so and runs eagerly",
+    )
     cuda_graph_max_batch_size: int = setting(
         256, "largest decode batch captured as a CUDA graph (capped at max_num_seqs)", minimum=1
+    )
+    cpu_threads: int | None = setting(
+        None,
+        "intra-op math threads of each rank of a CPU node (unset: one per core of its share)",
+        minimum=1,
+    )
+    cpu_bind: str | None = setting(
+        None,
+        "cores a CPU node runs on, split among its tensor-parallel ranks: a list like 0-1 or 0,2, "
+        "or auto (the cores it may use); unset: not bound (nodes that `pdserve serve` or "
+        "`pdserve launch` start together on a host get disjoint shares of its cores)",
     )
     seed: int = setting(0, "seed of the engine's own random state (requests carry their own seeds)")
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.cpu_bind is not None and self.cpu_bind != "auto":
+            from engine.cpu_threads import parse_cores
+
+            parse_cores(self.cpu_bind)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

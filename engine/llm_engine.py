@@ -8,15 +8,15 @@ sampler on a device; the tuner's simulator (`tune/`) models the step's time inst
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
 from cluster.sampling_params import SamplingParams
+from engine import cpu_threads
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.embedded_models import resolve_model_dir
@@ -309,15 +309,25 @@ class LLMEngine(Engine):
         shard.check(mcfg)
         self.ranks = None
         group = None
-        self._threads = None
+        self._placement_before: cpu_threads.CpuPlacement | None = None
+        on_cpu = not config.rank_device(0).startswith("cuda")
+        if on_cpu and config.cpu_bind == cpu_threads.AUTO:
+            # The ranks split the cores this process may use now, before rank 0 binds itself.
+            cores = cpu_threads.format_cores(cpu_threads.available_cores())
+            config = self.config = replace(config, cpu_bind=cores)
         if shard.size > 1:
             self.ranks = RankProcesses(
                 self.model_dir, config, mcfg.max_position_embeddings, kv_endpoints
             )
-            if not config.rank_device(0).startswith("cuda"):
-                # The ranks of a CPU node share its cores (idle OpenMP threads spin).
-                self._threads = torch.get_num_threads()
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
+        if on_cpu:
+            # The ranks of a CPU node share its cores (idle OpenMP threads spin): each takes
+            # its share.
+            place = cpu_threads.placement(
+                config.cpu_bind, config.cpu_threads, 0, shard.size,
+                cpu_threads.available_cores(),
+            )  # fmt: skip
+            self._placement_before = cpu_threads.apply(place)
+            logger.info("cpu: %s", place.describe())
         try:
             if self.ranks is not None:
                 group = TPGroup.join(
@@ -363,6 +373,6 @@ class LLMEngine(Engine):
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (also done at exit)."""
         self.executor.close()
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
-            self._threads = None
+        if self._placement_before is not None:
+            cpu_threads.apply(self._placement_before)
+            self._placement_before = None

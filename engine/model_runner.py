@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.compiled_step import CompiledStep
 from engine.decode_graphs import DecodeGraphs
 from engine.forward_batch import AttentionBatch
 from engine.kv_cache import KVPool
@@ -22,6 +23,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = pool.layout.block_size
         self.decode_graphs: DecodeGraphs | None = None
+        self.compiled: CompiledStep | None = None  # set when the step runs compiled
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs (on every
@@ -63,6 +65,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and plan.is_decode_only and graphs.fits(plan.num_seqs, plan.width):
             hidden = graphs.run(ids, pos, batch)  # copies the host inputs into its buffers
+        elif self.compiled is not None:
+            hidden = self.compiled(ids.to(self.device), pos.to(self.device), self._to_device(batch))
         else:
             ids, pos = ids.to(self.device), pos.to(self.device)
             hidden = self.model(ids, pos, self._to_device(batch), self.pool, self.ops)

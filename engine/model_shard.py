@@ -63,6 +63,8 @@ class ModelShard:
             self.pool = pool_factory(self.layout, num_blocks)
         self.ops = select_ops(self.device, config.kernel_backend)
         self.runner = ModelRunner(self.model, self.pool, self.ops, self.device)
+        if config.compile:
+            self._compile()
 
     @property
     def context_limit(self) -> int:
@@ -77,6 +79,31 @@ class ModelShard:
         else:
             budget = (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // self.shard.size
         return KVPool.num_blocks_for_budget(self.layout, budget)
+
+    def _compile(self) -> None:
+        """Compile the model step, or say in one line why it runs eagerly."""
+        from engine.compiled_step import CompiledStep, compile_unavailable
+
+        why = compile_unavailable(self.device)
+        if why is None and self.device.startswith("cuda"):
+            why = "compiled steps run on CPU nodes only (CUDA nodes have CUDA graphs)"
+        if why is None and self.shard.size > 1:
+            why = "compiled steps run without tensor parallelism only"
+        if why is not None:
+            logger.warning("compile: %s; the model step runs eagerly", why)
+            return
+        step = CompiledStep(self.model, self.pool, self.ops, self.config.max_num_batched_tokens)
+        try:
+            seconds = step.warm_up(torch.device(self.device))
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            logger.warning("compile: failed (%s); the model step runs eagerly", first[:300])
+            return
+        self.runner.compiled = step
+        logger.info(
+            "compile: model step compiled in %.1f s (small decode buckets; larger token counts "
+            "compile on first use)", seconds,
+        )  # fmt: skip
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and kernels free of host syncs: the Triton ones, not the reference

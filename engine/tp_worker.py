@@ -66,15 +66,21 @@ def run_rank(spec: RankSpec) -> None:
         format=f"%(asctime)s %(levelname)s tp-rank{spec.rank} %(name)s: %(message)s",
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # as the CLI's processes do
-    import torch
 
     from engine.model_shard import ModelShard
     from engine.tp_group import TPGroup
 
     config = spec.config
     if not config.rank_device(spec.rank).startswith("cuda"):
-        # The ranks of a CPU node share its cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+        # The ranks of a CPU node share its cores: each takes its share.
+        from engine import cpu_threads
+
+        place = cpu_threads.placement(
+            config.cpu_bind, config.cpu_threads, spec.rank, spec.size,
+            cpu_threads.available_cores(),
+        )  # fmt: skip
+        cpu_threads.apply(place)
+        logger.info("cpu: %s", place.describe())
     shard = TPShard(spec.rank, spec.size)
     reader = spec.plans.open()
     group = TPGroup.join(shard, config.rank_device(spec.rank), port=spec.store_port)

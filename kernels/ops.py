@@ -1,13 +1,13 @@
 """The op table the engine calls: one name per op, the backend chosen once at start-up.
 
-`torch` (the reference, CPU and debugging) is always available; `triton` kernels, when present,
-register themselves for CUDA tensors.
+`torch` (the reference, debugging) is always available; `triton` kernels, when present, register
+themselves for CUDA tensors; `cpu` is the reference with paged attention from a C kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kernels import attention_ref, norm_ref, rotary_ref
 
@@ -32,10 +32,30 @@ REFERENCE = Ops(
 )
 
 
+def cpu_ops() -> Ops | None:
+    """The reference with paged attention from the C kernel that reads KV pages in place; None
+    where the kernel cannot be built."""
+    from kernels import paged_attention_cpu
+
+    if not paged_attention_cpu.available():
+        return None
+    return replace(REFERENCE, name="cpu", paged_attention=paged_attention_cpu.paged_attention)
+
+
 def select_ops(device: str, backend: str = "auto") -> Ops:
-    """`auto`: Triton on CUDA when importable, the torch reference otherwise."""
-    if backend == "torch" or (backend == "auto" and not device.startswith("cuda")):
+    """`auto`: Triton on CUDA when importable, the C attention kernel on CPU when it builds, the
+    torch reference otherwise."""
+    if backend == "torch":
         return REFERENCE
+    if not device.startswith("cuda"):
+        if backend == "triton":
+            raise RuntimeError("kernel backend 'triton' runs on CUDA devices only")
+        ops = cpu_ops()
+        if ops is None and backend == "cpu":
+            raise RuntimeError("kernel backend 'cpu' is unavailable: its C kernel did not build")
+        return ops or REFERENCE
+    if backend == "cpu":
+        raise RuntimeError("kernel backend 'cpu' runs on CPU devices only")
     try:
         from kernels.triton_ops import TRITON
     except ImportError as exc:

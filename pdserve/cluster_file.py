@@ -20,7 +20,7 @@ from cluster.node_options import TRANSPORTS as NODE_TRANSPORTS
 from cluster.schema import pick, read_table
 from engine.config import EngineConfig
 from engine.tiny_model import cache_root
-from pdserve.launch import NodeSpec
+from pdserve.launch import NodeSpec, share_cores
 
 TRANSPORTS = ("auto", *NODE_TRANSPORTS)
 # Engine settings every node of a cluster shares: the top of the file, not a role's table.
@@ -376,6 +376,7 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
         cmd += ["--insecure"] if spec.insecure else ["--cluster-keys", security["cluster_keys"]]
         env = {API_KEY_ENV: ",".join(spec.api_keys)} if spec.api_keys else {}
         procs.append(ProcessPlan("pdserve-coordinator", "coordinator", cmd, env, ports))
+    nodes: list[tuple[NodeSpec, dict[str, int], str | None]] = []
     for role in ("prefill", "decode"):
         groups = host.gpu_groups(role)
         count = host.num_prefill if role == "prefill" else host.num_decode
@@ -397,7 +398,9 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
                 ports["kv"] = host.kv_port_base + local * size
                 placement.update(transport=transport, kv_host=host.address, kv_port=ports["kv"])
             options = NodeOptions(**placement, **security, **pick(NodeOptions, settings))
-            node = NodeSpec(role, options, engine, env)
-            procs.append(ProcessPlan(f"pdserve-{node.node_id}", role, node.command(), env, ports,
-                                     transport))  # fmt: skip
+            nodes.append((NodeSpec(role, options, engine, env), ports, transport))
+    share_cores([node for node, _, _ in nodes])
+    for node, ports, transport in nodes:
+        procs.append(ProcessPlan(f"pdserve-{node.node_id}", node.role, node.command(), node.env,
+                                 ports, transport))  # fmt: skip
     return procs

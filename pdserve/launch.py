@@ -8,12 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster.node_options import NodeOptions
 from cluster.schema import to_flags
 from engine.config import EngineConfig, RoleTensorParallel
+from engine.cpu_threads import available_cores, node_bindings
 
 PR_SET_PDEATHSIG = 1
 
@@ -67,9 +68,28 @@ def local_nodes(
         return NodeSpec(role, options, roles.engine_for(role, engine))
 
     if colocated:
-        return [spec("colocated", f"colocated-{i}") for i in range(decode)]
-    specs = [spec("prefill", f"prefill-{i}") for i in range(prefill)]
-    return specs + [spec("decode", f"decode-{i}") for i in range(decode)]
+        specs = [spec("colocated", f"colocated-{i}") for i in range(decode)]
+    else:
+        specs = [spec("prefill", f"prefill-{i}") for i in range(prefill)]
+        specs += [spec("decode", f"decode-{i}") for i in range(decode)]
+    return share_cores(specs)
+
+
+def share_cores(specs: list[NodeSpec]) -> list[NodeSpec]:
+    """Nodes started together on this host bind to disjoint shares of its cores, by
+    tensor-parallel size: processes on the same cores would slow each other down many times
+    over. Nodes given the same core list (cpu_bind) split that list instead. Nodes on GPUs keep
+    their settings."""
+    groups: dict[str | None, list[NodeSpec]] = {}
+    for spec in specs:
+        if not spec.engine.device.startswith("cuda"):
+            bind = spec.engine.cpu_bind
+            groups.setdefault(None if bind == "auto" else bind, []).append(spec)
+    for bind, group in groups.items():
+        sizes = [s.engine.tensor_parallel_size for s in group]
+        for spec, share in zip(group, node_bindings(bind, sizes, available_cores())):
+            spec.engine = replace(spec.engine, cpu_bind=share)
+    return specs
 
 
 class NodeGroup:

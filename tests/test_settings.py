@@ -80,10 +80,16 @@ def test_decode_routing_is_gone():
 # --- flags --------------------------------------------------------------------------------------
 
 
+# Text settings with a format of their own (checked when the object is made).
+FORMATTED = {"cpu_bind": st.sampled_from(["auto", "0", "1-3", "0,2", "0-1,4"])}
+
+
 def values(d: Declared) -> st.SearchStrategy:
     """Every value the declaration allows (bounded where it is)."""
     s = d.spec
-    if s.choices is not None:
+    if d.name in FORMATTED:
+        base = FORMATTED[d.name]
+    elif s.choices is not None:
         base = st.sampled_from(s.choices)
     elif d.kind is bool:
         base = st.booleans()
@@ -123,17 +129,21 @@ def test_a_node_command_parses_back_to_the_same_settings(options, engine, role):
     assert getattr(args, "colocated", False) == (role == "colocated")
 
 
-def test_a_node_with_default_settings_gets_no_setting_flags_but_its_keys(tmp_path):
+def test_a_node_with_default_settings_gets_no_setting_flags_but_its_keys_and_cores(tmp_path):
     from cluster.keys import ClusterKeys
+    from engine.cpu_threads import available_cores, node_bindings
 
     keys = ClusterKeys.generate().write(tmp_path / "keys")
     (spec,) = [s for s in node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR, keys)
                if s.role == "decode"]  # fmt: skip
+    # serve's two nodes (a prefill and a decode) split this host's cores.
+    cores = node_bindings(None, [1, 1], available_cores())[1]
     assert spec.command()[3:] == ["decode", "--coordinator", COORDINATOR, "--node-id", "decode-0",
-                                  "--cluster-keys", str(keys.directory)]  # fmt: skip
+                                  "--cluster-keys", str(keys.directory),
+                                  "--cpu-bind", cores]  # fmt: skip
     assert parse_node_command(spec.command()) == (
         NodeOptions(coordinator=COORDINATOR, node_id="decode-0", cluster_keys=str(keys.directory)),
-        EngineConfig(),
+        EngineConfig(cpu_bind=cores),
     )
     (insecure, *_) = node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR, None)
     assert parse_node_command(insecure.command())[0].insecure
@@ -214,7 +224,9 @@ def test_the_flat_file_loads_into_the_three_declarations(tmp_path):
             "between-steps",
             "tcp",
         )
-        assert engine == EngineConfig(model="/m", dtype="float32", **cfg.node_settings.engine)
+        assert engine == EngineConfig(
+            model="/m", dtype="float32", cpu_bind=engine.cpu_bind, **cfg.node_settings.engine
+        )
 
 
 def test_the_example_configs_load(tmp_path):
@@ -421,6 +433,8 @@ def other_value(d: Declared) -> object:
         return not d.default
     if d.kind is float:
         return d.default / 2
+    if d.name == "cpu_bind":
+        return "0,2"
     return (d.default or 0) + 7
 
 
@@ -440,7 +454,8 @@ def test_a_role_table_sets_any_node_setting_on_that_roles_nodes(tmp_path, d):
     on_decode = decode_engine if hasattr(decode_engine, d.name) else decode_options
     on_prefill = prefill_engine if hasattr(prefill_engine, d.name) else prefill_options
     assert getattr(on_decode, d.name) == value
-    assert getattr(on_prefill, d.name) == d.default
+    if d.name != "cpu_bind":  # a prefill node given none binds to its share of the host's
+        assert getattr(on_prefill, d.name) == d.default
     assert (decode_engine.dtype, decode_engine.block_size, decode_engine.device) == (
         "float32",
         8,

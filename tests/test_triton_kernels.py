@@ -440,7 +440,7 @@ def test_triton_ops_import_without_interpreter_and_cpu_never_loads_them():
     code = (
         "import sys\n"
         "from kernels.ops import select_ops\n"
-        "assert select_ops('cpu').name == 'torch'\n"
+        "assert select_ops('cpu').name in ('torch', 'cpu')\n"
         "assert not [m for m in sys.modules if m.startswith('kernels.triton')]\n"
         "from kernels.triton_ops import TRITON\n"
         "assert TRITON.name == 'triton'\n"

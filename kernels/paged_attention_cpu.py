@@ -1,0 +1,135 @@
+"""Paged attention for CPU tensors without the gather: a C kernel (csrc/paged_attention_cpu.c)
+reads each sequence's K/V pages where they lie in the pool, through its block table, with an online
+softmax. Built once per machine with the system C compiler into pdserve's cache; where there is no
+compiler or the build fails, `available()` is False (the reason logged once) and the torch
+reference serves instead. Same semantics as `attention_ref.paged_attention` (the ground truth in the
+tests), float32 only."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels import attention_ref
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+# No -ffast-math: the kernel starts maxima at -FLT_MAX and relies on IEEE exp; reassociation alone
+# lets the compiler vectorise the dot products.
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
+         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")  # fmt: skip
+
+
+def _cpu_key() -> str:
+    """What the built code depends on besides its source: the compiler's target (-march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+        model = next((line for line in info.splitlines() if line.startswith("model name")), "")
+    except OSError:
+        flags = model = ""
+    return platform.machine() + model + flags
+
+
+def _library_path(compiler: str) -> Path:
+    from engine.tiny_model import cache_root
+
+    digest = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_key().encode()
+    ).hexdigest()[:16]
+    return cache_root() / "kernels" / f"paged_attention_cpu-{digest}.so"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.info("CPU paged attention: no C compiler (cc, gcc); the torch reference runs")
+        return None
+    path = _library_path(compiler)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            first = (done.stderr.strip().splitlines() or ["?"])[0]
+            logger.warning(
+                "CPU paged attention: build failed (%s); the torch reference runs", first
+            )
+            return None
+        os.replace(tmp, path)  # atomic: processes building at once each get a whole file
+    lib = ctypes.CDLL(str(path))
+    fn = lib.paged_attention_f32
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _token_positions(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token's sequence and how many cached tokens it attends (its position + 1)."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=num_tokens)
+    within = torch.arange(num_tokens) - query_start_loc[seq]
+    limit = seq_lens.to(torch.int64)[seq] - q_lens[seq] + within + 1
+    return seq, limit
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """`attention_ref.paged_attention`, reading the pool in place (float32 CPU tensors; anything
+    else goes to the reference)."""
+    lib = _library()
+    if (
+        lib is None
+        or query.dtype != torch.float32
+        or k_cache.dtype != torch.float32
+        or query.device.type != "cpu"
+    ):
+        return attention_ref.paged_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return torch.empty_like(query)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV pool must be contiguous")
+    q = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    seq, limit = _token_positions(seq_lens.cpu(), query_start_loc.cpu().to(torch.int64), num_tokens)
+    out = torch.empty_like(q)
+    lib.paged_attention_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), seq.data_ptr(), limit.data_ptr(), out.data_ptr(), num_tokens,
+        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out

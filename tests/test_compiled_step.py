@@ -1,0 +1,78 @@
+"""The compiled model step: token counts padded to buckets, greedy outputs equal to the eager
+step's and to transformers', and an eager run (said in one line) where compiling cannot work."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from checkpoints import hf_greedy
+
+from engine import LLM, SamplingParams
+from engine.compiled_step import bucket, compile_unavailable
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+NEW_TOKENS = 8
+# Few buckets (1, 2, 4 at start-up, 16 for the prefill): compiling each takes seconds on 2 cores.
+OPTIONS = dict(device="cpu", num_kv_blocks=32, max_num_batched_tokens=16)
+
+
+def test_token_counts_pad_to_power_of_two_buckets():
+    assert [bucket(n, 64) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket(65, 64) == 65  # past the largest bucket: as it is
+
+
+def _greedy(model_dir, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), **OPTIONS, **options)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(PROMPTS, params)], llm
+
+
+@pytest.mark.skipif(compile_unavailable("cpu") is not None, reason="no C++ compiler")
+def test_compiled_greedy_equals_eager_and_transformers(checkpoint_dir, caplog):
+    model_dir = checkpoint_dir("qwen3")  # q/k norms besides Llama's parts
+    expected = hf_greedy(model_dir, PROMPTS, NEW_TOKENS)
+    eager, _ = _greedy(model_dir)
+    with caplog.at_level(logging.INFO, logger="engine.model_shard"):
+        compiled, llm = _greedy(model_dir, compile=True)
+    assert llm.engine.runner.compiled is not None
+    assert "model step compiled in" in caplog.text
+    assert eager == expected
+    assert compiled == expected
+
+
+def test_without_a_compiler_the_step_runs_eagerly_saying_why(checkpoint_dir, caplog, monkeypatch):
+    from engine import compiled_step
+
+    monkeypatch.setattr(compiled_step.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="engine.model_shard"):
+        tokens, llm = _greedy(checkpoint_dir("llama"), compile=True)
+    assert llm.engine.runner.compiled is None
+    assert "no C++ compiler" in caplog.text and "runs eagerly" in caplog.text
+    assert tokens == hf_greedy(checkpoint_dir("llama"), PROMPTS, NEW_TOKENS)
+
+
+def test_a_shape_that_fails_to_compile_runs_eagerly_from_then_on(checkpoint_dir, caplog):
+    import torch
+
+    from engine.compiled_step import CompiledStep
+    from engine.forward_batch import AttentionBatch
+
+    llm = LLM(str(checkpoint_dir("llama")), device="cpu", num_kv_blocks=8)
+    runner = llm.engine.runner
+    step = CompiledStep(runner.model, runner.pool, runner.ops, 16)
+
+    def broken(*args):
+        raise RuntimeError("inductor: no\nmore")
+
+    step._fn = broken
+    ids, positions = torch.tensor([5, 6, 7]), torch.arange(3)
+    batch = AttentionBatch(
+        torch.arange(3), torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]),
+        torch.tensor([0, 3]), 3,
+    )  # fmt: skip
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="engine.compiled_step"):
+        got = step(ids, positions, batch)
+        want = runner.model(ids, positions, batch, runner.pool, runner.ops)
+    torch.testing.assert_close(got, want)
+    assert "compile: failed for 3 tokens (inductor: no); steps run eagerly" in caplog.text

@@ -1,0 +1,69 @@
+"""The C paged-attention kernel for CPU against the torch reference (the ground truth): random
+pages, ragged lengths, grouped-query heads, decodes beside prefill chunks after cached context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import attention_ref, paged_attention_cpu
+from kernels.ops import select_ops
+from tests.paged_inputs import paged_inputs
+
+pytestmark = pytest.mark.skipif(
+    not paged_attention_cpu.available(), reason="no C compiler: the reference serves"
+)
+
+CASES = {
+    # name: (context lens, query lens)
+    "decode-ragged": ([1, 17, 5, 64, 33], [1, 1, 1, 1, 1]),
+    "prefill-whole": ([9, 40], [9, 40]),
+    "chunk-after-context": ([50, 23], [7, 23]),
+    "mixed": ([70, 1, 16, 31], [1, 1, 16, 5]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_the_kernel_matches_the_reference(case, heads, block_size):
+    context, queries = CASES[case]
+    inputs = paged_inputs(context, queries, heads, 32, block_size, torch.float32, seed=3)
+    want = attention_ref.paged_attention(**inputs)
+    got = paged_attention_cpu.paged_attention(**inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_it_reads_only_the_pages_of_its_table():
+    inputs = paged_inputs([20, 3], [1, 1], (2, 2), 16, 4, torch.float32, seed=1)
+    before = paged_attention_cpu.paged_attention(**inputs)
+    used = set(inputs["block_tables"][0, :5].tolist()) | {inputs["block_tables"][1, 0].item()}
+    for block in range(inputs["k_cache"].shape[0]):
+        if block not in used:
+            inputs["k_cache"][block] = float("nan")
+            inputs["v_cache"][block] = float("nan")
+    # The last page of sequence 1 holds 3 tokens: its other slots are not read either.
+    inputs["k_cache"][inputs["block_tables"][1, 0], 3:] = float("nan")
+    torch.testing.assert_close(paged_attention_cpu.paged_attention(**inputs), before)
+
+
+def test_threads_split_the_work_alike():
+    inputs = paged_inputs([40, 7, 90], [3, 1, 1], (4, 2), 32, 16, torch.float32, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_cpu.paged_attention(**inputs)
+        torch.set_num_threads(2)
+        two = paged_attention_cpu.paged_attention(**inputs)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, two, rtol=0, atol=0)
+
+
+def test_the_cpu_backend_is_chosen_on_cpu_and_other_dtypes_use_the_reference():
+    assert select_ops("cpu").name == "cpu"
+    assert select_ops("cpu", "torch").name == "torch"
+    inputs = paged_inputs([10], [2], (2, 2), 16, 4, torch.bfloat16, seed=0)
+    torch.testing.assert_close(
+        paged_attention_cpu.paged_attention(**inputs), attention_ref.paged_attention(**inputs)
+    )
