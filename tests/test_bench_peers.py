@@ -207,3 +207,35 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+# --- vLLM's server in bench.compare -------------------------------------------------------------
+
+
+def test_compare_starts_vllms_openai_server_from_its_venv(tmp_path):
+    from bench.serving.vllm_server import VllmServer
+
+    server = VllmServer(tmp_path, "/m", max_num_seqs=64, venv=tmp_path / "venv")
+    server.work_dir.mkdir(parents=True)
+    cmd = server.launch_command()
+    assert cmd[:3] == [
+        str(tmp_path / "venv/bin/python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=True))
+    assert flags["--model"] == "/m" and flags["--port"] == str(server.port)
+    assert (flags["--dtype"], flags["--max-num-seqs"]) == ("float32", "64")
+    # vLLM's own thread binding: not pdserve nodes' one thread per process.
+    assert "PYTHONPATH" not in server.env
+    assert server.env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
+
+
+def test_compare_with_vllm_but_no_venv_is_a_one_line_error(tmp_path):
+    from bench import compare
+
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--systems", "vllm", "--peer-venv", str(tmp_path / "none")])
+    message = str(exc.value)
+    assert message.startswith("bench.compare: error: ") and "make bench-peers" in message
+    assert "\n" not in message
