@@ -34,7 +34,7 @@ import torch
 from bench.peers import driver
 from bench.peers import models as bench_models
 from bench.peers.competing_load import CompetingLoad
-from bench.peers.protocol import RoundRequest, RoundResult
+from bench.peers.protocol import RoundRequest, RoundResult, machine_cpu_seconds
 from bench.peers.rounds import summary, table
 
 SYSTEMS = ("hf", "static", "continuous")
@@ -147,6 +147,7 @@ class SystemResult:
     peak_batch: int = 0
     profile: dict | None = None
     cpu_s: float = 0.0  # this process's CPU time (all threads) over the run
+    machine_cpu_s: float = 0.0  # the whole machine's busy CPU time over the run (all processes)
     load_1m: float = field(default_factory=lambda: os.getloadavg()[0])  # at the run's end
 
     @property
@@ -301,7 +302,7 @@ def run_pdserve(
     timer.reset()
     bar = _progress(sum(r.output_len for r in workload), policy, progress)
     peak = 0
-    start, cpu = time.perf_counter(), time.process_time()
+    busy, start, cpu = machine_cpu_seconds(), time.perf_counter(), time.process_time()
     for i, r in enumerate(workload):
         params = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
         engine.add_request(f"bench-{i}", r.prompt, params)
@@ -313,11 +314,12 @@ def run_pdserve(
         produced += len(outputs)
         bar(len(outputs))
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    busy = machine_cpu_seconds() - busy
     profile = timer.close()
     expected = sum(r.output_len for r in workload)
     if produced != expected:
         raise RuntimeError(f"pdserve {policy} produced {produced} tokens, expected {expected}")
-    return SystemResult(policy, elapsed, produced, peak, profile.to_dict(), cpu)
+    return SystemResult(policy, elapsed, produced, peak, profile.to_dict(), cpu, busy)
 
 
 def profile_decode_steps(
@@ -549,8 +551,8 @@ def run_peer(args: argparse.Namespace, model_dir: Path, workload: list[Request],
         r = run.result
         print(
             f"round {run.round} {r.engine:<8} {r.tokens_per_s:8.1f} tok/s ({r.output_tokens} "
-            f"tokens in {r.elapsed_s:.1f} s, CPU share {run.cpu_share:.0%}, "
-            f"load {run.load_1m:.1f})",
+            f"tokens in {r.elapsed_s:.1f} s, CPU share {run.cpu_share:.0%}, other work's CPU "
+            f"share {run.others_share:.0%}, load {run.load_1m:.1f})",
             flush=True,
         )
 
@@ -566,6 +568,7 @@ def run_peer(args: argparse.Namespace, model_dir: Path, workload: list[Request],
         "competing_load": args.competing_load,
         "rounds": [
             {"round": r.round, "load_1m": r.load_1m, "cpu_share": r.cpu_share}
+            | {"others_share": r.others_share}
             | {k: getattr(r.result, k) for k in RoundResult.__slots__}
             for r in runs
         ],

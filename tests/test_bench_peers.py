@@ -19,6 +19,7 @@ from bench.peers.protocol import (
     RESULT_PREFIX,
     RoundRequest,
     RoundResult,
+    machine_cpu_seconds,
     parse_result,
     parse_runner_args,
     read_requests,
@@ -33,10 +34,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def result(engine: str, tok_s: float, elapsed_s: float = 2.0) -> RoundResult:
-    return RoundResult(engine, elapsed_s, round(tok_s * elapsed_s), 3.0, "1.0", 1)
+    # 3 s of the engine's CPU time, 4 s of the whole machine's: 1 s went to other work.
+    return RoundResult(engine, elapsed_s, round(tok_s * elapsed_s), 3.0, "1.0", 1, 4.0)
 
 
 # --- protocol -----------------------------------------------------------------------------------
+
+
+def test_the_machines_busy_time_leaves_out_idle_and_iowait():
+    ticks = os.sysconf("SC_CLK_TCK")
+    line = f"cpu  {ticks} 0 {ticks} {100 * ticks} {50 * ticks} 0 0 {ticks} 0 0"
+    assert machine_cpu_seconds(line) == pytest.approx(3.0)
+    assert machine_cpu_seconds() > 0  # this machine's, since boot
 
 
 def test_requests_round_trip_through_the_file(tmp_path):
@@ -115,9 +124,9 @@ def test_the_table_has_a_row_per_round_and_the_medians():
     assert len(lines) == 2 + 3 + 1
     assert lines[2].startswith("| 1 | 100.0 | 100.0 | 1.00x |")
     assert lines[3].startswith("| 2 | 300.0 | 400.0 | 0.75x |") and "| 1.0-2.0 |" in lines[3]
-    # CPU share: 3 s of CPU over 2 s on 2 cores.
-    assert "| 75% | 75% |" in lines[2]
-    assert lines[-1] == "| **median** | **200.0** | **100.0** | **2.00x** | | | |"
+    # CPU share: 3 s of CPU over 2 s on 2 cores; the other 1 s of the machine's, 25%.
+    assert "| 75% | 75% | 25%, 25% |" in lines[2]
+    assert lines[-1] == "| **median** | **200.0** | **100.0** | **2.00x** | | | | |"
 
 
 # --- the processes ------------------------------------------------------------------------------
@@ -174,7 +183,7 @@ def test_pdserve_round_runner_end_to_end(tmp_path):
     assert sum(ln.startswith(RESULT_PREFIX) for ln in res.stdout.splitlines()) == 1
     got = parse_result(res.stdout)
     assert (got.engine, got.output_tokens) == ("pdserve", 9)
-    assert got.elapsed_s > 0
+    assert got.elapsed_s > 0 and got.machine_cpu_s > 0
 
 
 # --- checkpoints --------------------------------------------------------------------------------

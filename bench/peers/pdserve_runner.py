@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     version = getattr(pdserve, "__version__", "")
     result = RoundResult(
-        "pdserve", res.elapsed_s, res.output_tokens, res.cpu_s, version, torch.get_num_threads()
-    )
+        "pdserve", res.elapsed_s, res.output_tokens, res.cpu_s, version, torch.get_num_threads(),
+        res.machine_cpu_s,
+    )  # fmt: skip
     print(result_line(result), flush=True)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +29,27 @@ class RoundResult:
     cpu_s: float  # the runner's CPU time over the timed part (all its threads)
     version: str  # the engine's version
     threads: int  # torch's intra-op threads in the process that ran the model
+    # CPU time the whole machine spent over the timed part (all processes, /proc/stat), so that
+    # what other work took is machine_cpu_s - cpu_s.
+    machine_cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s
+
+
+def machine_cpu_seconds(stat: str | None = None) -> float:
+    """Busy CPU time of the whole machine since boot, summed over cores: /proc/stat's first line
+    (user, nice, system, irq, softirq, steal; not idle or iowait), in seconds."""
+    if stat is None:
+        try:
+            with open("/proc/stat") as f:
+                stat = f.readline()
+        except OSError:
+            return 0.0
+    fields = [int(x) for x in stat.split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def write_requests(path: Path, requests: list[RoundRequest]) -> None:
@@ -74,4 +92,4 @@ def parse_result(stdout: str) -> RoundResult:
     if not lines:
         raise ValueError("the runner printed no result line")
     fields = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    return RoundResult(**{k: fields[k] for k in RoundResult.__slots__})
+    return RoundResult(**{k: fields[k] for k in RoundResult.__slots__ if k in fields})

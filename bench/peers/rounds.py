@@ -20,6 +20,13 @@ class Run:
     nproc: int  # cores the engines may use
 
     @property
+    def others_share(self) -> float:
+        """The CPU time other processes took over the timed part / (wall time x cores): 0 on a
+        quiet machine, 1 when other work kept every core busy."""
+        r = self.result
+        return max(0.0, r.machine_cpu_s - r.cpu_s) / (r.elapsed_s * self.nproc)
+
+    @property
     def cpu_share(self) -> float:
         """The engine's CPU time / (wall time x cores): below 1 when it left cores idle or other
         work took them."""
@@ -64,8 +71,9 @@ def table(runs: list[Run], engine: str, peer: str) -> str:
     of each run), then the medians and the ratio of the medians."""
     a, b = ENGINE_NAMES.get(engine, engine), ENGINE_NAMES.get(peer, peer)
     lines = [
-        f"| round | {a} tok/s | {b} tok/s | {a} / {b} | {a} CPU share | {b} CPU share | load |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| round | {a} tok/s | {b} tok/s | {a} / {b} | {a} CPU share | {b} CPU share "
+        "| other work's CPU share | load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for rnd in sorted({r.round for r in runs}):
         mine = {r.result.engine: r for r in runs if r.round == rnd}
@@ -74,11 +82,12 @@ def table(runs: list[Run], engine: str, peer: str) -> str:
         lines.append(
             f"| {rnd} | {x.result.tokens_per_s:.1f} | {y.result.tokens_per_s:.1f} "
             f"| {x.result.tokens_per_s / y.result.tokens_per_s:.2f}x "
-            f"| {x.cpu_share:.0%} | {y.cpu_share:.0%} | {loads} |"
+            f"| {x.cpu_share:.0%} | {y.cpu_share:.0%} "
+            f"| {x.others_share:.0%}, {y.others_share:.0%} | {loads} |"
         )
     lines.append(
         f"| **median** | **{median_tokens_per_s(runs, engine):.1f}** "
         f"| **{median_tokens_per_s(runs, peer):.1f}** | **{ratio(runs, engine, peer):.2f}x** "
-        "| | | |"
+        "| | | | |"
     )
     return "\n".join(lines)

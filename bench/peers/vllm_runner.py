@@ -16,10 +16,22 @@ import time
 from pathlib import Path
 
 if __package__:
-    from bench.peers.protocol import RoundResult, parse_runner_args, read_requests, result_line
+    from bench.peers.protocol import (
+        RoundResult,
+        machine_cpu_seconds,
+        parse_runner_args,
+        read_requests,
+        result_line,
+    )
 else:  # run as a script from vLLM's virtualenv, where pdserve is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from protocol import RoundResult, parse_runner_args, read_requests, result_line
+    from protocol import (
+        RoundResult,
+        machine_cpu_seconds,
+        parse_runner_args,
+        read_requests,
+        result_line,
+    )
 
 KV_CACHE_BYTES = 1 << 30
 
@@ -70,15 +82,16 @@ def main(argv: list[str] | None = None) -> None:
     llm.generate(warm, [params(4), params(4)], use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt) for r in requests]
     sampling = [params(r.output_len) for r in requests]
-    cpu, start = cpu_seconds(), time.perf_counter()
+    busy, cpu, start = machine_cpu_seconds(), cpu_seconds(), time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    busy = machine_cpu_seconds() - busy
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     expected = sum(r.output_len for r in requests)
     if produced != expected:
         raise SystemExit(f"vllm produced {produced} tokens, expected {expected}")
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)  # 0: vLLM's own binding
-    result = RoundResult("vllm", elapsed, produced, cpu, vllm.__version__, threads)
+    result = RoundResult("vllm", elapsed, produced, cpu, vllm.__version__, threads, busy)
     print(result_line(result), flush=True)
 
 
