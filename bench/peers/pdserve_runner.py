@@ -1,12 +1,11 @@
 """One round of pdserve's continuous engine on a request file, in a process of its own: the same
 run as `bench.offline_throughput`'s `continuous` system (model loading and a two-request warm-up
-outside the timing), printed as one result line (protocol.RESULT_PREFIX + JSON).
+outside the timing) with the engine's default threads, printed as one result line
+(protocol.RESULT_PREFIX + JSON).
 
     python -m bench.peers.pdserve_runner --model DIR --requests FILE"""
 
 from __future__ import annotations
-
-import os
 
 from bench.peers.protocol import RoundResult, parse_runner_args, read_requests, result_line
 
@@ -20,8 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     import pdserve
     from bench.offline_throughput import run_pdserve
 
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
+    # Threads as pdserve's engine sets them by default (torch's own default where it does not).
     res = run_pdserve(
         args.model, requests, "continuous", args.max_num_seqs, args.block_size, progress=False
     )
