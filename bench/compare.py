@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.peers.driver import VLLM_VENV, missing_peer
 from bench.serve_load import HelpFormatter
 from bench.serving.bench_model import BENCH_NAME, ensure_bench_model
 from bench.serving.load_generator import LoadConfig
@@ -31,6 +32,7 @@ from bench.serving.pdserve_server import PdserveServer, PdserveSystem
 from bench.serving.plots import plot_sweeps
 from bench.serving.report import aims, interference_table, results_table
 from bench.serving.sweep import run_sweep
+from bench.serving.vllm_server import VllmServer
 from bench.serving.workload import SyntheticWorkload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +73,8 @@ SYSTEMS["disaggregated-tcp-kv-auth-only"] = PdserveSystem(
     "disaggregated-tcp-kv-auth-only", flags=TCP, config={"kv_encryption": False}
 )
 DEFAULT_SYSTEMS = ["disaggregated", "colocated", "colocated-static"]
+# Not run unless named: vLLM's OpenAI server (its CPU backend, from `make bench-peers`).
+PEER_SYSTEMS = ("vllm",)
 # Every system runs both; short-only is the reference for the TPOT interference of long prompts.
 VARIANTS = ("mixed", "short-only")
 
@@ -122,9 +126,14 @@ async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
     )
     sweeps = []
     for name in args.systems:
-        system = dataclasses.replace(SYSTEMS[name], config={**NODE_CONFIG, **SYSTEMS[name].config})
         started = time.monotonic()
-        with PdserveServer(system, work_dir, model=args.model) as server:
+        if name in PEER_SYSTEMS:
+            server = VllmServer(work_dir, args.model, NODE_CONFIG["max_num_seqs"], args.peer_venv)
+        else:
+            config = {**NODE_CONFIG, **SYSTEMS[name].config}
+            system = dataclasses.replace(SYSTEMS[name], config=config)
+            server = PdserveServer(system, work_dir, model=args.model)
+        with server:
             print(f"== {name}: {' '.join(server.command)}", flush=True)
             # logprobs: every token in its own chunk, even one that is not yet a whole character.
             cfg = LoadConfig(server.base_url, seed=args.seed, progress=not args.no_progress,
@@ -216,8 +225,12 @@ def length_range(text: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                 formatter_class=HelpFormatter)  # fmt: skip
-    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=DEFAULT_SYSTEMS,
-                   metavar="SYSTEM", help=f"systems to run, of {', '.join(SYSTEMS)}")  # fmt: skip
+    p.add_argument("--systems", nargs="+", choices=[*SYSTEMS, *PEER_SYSTEMS],
+                   default=DEFAULT_SYSTEMS, metavar="SYSTEM",
+                   help=f"systems to run, of {', '.join([*SYSTEMS, *PEER_SYSTEMS])} (vllm: "
+                   "vLLM's OpenAI server on its CPU backend, from `make bench-peers`)")  # fmt: skip
+    p.add_argument("--peer-venv", type=Path, default=VLLM_VENV,
+                   help="vLLM's virtualenv, for --systems vllm")  # fmt: skip
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                    help="workloads each system runs: mixed (long prompts among short ones), "
                    "short-only")  # fmt: skip
@@ -268,6 +281,8 @@ def outputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path | No
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if "vllm" in args.systems and (why := missing_peer("vllm", args.peer_venv)):
+        raise SystemExit(f"bench.compare: error: {why}")
     started = time.monotonic()
     results: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
     results["command"] = "python -m bench.compare " + " ".join(argv or sys.argv[1:])

@@ -7,6 +7,10 @@ in one process; prints output tokens/s, their ratios and a profile of pdserve's 
 The default workload (128 requests, prompts 32-512, outputs 16-512) takes about 7 minutes for the
 three systems on an idle 2-core CPU; a quicker one of the same shape halves every length:
     --min-prompt-len 16 --max-prompt-len 256 --min-output-len 8 --max-output-len 256
+
+Against a peer engine (vLLM's CPU backend, in .venv-vllm from `make bench-peers`), pdserve and the
+peer alternating round by round, each in a fresh process:
+    .venv/bin/python -m bench.offline_throughput --peer vllm --model llama-9m --rounds 3
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from bench.peers import driver
+from bench.peers import models as bench_models
+from bench.peers.competing_load import CompetingLoad
+from bench.peers.protocol import RoundRequest, RoundResult, machine_cpu_seconds
+from bench.peers.rounds import summary, table
 
 SYSTEMS = ("hf", "static", "continuous")
 SYSTEM_NAMES = {
@@ -79,14 +89,6 @@ def model_config(args: argparse.Namespace) -> dict:
         "eos_token_id": 1,
         "pad_token_id": 0,
     }
-
-
-def num_parameters(cfg: dict) -> int:
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    head_dim = cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
-    return 2 * vocab * h + cfg["num_hidden_layers"] * per_layer + h
 
 
 def write_model(out_dir: Path, cfg: dict, seed: int) -> None:
@@ -145,6 +147,7 @@ class SystemResult:
     peak_batch: int = 0
     profile: dict | None = None
     cpu_s: float = 0.0  # this process's CPU time (all threads) over the run
+    machine_cpu_s: float = 0.0  # the whole machine's busy CPU time over the run (all processes)
     load_1m: float = field(default_factory=lambda: os.getloadavg()[0])  # at the run's end
 
     @property
@@ -299,7 +302,7 @@ def run_pdserve(
     timer.reset()
     bar = _progress(sum(r.output_len for r in workload), policy, progress)
     peak = 0
-    start, cpu = time.perf_counter(), time.process_time()
+    busy, start, cpu = machine_cpu_seconds(), time.perf_counter(), time.process_time()
     for i, r in enumerate(workload):
         params = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
         engine.add_request(f"bench-{i}", r.prompt, params)
@@ -311,11 +314,12 @@ def run_pdserve(
         produced += len(outputs)
         bar(len(outputs))
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    busy = machine_cpu_seconds() - busy
     profile = timer.close()
     expected = sum(r.output_len for r in workload)
     if produced != expected:
         raise RuntimeError(f"pdserve {policy} produced {produced} tokens, expected {expected}")
-    return SystemResult(policy, elapsed, produced, peak, profile.to_dict(), cpu)
+    return SystemResult(policy, elapsed, produced, peak, profile.to_dict(), cpu, busy)
 
 
 def profile_decode_steps(
@@ -435,9 +439,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile-seqs", type=int, default=256, help="decoding sequences to profile (0: skip)"
     )
     s.add_argument("--profile-steps", type=int, default=16)
+    m.add_argument(
+        "--model",
+        default=None,
+        help="a bench model (" + ", ".join(bench_models.MODELS) + ") or a checkpoint directory, "
+        "instead of the shape above (its vocabulary bounds the prompts' token ids)",
+    )
+    q = p.add_argument_group("peer (instead of the systems above)")
+    q.add_argument(
+        "--peer",
+        choices=driver.PEERS,
+        default=None,
+        help="run pdserve continuous and this engine, alternating round by round, each in a "
+        "fresh process (vllm: its CPU backend from .venv-vllm, see `make bench-peers`)",
+    )
+    q.add_argument("--rounds", type=int, default=3, help="rounds of the peer comparison")
+    q.add_argument(
+        "--peer-venv",
+        type=Path,
+        default=driver.VLLM_VENV,
+        help="the peer's virtualenv (default: .venv-vllm in the checkout, from `make bench-peers`)",
+    )
+    p.add_argument(
+        "--competing-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy-loop processes running beside the benchmark the whole time",
+    )
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.peer and (why := driver.missing_peer(args.peer, args.peer_venv)):
+        raise SystemExit(f"bench.offline_throughput: error: {why}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.competing_load < 0:
+        p.error("--competing-load must be 0 or more")
     args.systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     for name in args.systems:
         if name not in SYSTEMS:
@@ -450,60 +488,128 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    progress = not args.no_progress and sys.stderr.isatty()
     command = "python -m bench.offline_throughput " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
-    workload = make_workload(args)
-    cfg = model_config(args)
-    out_tokens = sum(r.output_len for r in workload)
-    prompt_tokens = sum(len(r.prompt) for r in workload)
-    print(f"command: {command}")
-    print(f"machine: {machine()}")
-    print(
-        f"model: {num_parameters(cfg) / 1e6:.1f}M parameters (hidden {args.hidden_size}, "
-        f"{args.layers} layers, {args.heads} heads / {args.kv_heads} kv heads, "
-        f"intermediate {args.intermediate_size}, vocab {args.vocab_size}), float32"
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
+        if args.model:
+            model_dir = bench_models.resolve(args.model)
+            cfg = bench_models.checkpoint_config(model_dir)
+            args.vocab_size = cfg["vocab_size"]
+        else:
+            model_dir, cfg = Path(tmp) / "model", model_config(args)
+            model_dir.mkdir()
+            write_model(model_dir, cfg, args.seed)
+        workload = make_workload(args)
+        print(f"command: {command}")
+        print(f"machine: {machine()}")
+        print(f"model: {describe_model(cfg)}")
+        print(
+            f"workload: {len(workload)} requests, prompts {args.min_prompt_len}-"
+            f"{args.max_prompt_len} ({sum(len(r.prompt) for r in workload)} tokens), outputs "
+            f"{args.min_output_len}-{args.max_output_len} "
+            f"({sum(r.output_len for r in workload)} tokens), seed {args.seed}, greedy, ignore_eos"
+        )
+        if args.competing_load:
+            print(f"competing load: {args.competing_load} busy-loop processes")
+        with CompetingLoad(args.competing_load):
+            if args.peer:
+                report = run_peer(args, model_dir, workload, Path(tmp))
+            else:
+                report = run_systems(args, model_dir, workload)
+    report = {
+        "command": command,
+        "machine": machine(),
+        "model": cfg | {"num_parameters": bench_models.num_parameters(cfg)},
+        "workload": {
+            "num_requests": len(workload),
+            "prompt_tokens": sum(len(r.prompt) for r in workload),
+            "output_tokens": sum(r.output_len for r in workload),
+        },
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    } | report
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def describe_model(cfg: dict) -> str:
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    return (
+        f"{bench_models.num_parameters(cfg) / 1e6:.1f}M parameters ({cfg['model_type']}, hidden "
+        f"{h}, {cfg['num_hidden_layers']} layers, {heads} heads / "
+        f"{cfg['num_key_value_heads']} kv heads of {cfg.get('head_dim') or h // heads}, "
+        f"intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}"
+        f"{', tied lm_head' if cfg.get('tie_word_embeddings') else ''}), float32"
     )
-    print(
-        f"workload: {len(workload)} requests, prompts {args.min_prompt_len}-{args.max_prompt_len} "
-        f"({prompt_tokens} tokens), outputs {args.min_output_len}-{args.max_output_len} "
-        f"({out_tokens} tokens), seed {args.seed}, greedy, ignore_eos"
-    )
+
+
+def run_peer(args: argparse.Namespace, model_dir: Path, workload: list[Request], tmp: Path) -> dict:
+    """pdserve continuous against the peer, alternating round by round in fresh processes."""
+
+    def show(run) -> None:
+        r = run.result
+        print(
+            f"round {run.round} {r.engine:<8} {r.tokens_per_s:8.1f} tok/s ({r.output_tokens} "
+            f"tokens in {r.elapsed_s:.1f} s, CPU share {run.cpu_share:.0%}, other work's CPU "
+            f"share {run.others_share:.0%}, load {run.load_1m:.1f})",
+            flush=True,
+        )
+
+    requests = [RoundRequest(r.prompt, r.output_len) for r in workload]
+    runs = driver.run_rounds(
+        args.peer, model_dir, requests, args.rounds, args.max_num_seqs, args.block_size, tmp,
+        on_run=show, venv=args.peer_venv,
+    )  # fmt: skip
+    print()
+    print(table(runs, "pdserve", args.peer))
+    return {
+        "peer": args.peer,
+        "competing_load": args.competing_load,
+        "rounds": [
+            {"round": r.round, "load_1m": r.load_1m, "cpu_share": r.cpu_share}
+            | {"others_share": r.others_share}
+            | {k: getattr(r.result, k) for k in RoundResult.__slots__}
+            for r in runs
+        ],
+        "summary": summary(runs, "pdserve", args.peer),
+    }
+
+
+def run_systems(args: argparse.Namespace, model_dir: Path, workload: list[Request]) -> dict:
+    """hf, static and continuous in this process, in alternating order per repeat."""
+    progress = not args.no_progress and sys.stderr.isatty()
     results: dict[str, SystemResult] = {}
     runs: dict[str, list[float]] = {}
     decode_profile = None
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
-        model_dir = Path(tmp)
-        write_model(model_dir, cfg, args.seed)
-        # Repeats alternate the order (hf, static, continuous, then backwards) so that drift in
-        # what else the machine runs falls on every system alike; each keeps its best run.
-        for rep in range(args.repeats):
-            for name in args.systems if rep % 2 == 0 else args.systems[::-1]:
-                if name == "hf":
-                    res = run_hf(model_dir, workload, args.hf_batch_size, progress)
-                else:
-                    seqs = args.max_num_seqs if name == "continuous" else args.static_batch_size
-                    res = run_pdserve(model_dir, workload, name, seqs, args.block_size, progress)
-                runs.setdefault(name, []).append(res.elapsed_s)
-                if name not in results or res.elapsed_s < results[name].elapsed_s:
-                    results[name] = res
-                print(
-                    f"{SYSTEM_NAMES[name]:<40} {res.tokens_per_s:8.1f} tok/s "
-                    f"({res.output_tokens} tokens in {res.elapsed_s:.1f} s, "
-                    f"peak batch {res.peak_batch}, CPU share {res.cpu_share:.0%}, "
-                    f"load {res.load_1m:.1f})",
-                    flush=True,
-                )
-        if args.profile_seqs:
-            decode_profile = profile_decode_steps(
-                model_dir,
-                workload,
-                args.profile_seqs,
-                args.profile_steps,
-                args.block_size,
-                args.seed,
+    # Repeats alternate the order (hf, static, continuous, then backwards) so that drift in
+    # what else the machine runs falls on every system alike; each keeps its best run.
+    for rep in range(args.repeats):
+        for name in args.systems if rep % 2 == 0 else args.systems[::-1]:
+            if name == "hf":
+                res = run_hf(model_dir, workload, args.hf_batch_size, progress)
+            else:
+                seqs = args.max_num_seqs if name == "continuous" else args.static_batch_size
+                res = run_pdserve(model_dir, workload, name, seqs, args.block_size, progress)
+            runs.setdefault(name, []).append(res.elapsed_s)
+            if name not in results or res.elapsed_s < results[name].elapsed_s:
+                results[name] = res
+            print(
+                f"{SYSTEM_NAMES[name]:<40} {res.tokens_per_s:8.1f} tok/s "
+                f"({res.output_tokens} tokens in {res.elapsed_s:.1f} s, "
+                f"peak batch {res.peak_batch}, CPU share {res.cpu_share:.0%}, "
+                f"load {res.load_1m:.1f})",
+                flush=True,
             )
+    if args.profile_seqs:
+        decode_profile = profile_decode_steps(
+            model_dir,
+            workload,
+            args.profile_seqs,
+            args.profile_steps,
+            args.block_size,
+            args.seed,
+        )
     print()
     for name, res in results.items():
         print(f"best {SYSTEM_NAMES[name]:<35} {res.tokens_per_s:8.1f} tok/s")
@@ -521,16 +627,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"(mean context {decode_profile['mean_context']:.0f})",
             decode_profile,
         )
-    report = {
-        "command": command,
-        "machine": machine(),
-        "model": cfg | {"num_parameters": num_parameters(cfg)},
-        "workload": {
-            "num_requests": len(workload),
-            "prompt_tokens": prompt_tokens,
-            "output_tokens": out_tokens,
-        },
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    return {
         "results": {
             k: asdict(v)
             | {"tokens_per_s": v.tokens_per_s, "cpu_share": v.cpu_share, "all_elapsed_s": runs[k]}
@@ -539,9 +636,6 @@ def main(argv: list[str] | None = None) -> dict:
         "ratios": ratios,
         "decode_profile": decode_profile,
     }
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2))
-    return report
 
 
 def _print_profile(title: str, profile: dict) -> None:

@@ -86,6 +86,20 @@ class PdserveServer:
 
     def __enter__(self) -> PdserveServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        cmd = self.launch_command()
+        self.command = cmd
+        log = open(self.work_dir / "serve.log", "ab")  # noqa: SIM115
+        # Its own session, so stopping it never signals this process.
+        self.proc = subprocess.Popen(cmd, env=self.env, cwd=REPO_ROOT, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch_command(self) -> list[str]:
         config_path = self.work_dir / "pdserve.toml"
         config_path.write_text(self.system.config_toml())
         cmd = [
@@ -99,18 +113,7 @@ class PdserveServer:
             "cpu",
         ]
         cmd += ["--config", str(config_path), "--log-dir", str(self.work_dir)]
-        cmd += (["--model", self.model] if self.model else []) + self.system.serve_args()
-        self.command = cmd
-        log = open(self.work_dir / "serve.log", "ab")  # noqa: SIM115
-        # Its own session, so stopping it never signals this process.
-        self.proc = subprocess.Popen(cmd, env=self.env, cwd=REPO_ROOT, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return cmd + (["--model", self.model] if self.model else []) + self.system.serve_args()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
