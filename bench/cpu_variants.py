@@ -30,9 +30,9 @@ from bench.offline_throughput import (
     machine,
     make_workload,
     model_config,
-    num_parameters,
     write_model,
 )
+from bench.peers.models import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 BUSY_LOOP = "while True:\n    pass\n"
