@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_inputs import paged_inputs
 
 from kernels import attention_ref, paged_attention_cpu
 from kernels.ops import select_ops
-from tests.paged_inputs import paged_inputs
 
 pytestmark = pytest.mark.skipif(
     not paged_attention_cpu.available(), reason="no C compiler: the reference serves"

@@ -4,10 +4,10 @@ TP size, and the cluster file of a TP deployment that `pdserve launch` takes as 
 from __future__ import annotations
 
 import pytest
+from test_deploy import engine
 
 from pdserve.cli import main
 from pdserve.cluster_file import load_cluster_file, plan
-from tests.test_deploy import engine
 from tune.deployment import Deployment
 from tune.metrics import SLO
 from tune.model_shape import DTYPE_BYTES, PRESETS, ModelShape
