@@ -36,6 +36,7 @@ from bench.peers import models as bench_models
 from bench.peers.competing_load import CompetingLoad
 from bench.peers.protocol import RoundRequest, RoundResult, machine_cpu_seconds
 from bench.peers.rounds import summary, table
+from bench.peers.variants import DEFAULT_LABEL, parse_variants
 
 SYSTEMS = ("hf", "static", "continuous")
 SYSTEM_NAMES = {
@@ -264,7 +265,11 @@ class StepTimer:
         return self.profile
 
 
-def make_llm(model_dir: Path, policy: str, max_num_seqs: int, num_kv_blocks: int, block_size: int):
+def make_llm(
+    model_dir: Path, policy: str, max_num_seqs: int, num_kv_blocks: int, block_size: int,
+    engine_options: dict | None = None,
+):  # fmt: skip
+    """pdserve's offline engine for the benchmark; `engine_options`: other EngineConfig settings."""
     from engine import LLM
 
     return LLM(
@@ -276,6 +281,7 @@ def make_llm(model_dir: Path, policy: str, max_num_seqs: int, num_kv_blocks: int
         dtype="float32",
         device="cpu",
         enable_prefix_caching=False,  # random prompts share nothing; keep hashing out of the loop
+        **(engine_options or {}),
     )
 
 
@@ -291,10 +297,12 @@ def run_pdserve(
     max_num_seqs: int,
     block_size: int,
     progress: bool,
+    engine_options: dict | None = None,
 ) -> SystemResult:
     from engine import SamplingParams
 
-    llm = make_llm(model_dir, policy, max_num_seqs, blocks_for(workload, block_size), block_size)
+    num_blocks = blocks_for(workload, block_size)
+    llm = make_llm(model_dir, policy, max_num_seqs, num_blocks, block_size, engine_options)
     engine = llm.engine
     timer = StepTimer(engine)
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -455,6 +463,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     q.add_argument("--rounds", type=int, default=3, help="rounds of the peer comparison")
     q.add_argument(
+        "--pdserve-variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="also run pdserve with these engine flags (--cpu-threads, --cpu-bind, "
+        "--[no-]compile) in every round, e.g. 'one-bound=--cpu-threads 1 --cpu-bind 0'; "
+        "repeatable",
+    )
+    q.add_argument(
         "--peer-venv",
         type=Path,
         default=driver.VLLM_VENV,
@@ -472,6 +489,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.peer and (why := driver.missing_peer(args.peer, args.peer_venv)):
         raise SystemExit(f"bench.offline_throughput: error: {why}")
+    if args.pdserve_variant and not args.peer:
+        p.error("--pdserve-variant needs --peer")
+    try:
+        args.variants = parse_variants(args.pdserve_variant, args.peer or "")
+    except ValueError as e:
+        p.error(str(e))
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.competing_load < 0:
@@ -559,10 +582,13 @@ def run_peer(args: argparse.Namespace, model_dir: Path, workload: list[Request],
     requests = [RoundRequest(r.prompt, r.output_len) for r in workload]
     runs = driver.run_rounds(
         args.peer, model_dir, requests, args.rounds, args.max_num_seqs, args.block_size, tmp,
-        on_run=show, venv=args.peer_venv,
+        on_run=show, venv=args.peer_venv, variants=args.variants,
     )  # fmt: skip
-    print()
-    print(table(runs, "pdserve", args.peer))
+    for variant in args.variants:
+        print()
+        if variant.flags:
+            print(f"{variant.label}: pdserve {shlex.join(variant.flags)}")
+        print(table(runs, variant.label, args.peer))
     return {
         "peer": args.peer,
         "competing_load": args.competing_load,
@@ -572,7 +598,11 @@ def run_peer(args: argparse.Namespace, model_dir: Path, workload: list[Request],
             | {k: getattr(r.result, k) for k in RoundResult.__slots__}
             for r in runs
         ],
-        "summary": summary(runs, "pdserve", args.peer),
+        "summary": summary(runs, DEFAULT_LABEL, args.peer),
+        "variants": {
+            v.label: {"flags": list(v.flags)} | summary(runs, v.label, args.peer)
+            for v in args.variants[1:]
+        },
     }
 
 

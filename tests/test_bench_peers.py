@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import driver, models, vllm_runner
+from bench.peers import driver, models, pdserve_runner, vllm_runner
 from bench.peers.competing_load import CompetingLoad
 from bench.peers.protocol import (
     RESULT_PREFIX,
@@ -28,6 +28,7 @@ from bench.peers.protocol import (
     write_requests,
 )
 from bench.peers.rounds import Run, median_tokens_per_s, ratio, round_order, summary, table
+from bench.peers.variants import DEFAULT, Variant, parse_variant, parse_variants
 from engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,6 +130,61 @@ def test_the_table_has_a_row_per_round_and_the_medians():
     assert lines[-1] == "| **median** | **200.0** | **100.0** | **2.00x** | | | | |"
 
 
+# --- pdserve's variants -------------------------------------------------------------------------
+
+
+def test_a_variant_is_a_label_and_engine_flags():
+    v = parse_variant("one-bound=--cpu-threads 1 --cpu-bind 0 --compile")
+    assert v == Variant("one-bound", ("--cpu-threads", "1", "--cpu-bind", "0", "--compile"))
+    assert parse_variant("eager=--no-compile").flags == ("--no-compile",)
+    assert parse_variants(["a=--cpu-threads 2"], "vllm") == [
+        DEFAULT,
+        Variant("a", ("--cpu-threads", "2")),
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ("--cpu-threads 1", "LABEL=FLAGS"),
+        ("two words=--compile", "LABEL=FLAGS"),
+        ("x=--max-num-seqs 4", "not an engine flag"),
+        ("x=--cpu-threads one", "invalid int value"),
+    ],
+)
+def test_a_bad_variant_says_what_is_wrong_in_one_line(spec, why):
+    with pytest.raises(ValueError, match=why) as e:
+        parse_variant(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_variant_labels_are_unique_and_apart_from_the_peer():
+    with pytest.raises(ValueError, match="used twice"):
+        parse_variants(["a=", "a=--compile"], "vllm")
+    with pytest.raises(ValueError, match="used twice"):
+        parse_variants(["vllm=--compile"], "vllm")
+    with pytest.raises(ValueError, match="used twice"):
+        parse_variants(["pdserve=--compile"], "vllm")
+
+
+def test_rounds_alternate_over_every_variant_and_the_peer():
+    order = round_order(["pdserve", "one-bound", "vllm"], 2)
+    assert order == [["pdserve", "one-bound", "vllm"], ["vllm", "one-bound", "pdserve"]]
+
+
+def test_offline_throughput_refuses_a_bad_variant_before_running_anything(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    cmd = [sys.executable, "-m", "bench.offline_throughput", "--peer", "vllm",
+           "--peer-venv", str(venv), "--pdserve-variant", "x=--max-num-seqs 4"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "is not an engine flag" in res.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["venv"]
+
+
 # --- the processes ------------------------------------------------------------------------------
 
 
@@ -138,9 +194,18 @@ def test_each_engine_runs_with_its_own_interpreter(tmp_path):
     assert cmd[:2] == [str(venv / "bin" / "python"), str(driver.VLLM_RUNNER)]
     cmd = driver.runner_command("pdserve", tmp_path, tmp_path / "r.json", 256, 16, venv)
     assert cmd[:3] == [sys.executable, "-m", "bench.peers.pdserve_runner"]
-    assert parse_runner_args(cmd[3:]).model == tmp_path
+    assert pdserve_runner.parse_args(cmd[3:]).model == tmp_path
     assert "PYTHONPATH" not in driver.runner_env("vllm")
     assert driver.runner_env("pdserve")["PYTHONPATH"] == str(REPO)
+    variant = Variant("one-bound", ("--cpu-threads", "1", "--cpu-bind", "0"))
+    cmd = driver.runner_command("pdserve", tmp_path, tmp_path / "r.json", 256, 16, venv, variant)
+    args = pdserve_runner.parse_args(cmd[3:])
+    assert (args.label, args.cpu_threads, args.cpu_bind, args.compile) == (
+        "one-bound",
+        1,
+        "0",
+        None,
+    )
 
 
 def test_a_missing_peer_virtualenv_names_the_make_target(tmp_path):
@@ -184,6 +249,20 @@ def test_pdserve_round_runner_end_to_end(tmp_path):
     got = parse_result(res.stdout)
     assert (got.engine, got.output_tokens) == ("pdserve", 9)
     assert got.elapsed_s > 0 and got.machine_cpu_s > 0
+
+
+def test_a_pdserve_variant_runs_with_its_engine_flags(tmp_path):
+    """A variant's round: the engine takes its flags (one thread here) and the result its label."""
+    write_requests(tmp_path / "r.json", [RoundRequest([5, 6, 7, 8], 5)])
+    variant = parse_variant("one=--cpu-threads 1")
+    cmd = driver.runner_command(
+        "pdserve", ensure_tiny_model(), tmp_path / "r.json", 8, 16, variant=variant
+    )
+    res = subprocess.run(cmd, env=driver.runner_env("pdserve"), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    got = parse_result(res.stdout)
+    assert (got.engine, got.output_tokens, got.threads) == ("one", 5, 1)
 
 
 # --- checkpoints --------------------------------------------------------------------------------

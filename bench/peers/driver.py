@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.peers.protocol import RoundRequest, parse_result, runner_argv, write_requests
 from bench.peers.rounds import Run, round_order
+from bench.peers.variants import DEFAULT, Variant
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEERS = ("vllm",)
@@ -35,11 +36,13 @@ def missing_peer(peer: str, venv: Path = VLLM_VENV) -> str | None:
 
 def runner_command(
     engine: str, model_dir: Path, requests_path: Path, max_num_seqs: int, block_size: int,
-    venv: Path = VLLM_VENV,
+    venv: Path = VLLM_VENV, variant: Variant = DEFAULT,
 ) -> list[str]:  # fmt: skip
+    """A round's command: engine "pdserve" (run as `variant`) or a peer's name."""
     args = runner_argv(model_dir, requests_path, max_num_seqs, block_size)
     if engine == "pdserve":
-        return [sys.executable, "-m", "bench.peers.pdserve_runner", *args]
+        extra = ["--label", variant.label, *variant.flags]
+        return [sys.executable, "-m", "bench.peers.pdserve_runner", *args, *extra]
     return [str(peer_python(engine, venv)), str(VLLM_RUNNER), *args]
 
 
@@ -72,19 +75,26 @@ def run_rounds(
     on_run: Callable[[Run], None] = lambda run: None,
     timeout_s: float = 1800,
     venv: Path = VLLM_VENV,
+    variants: Sequence[Variant] = (DEFAULT,),
 ) -> list[Run]:
-    """Every round runs pdserve and the peer once each, alternating which goes first."""
+    """Every round runs each pdserve variant and the peer once each, the order reversed from one
+    round to the next."""
     requests_path = work_dir / "requests.json"
     write_requests(requests_path, requests)
     nproc = len(os.sched_getaffinity(0))
+    by_label = {v.label: v for v in variants}
     runs = []
-    for i, order in enumerate(round_order(["pdserve", peer], rounds), start=1):
-        for engine in order:
-            cmd = runner_command(engine, model_dir, requests_path, max_num_seqs, block_size, venv)
+    for i, order in enumerate(round_order([*by_label, peer], rounds), start=1):
+        for label in order:
+            engine = "pdserve" if label in by_label else peer
+            variant = by_label.get(label, DEFAULT)
+            cmd = runner_command(
+                engine, model_dir, requests_path, max_num_seqs, block_size, venv, variant
+            )
             result = parse_result(run_one(cmd, runner_env(engine), timeout_s))
             expected = sum(r.output_len for r in requests)
             if result.output_tokens != expected:
-                raise RuntimeError(f"{engine}: {result.output_tokens} tokens, expected {expected}")
+                raise RuntimeError(f"{label}: {result.output_tokens} tokens, expected {expected}")
             run = Run(i, result, os.getloadavg()[0], nproc)
             runs.append(run)
             on_run(run)

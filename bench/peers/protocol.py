@@ -72,13 +72,17 @@ def runner_argv(model_dir: Path, requests_path: Path, max_num_seqs: int, block_s
     ]  # fmt: skip
 
 
-def parse_runner_args(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
+def runner_parser(description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     p.add_argument("--requests", type=Path, required=True, help="JSON file of token-id requests")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_runner_args(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
+    return runner_parser(description).parse_args(argv)
 
 
 def result_line(result: RoundResult) -> str:
