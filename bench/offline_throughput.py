@@ -468,7 +468,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="LABEL=FLAGS",
         help="also run pdserve with these engine flags (--cpu-threads, --cpu-bind, "
-        "--[no-]compile) in every round, e.g. 'one-bound=--cpu-threads 1 --cpu-bind 0'; "
+        "--[no-]compile, --cpu-linear) in every round, e.g. 'one-bound=--cpu-threads 1 --cpu-bind 0'; "
         "repeatable",
     )
     q.add_argument(

@@ -10,6 +10,7 @@ from cluster.schema import setting, validate
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
+CPU_LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
 
 @dataclass(slots=True)
@@ -76,6 +77,13 @@ class EngineConfig:
         False,
         "run the model step compiled (torch.compile, token counts padded to power-of-two buckets; "
         "CPU nodes without tensor parallelism; needs g++); on failure it says so and runs eagerly",
+    )
+    cpu_linear: str = setting(
+        "auto",
+        "linear layers of CPU nodes: onednn (weights packed once for oneDNN, float32, not with "
+        "--compile; holds the linear weights twice), torch (F.linear), or auto (onednn where it "
+        "can run, else torch)",
+        choices=CPU_LINEAR_BACKENDS,
     )
     cuda_graph_max_batch_size: int = setting(
         256, "largest decode batch captured as a CUDA graph (capped at max_num_seqs)", minimum=1

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine import cpu_linear
 from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, KVPool
 from engine.loader import load_model
@@ -43,6 +44,9 @@ class ModelShard:
         self.device = config.rank_device(shard.rank)
         dtype = config.resolved_dtype()
         self.model = load_model(model_dir, dtype, self.device, shard, group)
+        if cpu_linear.choose(config.cpu_linear, self.device, dtype, config.compile):
+            n = cpu_linear.pack(self.model)
+            logger.info("cpu_linear: %d linear layers packed for oneDNN", n)
         mcfg = self.model.config
         self.layout = KVLayout(
             mcfg.num_layers,

@@ -135,6 +135,7 @@ def test_the_table_has_a_row_per_round_and_the_medians():
 
 def test_a_variant_is_a_label_and_engine_flags():
     v = parse_variant("one-bound=--cpu-threads 1 --cpu-bind 0 --compile")
+    assert parse_variant("t=--cpu-linear torch").flags == ("--cpu-linear", "torch")
     assert v == Variant("one-bound", ("--cpu-threads", "1", "--cpu-bind", "0", "--compile"))
     assert parse_variant("eager=--no-compile").flags == ("--no-compile",)
     assert parse_variants(["a=--cpu-threads 2"], "vllm") == [

@@ -1,5 +1,5 @@
 """pdserve's engine settings as systems of the peer benchmark: `LABEL=FLAGS` names a pdserve run
-with some engine flags (`--cpu-threads`, `--cpu-bind`, `--compile`), so that settings can be
+with some engine flags (`--cpu-threads`, `--cpu-bind`, `--[no-]compile`, `--cpu-linear`), so that settings can be
 chosen by measurement beside the peer, in the same alternating rounds.
 
     --pdserve-variant 'one-bound=--cpu-threads 1 --cpu-bind 0'"""
@@ -10,6 +10,8 @@ import argparse
 import re
 import shlex
 from dataclasses import dataclass
+
+from engine.config import CPU_LINEAR_BACKENDS
 
 DEFAULT_LABEL = "pdserve"
 LABEL = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -29,11 +31,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cpu-bind", default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_BACKENDS, default=None)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments of the flags that were given."""
-    names = ("cpu_threads", "cpu_bind", "compile")
+    names = ("cpu_threads", "cpu_bind", "compile", "cpu_linear")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -55,7 +58,7 @@ def parse_variant(spec: str, taken: set[str] = frozenset()) -> Variant:
     if unknown:
         raise ValueError(
             f"pdserve variant {label!r}: {' '.join(unknown)} is not an engine flag "
-            "(--cpu-threads, --cpu-bind, --[no-]compile)"
+            "(--cpu-threads, --cpu-bind, --[no-]compile, --cpu-linear)"
         )
     return Variant(label, tuple(argv))
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.cpu_linear import Linear
 from engine.forward_batch import AttentionBatch
 from engine.kv_cache import KVPool
 from engine.model_config import ModelConfig
@@ -39,7 +40,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         # q, k and v of this rank's heads in one matmul (column-parallel); loading concatenates
         # the checkpoint's three projections.
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, group)
@@ -86,7 +87,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None) -> None:
         super().__init__()
         self.intermediate_size = len(shard.columns(cfg.intermediate_size))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,10 @@
 split across ranks, partial outputs summed by an all-reduce), the vocabulary-parallel embedding
 (each rank looks up its rows of the vocabulary, the all-reduce assembles them) and LM head (each
 rank scores its rows, rank 0 gathers the logits). Column-parallel projections need no layer of
-their own: a plain `nn.Linear` over the rank's output rows.
+their own: a plain linear layer (`engine.cpu_linear.Linear`) over the rank's output rows.
+
+Every projection runs through `engine.cpu_linear.linear`: F.linear, or oneDNN on a weight packed
+once after loading where the node packs its linear layers (CPU, float32).
 
 Without a group (one rank) each is exactly the plain layer it replaces.
 """
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.cpu_linear import linear
 from engine.tp_group import TPGroup
 
 
@@ -25,11 +29,12 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # set by engine.cpu_linear.pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.group.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed)
+        y = self.group.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -60,10 +65,11 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(len(rows), hidden_size))
         self.per_rank = -(-vocab_size // group.size) if group is not None else vocab_size
+        self.packed: torch.Tensor | None = None  # set by engine.cpu_linear.pack
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [n, vocab] on rank 0; None on the others (which take part)."""
-        logits = F.linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight, None, self.packed).float()
         if self.group is None:
             return logits
         pad = self.per_rank - logits.shape[-1]

@@ -1,0 +1,82 @@
+"""Linear layers on packed oneDNN weights: the same products as F.linear for any batch, the
+choice of when to pack (CPU, float32, not compiled), and a model whose projections all run packed
+giving the same greedy tokens as one on F.linear."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from engine import LLM, SamplingParams, cpu_linear
+from engine.models.parallel_layers import ParallelLMHead, RowParallelLinear
+from engine.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_products_equal_f_linear_for_any_batch(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.BATCH_HINT)
+    got = cpu_linear.linear(x, w, b, packed)
+    assert got.shape == (rows, 96)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert cpu_linear.linear(x, w, b, None).equal(torch.nn.functional.linear(x, w, b))
+
+
+def test_pack_covers_every_layer_that_runs_through_linear_and_nothing_else():
+    model = nn.Sequential(
+        cpu_linear.Linear(8, 16),
+        RowParallelLinear(16, 8, True, None),
+        nn.Linear(8, 8),  # not ours: left alone
+        ParallelLMHead(range(50), 8, 50, None),
+    )
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            nn.init.normal_(p)
+    x = torch.randn(5, 8)
+    before = model(x)
+    assert cpu_linear.pack(model) == 3
+    assert model[2].__dict__.get("packed") is None and not hasattr(model[2], "packed")
+    torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_the_choice_packs_cpu_float32_eager_nodes_only(caplog):
+    assert cpu_linear.choose("auto", "cpu", "float32", compiled=False)
+    assert cpu_linear.choose("onednn", "cpu", "float32", compiled=False)
+    assert not cpu_linear.choose("torch", "cpu", "float32", compiled=False)
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_linear"):
+        assert not cpu_linear.choose("auto", "cpu", "bfloat16", compiled=False)
+        assert not cpu_linear.choose("auto", "cuda:0", "float32", compiled=False)
+        assert not caplog.records  # auto falls back quietly
+        assert not cpu_linear.choose("onednn", "cpu", "float32", compiled=True)
+        assert not cpu_linear.choose("onednn", "cpu", "bfloat16", compiled=False)
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "the compiled step packs its own weights; linear layers run through F.linear",
+        "packed linear layers are float32 only (this node runs bfloat16); linear layers run "
+        "through F.linear",
+    ]
+
+
+def test_a_packed_model_generates_the_same_greedy_tokens_as_f_linear():
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13] * 9, [4]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "onednn"):
+        llm = LLM(ensure_tiny_model(), dtype="float32", device="cpu", cpu_linear=backend)
+        shard_model = llm.engine.runner.model
+        packed = [m for m in shard_model.modules() if getattr(m, "packed", None) is not None]
+        layers = shard_model.config.num_layers
+        assert len(packed) == (4 * layers + 1 if backend == "onednn" else 0)
+        tokens[backend] = [out.token_ids for out in llm.generate(prompts, params)]
+        llm.close()
+    assert tokens["onednn"] == tokens["torch"]
