@@ -80,9 +80,8 @@ class EngineConfig:
     )
     cpu_linear: str = setting(
         "auto",
-        "linear layers of CPU nodes: onednn (weights packed once for oneDNN, float32, not with "
-        "--compile; holds the linear weights twice), torch (F.linear), or auto (onednn where it "
-        "can run, else torch)",
+        "linear layers of CPU nodes: onednn (weights packed once for oneDNN; float32, not with "
+        "--compile), torch (F.linear), or auto (onednn where it can run, else torch)",
         choices=CPU_LINEAR_BACKENDS,
     )
     cuda_graph_max_batch_size: int = setting(

@@ -4,9 +4,8 @@ row-major weight re-lays the weight out for the matmul on every call; on a 2-cor
 path took the vocabulary projection of a 52M-parameter Llama at 1.7x the rate for 40 tokens.
 
 Float32 only (oneDNN's bfloat16 path needs AVX-512 BF16 to pay), CPU only, and not with the
-compiled step (inductor packs weights its own way). The packed copy sits beside the plain weight,
-which the rest of the engine (tied embeddings, checks, TP loading) still reads: the linear
-layers' weights are held twice."""
+compiled step (inductor packs weights its own way). A packed layer drops its plain weight, unless
+another layer shares it (a tied embedding keeps it for the lookup)."""
 
 from __future__ import annotations
 
@@ -65,11 +64,19 @@ class Linear(nn.Linear):
 
 def pack(model: nn.Module) -> int:
     """Pack the weight of every layer of `model` that runs through `linear` (those with a
-    `packed` attribute); the number packed."""
-    n = 0
-    for module in model.modules():
-        if hasattr(module, "packed") and isinstance(module.weight, torch.Tensor):
-            weight = module.weight.detach()
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-            n += 1
-    return n
+    `packed` attribute) and drop its plain weight, unless another layer shares it (a tied
+    embedding); the number packed."""
+    ours = [m for m in model.modules() if hasattr(m, "packed")]
+    shared = {
+        id(p)
+        for m in model.modules()
+        if not hasattr(m, "packed")
+        for p in m.parameters(recurse=False)
+    }
+    for module in ours:
+        weight = module.weight.detach()
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        if id(module.weight) not in shared:
+            empty = torch.empty(0, dtype=weight.dtype, device=weight.device)
+            module.weight = nn.Parameter(empty, requires_grad=False)
+    return len(ours)

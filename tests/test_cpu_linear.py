@@ -46,8 +46,22 @@ def test_pack_covers_every_layer_that_runs_through_linear_and_nothing_else():
     x = torch.randn(5, 8)
     before = model(x)
     assert cpu_linear.pack(model) == 3
-    assert model[2].__dict__.get("packed") is None and not hasattr(model[2], "packed")
-    torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
+    assert not hasattr(model[2], "packed") and model[2].weight.shape == (8, 8)
+    assert [model[i].weight.numel() for i in (0, 1, 3)] == [0, 0, 0]  # the plain copies dropped
+    scale = before.abs().max().item()  # four layers of N(0, 1) weights: outputs in the hundreds
+    torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_a_weight_shared_with_an_embedding_is_kept_for_the_lookup():
+    embed = nn.Embedding(50, 8)
+    head = ParallelLMHead(range(50), 8, 50, None)
+    head.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    h = embed(torch.tensor([3, 4]))
+    before = head(h)
+    assert cpu_linear.pack(model) == 1
+    assert head.weight is embed.weight and embed.weight.shape == (50, 8)
+    torch.testing.assert_close(head(h), before, rtol=1e-5, atol=1e-5)
 
 
 def test_the_choice_packs_cpu_float32_eager_nodes_only(caplog):
