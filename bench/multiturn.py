@@ -5,7 +5,7 @@ received (its `pdserve_kv_transfer_blocks_total` on /metrics, times the bytes of
 blocks it found cached, TTFT, and the gap from the first token to the second (the KV handoff's
 share of a request's latency).
 
-    python -m bench.multiturn --sessions 8 --concurrency 4 --output /tmp/multiturn.json
+    python -m bench.multiturn --sessions 8 --concurrency 4 --json /tmp/multiturn.json
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--work-dir", default=None, help="servers' configs and logs (default: a temp dir)"
     )
-    p.add_argument("--output", default=None, help="results JSON")
+    p.add_argument("--json", default=None, help="also write the results here")
     return p
 
 
@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(runs) > 1 and any(r["outputs"] != runs[0]["outputs"] for r in runs):
         raise SystemExit("bench.multiturn: error: the modes' greedy outputs differ")
     print(format_table(runs))
-    if args.output:
+    if args.json:
         for r in runs:
             r.pop("outputs")
-        Path(args.output).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
     return 0
 
 
