@@ -78,6 +78,8 @@ class Heartbeat(Message, tag="heartbeat"):
     pending_transfers: int = 0
     seq: int = 0
     kv_error: str | None = None  # the node's KV transport failed: route no handoffs to it
+    kv_blocks_received: int = 0  # decode nodes: blocks whose pages arrived (since start)
+    kv_blocks_reused: int = 0  # decode nodes: blocks of admitted prompts found already cached
 
 
 class HandoffReady(Message, tag="handoff_ready"):
@@ -100,11 +102,14 @@ class FirstToken(Message, tag="first_token"):
 
 
 class Admitted(Message, tag="admitted"):
-    """A decode node reserved destination blocks (or could not: ok=False)."""
+    """A decode node reserved destination blocks (or could not: ok=False). With prefix reuse,
+    the first num_reused blocks of the prompt were already cached there: dst_blocks are for the
+    blocks after them."""
 
     request_id: str
     ok: bool
     dst_blocks: list[int] = []
+    num_reused: int = 0
 
 
 class TransferDone(Message, tag="transfer_done"):
@@ -160,6 +165,8 @@ class Admit(Message, tag="admit"):
     params: SamplingParams
     transfer_timeout_s: float  # the coordinator's setting when it admitted the sequence
     output_offset: int = 0  # outputs before token_ids[num_computed:]
+    # Take the leading full blocks the node's prefix cache already holds; receive only the rest.
+    reuse_prefix: bool = False
 
 
 class SendKV(Message, tag="send_kv"):
@@ -170,6 +177,7 @@ class SendKV(Message, tag="send_kv"):
     receiver_info: dict[str, Any]
     dst_blocks: list[int]
     transfer_timeout_s: float
+    skip_blocks: int = 0  # leading blocks the decode node holds already: not sent
 
 
 class Abort(Message, tag="abort"):

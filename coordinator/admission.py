@@ -4,6 +4,7 @@ coordinator; the head enters the decode node with room for it above the watermar
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.nodes import NodeState
@@ -38,14 +39,21 @@ class AdmissionQueue:
     def remove(self, request_id: str) -> None:
         self.queue = deque(c for c in self.queue if c.request_id != request_id)
 
-    def admit(self, nodes: list[NodeState], watermark: float) -> list[tuple[Candidate, NodeState]]:
+    def admit(
+        self,
+        nodes: list[NodeState],
+        watermark: float,
+        choose: Callable[[Candidate, list[NodeState]], NodeState | None] | None = None,
+    ) -> list[tuple[Candidate, NodeState]]:
         """Pop every head that fits somewhere, in order; stop at the first that fits nowhere.
+        choose(head, fitting nodes) picks among those with room (default: most free blocks).
         Reserves the blocks on the chosen node so one report is not spent twice."""
         decisions = []
         while self.queue:
             head = self.queue[0]
             fitting = [n for n in nodes if has_room(n, head.num_blocks, watermark)]
-            node = most_free_blocks(fitting)
+            node = choose(head, fitting) if choose is not None and fitting else None
+            node = node or most_free_blocks(fitting)
             if node is None:
                 break  # first come, first served: nobody overtakes the head
             self.queue.popleft()

@@ -96,6 +96,11 @@ class CoordinatorConfig:
         live=True,
         minimum=0,
     )
+    decode_prefix_reuse: bool = setting(
+        True,
+        "a decode node takes the leading prompt blocks its prefix cache holds (arrived or generated there) and receives only the rest; admission prefers the decode node holding the longest prefix, by the prefix_affinity rule",
+        live=True,
+    )
     # Failure handling.
     heartbeat_timeout_s: float = setting(
         3.0,

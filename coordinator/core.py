@@ -41,7 +41,7 @@ from coordinator.admission import AdmissionQueue, Candidate
 from coordinator.config import CoordinatorConfig
 from coordinator.nodes import NodeRegistry, NodeState
 from coordinator.request_state import PENDING_PHASES, Phase, RequestState
-from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
+from coordinator.routing import PrefixAffinity, kv_load, least_loaded, most_free_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class CoordinatorCore:
         self.nodes = NodeRegistry()
         self.admission = AdmissionQueue()
         self.affinity = PrefixAffinity()
+        # Which decode node holds which prefix (received or generated there), for prefix reuse.
+        self.decode_affinity = PrefixAffinity()
         self.requests: dict[str, RequestState] = {}  # by request id
         self.by_wire: dict[str, RequestState] = {}  # by the id of its current attempt
         # Prefill nodes' handoff sockets (node id -> ZMQ identity): SendKV goes there.
@@ -275,9 +277,28 @@ class CoordinatorCore:
         colocated = [n for n in nodes if n.role is NodeRole.COLOCATED]
         return most_free_blocks(colocated or nodes)
 
+    def _choose_decode(self, candidate: Candidate, fitting: list[NodeState]) -> NodeState | None:
+        """With decode prefix reuse: the fitting decode node holding the longest prefix of the
+        sequence's computed tokens, unless it is much fuller (the prefill side's rule)."""
+        state = self.by_wire.get(candidate.request_id)
+        if state is None:
+            return None
+        return self.decode_affinity.choose(
+            state.resume_token_ids()[:-1],
+            fitting,
+            self.config.prefix_affinity_min_blocks,
+            self.config.prefix_affinity_max_load_ratio,
+            load=kv_load,
+            fallback_choice=most_free_blocks,
+        )
+
     def _pump_admission(self) -> None:
         receivers = self.nodes.kv_receivers()
-        for candidate, node in self.admission.admit(receivers, self.config.admission_watermark):
+        reuse = self.config.decode_prefix_reuse
+        choose = self._choose_decode if reuse else None
+        for candidate, node in self.admission.admit(
+            receivers, self.config.admission_watermark, choose
+        ):
             state = self.by_wire.get(candidate.request_id)
             if state is None or state.phase is not Phase.WAITING_ADMISSION:
                 node.reserved_blocks -= candidate.num_blocks
@@ -295,6 +316,7 @@ class CoordinatorCore:
                     # The decode node counts the last token as its own first output.
                     output_offset=len(state.output_token_ids) - 1,
                     transfer_timeout_s=self.config.transfer_timeout_s,
+                    reuse_prefix=reuse,
                 ),
             )
 
@@ -380,9 +402,12 @@ class CoordinatorCore:
             self._requeue(state, "prefill node lost before its KV was sent")
             return
         state.phase = Phase.TRANSFERRING
+        if self.config.decode_prefix_reuse:
+            # Its computed tokens' full blocks enter the decode node's prefix cache as they land.
+            self.decode_affinity.record(state.resume_token_ids()[:-1], node)
         send_kv = SendKV(
             state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks,
-            self.config.transfer_timeout_s,
+            self.config.transfer_timeout_s, msg.num_reused,
         )  # fmt: skip
         # The handoff socket's thread starts the send at once; the main socket's loop only
         # between steps.
@@ -405,6 +430,13 @@ class CoordinatorCore:
             if state is None or state.decode_node != node.node_id or state.done:
                 continue  # a stale attempt on a node the request has left
             state.phase = Phase.DECODING
+            if (
+                item.finish_reason is not None
+                and node.role is NodeRole.DECODE
+                and self.config.decode_prefix_reuse
+            ):
+                # Its prompt and answer stay cached there (all but the last token has KV).
+                self.decode_affinity.record(state.resume_token_ids(), node)
             self._emit_tokens(state, [item.token_id], item.finish_reason, item.logprobs)
 
     def _on_request_error(self, node: NodeState, msg: RequestError) -> None:
@@ -422,6 +454,7 @@ class CoordinatorCore:
     def _on_node_dead(self, node: NodeState) -> None:
         logger.warning("node %s (%s) is silent: marked dead", node.node_id, node.role)
         self.affinity.forget_node(node.node_id)
+        self.decode_affinity.forget_node(node.node_id)
         for state in list(self.by_wire.values()):
             on_prefill = state.prefill_node == node.node_id and state.phase in (
                 Phase.PREFILLING, Phase.WAITING_ADMISSION, Phase.ADMITTING, Phase.TRANSFERRING,

@@ -18,6 +18,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster.node_messages import NodeRole
 from coordinator.coordinator import Coordinator
 from coordinator.request_state import Phase, RequestState
 
@@ -63,6 +64,17 @@ class ClusterCollector:
             "Prompt blocks a node looked up in its prefix cache and computed (since it started)",
             labels=["node"],
         )
+        received = CounterMetricFamily(
+            "pdserve_kv_transfer_blocks",
+            "KV blocks whose pages a decode node received from prefill nodes (since it started)",
+            labels=["node"],
+        )
+        reused = CounterMetricFamily(
+            "pdserve_kv_transfer_blocks_reused",
+            "Blocks of prompts admitted to a decode node that it already held in its prefix "
+            "cache, so they were not sent (since it started)",
+            labels=["node"],
+        )
         for node in list(c.nodes.nodes.values()):
             alive.add_metric([node.node_id, node.role.value], 1.0 if node.alive else 0.0)
             if not node.alive:
@@ -73,6 +85,9 @@ class ClusterCollector:
             node_waiting.add_metric([node.node_id], node.waiting)
             hits.add_metric([node.node_id], node.prefix_hits)
             misses.add_metric([node.node_id], node.prefix_misses)
+            if node.role is NodeRole.DECODE:
+                received.add_metric([node.node_id], node.kv_blocks_received)
+                reused.add_metric([node.node_id], node.kv_blocks_reused)
         states = list(c.requests.values())
         decoding = sum(1 for s in states if s.phase is Phase.DECODING)
         phases = GaugeMetricFamily(
@@ -91,6 +106,8 @@ class ClusterCollector:
         yield alive
         yield hits
         yield misses
+        yield received
+        yield reused
         yield phases
         yield GaugeMetricFamily(
             "pdserve_requests_running", "Requests generating tokens on a decode node", decoding

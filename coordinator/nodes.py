@@ -33,6 +33,8 @@ class NodeState:
     assigned_prefill_tokens: int = 0  # routed since its last report
     load_seq: int = -1  # the last load snapshot applied
     kv_error: str | None = None  # its KV receiver failed: admit no handoffs to it
+    kv_blocks_received: int = 0  # blocks whose pages arrived at it (since it started)
+    kv_blocks_reused: int = 0  # blocks of prompts admitted to it found already cached there
 
     @property
     def decodes(self) -> bool:
@@ -85,6 +87,8 @@ class NodeRegistry:
         node.queued_prefill_tokens = msg.queued_prefill_tokens
         node.prefix_hits = msg.prefix_hits
         node.prefix_misses = msg.prefix_misses
+        node.kv_blocks_received = msg.kv_blocks_received
+        node.kv_blocks_reused = msg.kv_blocks_reused
         node.reserved_blocks = 0
         node.assigned_prefill_tokens = 0
         return node

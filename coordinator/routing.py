@@ -1,13 +1,15 @@
 """Which node gets a request: pure decisions over the registry's view, testable without sockets.
 
 Prefill: least-loaded (fewest queued prompt tokens) or prefix affinity (the node that last
-prefilled the longest shared prefix, unless it is much busier). Decode: most free KV blocks.
+prefilled the longest shared prefix, unless it is much busier). Decode: most free KV blocks, or
+with decode-side prefix reuse the same affinity rule over the prefixes each decode node holds
+(received or generated there), its load being the KV tokens it holds.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from coordinator.nodes import NodeState
 from engine.block_manager import hash_block_tokens
@@ -24,6 +26,16 @@ def most_free_blocks(nodes: list[NodeState]) -> NodeState | None:
     )
 
 
+def prefill_load(node: NodeState) -> int:
+    """Prompt tokens queued or routed to a prefill node."""
+    return node.prefill_load
+
+
+def kv_load(node: NodeState) -> int:
+    """KV tokens a decode node holds or has been promised: its used blocks."""
+    return (node.num_blocks - node.available_blocks) * node.block_size
+
+
 def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks, as the block manager computes them."""
     hashes: list[int] = []
@@ -35,7 +47,8 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 
 
 class PrefixAffinity:
-    """Remembers which node last prefilled each block-chain hash (bounded LRU)."""
+    """Remembers which node last took each block-chain hash into its cache (bounded LRU): one
+    instance for prefill nodes, one for decode nodes."""
 
     def __init__(self, capacity: int = 200_000) -> None:
         self.capacity = capacity
@@ -47,10 +60,15 @@ class PrefixAffinity:
         nodes: list[NodeState],
         min_blocks: int,
         max_load_ratio: float,
+        load: Callable[[NodeState], int] = prefill_load,
+        fallback_choice: Callable[[list[NodeState]], NodeState | None] = least_loaded,
     ) -> NodeState | None:
+        """The node holding the longest prefix of token_ids (at least min_blocks full blocks)
+        unless its load exceeds the fallback choice's by more than max_load_ratio times that
+        load plus the prefix's tokens; else the fallback choice."""
         if not nodes:
             return None
-        fallback = least_loaded(nodes)
+        fallback = fallback_choice(nodes)
         by_id = {n.node_id: n for n in nodes}
         hashes = prefix_hashes(token_ids, nodes[0].block_size)
         # Longest cached prefix first.
@@ -61,8 +79,8 @@ class PrefixAffinity:
             if node is None:
                 continue
             # Worth it while its extra queue is less than the prefix compute it saves.
-            slack = fallback.prefill_load * max_load_ratio + depth * node.block_size
-            if node.prefill_load <= slack:
+            slack = load(fallback) * max_load_ratio + depth * node.block_size
+            if load(node) <= slack:
                 return node
             break
         return fallback

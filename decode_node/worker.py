@@ -79,16 +79,18 @@ class DecodeNode:
             logger.warning("decode node ignores %s", msg.TYPE)
 
     def _admit(self, msg: Admit) -> None:
-        blocks = None
+        blocks, num_reused = None, 0
         if self.handoff is not None:
             try:
                 seq = self.engine.new_sequence(
                     msg.request_id, msg.token_ids, msg.params, msg.num_computed, msg.output_offset
                 )
-                blocks = self.handoff.reserve(seq, msg.transfer_timeout_s)
+                blocks = self.handoff.reserve(seq, msg.transfer_timeout_s, msg.reuse_prefix)
+                if blocks is not None:
+                    num_reused = len(seq.block_table) - len(blocks)
             except (RequestRejected, ValueError, TypeError, TransportFailed) as exc:
                 logger.warning("[%s] admission refused: %s", msg.request_id, exc)
-        self.link.send(Admitted(msg.request_id, blocks is not None, blocks or []))
+        self.link.send(Admitted(msg.request_id, blocks is not None, blocks or [], num_reused))
 
     def _take_in_arrivals(self) -> None:
         if self.handoff is None:
@@ -144,10 +146,12 @@ class DecodeNode:
             self._send_tokens(outputs)
         if self.link.load_due():
             self.engine.check_alive()  # a dead rank takes the node down, idle or not
-            pending = self.handoff.num_pending if self.handoff is not None else 0
-            self.link.set_load(
-                engine_heartbeat(self.engine, self.link.node_id, pending, self.kv_error)
-            )
+            beat = engine_heartbeat(self.engine, self.link.node_id, 0, self.kv_error)
+            if self.handoff is not None:
+                beat.pending_transfers = self.handoff.num_pending
+                beat.kv_blocks_received = self.handoff.blocks_received
+                beat.kv_blocks_reused = self.handoff.blocks_reused
+            self.link.set_load(beat)
 
     def register(self) -> None:
         info = self.receiver.info() if self.receiver is not None else {}

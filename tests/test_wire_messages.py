@@ -45,10 +45,13 @@ RECEIVER = {"transport": "tcp", "address": "tcp://10.0.0.3:5700", "num_blocks": 
 
 EXAMPLES: list[tuple[Codec, Message]] = [
     (reports, Register("d0", NodeRole.DECODE, "llama", 8, 512, 4096, "tcp", LAYOUT, RECEIVER, 42)),
-    (reports, Heartbeat("d0", 100, 512, 3, 4, 900, 12, 5, 2, 77, "receiver thread failed")),
+    (
+        reports,
+        Heartbeat("d0", 100, 512, 3, 4, 900, 12, 5, 2, 77, "receiver thread failed", 40, 24),
+    ),
     (reports, HandoffReady("p0")),
     (reports, FirstToken("r#1", 9, FinishReason.LENGTH, 16, 3, LOGPROBS)),
-    (reports, Admitted("r#1", True, [5, 6, 7])),
+    (reports, Admitted("r#1", True, [5, 6, 7], 2)),
     (reports, TransferDone("r#1", False, "timed out")),
     (
         reports,
@@ -57,8 +60,8 @@ EXAMPLES: list[tuple[Codec, Message]] = [
     (reports, RequestError("r#1", "bad token", False)),
     (orders, Prefill("r#1", [1, 2, 3], PARAMS, 2)),
     (orders, Generate("r#1", [1, 2, 3], PARAMS, 1)),
-    (orders, Admit("r#1", [1, 2, 3, 4], 3, PARAMS, 12.5, 1)),
-    (orders, SendKV("r#1", "d0", RECEIVER, [5, 6], 12.5)),
+    (orders, Admit("r#1", [1, 2, 3, 4], 3, PARAMS, 12.5, 1, True)),
+    (orders, SendKV("r#1", "d0", RECEIVER, [5, 6], 12.5, 2)),
     (orders, Abort("r#1", True)),
     (orders, Shutdown()),
     (orders, Reset()),

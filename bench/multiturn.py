@@ -1,0 +1,195 @@
+"""Decode-side prefix reuse on a multi-turn chat workload: the same sessions against `pdserve
+serve` (1 prefill + 1 decode node) with `decode_prefix_reuse` on and off, one server after the
+other in one run, each started fresh (cold caches). Reports per turn the KV bytes the decode node
+received (its `pdserve_kv_transfer_blocks_total` on /metrics, times the bytes of a block), the
+blocks it found cached, TTFT, and the gap from the first token to the second (the KV handoff's
+share of a request's latency).
+
+    python -m bench.multiturn --sessions 8 --concurrency 4 --json /tmp/multiturn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from bench.serve_load import HelpFormatter, length_range
+from bench.serving.metrics import percentile
+from bench.serving.multiturn import MultiTurnWorkload, TurnResult, run_sessions
+from bench.serving.pdserve_server import PdserveServer, PdserveSystem, free_port
+from engine.embedded_models import TINY, resolve_model_dir
+from engine.kv_cache import KVLayout
+from engine.model_config import ModelConfig
+
+MODES = {"reuse-on": True, "reuse-off": False}
+
+
+def decode_counters(base_url: str) -> tuple[int, int]:
+    """The decode nodes' (blocks received, blocks reused) from /metrics, summed."""
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+
+    def total(name: str) -> int:
+        return int(sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)))
+
+    return total("pdserve_kv_transfer_blocks_total"), total(
+        "pdserve_kv_transfer_blocks_reused_total"
+    )
+
+
+def settle(base_url: str, seconds: float = 1.5) -> tuple[int, int]:
+    """Counters once the nodes' next load reports are in (they come every 0.5 s)."""
+    time.sleep(seconds)
+    return decode_counters(base_url)
+
+
+def run_mode(
+    name: str, reuse: bool, args: argparse.Namespace, workload: MultiTurnWorkload, work: Path
+) -> dict:
+    client_port = free_port()
+    system = PdserveSystem(
+        name,
+        config={"decode_prefix_reuse": reuse},
+        flags=("--transport", args.transport, "--client-port", str(client_port)),
+    )
+    engine_flags = ("--block-size", str(args.block_size), "--num-kv-blocks", str(args.kv_blocks))
+    system.flags += engine_flags
+    with PdserveServer(system, work, model=args.model) as server:
+        address = f"tcp://127.0.0.1:{client_port}"
+        warm = MultiTurnWorkload(num_sessions=1, turns=(2, 2), token_id_range=(500, 511))
+        asyncio.run(run_sessions(address, warm.sample(args.seed + 1), 1))
+        before = settle(server.base_url)
+        results = asyncio.run(run_sessions(address, workload.sample(args.seed), args.concurrency))
+        after = settle(server.base_url)
+    return summarize(name, reuse, results, after[0] - before[0], after[1] - before[1], args)
+
+
+def summarize(
+    name: str,
+    reuse: bool,
+    results: list[TurnResult],
+    received: int,
+    reused: int,
+    args: argparse.Namespace,
+) -> dict:
+    block_bytes = kv_block_bytes(args.model, args.block_size)
+    n = len(results)
+    later = [r for r in results if r.turn > 0]
+
+    def ms(values: list[float], q: float | None = None) -> float:
+        values = [v * 1e3 for v in values]
+        return statistics.mean(values) if q is None else percentile(values, q)
+
+    return {
+        "system": name,
+        "decode_prefix_reuse": reuse,
+        "requests": n,
+        "blocks_received": received,
+        "blocks_reused": reused,
+        "block_bytes": block_bytes,
+        "kv_bytes_per_request": received * block_bytes / n,
+        "ttft_ms": {
+            "mean": ms([r.ttft for r in results]),
+            "p50": ms([r.ttft for r in results], 50),
+            "p90": ms([r.ttft for r in results], 90),
+        },  # fmt: skip
+        "first_gap_ms": {
+            "mean": ms([r.first_gap for r in results]),
+            "p50": ms([r.first_gap for r in results], 50),
+            "p90": ms([r.first_gap for r in results], 90),
+            "later_turns_mean": ms([r.first_gap for r in later]) if later else 0.0,
+        },
+        "latency_ms_mean": ms([r.latency for r in results]),
+        "mean_prompt_len": statistics.mean(r.prompt_len for r in results),
+        "outputs": [r.output for r in results],
+        "turns": [{k: v for k, v in asdict(r).items() if k != "output"} for r in results],
+    }
+
+
+def kv_block_bytes(model: str, block_size: int) -> int:
+    """Bytes of one KV block of the model on CPU (float32), all layers, K and V."""
+    cfg = ModelConfig.from_pretrained(resolve_model_dir(model))
+    return KVLayout(
+        cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, "float32"
+    ).bytes_per_block
+
+
+def format_table(runs: list[dict]) -> str:
+    rows = [
+        "| system | requests | KV blocks received | blocks reused | KV bytes per request | "
+        "TTFT mean / P50 / P90 (ms) | first-to-second token mean / P50 / P90 (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in runs:
+        t, g = r["ttft_ms"], r["first_gap_ms"]
+        rows.append(
+            f"| {r['system']} | {r['requests']} | {r['blocks_received']} | {r['blocks_reused']} "
+            f"| {r['kv_bytes_per_request'] / 1024:.1f} KiB "
+            f"| {t['mean']:.1f} / {t['p50']:.1f} / {t['p90']:.1f} "
+            f"| {g['mean']:.1f} / {g['p50']:.1f} / {g['p90']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.multiturn", description=__doc__, formatter_class=HelpFormatter
+    )
+    p.add_argument("--model", default=TINY, help="the model every node serves")
+    p.add_argument("--transport", default="tcp", help="KV transport between the nodes")
+    p.add_argument("--sessions", type=int, default=8, help="chat sessions")
+    p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
+    p.add_argument("--turns", type=length_range, default=(4, 8), help="turns a session, N or LO:HI")
+    p.add_argument("--first-len", type=length_range, default=(64, 128),
+                   help="first message's tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--message-len", type=length_range, default=(16, 48),
+                   help="later messages' tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--output-len", type=length_range, default=(16, 32),
+                   help="answer tokens, N or LO:HI")  # fmt: skip
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV blocks of every node")
+    p.add_argument("--modes", default="reuse-on,reuse-off",
+                   help="which servers, in order: reuse-on, reuse-off")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument(
+        "--work-dir", default=None, help="servers' configs and logs (default: a temp dir)"
+    )
+    p.add_argument("--json", default=None, help="also write the results here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"bench.multiturn: error: unknown mode(s) {unknown}; use {list(MODES)}")
+    workload = MultiTurnWorkload(
+        num_sessions=args.sessions,
+        turns=args.turns,
+        first_len=args.first_len,
+        message_len=args.message_len,
+        output_len=args.output_len,
+    )
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-multiturn-"))
+    runs = [run_mode(m, MODES[m], args, workload, work) for m in modes]
+    if len(runs) > 1 and any(r["outputs"] != runs[0]["outputs"] for r in runs):
+        raise SystemExit("bench.multiturn: error: the modes' greedy outputs differ")
+    print(format_table(runs))
+    if args.json:
+        for r in runs:
+            r.pop("outputs")
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""The multi-turn chat workload of bench.multiturn: sessions within their ranges, and each turn's
+prompt is the previous turn's prompt and answer plus the turn's new message."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.multiturn import build_parser, format_table
+from bench.serving.multiturn import MultiTurnWorkload, Turn, run_session
+from cluster.client_messages import Event
+
+
+def test_sessions_are_seeded_and_within_their_ranges():
+    w = MultiTurnWorkload(num_sessions=5, turns=(4, 8), first_len=(10, 20), message_len=(3, 5))
+    sessions = w.sample(seed=3)
+    assert sessions == w.sample(seed=3) and sessions != w.sample(seed=4)
+    assert len(sessions) == 5 and all(4 <= len(s) <= 8 for s in sessions)
+    for turns in sessions:
+        assert 10 <= len(turns[0].message) <= 20
+        assert all(3 <= len(t.message) <= 5 for t in turns[1:])
+        assert all(16 <= t.output_len <= 32 for t in turns)
+    assert w.max_prompt_len() == 20 + 7 * (32 + 5)
+    with pytest.raises(ValueError, match="turns"):
+        MultiTurnWorkload(turns=(0, 2))
+
+
+class EchoClient:
+    """Answers every prompt with its length and its last token, as two events."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt, params):  # noqa: ANN001, ANN201
+        self.prompts.append(list(prompt))
+        yield Event("r", token_ids=[len(prompt)])
+        yield Event("r", token_ids=[prompt[-1]], finish_reason="length")
+
+
+def test_each_turn_sends_the_history_and_its_new_message():
+    turns = [Turn([1, 2, 3], 2), Turn([4], 2), Turn([5, 6], 2)]
+    client = EchoClient()
+    results = asyncio.run(run_session(client, 0, turns))
+    assert client.prompts == [
+        [1, 2, 3],
+        [1, 2, 3, 3, 3, 4],
+        [1, 2, 3, 3, 3, 4, 6, 4, 5, 6],
+    ]
+    assert [r.output for r in results] == [[3, 3], [6, 4], [10, 6]]
+    assert [r.prompt_len for r in results] == [3, 6, 10]
+    assert all(r.ttft >= 0 and r.first_gap >= 0 for r in results)
+
+
+def test_the_table_has_a_row_per_system():
+    run = {
+        "system": "reuse-on", "requests": 4, "blocks_received": 10, "blocks_reused": 6,
+        "kv_bytes_per_request": 2048.0,
+        "ttft_ms": {"mean": 1.0, "p50": 1.0, "p90": 2.0},
+        "first_gap_ms": {"mean": 3.0, "p50": 3.0, "p90": 4.0},
+    }  # fmt: skip
+    table = format_table([run, {**run, "system": "reuse-off"}])
+    assert table.count("\n") == 3 and "| reuse-on | 4 | 10 | 6 | 2.0 KiB |" in table
+    assert build_parser().parse_args(["--turns", "4:8"]).turns == (4, 8)
