@@ -337,6 +337,9 @@ class LLMEngine(Engine):
                 self.ranks.formed()
             self.shard = ModelShard(self.model_dir, config, shard, group, pool_factory)
         except BaseException as exc:
+            if self._placement_before is not None:  # this process's threads as they were
+                cpu_threads.apply(self._placement_before)
+                self._placement_before = None
             if self.ranks is None or isinstance(exc, TPGroupFailed):
                 raise
             if isinstance(exc, RuntimeError):  # a collective failed: a rank died

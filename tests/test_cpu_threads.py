@@ -100,6 +100,38 @@ def test_an_engine_process_runs_on_the_cores_and_threads_it_was_given():
     assert seen["after"] == [sorted(os.sched_getaffinity(0)), 2]
 
 
+FAILING_PROBE = """
+import json, os, sys, torch
+from engine import LLM
+try:
+    LLM(sys.argv[2], cpu_threads=1, cpu_bind=sys.argv[1], device="cpu", num_kv_blocks=8)
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "after": [sorted(os.sched_getaffinity(0)),
+                                                             torch.get_num_threads()]}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores to show")
+def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path):
+    """The weights fail to load after the engine bound its process: the process is unbound."""
+    import shutil
+
+    from engine.tiny_model import ensure_tiny_model
+
+    model = tmp_path / "broken"
+    shutil.copytree(ensure_tiny_model(), model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    last = max(os.sched_getaffinity(0))
+    out = subprocess.run(
+        [sys.executable, "-c", FAILING_PROBE, str(last), str(model)], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["after"] == [sorted(os.sched_getaffinity(0)), 2], seen
+
+
 def test_a_node_command_carries_its_placement():
     from cluster.node_options import NodeOptions
     from pdserve.cli import build_parser
