@@ -140,6 +140,10 @@ class Prefill(Message, tag="prefill"):
     # Outputs of this request sampled before token_ids' end (a retry resumes from them): seeded
     # sampling continues the same stream from there.
     output_offset: int = 0
+    # Layer-wise KV streaming: a decode node is being admitted while this prefill runs; its
+    # SendKV may come before the first token, and the last chunk's forward then hands each
+    # layer's pages to the transport as soon as that layer is done.
+    stream_kv: bool = False
 
 
 class Generate(Message, tag="generate"):
@@ -160,6 +164,11 @@ class Admit(Message, tag="admit"):
     params: SamplingParams
     transfer_timeout_s: float  # the coordinator's setting when it admitted the sequence
     output_offset: int = 0  # outputs before token_ids[num_computed:]
+    # Early admission (layer-wise KV streaming): sent when the prefill starts, before the first
+    # token exists. token_ids is then the prefill's tokens alone, num_computed all of them, and
+    # the first token comes later in a `StartDecode`; the sequence runs once both that token
+    # and every layer of its KV are in. transfer_timeout_s then covers the prefill too.
+    first_token_pending: bool = False
 
 
 class SendKV(Message, tag="send_kv"):
@@ -170,6 +179,14 @@ class SendKV(Message, tag="send_kv"):
     receiver_info: dict[str, Any]
     dst_blocks: list[int]
     transfer_timeout_s: float
+
+
+class StartDecode(Message, tag="start_decode"):
+    """The first token of a sequence admitted before its prefill ended (`Admit` with
+    first_token_pending): the decode node appends it and runs the sequence once its KV is in."""
+
+    request_id: str
+    token_id: int
 
 
 class Abort(Message, tag="abort"):
@@ -192,12 +209,14 @@ NodeReport = (
     Register | Heartbeat | HandoffReady | FirstToken | Admitted | TransferDone | Tokens
     | RequestError
 )  # fmt: skip
-NodeOrder = Prefill | Generate | Admit | SendKV | Abort | Shutdown | Reset
+NodeOrder = Prefill | Generate | Admit | SendKV | StartDecode | Abort | Shutdown | Reset
 
 NODE_REPORTS: tuple[type[Message], ...] = (
     Register, Heartbeat, HandoffReady, FirstToken, Admitted, TransferDone, Tokens, RequestError,
 )  # fmt: skip
-NODE_ORDERS: tuple[type[Message], ...] = (Prefill, Generate, Admit, SendKV, Abort, Shutdown, Reset)
+NODE_ORDERS: tuple[type[Message], ...] = (
+    Prefill, Generate, Admit, SendKV, StartDecode, Abort, Shutdown, Reset,
+)  # fmt: skip
 
 # What the coordinator decodes, and what a node decodes.
 reports = Codec("node report", NODE_PROTOCOL_VERSION, NODE_REPORTS)
