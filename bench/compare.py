@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["uptime_after"] = machine()["uptime_before"]
     results["elapsed_s"] = time.monotonic() - started
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(json.dumps(compact(results)))
+    Path(args.results).write_text(json.dumps(compact(results), default=str))
     title = (f"pdserve on {results['machine']['cores']} CPU cores: mixed workload (solid) "
              f"and short-only (dashed)")  # fmt: skip
     plot_sweeps(results["sweeps"], args.plot, title)

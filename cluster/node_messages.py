@@ -179,6 +179,9 @@ class SendKV(Message, tag="send_kv"):
     receiver_info: dict[str, Any]
     dst_blocks: list[int]
     transfer_timeout_s: float
+    # Sent while the prefill runs (early admission): it may overtake the Prefill order (it goes
+    # to the handoff socket), so the prefill node keeps the route until that order comes.
+    prefilling: bool = False
 
 
 class StartDecode(Message, tag="start_decode"):

@@ -472,7 +472,7 @@ class CoordinatorCore:
         state.early = EarlyAdmission.ADMITTED
         send_kv = SendKV(
             state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks,
-            self.config.transfer_timeout_s,
+            self.config.transfer_timeout_s, prefilling=state.phase is Phase.PREFILLING,
         )  # fmt: skip
         self._send(prefill, send_kv, self.handoff_identities.get(prefill.node_id))
         if state.phase is Phase.ADMITTING:  # the first token came before the reservation

@@ -107,6 +107,9 @@ class PrefillHandoff:
         # it speaks (a deployment may mix cuda_ipc within a host and nccl across).
         self.senders: dict[str, KVSender] = {}
         self._refused: list[HandoffEnd] = []  # orders for KV not held here (nothing to free)
+        # Routes of streaming prefills whose SendKV (on the handoff socket's thread) came before
+        # the loop took their Prefill order: expect_stream picks them up.
+        self._ahead: dict[str, Route] = {}
         self._lock = threading.Lock()
 
     @property
@@ -121,8 +124,9 @@ class PrefillHandoff:
         """Loop: a prefill whose destination may come before its end (layer-wise streaming)."""
         with self._lock:
             self.handoffs[request_id] = Handoff(
-                request_id, [], HandoffState.PREFILLING, prefill_done=False
-            )
+                request_id, [], HandoffState.PREFILLING, prefill_done=False,
+                route=self._ahead.pop(request_id, None),
+            )  # fmt: skip
 
     def streams(self, request_id: str) -> bool:
         """Whether request_id is a streaming prefill still in the engine."""
@@ -181,13 +185,18 @@ class PrefillHandoff:
         receiver_info: dict,
         dst_blocks: list[int],
         timeout_s: float,
+        prefilling: bool = False,
     ) -> None:
         """Any thread: start moving a held sequence's KV into a decode node's blocks (or, for a
-        streaming prefill still running, keep the destination for its layers). A send that
-        cannot start is reported by the next `poll` (its blocks freed there)."""
+        streaming prefill still running, keep the destination for its layers). prefilling: the
+        order was given while the prefill runs, maybe before the loop took its Prefill order.
+        A send that cannot start is reported by the next `poll` (its blocks freed there)."""
         route = Route(decode_node, receiver_info, list(dst_blocks), timeout_s)
         with self._lock:
             handoff = self.handoffs.get(request_id)
+            if handoff is None and prefilling:
+                self._ahead[request_id] = route
+                return
             if handoff is None or handoff.route is not None or handoff.state not in (
                 HandoffState.PREFILLING, HandoffState.HELD,
             ):  # fmt: skip
@@ -238,6 +247,7 @@ class PrefillHandoff:
         end. False if the handoff holds no blocks for it (a streaming prefill not started
         sending: the engine's abort frees its blocks)."""
         with self._lock:
+            self._ahead.pop(request_id, None)
             handoff = self.handoffs.get(request_id)
             if handoff is None:
                 return False
@@ -256,6 +266,8 @@ class PrefillHandoff:
         """Loop: drop every handoff (the coordinator moved this node's requests elsewhere)."""
         for request_id in list(self.handoffs):
             self.abort(request_id)
+        with self._lock:
+            self._ahead.clear()
 
     def poll(self) -> list[HandoffEnd]:
         """Loop: the handoffs that ended since the last poll (every send ended, one failed, or
@@ -335,18 +347,15 @@ class DecodeHandoff:
         """Blocks for the KV of seq's computed tokens, expected from a sender within timeout_s;
         None (nothing held) when the pool has no room. Raises TransportFailed when the receiver
         is broken. first_token_pending (early admission): seq holds only its prompt, and it
-        runs once every layer is in and `start` has given it its first token, in either order.
-        Its block for the first token is reserved too, so it cannot lack one when it starts."""
+        runs once every layer is in and `start` has given it its first token, in either order
+        (that token's slot is allocated by its first decode step, as for any sequence)."""
         if self.receiver.failed is not None:
             raise TransportFailed(self.receiver.failed)
         blocks: list[int] = []
-        tokens = seq.num_computed_tokens + (1 if first_token_pending else 0)
-        if not self.block_manager.allocate_slots(blocks, tokens):
+        if not self.block_manager.allocate_slots(blocks, seq.num_computed_tokens):
             return None
-        # Only the prompt's blocks receive KV; a block for the first token alone stays out.
-        kv_blocks = -(-seq.num_computed_tokens // self.block_manager.block_size)
         try:
-            self.receiver.expect(seq.request_id, blocks[:kv_blocks], timeout_s=timeout_s)
+            self.receiver.expect(seq.request_id, list(blocks), timeout_s=timeout_s)
         except Exception:
             self.block_manager.free(blocks)
             raise
@@ -355,7 +364,7 @@ class DecodeHandoff:
             seq.request_id, blocks, HandoffState.EXPECTING, seq,
             first_token_pending=first_token_pending,
         )  # fmt: skip
-        return blocks[:kv_blocks]
+        return list(blocks)
 
     def start(self, request_id: str, token_id: int) -> Sequence | None:
         """An early-admitted sequence's first token (StartDecode): the sequence, ready to run,

@@ -108,7 +108,7 @@ class PrefillNode:
         """Start shipping a prefilled sequence's KV; safe from the handoff socket's thread."""
         self.handoff.send(
             msg.request_id, msg.decode_node, msg.receiver_info, msg.dst_blocks,
-            msg.transfer_timeout_s,
+            msg.transfer_timeout_s, msg.prefilling,
         )  # fmt: skip
 
     def _report_first_tokens(self, outputs: list[RequestOutput]) -> None:

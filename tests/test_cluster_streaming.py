@@ -49,7 +49,9 @@ def watch_admissions(cluster: Cluster) -> list[EarlyAdmission]:
 def test_streamed_handoffs_match_offline_including_chunked_prefills(transport, offline):
     # max_num_batched_tokens=32: the prompts over 32 tokens prefill in chunks, and only their
     # last chunk's forward streams (each layer's send carries every chunk's pages of it).
-    prompts = make_prompts(6, seed=7, lo=24, hi=90) + make_prompts(2, seed=8, lo=3, hi=12)
+    # One prompt fills its blocks exactly (48 tokens): its first token needs a block of its own.
+    prompts = make_prompts(5, seed=7, lo=24, hi=90) + make_prompts(2, seed=8, lo=3, hi=12)
+    prompts.append(list(range(100, 148)))
     expected = [o.token_ids for o in offline.generate(prompts, GREEDY)]
     with Cluster(1, 1, transport=transport, config=STREAMING, max_num_batched_tokens=32) as cluster:
         admissions = watch_admissions(cluster)

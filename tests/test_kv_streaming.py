@@ -247,12 +247,22 @@ def decode():
     d.close()
 
 
-def test_an_early_reservation_holds_the_first_tokens_slot_and_asks_for_the_prompts_blocks(
-    decode,
-):
-    seq, dst = decode.admit_early("r1", num_tokens=8)  # 2 full blocks, the token in a 3rd
-    assert len(dst) == 2 and len(seq.block_table) == 3
-    assert decode.blocks.num_used_blocks == 3
+def test_a_send_kv_that_overtakes_its_prefill_order_is_kept_for_it():
+    handoff, sender, blocks = prefill_side()
+    handoff.send("r1", "d0", INFO, [7, 8, 9], 10.0, prefilling=True)  # the handoff socket
+    assert handoff.poll() == []  # not refused
+    handoff.expect_stream("r1")  # the loop takes the Prefill order
+    table = engine_blocks(blocks, 10)
+    handoff.layer_done("r1", table, 0)
+    assert [s[1] for s in sender.sends] == [(0, 1)]
+    # A late order for KV no prefill here will produce is still refused.
+    handoff.send("r2", "d0", INFO, [1], 10.0)
+    assert [(e.request_id, e.ok) for e in handoff.poll()] == [("r2", False)]
+    # An abort forgets a route kept ahead of its prefill.
+    handoff.send("r3", "d0", INFO, [1], 10.0, prefilling=True)
+    handoff.abort("r3")
+    handoff.expect_stream("r3")
+    assert handoff.handoffs["r3"].route is None
 
 
 @pytest.mark.parametrize("token_first", [True, False])
@@ -321,6 +331,7 @@ def test_a_long_prompt_is_admitted_when_its_prefill_starts():
     sim.report("d0", Admitted(admit.request_id, True, list(range(8))))
     (send,) = sim.sent(SendKV, "p0/handoff")  # before the prefill's end
     assert send.dst_blocks == list(range(8)) and state.early is EarlyAdmission.ADMITTED
+    assert send.prefilling
     sim.report("p0", FirstToken(prefill.request_id, 50, None, 0, num_blocks=8))
     (start,) = sim.sent(StartDecode, "d0")
     assert (start.request_id, start.token_id) == (admit.request_id, 50)

@@ -59,7 +59,7 @@ EXAMPLES: list[tuple[Codec, Message]] = [
     (orders, Prefill("r#1", [1, 2, 3], PARAMS, 2, True)),
     (orders, Generate("r#1", [1, 2, 3], PARAMS, 1)),
     (orders, Admit("r#1", [1, 2, 3, 4], 3, PARAMS, 12.5, 1, True)),
-    (orders, SendKV("r#1", "d0", RECEIVER, [5, 6], 12.5)),
+    (orders, SendKV("r#1", "d0", RECEIVER, [5, 6], 12.5, True)),
     (orders, StartDecode("r#1", 9)),
     (orders, Abort("r#1", True)),
     (orders, Shutdown()),
