@@ -4,7 +4,10 @@ their prefill starts and their pages leave layer by layer; the streams are the o
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import time
 
 import pytest
 from local_cluster import Cluster
@@ -63,3 +66,81 @@ def test_streamed_handoffs_match_offline_including_chunked_prefills(transport, o
         )  # every long prompt was admitted early
         assert admissions.count(EarlyAdmission.NONE) >= 2  # the short ones were not
         cluster.wait_until_idle()  # every block free on both nodes
+
+
+def wait_for(predicate, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def admitted_mid_prefill(cluster: Cluster, request_id: str):  # noqa: ANN201
+    """The request's state once its decode node reserved blocks while its prefill still runs."""
+    found = []
+
+    def check() -> bool:
+        state = cluster.coordinator.core.requests.get(request_id)
+        if state is not None and state.early is EarlyAdmission.ADMITTED:
+            found.append(state)
+        return bool(found)
+
+    wait_for(check)
+    return found[0]
+
+
+# 900 tokens in chunks of 16: the prefill runs for dozens of steps after its admission.
+LONG_PROMPT = [4 + (i * 37) % 490 for i in range(900)]
+
+
+def test_an_abort_mid_prefill_after_admission_frees_every_block_on_both_nodes():
+    with Cluster(1, 1, config=STREAMING, max_num_batched_tokens=16) as cluster:
+        prefill = cluster.group.procs["prefill-0"]
+
+        async def abort_mid_prefill() -> None:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                stream = client.generate(LONG_PROMPT, GREEDY, request_id="long-1")
+                first = asyncio.ensure_future(stream.__anext__())  # submits it
+                state = await asyncio.to_thread(admitted_mid_prefill, cluster, "long-1")
+                os.kill(prefill.pid, signal.SIGSTOP)  # hold the prefill where it is
+                try:
+                    assert state.first_token_at is None  # no token yet: mid-prefill
+                    await client.abort("long-1")
+                    await asyncio.to_thread(
+                        wait_for, lambda: "long-1" not in cluster.coordinator.core.requests
+                    )
+                finally:
+                    os.kill(prefill.pid, signal.SIGCONT)
+                first.cancel()
+
+        asyncio.run(abort_mid_prefill())
+        # Both nodes report every block free: the decode node's reservation and the prefill
+        # node's prompt (and any pages it had started to send).
+        cluster.wait_until_idle()
+        tokens, _ = asyncio.run(run_all(cluster.client_addr, [LONG_PROMPT[:40]], GREEDY))[0]
+        assert len(tokens) == GREEDY.max_tokens  # and it serves on
+
+
+def test_a_prefill_node_killed_after_admission_fails_over_and_finishes_identical(offline):
+    # The kill lands mid-prefill with the route known (not deterministically mid-send: the
+    # handoff-level test_kv_streaming covers a sender lost after some layers).
+    (expected,) = [o.token_ids for o in offline.generate([LONG_PROMPT], GREEDY)]
+    with Cluster(2, 1, config=STREAMING, max_num_batched_tokens=16) as cluster:
+
+        async def run_with_kill() -> tuple[list[int], str]:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                tokens: list[int] = []
+                stream = client.generate(LONG_PROMPT, GREEDY, request_id="long-2")
+                first = asyncio.ensure_future(stream.__anext__())
+                state = await asyncio.to_thread(admitted_mid_prefill, cluster, "long-2")
+                victim = state.prefill_node
+                await asyncio.to_thread(cluster.kill, victim)
+                tokens += (await first).token_ids
+                async for event in stream:
+                    tokens += event.token_ids
+                return tokens, victim
+
+        tokens, victim = asyncio.run(run_with_kill())
+        assert tokens == expected
+        assert not cluster.node(victim).alive
+        cluster.wait_until_idle()
