@@ -98,7 +98,7 @@ class CoordinatorConfig:
     )
     # Layer-wise KV streaming.
     kv_streaming: bool = setting(
-        False,
+        True,
         "admit long prompts into a decode node when their prefill starts, and send their KV layer by layer while the last chunk computes",
         live=True,
     )
