@@ -144,3 +144,17 @@ def test_a_prefill_node_killed_after_admission_fails_over_and_finishes_identical
         assert tokens == expected
         assert not cluster.node(victim).alive
         cluster.wait_until_idle()
+
+
+def test_a_tensor_parallel_prefill_node_takes_early_admissions_and_sends_after_its_step(offline):
+    # Its ranks' layers are not rank 0's: their pages leave after the prefill step, all layers
+    # at once, into the reservation made when the prefill started.
+    prompts = make_prompts(4, seed=9, lo=24, hi=70)
+    expected = [o.token_ids for o in offline.generate(prompts, GREEDY)]
+    tp2 = {"prefill-0": {"tensor_parallel_size": 2}}
+    with Cluster(1, 1, config=STREAMING, node_engines=tp2, max_num_batched_tokens=32) as cluster:
+        admissions = watch_admissions(cluster)
+        results = asyncio.run(run_all(cluster.client_addr, prompts, GREEDY))
+        assert [tokens for tokens, _ in results] == expected
+        assert EarlyAdmission.NONE not in admissions
+        cluster.wait_until_idle()
