@@ -30,7 +30,7 @@ from bench.serving.load_generator import LoadConfig
 from bench.serving.metrics import SLO
 from bench.serving.pdserve_server import PdserveServer, PdserveSystem
 from bench.serving.plots import plot_sweeps
-from bench.serving.report import aims, interference_table, results_table
+from bench.serving.report import aims, interference_table, long_requests_table, results_table
 from bench.serving.sweep import run_sweep
 from bench.serving.vllm_server import VllmServer
 from bench.serving.workload import SyntheticWorkload
@@ -72,11 +72,23 @@ SYSTEMS["disaggregated-tcp-curve"] = PdserveSystem("disaggregated-tcp-curve", fl
 SYSTEMS["disaggregated-tcp-kv-auth-only"] = PdserveSystem(
     "disaggregated-tcp-kv-auth-only", flags=TCP, config={"kv_encryption": False}
 )
+# Not run unless named: layer-wise KV streaming off and on (prompts of 512 tokens and more are
+# admitted into the decode node when their prefill starts; pages leave layer by layer).
+STREAMING = {"kv_streaming_min_prompt_tokens": 512}
+SYSTEMS["disaggregated-no-streaming"] = PdserveSystem(
+    "disaggregated-no-streaming", flags=TCP, config={**STREAMING, "kv_streaming": False}
+)
+SYSTEMS["disaggregated-streaming"] = PdserveSystem(
+    "disaggregated-streaming", flags=TCP, config={**STREAMING, "kv_streaming": True}
+)
 DEFAULT_SYSTEMS = ["disaggregated", "colocated", "colocated-static"]
 # Not run unless named: vLLM's OpenAI server (its CPU backend, from `make bench-peers`).
 PEER_SYSTEMS = ("vllm",)
-# Every system runs both; short-only is the reference for the TPOT interference of long prompts.
-VARIANTS = ("mixed", "short-only")
+# Every system runs both by default; short-only is the reference for the TPOT interference of
+# long prompts. long-only (not run unless named): every request a long prompt, so the
+# coordinator's KV handoff histogram is the long requests' alone.
+VARIANTS = ("mixed", "short-only", "long-only")
+DEFAULT_VARIANTS = ["mixed", "short-only"]
 
 
 def workloads(args: argparse.Namespace) -> dict[str, SyntheticWorkload]:
@@ -90,7 +102,8 @@ def workloads(args: argparse.Namespace) -> dict[str, SyntheticWorkload]:
     short = SyntheticWorkload(
         short_prompt_len=args.short_prompt_len, short_output_len=args.short_output_len
     )
-    return {"mixed": mixed, "short-only": short}
+    long = dataclasses.replace(mixed, long_fraction=1.0)
+    return {"mixed": mixed, "short-only": short, "long-only": long}
 
 
 def num_requests(args: argparse.Namespace, rate: float) -> int:
@@ -140,6 +153,7 @@ async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
                              extra_body={"logprobs": 0})  # fmt: skip
             for variant in args.variants:
                 workload = loads[variant]
+                handoffs_before = handoff_histogram(server)
                 sweep = await run_sweep(
                     lambda seed, rate, w=workload: w.sample(num_requests(args, rate), seed),
                     args.rates,
@@ -151,9 +165,38 @@ async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
                     variant=variant,
                 )
                 sweep["command"] = server.command
+                sweep["kv_handoff"] = handoff_delta(handoffs_before, handoff_histogram(server))
                 sweeps.append(sweep)
         print(f"== {name} done in {time.monotonic() - started:.0f} s", flush=True)
     return sweeps
+
+
+def handoff_histogram(server: object) -> tuple[float, float] | None:
+    """(sum of seconds, count) of the coordinator's pdserve_kv_handoff_seconds: from a first
+    token's arrival at the coordinator (its admission, without streaming) to the decode node's
+    first token; None for a server without it."""
+    import urllib.request
+
+    if not isinstance(server, PdserveServer):
+        return None
+    try:
+        with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        for name in ("sum", "count"):
+            if line.startswith(f"pdserve_kv_handoff_seconds_{name} "):
+                values[name] = float(line.split()[1])
+    return (values["sum"], values["count"]) if len(values) == 2 else None
+
+
+def handoff_delta(before: tuple | None, after: tuple | None) -> dict | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    count = after[1] - before[1]
+    return {"count": int(count), "mean_ms": (after[0] - before[0]) / count * 1e3}
 
 
 def compact(results: dict) -> dict:
@@ -198,6 +241,8 @@ def markdown(results: dict, args: argparse.Namespace, doc: Path) -> str:
         "",
         *aims(sweeps, "disaggregated", "colocated", static, args.latency_limits_ms),
     ]
+    if any(s["system"].endswith("streaming") for s in sweeps):
+        lines += ["", long_requests_table(sweeps)]
     return "\n".join(lines)
 
 
@@ -231,9 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's OpenAI server on its CPU backend, from `make bench-peers`)")  # fmt: skip
     p.add_argument("--peer-venv", type=Path, default=VLLM_VENV,
                    help="vLLM's virtualenv, for --systems vllm")  # fmt: skip
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=DEFAULT_VARIANTS,
                    help="workloads each system runs: mixed (long prompts among short ones), "
-                   "short-only")  # fmt: skip
+                   "short-only, long-only")  # fmt: skip
     p.add_argument("--rates", type=floats, default=[2.0, 4.0, 6.0, 8.0, 10.0],
                    help="request rates of the sweep, req/s")  # fmt: skip
     p.add_argument("--duration-s", type=float, default=20.0, help="of arrivals per rate")
@@ -298,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["uptime_after"] = machine()["uptime_before"]
     results["elapsed_s"] = time.monotonic() - started
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(json.dumps(compact(results)))
+    Path(args.results).write_text(json.dumps(compact(results), default=str))
     title = (f"pdserve on {results['machine']['cores']} CPU cores: mixed workload (solid) "
              f"and short-only (dashed)")  # fmt: skip
     plot_sweeps(results["sweeps"], args.plot, title)

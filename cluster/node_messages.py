@@ -145,6 +145,10 @@ class Prefill(Message, tag="prefill"):
     # Outputs of this request sampled before token_ids' end (a retry resumes from them): seeded
     # sampling continues the same stream from there.
     output_offset: int = 0
+    # Layer-wise KV streaming: a decode node is being admitted while this prefill runs; its
+    # SendKV may come before the first token, and the last chunk's forward then hands each
+    # layer's pages to the transport as soon as that layer is done.
+    stream_kv: bool = False
 
 
 class Generate(Message, tag="generate"):
@@ -167,6 +171,11 @@ class Admit(Message, tag="admit"):
     output_offset: int = 0  # outputs before token_ids[num_computed:]
     # Take the leading full blocks the node's prefix cache already holds; receive only the rest.
     reuse_prefix: bool = False
+    # Early admission (layer-wise KV streaming): sent when the prefill starts, before the first
+    # token exists. token_ids is then the prefill's tokens alone, num_computed all of them, and
+    # the first token comes later in a `StartDecode`; the sequence runs once both that token
+    # and every layer of its KV are in. transfer_timeout_s then covers the prefill too.
+    first_token_pending: bool = False
 
 
 class SendKV(Message, tag="send_kv"):
@@ -178,6 +187,17 @@ class SendKV(Message, tag="send_kv"):
     dst_blocks: list[int]
     transfer_timeout_s: float
     skip_blocks: int = 0  # leading blocks the decode node holds already: not sent
+    # Sent while the prefill runs (early admission): it may overtake the Prefill order (it goes
+    # to the handoff socket), so the prefill node keeps the route until that order comes.
+    prefilling: bool = False
+
+
+class StartDecode(Message, tag="start_decode"):
+    """The first token of a sequence admitted before its prefill ended (`Admit` with
+    first_token_pending): the decode node appends it and runs the sequence once its KV is in."""
+
+    request_id: str
+    token_id: int
 
 
 class Abort(Message, tag="abort"):
@@ -200,12 +220,14 @@ NodeReport = (
     Register | Heartbeat | HandoffReady | FirstToken | Admitted | TransferDone | Tokens
     | RequestError
 )  # fmt: skip
-NodeOrder = Prefill | Generate | Admit | SendKV | Abort | Shutdown | Reset
+NodeOrder = Prefill | Generate | Admit | SendKV | StartDecode | Abort | Shutdown | Reset
 
 NODE_REPORTS: tuple[type[Message], ...] = (
     Register, Heartbeat, HandoffReady, FirstToken, Admitted, TransferDone, Tokens, RequestError,
 )  # fmt: skip
-NODE_ORDERS: tuple[type[Message], ...] = (Prefill, Generate, Admit, SendKV, Abort, Shutdown, Reset)
+NODE_ORDERS: tuple[type[Message], ...] = (
+    Prefill, Generate, Admit, SendKV, StartDecode, Abort, Shutdown, Reset,
+)  # fmt: skip
 
 # What the coordinator decodes, and what a node decodes.
 reports = Codec("node report", NODE_PROTOCOL_VERSION, NODE_REPORTS)

@@ -101,6 +101,24 @@ class CoordinatorConfig:
         "a decode node takes the leading prompt blocks its prefix cache holds (arrived or generated there) and receives only the rest; admission prefers the decode node holding the longest prefix, by the prefix_affinity rule",
         live=True,
     )
+    # Layer-wise KV streaming.
+    kv_streaming: bool = setting(
+        True,
+        "admit long prompts into a decode node when their prefill starts, and send their KV layer by layer while the last chunk computes",
+        live=True,
+    )
+    kv_streaming_min_prompt_tokens: int = setting(
+        512,
+        "prompts of at least this many tokens stream their KV (with kv_streaming)",
+        live=True,
+        minimum=1,
+    )
+    kv_streaming_timeout_s: float = setting(
+        120.0,
+        "how long a decode node holds an early reservation for the prefill to end and its KV to arrive",
+        live=True,
+        above=0,
+    )
     # Failure handling.
     heartbeat_timeout_s: float = setting(
         3.0,

@@ -32,15 +32,16 @@ from cluster.node_messages import (
     Reset,
     SendKV,
     Shutdown,
+    StartDecode,
     TokenLogprobs,
     Tokens,
     TransferDone,
 )  # fmt: skip
 from cluster.sampling_params import SamplingParams
-from coordinator.admission import AdmissionQueue, Candidate
+from coordinator.admission import AdmissionQueue, Candidate, has_room
 from coordinator.config import CoordinatorConfig
 from coordinator.nodes import NodeRegistry, NodeState
-from coordinator.request_state import PENDING_PHASES, Phase, RequestState
+from coordinator.request_state import PENDING_PHASES, EarlyAdmission, Phase, RequestState
 from coordinator.routing import PrefixAffinity, kv_load, least_loaded, most_free_blocks
 
 logger = logging.getLogger(__name__)
@@ -262,7 +263,62 @@ class CoordinatorCore:
             node = least_loaded(prefillers)
         state.phase, state.prefill_node, state.decode_node = Phase.PREFILLING, node.node_id, None
         node.assigned_prefill_tokens += len(token_ids)
-        self._send(node, Prefill(state.wire_id, token_ids, params, len(state.output_token_ids)))
+        stream = self._admit_early(state, token_ids)
+        self._send(
+            node,
+            Prefill(state.wire_id, token_ids, params, len(state.output_token_ids), stream),
+        )
+
+    def _admit_early(self, state: RequestState, token_ids: list[int]) -> bool:
+        """Layer-wise KV streaming: admit a long prompt into a decode node as its prefill
+        starts, so the prefill node learns where to send each layer before its last chunk runs.
+        The Admit carries the prompt alone; the first token follows in StartDecode. False (the
+        request goes today's way) when streaming is off, the prompt is short, sequences wait
+        for admission already (none is overtaken), or no decode node has room now."""
+        state.early = EarlyAdmission.NONE
+        cfg = self.config
+        if (
+            not cfg.kv_streaming
+            or len(token_ids) < cfg.kv_streaming_min_prompt_tokens
+            or len(self.admission) > 0
+        ):
+            return False
+
+        def blocks(node: NodeState) -> int:  # the prompt's KV and the first token's slot
+            return -(-(len(token_ids) + 1) // node.block_size)
+
+        fitting = [
+            n for n in self.nodes.kv_receivers() if has_room(n, blocks(n), cfg.admission_watermark)
+        ]
+        if cfg.decode_prefix_reuse:  # the decode node holding the longest prefix, load allowing
+            node = self.decode_affinity.choose(
+                token_ids,
+                fitting,
+                cfg.prefix_affinity_min_blocks,
+                cfg.prefix_affinity_max_load_ratio,
+                load=kv_load,
+                fallback_choice=most_free_blocks,
+            )
+        else:
+            node = most_free_blocks(fitting)
+        if node is None:
+            return False
+        node.reserved_blocks += blocks(node)
+        state.decode_node, state.early = node.node_id, EarlyAdmission.ADMITTING
+        self._send(
+            node,
+            Admit(
+                state.wire_id,
+                token_ids,
+                len(token_ids),  # every token's KV comes from the prefill node
+                state.remaining_params(),
+                transfer_timeout_s=cfg.kv_streaming_timeout_s,
+                output_offset=len(state.output_token_ids),
+                reuse_prefix=cfg.decode_prefix_reuse,
+                first_token_pending=True,
+            ),
+        )
+        return True
 
     def _prefill_locally(self, token_ids: list[int], prefillers: list[NodeState]) -> bool:
         """Conditional disaggregation: short prompts, or every prefill queue over its limit."""
@@ -378,15 +434,37 @@ class CoordinatorCore:
         node.assigned_prefill_tokens = max(
             0, node.assigned_prefill_tokens - len(state.resume_token_ids())
         )
+        early, decode_node, wire_id = state.early, state.decode_node, state.wire_id
         self._emit_tokens(state, [msg.token_id], msg.finish_reason, msg.logprobs)
         if state.done:
+            if early is not EarlyAdmission.NONE:  # the early reservation is not needed
+                target = self.nodes.nodes.get(decode_node or "")
+                if target is not None and target.alive:
+                    unsent = early is EarlyAdmission.ADMITTING
+                    self._send(target, Abort(wire_id, kv_unsent=unsent))
             return
-        state.phase, state.num_blocks = Phase.WAITING_ADMISSION, msg.num_blocks
+        state.num_blocks = msg.num_blocks
+        if early is not EarlyAdmission.NONE:
+            state.handoff_started = self.now
+            if early is EarlyAdmission.ADMITTING:
+                state.phase = Phase.ADMITTING  # _on_admitted goes on
+                return
+            state.phase = Phase.TRANSFERRING
+            self._send(self.nodes.nodes[decode_node], StartDecode(wire_id, msg.token_id))
+            return
+        state.phase = Phase.WAITING_ADMISSION
         self.admission.push(Candidate(state.wire_id, msg.num_blocks))
         self._pump_admission()
 
     def _on_admitted(self, node: NodeState, msg: Admitted) -> None:
         state = self.by_wire.get(msg.request_id)
+        if (
+            state is not None
+            and state.decode_node == node.node_id
+            and state.early is EarlyAdmission.ADMITTING
+        ):
+            self._on_early_admitted(node, state, msg)
+            return
         if state is None or state.decode_node != node.node_id or state.phase is not Phase.ADMITTING:
             if msg.ok:  # a reservation nobody will send KV into
                 self._send(node, Abort(msg.request_id, kv_unsent=True))
@@ -413,6 +491,38 @@ class CoordinatorCore:
         # between steps.
         self._send(prefill, send_kv, self.handoff_identities.get(prefill.node_id))
 
+    def _on_early_admitted(self, node: NodeState, state: RequestState, msg: Admitted) -> None:
+        if not msg.ok:
+            # The node had less room than it reported: the request goes today's way.
+            node.reserved_blocks = node.free_blocks
+            state.early, state.decode_node = EarlyAdmission.NONE, None
+            if state.phase is Phase.ADMITTING:  # its first token came already
+                state.phase = Phase.WAITING_ADMISSION
+                self.admission.push(Candidate(state.wire_id, state.num_blocks), front=True)
+                self._pump_admission()
+            return
+        prefill = self.nodes.nodes.get(state.prefill_node or "")
+        if prefill is None or not prefill.alive:
+            self._requeue(state, "prefill node lost before its KV was sent")
+            return
+        state.early = EarlyAdmission.ADMITTED
+        if self.config.decode_prefix_reuse:
+            # The prefill's tokens (not the first token, if it came): their full blocks enter
+            # the decode node's prefix cache as they land.
+            token_ids = state.resume_token_ids()
+            self.decode_affinity.record(
+                token_ids if state.phase is Phase.PREFILLING else token_ids[:-1], node
+            )
+        send_kv = SendKV(
+            state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks,
+            self.config.transfer_timeout_s, msg.num_reused,
+            prefilling=state.phase is Phase.PREFILLING,
+        )  # fmt: skip
+        self._send(prefill, send_kv, self.handoff_identities.get(prefill.node_id))
+        if state.phase is Phase.ADMITTING:  # the first token came before the reservation
+            state.phase = Phase.TRANSFERRING
+            self._send(node, StartDecode(state.wire_id, state.output_token_ids[-1]))
+
     def _on_transfer_done(self, node: NodeState, msg: TransferDone) -> None:
         state = self.by_wire.get(msg.request_id)
         if state is None or state.done:
@@ -421,7 +531,8 @@ class CoordinatorCore:
             if state.phase is Phase.TRANSFERRING:
                 state.phase = Phase.DECODING
             return
-        if state.phase in (Phase.TRANSFERRING, Phase.ADMITTING):
+        streaming = state.phase is Phase.PREFILLING and state.early is not EarlyAdmission.NONE
+        if state.phase in (Phase.TRANSFERRING, Phase.ADMITTING) or streaming:
             self._requeue(state, f"KV transfer failed on {node.node_id}: {msg.error}")
 
     def _on_tokens(self, node: NodeState, msg: Tokens) -> None:
@@ -461,6 +572,7 @@ class CoordinatorCore:
             )  # fmt: skip
             on_decode = state.decode_node == node.node_id and state.phase in (
                 Phase.LOCAL_PREFILL, Phase.ADMITTING, Phase.TRANSFERRING, Phase.DECODING,
+                Phase.PREFILLING,  # admitted early (layer-wise KV streaming)
             )  # fmt: skip
             if on_prefill or on_decode:
                 self._requeue(state, f"node {node.node_id} died")
@@ -487,7 +599,9 @@ class CoordinatorCore:
         self.admission.remove(state.wire_id)
         # Admitted but SendKV not yet sent (it goes out when the decode node confirms): no KV
         # will come, and the decode node may free its reservation at once.
-        kv_unsent = state.phase is Phase.ADMITTING
+        kv_unsent = state.early is EarlyAdmission.ADMITTING or (
+            state.early is EarlyAdmission.NONE and state.phase is Phase.ADMITTING
+        )
         for node_id in {state.prefill_node, state.decode_node} - {None}:
             node = self.nodes.nodes.get(node_id)
             if node is not None and node.alive:

@@ -19,6 +19,15 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
+class EarlyAdmission(enum.Enum):
+    """Layer-wise KV streaming: a decode node admitted at the prefill's start (phase is then
+    PREFILLING until the first token, then ADMITTING or TRANSFERRING)."""
+
+    NONE = "none"  # admitted after the first token, if at all
+    ADMITTING = "admitting"  # Admit sent with the prompt alone, no answer yet
+    ADMITTED = "admitted"  # reserved; SendKV sent to the prefill node
+
+
 PENDING_PHASES = (
     Phase.PREFILLING,
     Phase.LOCAL_PREFILL,
@@ -40,6 +49,7 @@ class RequestState:
     prefill_node: str | None = None
     decode_node: str | None = None
     num_blocks: int = 0
+    early: EarlyAdmission = EarlyAdmission.NONE
     num_cached_tokens: int = 0
     handoff_started: float = 0.0  # when its current KV handoff began (admission sent)
     first_token_at: float | None = None

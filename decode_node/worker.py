@@ -22,6 +22,7 @@ from cluster.node_messages import (
     RequestError,
     Reset,
     Shutdown,
+    StartDecode,
     TokenItem,
     Tokens,
     TransferDone,
@@ -31,6 +32,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVLayout, KVPool
 from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from engine.sequence import Sequence
 from engine.tp_shard import kv_head_ranges
 from kv_transfer.base import KVReceiver, TransportFailed
 from kv_transfer.handoff import DecodeHandoff
@@ -64,6 +66,10 @@ class DecodeNode:
                 self.link.send(RequestError(msg.request_id, str(exc), retryable=False))
         elif isinstance(msg, Admit):
             self._admit(msg)
+        elif isinstance(msg, StartDecode):
+            seq = self.handoff.start(msg.request_id, msg.token_id) if self.handoff else None
+            if seq is not None:
+                self._run_arrived(seq)
         elif isinstance(msg, Abort):
             if self.handoff is None or not self.handoff.cancel(msg.request_id, msg.kv_unsent):
                 self.engine.abort(msg.request_id)
@@ -85,7 +91,9 @@ class DecodeNode:
                 seq = self.engine.new_sequence(
                     msg.request_id, msg.token_ids, msg.params, msg.num_computed, msg.output_offset
                 )
-                blocks = self.handoff.reserve(seq, msg.transfer_timeout_s, msg.reuse_prefix)
+                blocks = self.handoff.reserve(
+                    seq, msg.transfer_timeout_s, msg.reuse_prefix, msg.first_token_pending
+                )
                 if blocks is not None:
                     num_reused = len(seq.block_table) - len(blocks)
             except (RequestRejected, ValueError, TypeError, TransportFailed) as exc:
@@ -97,16 +105,20 @@ class DecodeNode:
             return
         arrived, failed = self.handoff.poll()
         for seq in arrived:
-            try:
-                self.engine.add_running(seq)
-            except RequestRejected as exc:  # its id is taken: it cannot run here
-                self.engine.block_manager.free(seq.block_table)
-                self.link.send(TransferDone(seq.request_id, False, str(exc)))
+            self._run_arrived(seq)
         for end in failed:
             self.link.send(TransferDone(end.request_id, False, end.error))
         if self.kv_error is not None and not self._kv_error_logged:
             logger.error("KV receiver failed; taking no more handoffs: %s", self.kv_error)
             self._kv_error_logged = True
+
+    def _run_arrived(self, seq: Sequence) -> None:
+        """Start a sequence whose KV (and first token) are all in."""
+        try:
+            self.engine.add_running(seq)
+        except RequestRejected as exc:  # its id is taken: it cannot run here
+            self.engine.block_manager.free(seq.block_table)
+            self.link.send(TransferDone(seq.request_id, False, str(exc)))
 
     def _send_tokens(self, outputs: list[RequestOutput]) -> None:
         items = [

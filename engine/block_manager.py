@@ -169,6 +169,15 @@ class BlockManager:
                 self._free.append(block)
         block_table.clear()
 
+    def share(self, block_table: list[int]) -> None:
+        """Take one more reference on each of block_table's blocks, all already referenced (a
+        second owner, e.g. a KV send reading them, frees its references with `free`)."""
+        unreferenced = [b for b in block_table if self._ref[b] <= 0]
+        if unreferenced:
+            raise ValueError(f"blocks {unreferenced[:4]} are not referenced: nothing to share")
+        for block in block_table:
+            self._ref[block] += 1
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody references; referenced ones stay registered."""
         while self._evictable:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -151,6 +152,8 @@ class Engine:
             )
         self.seqs: dict[str, Sequence] = {}
         self.stats = StepStats()
+        # Called with each step's schedule before it executes (layer-wise KV streaming).
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -252,6 +255,8 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        if self.on_schedule is not None:
+            self.on_schedule(out)
         outputs = self._postprocess(out, self.executor.execute(out))
         self.stats.num_steps += 1
         self.stats.num_tokens += out.num_tokens

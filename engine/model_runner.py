@@ -3,6 +3,8 @@ into tensors, runs the model over the paged pool and returns last-position logit
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.compiled_step import CompiledStep
@@ -24,6 +26,9 @@ class ModelRunner:
         self.block_size = pool.layout.block_size
         self.decode_graphs: DecodeGraphs | None = None
         self.compiled: CompiledStep | None = None  # set when the step runs compiled
+        # Called with each layer's index once its K/V is in the pool, in eager steps that are
+        # not decode-only (layer-wise KV streaming; a compiled step does not call it).
+        self.on_layer: Callable[[int], None] | None = None
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs (on every
@@ -69,7 +74,9 @@ class ModelRunner:
             hidden = self.compiled(ids.to(self.device), pos.to(self.device), self._to_device(batch))
         else:
             ids, pos = ids.to(self.device), pos.to(self.device)
-            hidden = self.model(ids, pos, self._to_device(batch), self.pool, self.ops)
+            hidden = self.model(
+                ids, pos, self._to_device(batch), self.pool, self.ops, on_layer=self.on_layer
+            )
         if not sample_rows:
             return torch.empty(0, device=self.device), sample_rows
         if len(sample_rows) == hidden.shape[0]:  # all decodes: row i is sequence i's last token

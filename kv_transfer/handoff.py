@@ -27,21 +27,46 @@ logger = logging.getLogger(__name__)
 
 
 class HandoffState(enum.Enum):
+    # prefill, layer-wise streaming: the prompt is still prefilling in the engine (which owns
+    # its blocks); the destination may come before it ends
+    PREFILLING = "prefilling"
     HELD = "held"  # prefill: KV computed and kept, waiting to be sent
     SENDING = "sending"  # prefill: pages on their way
     EXPECTING = "expecting"  # decode: blocks reserved, pages awaited
+    # decode, early admission: every layer is in, the first token (StartDecode) is awaited
+    ARRIVED = "arrived"
     # Ended by an abort while the transport may still touch the blocks: freed once it is done.
     CANCELLED = "cancelled"
 
 
 @dataclass(slots=True)
+class Route:
+    """Where a prefilled sequence's KV goes (from the coordinator's SendKV)."""
+
+    decode_node: str
+    receiver_info: dict
+    dst_blocks: list[int]
+    timeout_s: float
+    skip_blocks: int = 0  # leading blocks the decode node holds already: not sent
+
+
+@dataclass(slots=True)
 class Handoff:
     request_id: str
-    blocks: list[int]
+    blocks: list[int]  # one reference on each, owned by the handoff (none while PREFILLING)
     state: HandoffState
     seq: Sequence | None = None  # decode side: the sequence that runs once its KV is in
+    # Prefill side: the destination, the layers [0, next_layer) handed to the transport, the
+    # sends not yet ended, the first error, and whether the engine is done with the sequence.
+    route: Route | None = None
+    next_layer: int = 0
+    outstanding: int = 0
+    error: str | None = None
+    prefill_done: bool = True
     # Decode side: leading blocks of `blocks` found in the prefix cache, not sent.
     num_reused: int = 0
+    # Decode side, early admission: the first token has not come yet (StartDecode).
+    first_token_pending: bool = False
 
 
 @dataclass(slots=True)
@@ -55,41 +80,106 @@ class HandoffEnd:
 
 class PrefillHandoff:
     """The sending side. `send` may run on another thread than the loop; it holds the lock only
-    for bookkeeping, never across a transport call."""
+    for bookkeeping, never across a transport call.
+
+    Layer-wise streaming (`expect_stream`): the sequence is still prefilling when its SendKV
+    comes; the route is kept, and during the forward of its last chunk `layer_done` hands each
+    finished layer (of every chunk: the earlier chunks' pages of that layer are in the pool
+    already) to the transport, so the transfer overlaps the remaining layers. The handoff then
+    takes its own reference on the blocks, since the engine frees its own when the sequence
+    leaves it (`hold`, or a first token that ends the request); the handoff ends once every
+    layer's send has ended."""
 
     def __init__(
         self,
         block_manager: BlockManager,
-        pool: KVPool,
+        pool: KVPool | None,
         transport: str,
         make_sender: Callable[[str, KVPool], KVSender] | None = None,
+        num_layers: int | None = None,
     ) -> None:
         if make_sender is None:
             from kv_transfer import make_sender
         self.block_manager = block_manager
         self.pool = pool
         self.transport = transport  # used when a receiver does not say which it speaks
+        self.num_layers = num_layers or (pool.layout.num_layers if pool is not None else 1)
         self._make_sender = make_sender
         self.handoffs: dict[str, Handoff] = {}
         # One sender per transport, made on first use: each decode node's receiver says which
         # it speaks (a deployment may mix cuda_ipc within a host and nccl across).
         self.senders: dict[str, KVSender] = {}
-        # Sends that ended without the transport: could not start, or had nothing to move.
-        self._ended_early: list[HandoffEnd] = []
         self._refused: list[HandoffEnd] = []  # orders for KV not held here (nothing to free)
+        # Routes of streaming prefills whose SendKV (on the handoff socket's thread) came before
+        # the loop took their Prefill order: expect_stream picks them up.
+        self._ahead: dict[str, Route] = {}
         self._lock = threading.Lock()
 
     @property
     def num_pending(self) -> int:
-        return len(self.handoffs)
+        """Handoffs holding blocks or sends (a streaming prefill still running does not count)."""
+        return sum(h.state is not HandoffState.PREFILLING for h in self.handoffs.values())
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.handoffs
 
-    def hold(self, request_id: str, blocks: list[int]) -> None:
-        """Loop: keep a prefilled sequence's blocks until its KV is sent."""
+    def expect_stream(self, request_id: str) -> None:
+        """Loop: a prefill whose destination may come before its end (layer-wise streaming)."""
         with self._lock:
-            self.handoffs[request_id] = Handoff(request_id, blocks, HandoffState.HELD)
+            self.handoffs[request_id] = Handoff(
+                request_id, [], HandoffState.PREFILLING, prefill_done=False,
+                route=self._ahead.pop(request_id, None),
+            )  # fmt: skip
+
+    def streams(self, request_id: str) -> bool:
+        """Whether request_id is a streaming prefill still in the engine."""
+        handoff = self.handoffs.get(request_id)
+        return handoff is not None and not handoff.prefill_done
+
+    def layer_done(self, request_id: str, blocks: list[int], layer: int) -> None:
+        """Loop, during the forward of a streaming sequence's last chunk: layers up to `layer`
+        are in `blocks` (the sequence's whole table). Sends the layers not sent yet, if the
+        destination is known; otherwise they go with the rest once it is."""
+        with self._lock:
+            handoff = self.handoffs.get(request_id)
+            if (
+                handoff is None
+                or handoff.route is None
+                or handoff.error is not None
+                or handoff.state not in (HandoffState.PREFILLING, HandoffState.SENDING)
+                or layer + 1 <= handoff.next_layer
+            ):
+                return
+            if handoff.state is HandoffState.PREFILLING:
+                handoff.blocks = list(blocks)
+                self.block_manager.share(handoff.blocks)  # the engine frees its own refs
+                handoff.state = HandoffState.SENDING
+            layers = (handoff.next_layer, layer + 1)
+            handoff.next_layer = layer + 1
+            handoff.outstanding += 1
+        self._start(handoff, layers)
+
+    def hold(self, request_id: str, blocks: list[int]) -> None:
+        """Loop: keep a prefilled sequence's blocks until its KV is sent (the engine's
+        references pass to the handoff)."""
+        rest = None
+        with self._lock:
+            handoff = self.handoffs.get(request_id)
+            if handoff is None:
+                self.handoffs[request_id] = Handoff(request_id, list(blocks), HandoffState.HELD)
+                return
+            handoff.prefill_done = True
+            if handoff.state is HandoffState.PREFILLING:  # nothing sent yet
+                handoff.blocks = list(blocks)
+                handoff.state = HandoffState.HELD
+                if handoff.route is not None:
+                    rest = self._take_rest(handoff)
+            else:  # streamed: the handoff holds references of its own
+                self.block_manager.free(list(blocks))
+                if handoff.state is HandoffState.SENDING and handoff.error is None:
+                    rest = self._take_rest(handoff)
+        if rest is not None:
+            self._start(handoff, rest)
 
     def send(
         self,
@@ -99,82 +189,133 @@ class PrefillHandoff:
         dst_blocks: list[int],
         timeout_s: float,
         skip_blocks: int = 0,
+        prefilling: bool = False,
     ) -> None:
         """Any thread: start moving a held sequence's KV into a decode node's blocks, all but the
-        first skip_blocks (the decode node holds those already). A send that cannot start is
-        reported by the next `poll` (its blocks freed there); one with nothing left to move
-        ends there at once, successfully."""
-        transport = receiver_info.get("transport", self.transport)
+        first skip_blocks (the decode node holds those already); or, for a streaming prefill
+        still running, keep the destination for its layers. prefilling: the order was given
+        while the prefill runs, maybe before the loop took its Prefill order. A send that cannot
+        start is reported by the next `poll` (its blocks freed there); one with nothing left to
+        move ends there, successfully."""
+        route = Route(decode_node, receiver_info, list(dst_blocks), timeout_s, skip_blocks)
         with self._lock:
             handoff = self.handoffs.get(request_id)
-            if handoff is None or handoff.state is not HandoffState.HELD:
+            if handoff is None and prefilling:
+                self._ahead[request_id] = route
+                return
+            if handoff is None or handoff.route is not None or handoff.state not in (
+                HandoffState.PREFILLING, HandoffState.HELD,
+            ):  # fmt: skip
                 self._refused.append(HandoffEnd(request_id, False, "no prefilled KV held here"))
                 return
-            handoff.state = HandoffState.SENDING
-            src_blocks = handoff.blocks[skip_blocks:]
-            if skip_blocks < 0 or len(src_blocks) != len(dst_blocks):
-                self._fail_start(
-                    handoff,
-                    f"send failed: {len(handoff.blocks)} blocks held, {skip_blocks} skipped, "
-                    f"{len(dst_blocks)} destination blocks",
-                )
-                return
-            if not src_blocks:  # every block is cached on the decode node: nothing to move
-                self._ended_early.append(HandoffEnd(request_id, True))
-                return
-            try:
-                sender = self._sender(transport)
-            except Exception as exc:  # e.g. a transport this host cannot load
-                self._fail_start(handoff, f"send failed: {exc}")
-                return
+            handoff.route = route
+            if handoff.state is HandoffState.PREFILLING:
+                return  # layer_done or hold sends
+            layers = self._take_rest(handoff)
+        if layers is not None:
+            self._start(handoff, layers)
+
+    def _take_rest(self, handoff: Handoff) -> tuple[int, int] | None:
+        """(Lock held.) Claim the layers not sent yet for one send, or None if none are left."""
+        if handoff.next_layer >= self.num_layers:
+            return None
+        layers = (handoff.next_layer, self.num_layers)
+        handoff.next_layer = self.num_layers
+        handoff.outstanding += 1
+        handoff.state = HandoffState.SENDING
+        return layers
+
+    def _start(self, handoff: Handoff, layers: tuple[int, int]) -> None:
+        """Hand one send (claimed under the lock) to the transport: the blocks after the ones
+        the decode node holds. A send with nothing to move ends at once."""
+        route = handoff.route
+        transport = route.receiver_info.get("transport", self.transport)
+        whole = layers == (0, self.num_layers)
+        src_blocks = handoff.blocks[route.skip_blocks :]
+        if route.skip_blocks < 0 or len(src_blocks) != len(route.dst_blocks) or not src_blocks:
+            with self._lock:
+                handoff.outstanding -= 1
+                if src_blocks or route.skip_blocks < 0:
+                    handoff.error = handoff.error or (
+                        f"send failed: {len(handoff.blocks)} blocks held, {route.skip_blocks} "
+                        f"skipped, {len(route.dst_blocks)} destination blocks"
+                    )
+            return
         try:
+            with self._lock:
+                sender = self._sender(transport)
             # Returns at once: a no-op for a connected receiver, a new handshake for one that
             # moved (a restarted decode node); the send waits for it on the sender's thread.
-            sender.connect(decode_node, receiver_info)
-            sender.send(request_id, decode_node, src_blocks, dst_blocks, timeout_s=timeout_s)
-        except Exception as exc:  # a bad peer must not take the node down
-            logger.warning("[%s] send to %s failed to start: %s", request_id, decode_node, exc)
+            sender.connect(route.decode_node, route.receiver_info)
+            sender.send(
+                handoff.request_id, route.decode_node, src_blocks, route.dst_blocks,
+                layers=None if whole else layers, timeout_s=route.timeout_s,
+            )  # fmt: skip
+        except Exception as exc:  # a bad peer (or transport) must not take the node down
+            logger.warning(
+                "[%s] send to %s failed to start: %s", handoff.request_id, route.decode_node, exc
+            )
             with self._lock:
-                self._fail_start(handoff, f"send failed: {exc}")
-
-    def _fail_start(self, handoff: Handoff, error: str) -> None:
-        """(Lock held.) The send never started: the loop frees the blocks at its next poll."""
-        handoff.state = HandoffState.CANCELLED
-        self._ended_early.append(HandoffEnd(handoff.request_id, False, error))
+                handoff.outstanding -= 1
+                handoff.error = handoff.error or f"send failed: {exc}"
 
     def abort(self, request_id: str) -> bool:
-        """Loop: the request ended. Held blocks are freed now; blocks being sent once the send
-        ends. False if nothing is held for it."""
+        """Loop: the request ended. Held blocks are freed now; blocks being sent once the sends
+        end. False if the handoff holds no blocks for it (a streaming prefill not started
+        sending: the engine's abort frees its blocks)."""
         with self._lock:
+            self._ahead.pop(request_id, None)
             handoff = self.handoffs.get(request_id)
             if handoff is None:
+                return False
+            if handoff.state is HandoffState.PREFILLING:
+                del self.handoffs[request_id]
                 return False
             if handoff.state is HandoffState.HELD:
                 del self.handoffs[request_id]
                 self.block_manager.free(handoff.blocks)
             else:
                 handoff.state = HandoffState.CANCELLED
+                handoff.prefill_done = True
             return True
 
     def reset(self) -> None:
         """Loop: drop every handoff (the coordinator moved this node's requests elsewhere)."""
         for request_id in list(self.handoffs):
             self.abort(request_id)
+        with self._lock:
+            self._ahead.clear()
 
     def poll(self) -> list[HandoffEnd]:
-        """Loop: the handoffs that ended since the last poll (sent, failed, or never started),
-        their blocks freed, for the coordinator to hear of."""
+        """Loop: the handoffs that ended since the last poll (every send ended, one failed, or
+        none could start), their blocks freed, for the coordinator to hear of."""
         with self._lock:
-            results = [r for sender in self.senders.values() for r in sender.poll()]
-            ends, self._ended_early = self._ended_early, []
-            ends += [HandoffEnd(r.transfer_id, r.ok, r.error) for r in results]
-            for end in ends:
-                handoff = self.handoffs.pop(end.request_id, None)
-                if handoff is not None:
-                    self.block_manager.free(handoff.blocks)
+            for result in [r for sender in self.senders.values() for r in sender.poll()]:
+                handoff = self.handoffs.get(result.transfer_id)
+                if handoff is None:
+                    continue
+                handoff.outstanding -= 1
+                if not result.ok:
+                    handoff.error = handoff.error or result.error
+            ends = []
+            for handoff in list(self.handoffs.values()):
+                if not self._ended(handoff):
+                    continue
+                del self.handoffs[handoff.request_id]
+                self.block_manager.free(handoff.blocks)
+                ok = handoff.error is None and handoff.state is HandoffState.SENDING
+                error = handoff.error or (None if ok else "aborted")
+                ends.append(HandoffEnd(handoff.request_id, ok, error))
             refused, self._refused = self._refused, []
             self._drop_failed_senders()
         return ends + refused
+
+    def _ended(self, handoff: Handoff) -> bool:
+        if not handoff.prefill_done or handoff.outstanding > 0:
+            return False
+        if handoff.state is HandoffState.CANCELLED or handoff.error is not None:
+            return True
+        return handoff.state is HandoffState.SENDING and handoff.next_layer >= self.num_layers
 
     def _drop_failed_senders(self) -> None:
         """(Lock held.) A sender whose thread died has failed its sends; the next send to that
@@ -204,8 +345,8 @@ class DecodeHandoff:
         self.receiver = receiver
         self.block_manager = block_manager
         self.handoffs: dict[str, Handoff] = {}
-        # Reservations whose every block was found cached: nothing to receive, ready at the
-        # next poll.
+        # Reservations whose every block was found cached: nothing to receive, in at the next
+        # poll.
         self._complete: list[str] = []
         self.blocks_received = 0  # blocks whose pages arrived here, since the node started
         self.blocks_reused = 0  # blocks of admitted prompts found already cached here
@@ -223,20 +364,30 @@ class DecodeHandoff:
         return request_id in self.handoffs
 
     def reserve(
-        self, seq: Sequence, timeout_s: float, reuse_prefix: bool = False
+        self,
+        seq: Sequence,
+        timeout_s: float,
+        reuse_prefix: bool = False,
+        first_token_pending: bool = False,
     ) -> list[int] | None:
         """Blocks for the KV of seq's computed tokens, expected from a sender within timeout_s;
-        None (nothing held) when the pool has no room. With reuse_prefix, the leading full
-        blocks already in the prefix cache are taken (referenced, so never evicted while this
-        handoff holds them) and only the blocks after them are returned and expected: the
-        sender skips `len(seq.block_table) - len(returned)` blocks. Raises TransportFailed when
-        the receiver is broken."""
+        None (nothing held) when the pool has no room. Raises TransportFailed when the receiver
+        is broken.
+
+        reuse_prefix: the leading full blocks already in the prefix cache are taken (referenced,
+        so never evicted while this handoff holds them) and only the blocks after them are
+        returned and expected: the sender skips `len(seq.block_table) - len(returned)` blocks.
+
+        first_token_pending (early admission): seq holds only its prompt, and it runs once
+        every layer is in and `start` has given it its first token, in either order (that
+        token's slot is allocated by its first decode step, as for any sequence)."""
         if self.receiver.failed is not None:
             raise TransportFailed(self.receiver.failed)
         bm = self.block_manager
         computed = seq.num_computed_tokens
-        # The token after the computed ones stays uncovered, so only full blocks of computed
-        # tokens can match; a partial last block is always sent.
+        # The token after the computed ones stays uncovered (with early admission, the prompt's
+        # last), so only full blocks of computed tokens can match; a partial last block is
+        # always sent.
         blocks = bm.allocate_prefix(seq.token_ids[: computed + 1]) if reuse_prefix else []
         num_reused = len(blocks)
         if not bm.allocate_slots(blocks, computed, num_reused * bm.block_size):
@@ -255,15 +406,30 @@ class DecodeHandoff:
         seq.num_cached_tokens = num_reused * bm.block_size
         self.blocks_reused += num_reused
         self.handoffs[seq.request_id] = Handoff(
-            seq.request_id, blocks, HandoffState.EXPECTING, seq, num_reused
-        )
+            seq.request_id, blocks, HandoffState.EXPECTING, seq, num_reused=num_reused,
+            first_token_pending=first_token_pending,
+        )  # fmt: skip
         return list(dst)
+
+    def start(self, request_id: str, token_id: int) -> Sequence | None:
+        """An early-admitted sequence's first token (StartDecode): the sequence, ready to run,
+        if its KV is all in already (else `poll` hands it out once it is); None otherwise."""
+        handoff = self.handoffs.get(request_id)
+        if handoff is None or not handoff.first_token_pending:
+            return None  # cancelled, refused, or a duplicate
+        handoff.first_token_pending = False
+        handoff.seq.token_ids.append(token_id)
+        if handoff.state is not HandoffState.ARRIVED:
+            return None
+        del self.handoffs[request_id]
+        return handoff.seq
 
     def cancel(self, request_id: str, kv_unsent: bool = False) -> bool:
         """The request ended. With kv_unsent (no sender was ever asked for this KV), or when
-        nothing was to be received, the blocks are freed now. Otherwise a sender may be
-        writing: the receiver stops the transfer and the blocks are freed at the poll that sees
-        it end, once nothing writes into them. False if nothing is reserved for it."""
+        nothing was to be received or all of it is in, the blocks are freed now. Otherwise a
+        sender may be writing: the receiver stops the transfer and the blocks are freed at the
+        poll that sees it end, once nothing writes into them. False if nothing is reserved for
+        it."""
         handoff = self.handoffs.get(request_id)
         if handoff is None:
             return False
@@ -274,7 +440,9 @@ class DecodeHandoff:
             return True
         if self.receiver.failed is None and handoff.state is HandoffState.EXPECTING:
             self.receiver.cancel(request_id, "aborted")
-        if kv_unsent and handoff.state is HandoffState.EXPECTING:
+        if handoff.state is HandoffState.ARRIVED or (
+            kv_unsent and handoff.state is HandoffState.EXPECTING
+        ):  # nothing writes into the blocks any more
             del self.handoffs[request_id]
             self.block_manager.free(handoff.blocks)
         else:
@@ -293,7 +461,7 @@ class DecodeHandoff:
         arrived: list[Sequence] = []
         failed: list[HandoffEnd] = []
         for request_id in self._complete:
-            arrived.append(self._arrive(self.handoffs.pop(request_id)))
+            self._land(self.handoffs.pop(request_id), arrived)
         self._complete.clear()
         for result in self.receiver.poll():
             handoff = self.handoffs.pop(result.transfer_id, None)
@@ -301,7 +469,7 @@ class DecodeHandoff:
                 continue
             if result.ok and handoff.state is HandoffState.EXPECTING:
                 self.blocks_received += len(handoff.blocks) - handoff.num_reused
-                arrived.append(self._arrive(handoff))
+                self._land(handoff, arrived)
                 continue
             self.block_manager.free(handoff.blocks)
             if not result.ok and handoff.state is HandoffState.EXPECTING:
@@ -309,9 +477,15 @@ class DecodeHandoff:
                 failed.append(HandoffEnd(result.transfer_id, False, result.error))
         return arrived, failed
 
-    def _arrive(self, handoff: Handoff) -> Sequence:
+    def _land(self, handoff: Handoff, arrived: list[Sequence]) -> None:
+        """Every page of a handoff is in: its full blocks enter the prefix cache, and its
+        sequence is ready to run (or, admitted early, waits for its first token)."""
         seq = handoff.seq
         self.block_manager.cache_full_blocks(
             seq.block_table, seq.token_ids, seq.num_computed_tokens
         )
-        return seq
+        if handoff.first_token_pending:  # runs when its first token comes
+            handoff.state = HandoffState.ARRIVED
+            self.handoffs[handoff.request_id] = handoff
+        else:
+            arrived.append(seq)

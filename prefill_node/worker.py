@@ -36,6 +36,7 @@ from engine.tp_shard import kv_head_ranges
 from kv_transfer.base import KVSender
 from kv_transfer.handoff import PrefillHandoff
 from prefill_node.handoff_socket import HandoffSocket
+from prefill_node.layer_stream import LayerStream
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,11 @@ class PrefillNode:
         self.engine = engine
         self.link = link
         self.transport = transport
-        self.handoff = PrefillHandoff(engine.block_manager, engine.pool, transport, make_sender)
+        self.handoff = PrefillHandoff(
+            engine.block_manager, engine.pool, transport, make_sender, engine.layout.num_layers
+        )
         self.handoff_socket: HandoffSocket | None = None
+        self.layer_stream: LayerStream | None = None
         self.running = True
 
     def handle(self, msg: Message) -> None:
@@ -64,11 +68,16 @@ class PrefillNode:
                 )
             except (RequestRejected, ValueError, TypeError) as exc:
                 self.link.send(RequestError(msg.request_id, str(exc), retryable=False))
+                return
+            if msg.stream_kv:
+                self.handoff.expect_stream(msg.request_id)
         elif isinstance(msg, SendKV):
             self.send_kv(msg)
         elif isinstance(msg, Abort):
-            if not self.handoff.abort(msg.request_id):
-                self.engine.abort(msg.request_id)
+            # A streaming prefill may be in both: the engine frees its blocks, the handoff its
+            # own once no send reads them.
+            self.handoff.abort(msg.request_id)
+            self.engine.abort(msg.request_id)
         elif isinstance(msg, Shutdown):
             self.running = False
         elif isinstance(msg, Reset):
@@ -81,11 +90,25 @@ class PrefillNode:
         else:
             logger.warning("prefill node ignores %s", msg.TYPE)
 
+    def stream_layers(self) -> bool:
+        """Send streaming prefills' pages layer by layer during their last chunk's forward
+        (False: they leave in one send after the step, as without streaming)."""
+        runner = getattr(self.engine, "runner", None)
+        if runner is None or getattr(self.engine, "ranks", None) is not None:
+            # Under tensor parallelism rank 0's layer is not the other ranks' layer: their
+            # pages leave after the step, each rank's sender reading its own heads.
+            logger.info("layer-wise KV sends are off (tensor parallelism or no model runner)")
+            return False
+        self.layer_stream = LayerStream(self.handoff)
+        self.engine.on_schedule = self.layer_stream.begin
+        runner.on_layer = self.layer_stream.layer_done
+        return True
+
     def send_kv(self, msg: SendKV) -> None:
         """Start shipping a prefilled sequence's KV; safe from the handoff socket's thread."""
         self.handoff.send(
             msg.request_id, msg.decode_node, msg.receiver_info, msg.dst_blocks,
-            msg.transfer_timeout_s, msg.skip_blocks,
+            msg.transfer_timeout_s, msg.skip_blocks, msg.prefilling,
         )  # fmt: skip
 
     def _report_first_tokens(self, outputs: list[RequestOutput]) -> None:
@@ -94,6 +117,9 @@ class PrefillNode:
                 continue
             if out.held_blocks is not None:
                 self.handoff.hold(out.request_id, out.held_blocks)
+            elif self.handoff.holds(out.request_id):
+                # A streaming prefill whose first token ended it: its sends are not needed.
+                self.handoff.abort(out.request_id)
             reason = FinishReason(out.finish_reason) if out.finish_reason else None
             self.link.send(
                 FirstToken(
@@ -170,6 +196,7 @@ def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
 
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
     node = PrefillNode(engine, link, options.transport, sender)
+    node.stream_layers()
     if options.kv_handoff == "immediate":
         node.handoff_socket = HandoffSocket(
             options.coordinator, options.node_id, node.send_kv, keys

@@ -10,7 +10,10 @@ from cluster.node_messages import (
     Admit,
     Admitted,
     FinishReason,
+    FirstToken,
+    HandoffReady,
     NodeRole,
+    Prefill,
     SendKV,
     TokenItem,
     Tokens,
@@ -85,3 +88,35 @@ def test_affinity_yields_when_the_holding_node_is_much_fuller():
     sim.heartbeat(other, free=64)
     _, node, _ = serve_one(sim, PROMPT + [99, 51, 7, 8, 9])
     assert node == other
+
+
+def test_an_early_admission_asks_for_reuse_goes_to_the_holder_and_skips_its_blocks():
+    # Layer-wise streaming admits long prompts at the prefill's start; reuse applies there too.
+    sim = two_decoders(kv_streaming=True, kv_streaming_min_prompt_tokens=16)
+    sim.report("p0/handoff", HandoffReady("p0"))
+    long = list(range(100, 132))  # 32 tokens: 8 blocks of 4
+
+    def early(prompt: list[int], num_reused: int) -> tuple[Admit, str, SendKV]:
+        state = sim.submit(max_tokens=1, prompt=prompt)
+        (prefill,) = sim.sent(Prefill, "p0")
+        (node,) = [n for n in ("d0", "d1") if any(
+            isinstance(m, Admit) and i == n.encode() for i, m in sim.orders
+        )]  # fmt: skip
+        (admit,) = sim.sent(Admit, node)
+        blocks = -(-len(prompt) // 4)
+        sim.report(node, Admitted(admit.request_id, True, list(range(num_reused, blocks)),
+                                  num_reused))  # fmt: skip
+        (send,) = sim.sent(SendKV, "p0/handoff")
+        sim.report("p0", FirstToken(prefill.request_id, 50, FinishReason.LENGTH, 0, blocks))
+        sim.report("p0", TransferDone(send.request_id, True))
+        assert state.phase is Phase.DONE
+        return admit, node, send
+
+    admit, first, send = early(long, 0)
+    assert admit.first_token_pending and admit.reuse_prefix and send.skip_blocks == 0
+    other = "d1" if first == "d0" else "d0"
+    sim.heartbeat(first, free=60)
+    sim.heartbeat(other, free=64)
+    admit, node, send = early(long + list(range(7, 15)), 8)
+    assert node == first and admit.first_token_pending and admit.reuse_prefix
+    assert send.skip_blocks == 8 and send.dst_blocks == [8, 9] and send.prefilling

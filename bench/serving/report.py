@@ -45,6 +45,28 @@ def tpot_inflation(sweeps: Sequence[dict], system: str) -> list[tuple[float, flo
     return [(r, base[r], t) for r, t in curve(mixed, "rate", SHORT_TPOT_P99) if r in base]
 
 
+def long_requests_table(sweeps: Sequence[dict]) -> str:
+    """The long prompts' TTFT and gap from first to second token (client side), per point, and
+    the coordinator's mean time from a first token to the decode node's first (over the sweep:
+    every request's in a long-only sweep)."""
+    rows = ["| system | workload | rate (req/s) | long requests | TTFT P50 (ms) | first-to-second token P50 (ms) | the same, P99 (ms) | first token to decode start, mean over the sweep (ms) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for sweep in sweeps:
+        handoff = sweep.get("kv_handoff")
+        decode_start = f"{handoff['mean_ms']:.1f} ({handoff['count']})" if handoff else "n/a"
+        for point in sweep["points"]:
+            long = point["summary"].get("by_kind", {}).get("long")
+            if not long or not long["count"]:
+                continue
+            rows.append(
+                f"| {sweep['system']} | {sweep['variant']} | {point['config']['rate']:g} | "
+                f"{long['count']} | {long['ttft_ms']['p50']:.1f} | "
+                f"{long['first_itl_ms']['p50']:.1f} | {long['first_itl_ms']['p99']:.1f} | "
+                f"{decode_start} |"
+            )
+    return "\n".join(rows)
+
+
 def interference_table(sweeps: Sequence[dict], systems: Sequence[str]) -> str:
     rows = ["| system | rate (req/s) | short requests' P99 TPOT, short-only (ms) | the same, mixed (ms) | mixed / short-only |",
             "| --- | --- | --- | --- | --- |"]  # fmt: skip

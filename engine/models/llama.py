@@ -3,7 +3,7 @@ running attention over the paged KV pool through the kernel op table."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -144,11 +144,14 @@ class LlamaForCausalLM(nn.Module):
         batch: AttentionBatch,
         pool: KVPool,
         ops: Ops,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Returns the final hidden states [num_tokens, hidden_size]."""
+        """Returns the final hidden states [num_tokens, hidden_size]. on_layer(i) runs once
+        layer i's attention has written its K/V into the pool (on a GPU: once its kernels are
+        queued on the current stream), e.g. to send those pages while later layers compute."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             if residual is None:
                 residual = hidden
                 normed = ops.rms_norm(
@@ -159,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
                     hidden, residual, layer.input_layernorm.weight, layer.input_layernorm.eps
                 )
             hidden = layer.self_attn(normed, positions, batch, pool, self.cos_sin, ops)
+            if on_layer is not None:
+                on_layer(index)
             normed, residual = ops.fused_add_rms_norm(
                 hidden,
                 residual,
