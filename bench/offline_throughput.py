@@ -549,7 +549,12 @@ def main(argv: list[str] | None = None) -> dict:
             "prompt_tokens": sum(len(r.prompt) for r in workload),
             "output_tokens": sum(r.output_len for r in workload),
         },
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        # (the variants' flags are in the report's "variants")
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k != "variants"
+        },
     } | report
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2))
