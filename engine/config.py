@@ -92,6 +92,12 @@ class EngineConfig:
         "intra-op math threads of each rank of a CPU node (unset: one per core of its share)",
         minimum=1,
     )
+    cpu_adaptive_threads: bool = setting(
+        True,
+        "a CPU node without tensor parallelism drops to one intra-op thread while other "
+        "processes hold its cores (its threads measured descheduled in its steps) and returns "
+        "to all of them once the cores sit idle",
+    )
     cpu_bind: str | None = setting(
         None,
         "cores a CPU node runs on, split among its tensor-parallel ranks: a list like 0-1 or 0,2, "

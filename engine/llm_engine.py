@@ -28,6 +28,7 @@ from engine.model_shard import ModelShard, PoolFactory
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.thread_governor import CpuTimes, ThreadGovernor
 from engine.tokenizer import Tokenizer
 from engine.tp_group import TPGroup
 from engine.tp_ranks import RankProcesses, TPGroupFailed
@@ -315,6 +316,8 @@ class LLMEngine(Engine):
         self.ranks = None
         group = None
         self._placement_before: cpu_threads.CpuPlacement | None = None
+        self._governor: ThreadGovernor | None = None  # adaptive intra-op threads (CPU)
+        self._cpu_times: CpuTimes | None = None
         on_cpu = not config.rank_device(0).startswith("cuda")
         if on_cpu and config.cpu_bind == cpu_threads.AUTO:
             # The ranks split the cores this process may use now, before rank 0 binds itself.
@@ -333,6 +336,9 @@ class LLMEngine(Engine):
             )  # fmt: skip
             self._placement_before = cpu_threads.apply(place)
             logger.info("cpu: %s", place.describe())
+            if config.cpu_adaptive_threads and shard.size == 1 and place.threads > 1:
+                self._governor = ThreadGovernor(place.threads, time.monotonic())
+                self._cpu_times = CpuTimes(place.cores or cpu_threads.available_cores())
         try:
             if self.ranks is not None:
                 group = TPGroup.join(
@@ -377,6 +383,26 @@ class LLMEngine(Engine):
     def check_alive(self) -> None:
         if self.ranks is not None:
             self.ranks.check()
+
+    def step(self) -> list[RequestOutput]:
+        if self._governor is None:
+            return super().step()
+        wall, cpu = time.perf_counter(), time.process_time()
+        outputs = super().step()
+        self._cpu_times.add_step(time.perf_counter() - wall, time.process_time() - cpu)
+        window = self._cpu_times.window()
+        if window is not None:
+            threads = self._governor.decide(window, time.monotonic())
+            if threads != torch.get_num_threads():
+                logger.info(
+                    "cpu: %d intra-op thread%s (threads ran %.0f%% of a core each; %.1f idle "
+                    "cores)", threads, "s" * (threads != 1),
+                    100 * window.cpu_s / (window.step_s * torch.get_num_threads()),
+                    window.idle_cores,
+                )  # fmt: skip
+                torch.set_num_threads(threads)
+            self._cpu_times.reset()
+        return outputs
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (also done at exit)."""

@@ -32,11 +32,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-bind", default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_BACKENDS, default=None)
+    p.add_argument(
+        "--cpu-adaptive-threads", action=argparse.BooleanOptionalAction, default=None
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments of the flags that were given."""
-    names = ("cpu_threads", "cpu_bind", "compile", "cpu_linear")
+    names = ("cpu_threads", "cpu_bind", "compile", "cpu_linear", "cpu_adaptive_threads")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
