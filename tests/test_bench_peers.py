@@ -28,7 +28,7 @@ from bench.peers.protocol import (
     write_requests,
 )
 from bench.peers.rounds import Run, median_tokens_per_s, ratio, round_order, summary, table
-from bench.peers.variants import DEFAULT, Variant, parse_variant, parse_variants
+from bench.peers.variants import DEFAULT, Variant, engine_options, parse_variant, parse_variants
 from engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,6 +207,13 @@ def test_each_engine_runs_with_its_own_interpreter(tmp_path):
         "0",
         None,
     )
+    # The flags a variant gives become EngineConfig options; the rest keep the defaults.
+    fixed = Variant("fixed", ("--no-cpu-adaptive-threads", "--cpu-linear", "torch"))
+    cmd = driver.runner_command("pdserve", tmp_path, tmp_path / "r.json", 256, 16, venv, fixed)
+    assert engine_options(pdserve_runner.parse_args(cmd[3:])) == {
+        "cpu_adaptive_threads": False,
+        "cpu_linear": "torch",
+    }
 
 
 def test_a_missing_peer_virtualenv_names_the_make_target(tmp_path):
