@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install test lint bench clean gpu-wheels gpu-check gpu-check-long bench-peers
+.PHONY: venv install test test-compiled lint bench clean gpu-wheels gpu-check gpu-check-long bench-peers
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -18,6 +18,11 @@ install: venv
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The greedy-parity and step-loop tests with the compiled model step (--compile) in every engine.
+test-compiled: install
+	PDSERVE_TEST_COMPILE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_parity.py \
+		tests/test_continuous_batching.py tests/test_compiled_step.py $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

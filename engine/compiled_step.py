@@ -145,6 +145,11 @@ class CompiledStep:
                 torch._dynamo.mark_dynamic(tensor, dim)
         for tensor in (ids, positions, slots):
             torch._dynamo.mark_static(tensor, 0)
+        # The pool's shape is static too: a second engine in one process (another model or
+        # block size) made dynamo's automatic dynamic shapes treat the pool's dimensions as
+        # symbolic, and inductor's graphs over a symbolic pool gave wrong tokens.
+        for dim in range(self.pool.kv.dim()):
+            torch._dynamo.mark_static(self.pool.kv, dim)
         if self._failed:
             return self.model(ids[:n], positions[:n], batch, self.pool, self._eager_ops)
         try:

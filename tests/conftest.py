@@ -12,6 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# `make test-compiled` runs the parity tests with the compiled model step: every engine they make
+# gets compile=True (a CPU without a C++ compiler runs them eagerly, saying so in the log).
+COMPILE = os.environ.get("PDSERVE_TEST_COMPILE") == "1"
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -3,7 +3,10 @@ step's and to transformers', and an eager run (said in one line) where compiling
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 
 import pytest
 from checkpoints import hf_greedy
@@ -39,6 +42,37 @@ def test_compiled_greedy_equals_eager_and_transformers(checkpoint_dir, caplog):
     assert "model step compiled in" in caplog.text
     assert eager == expected
     assert compiled == expected
+
+
+TWO_ENGINES = """
+import json, sys
+from engine import LLM, SamplingParams
+prompts, options = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+params = SamplingParams(max_tokens=int(sys.argv[5]), temperature=0, ignore_eos=True)
+out = []
+for path in (sys.argv[1], sys.argv[2], sys.argv[1]):
+    llm = LLM(path, compile=True, **options)
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    out.append({"compiled": llm.engine.runner.compiled is not None, "tokens": tokens})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(compile_unavailable("cpu") is not None, reason="no C++ compiler")
+def test_compiled_engines_of_other_shapes_in_one_process_each_equal_transformers(checkpoint_dir):
+    # In a fresh process: llama, then qwen2 (other shapes, another pool), then llama again, each
+    # compiled. Without the pool's shape marked static the second engine's graphs took the pool's
+    # dimensions as symbolic and produced wrong tokens.
+    llama, qwen2 = checkpoint_dir("llama"), checkpoint_dir("qwen2")
+    args = [str(llama), str(qwen2), json.dumps(PROMPTS), json.dumps(OPTIONS), str(NEW_TOKENS)]
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_ENGINES, *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second, third = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [first["compiled"], second["compiled"], third["compiled"]] == [True, True, True]
+    assert first["tokens"] == third["tokens"] == hf_greedy(llama, PROMPTS, NEW_TOKENS)
+    assert second["tokens"] == hf_greedy(qwen2, PROMPTS, NEW_TOKENS)
 
 
 def test_without_a_compiler_the_step_runs_eagerly_saying_why(checkpoint_dir, caplog, monkeypatch):

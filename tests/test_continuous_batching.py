@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import COMPILE
 
 from engine import SamplingParams
 from engine.config import EngineConfig
@@ -15,7 +16,7 @@ BLOCK = 4
 
 
 def make_engine(**overrides) -> LLMEngine:
-    options = dict(block_size=BLOCK, num_kv_blocks=256, max_num_batched_tokens=512)
+    options = dict(block_size=BLOCK, num_kv_blocks=256, max_num_batched_tokens=512, compile=COMPILE)
     options.update(overrides)
     return LLMEngine(EngineConfig(**options))
 

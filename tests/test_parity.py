@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import hf_greedy
-from conftest import random_prompts
+from conftest import COMPILE, random_prompts
 
 from engine import LLM, SamplingParams
 
@@ -29,7 +29,8 @@ def reference(checkpoint_dir):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_batched_greedy_matches_transformers(reference, family):
     model_dir, prompts, expected = reference(family)
-    llm = LLM(str(model_dir), num_kv_blocks=64, device="cpu")  # float32, as transformers runs
+    # float32, as transformers runs
+    llm = LLM(str(model_dir), num_kv_blocks=64, device="cpu", compile=COMPILE)
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     )
@@ -40,7 +41,10 @@ def test_batched_greedy_matches_transformers(reference, family):
 def test_paged_path_is_exact_for_any_block_size(reference, block_size):
     # 7 divides none of the prompt lengths, so blocks end mid-prompt and mid-generation.
     model_dir, prompts, expected = reference("llama")
-    llm = LLM(str(model_dir), block_size=block_size, num_kv_blocks=1024 // block_size, device="cpu")
+    blocks = 1024 // block_size
+    llm = LLM(
+        str(model_dir), block_size=block_size, num_kv_blocks=blocks, device="cpu", compile=COMPILE
+    )
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     )
