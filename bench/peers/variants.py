@@ -32,9 +32,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-bind", default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_BACKENDS, default=None)
-    p.add_argument(
-        "--cpu-adaptive-threads", action=argparse.BooleanOptionalAction, default=None
-    )
+    p.add_argument("--cpu-adaptive-threads", action=argparse.BooleanOptionalAction, default=None)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
