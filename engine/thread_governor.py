@@ -4,8 +4,8 @@ OpenMP threads meet at a barrier after every parallel op. When other processes h
 the scheduler deschedules each thread part of the time, and each op waits for the slowest: two
 threads sharing two cores with two busy processes ran a 9M-parameter model 20x slower than alone,
 while one thread lost only the share of a core the others took. So the engine watches its own
-steps: if its threads got well under a core each while they stepped, the cores are contended and
-it drops to one thread; while on one thread, if the other cores of its set sat idle, it goes back
+steps: if its threads got well under a core each while they stepped and its cores did not sit
+idle meanwhile, other processes hold them and it drops to one thread; while on one thread, if the other cores of its set sat idle, it goes back
 to all of them. A return that is contended again at once doubles the wait before the next try.
 
 `ThreadGovernor` decides from measurements handed to it (pure: tested alone); `CpuTimes` reads
@@ -54,7 +54,10 @@ class ThreadGovernor:
             return self.threads
         if self.threads > 1:
             share = window.cpu_s / (window.step_s * self.threads)
-            if share < DESCHEDULED_SHARE:
+            # Threads that ran little while the other cores sat idle were not descheduled: the
+            # step ran one thread's work (torch.compile compiling a shape, Python between ops).
+            taken = window.idle_cores < (self.most - 1) * FREE_SHARE
+            if share < DESCHEDULED_SHARE and taken:
                 # Contended again right after a return: wait twice as long before the next one.
                 recent = self._raised_at is not None and now - self._raised_at < 2 * WINDOW_S + 1
                 self.hold_s = min(MAX_HOLD_S, self.hold_s * 2) if recent else HOLD_S

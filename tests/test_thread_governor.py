@@ -36,6 +36,14 @@ def test_contended_threads_drop_to_one_and_quiet_ones_stay():
     assert gov.threads == 1
 
 
+def test_threads_that_ran_little_beside_idle_cores_were_not_descheduled():
+    # One thread's work in the step (a shape compiling, Python between ops): the other core
+    # sat idle, so no other process holds it.
+    gov = ThreadGovernor(2)
+    assert gov.decide(window(0.5, 2, idle_cores=0.95), now=1.0) == 2
+    assert gov.decide(window(0.5, 2, idle_cores=0.3), now=2.0) == 1  # the idle went to others
+
+
 def test_one_thread_returns_to_all_only_after_the_hold_and_with_idle_cores():
     gov = ThreadGovernor(4)
     gov.decide(window(0.4, 4), now=10.0)
