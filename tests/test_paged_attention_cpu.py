@@ -34,6 +34,15 @@ def test_the_kernel_matches_the_reference(case, heads, block_size):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the kernel's fixed sizes, and another
+def test_every_head_size_matches_the_reference(head_dim):
+    context, queries = CASES["mixed"]
+    inputs = paged_inputs(context, queries, (4, 2), head_dim, 16, torch.float32, seed=4)
+    want = attention_ref.paged_attention(**inputs)
+    got = paged_attention_cpu.paged_attention(**inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_it_reads_only_the_pages_of_its_table():
     inputs = paged_inputs([20, 3], [1, 1], (2, 2), 16, 4, torch.float32, seed=1)
     before = paged_attention_cpu.paged_attention(**inputs)
