@@ -5,8 +5,8 @@ the scheduler deschedules each thread part of the time, and each op waits for th
 threads sharing two cores with two busy processes ran a 9M-parameter model 20x slower than alone,
 while one thread lost only the share of a core the others took. So the engine watches its own
 steps: if its threads got well under a core each while they stepped and its cores did not sit
-idle meanwhile, other processes hold them and it drops to one thread; while on one thread, if the other cores of its set sat idle, it goes back
-to all of them. A return that is contended again at once doubles the wait before the next try.
+idle meanwhile, other processes hold them and it drops to one thread; while on one thread, if the
+other cores of its set sat idle, it goes back to all of them. A return that is contended again at once doubles the wait before the next try.
 
 `ThreadGovernor` decides from measurements handed to it (pure: tested alone); `CpuTimes` reads
 them (this process's CPU time, and the idle time of its cores from /proc/stat).
