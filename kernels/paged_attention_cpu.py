@@ -42,27 +42,33 @@ def _cpu_key() -> str:
     return platform.machine() + model + flags
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, source: Path) -> Path:
     from engine.tiny_model import cache_root
 
     digest = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_key().encode()
+        source.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_key().encode()
     ).hexdigest()[:16]
     return cache_root() / "kernels" / f"paged_attention_cpu-{digest}.so"
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
+    return build(SOURCE)
+
+
+@functools.cache
+def build(source: Path) -> ctypes.CDLL | None:
+    """The kernel built from `source` (this module's own, or another version of it for a
+    side-by-side benchmark), or None where it cannot be built."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         logger.info("CPU paged attention: no C compiler (cc, gcc); the torch reference runs")
         return None
-    path = _library_path(compiler)
+    path = _library_path(compiler, source)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *FLAGS, str(source), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
@@ -104,10 +110,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """`attention_ref.paged_attention`, reading the pool in place (float32 CPU tensors; anything
-    else goes to the reference)."""
-    lib = _library()
+    else goes to the reference). `library`: a kernel from `build` (default: this one's)."""
+    lib = library or _library()
     if (
         lib is None
         or query.dtype != torch.float32

@@ -1,17 +1,17 @@
 /* Paged attention on CPU reading K/V pages where they are in the pool (no gather).
  *
  * Every query token i (of sequence token_seq[i]) attends the first token_limit[i] cached tokens of
- * its sequence, found through the sequence's block table. One (token, KV head) pair is one task: its
- * g = num_heads / num_kv_heads query heads share each K/V row read. Pages are taken a block at a
- * time with an online softmax (one rescale per block); the scores of a block are exponentiated in
- * one pass, and the output rows accumulate in a local array. The head size is a compile-time
+ * its sequence, found through the sequence's block table. One (token, KV head) pair is one task,
+ * with its g = num_heads / num_kv_heads query heads taken one after another over each block (the
+ * block's K/V rows come from cache after the first). Pages are taken a block at a time with an
+ * online softmax (one rescale per block); the scores of a block are exponentiated in one pass, and
+ * the output rows accumulate in a local array. The head size is a compile-time
  * constant for the common sizes (32, 64, 128), so the per-row loops unroll and vectorize.
  * float32 throughout. */
 
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 static inline __attribute__((always_inline)) void attend(
     const float *restrict qh, const float *restrict k_cache, const float *restrict v_cache,
@@ -27,11 +27,13 @@ static inline __attribute__((always_inline)) void attend(
   for (int64_t start = 0; start < n; start += block_size) {
     const int64_t len = n - start < block_size ? n - start : block_size;
     const int64_t base = (int64_t)table[start / block_size] * block_size * row + head_offset;
-    /* Scores: each K row is read once for the g heads. */
-    for (int64_t t = 0; t < len; t++) {
-      const float *restrict kv = k_cache + base + t * row;
-      for (int64_t h = 0; h < g; h++) {
-        const float *restrict qv = qh + h * dim;
+    /* Scores, head by head: one head's query row stays in registers over the block's K rows
+     * (with all g heads at once, g x 128 floats no longer fit them); the rows come from cache
+     * after the first head. */
+    for (int64_t h = 0; h < g; h++) {
+      const float *restrict qv = qh + h * dim;
+      for (int64_t t = 0; t < len; t++) {
+        const float *restrict kv = k_cache + base + t * row;
         float dot = 0.0f;
         for (int64_t d = 0; d < dim; d++) dot += qv[d] * kv[d];
         s[h][t] = dot * scale;
@@ -53,10 +55,10 @@ static inline __attribute__((always_inline)) void attend(
       }
       l[h] += sum;
     }
-    /* Values: each V row is read once for the g heads. */
-    for (int64_t t = 0; t < len; t++) {
-      const float *restrict vv = v_cache + base + t * row;
-      for (int64_t h = 0; h < g; h++) {
+    /* Values, head by head likewise: one head's output row stays in registers. */
+    for (int64_t h = 0; h < g; h++) {
+      for (int64_t t = 0; t < len; t++) {
+        const float *restrict vv = v_cache + base + t * row;
         const float p = s[h][t];
         for (int64_t d = 0; d < dim; d++) acc[h][d] += p * vv[d];
       }

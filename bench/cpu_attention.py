@@ -1,0 +1,143 @@
+"""The CPU paged-attention kernel against the torch reference, and against another version of its
+C source, side by side in one run: decode steps (one query per sequence) over a pool whose blocks
+are scattered as a serving pool's are, at one thread and at all of them.
+
+    .venv/bin/python -m bench.cpu_attention
+    git show REV:kernels/csrc/paged_attention_cpu.c > /tmp/old.c
+    .venv/bin/python -m bench.cpu_attention --other-source /tmp/old.c --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import attention_ref, paged_attention_cpu
+
+# name: (query heads, KV heads, head_dim), as the peer benchmark's models.
+SHAPES = {"llama-9m": (8, 4, 32), "llama-50m": (8, 4, 64), "qwen3-25m": (6, 2, 128)}
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class Row:
+    shape: str
+    batch: int
+    context: int
+    threads: int
+    kernel_us: float
+    other_us: float | None
+    reference_us: float
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def decode_inputs(batch: int, context: int, heads: tuple[int, int, int], seed: int = 0) -> dict:
+    """One decode step's inputs: `batch` sequences of `context` cached tokens each, their blocks
+    drawn at random from a pool four times their size."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // BLOCK_SIZE)
+    pool_blocks = 4 * batch * per_seq
+    shape = (pool_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    tables = torch.randperm(pool_blocks, generator=gen)[: batch * per_seq]
+    return dict(
+        query=torch.randn(batch, num_heads, head_dim, generator=gen),
+        k_cache=torch.randn(shape, generator=gen),
+        v_cache=torch.randn(shape, generator=gen),
+        block_tables=tables.view(batch, per_seq).to(torch.int32),
+        seq_lens=torch.full((batch,), context),
+        query_start_loc=torch.arange(batch + 1),
+        scale=head_dim**-0.5,
+        max_query_len=1,
+    )
+
+
+def median_us(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def measure(shape: str, batch: int, context: int, threads: int, other, reps: int) -> Row:
+    inputs = decode_inputs(batch, context, SHAPES[shape])
+    torch.set_num_threads(threads)
+    rotate = [paged_attention_cpu.paged_attention, None, attention_ref.paged_attention]
+    if other is not None:
+        rotate[1] = lambda **kw: paged_attention_cpu.paged_attention(**kw, library=other)
+    times: list[list[float]] = [[], [], []]
+    # Interleaved, a few reps at a time, so that drift falls on every version alike.
+    for _ in range(5):
+        for i, fn in enumerate(rotate):
+            if fn is not None:
+                times[i].append(median_us(lambda fn=fn: fn(**inputs), max(1, reps // 5)))
+    mine, theirs, ref = (statistics.median(t) if t else None for t in times)
+    return Row(shape, batch, context, threads, mine, theirs, ref)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    p.add_argument("--batches", type=_ints, default=[1, 48, 128])
+    p.add_argument("--contexts", type=_ints, default=[160, 512])
+    p.add_argument("--threads", type=_ints, default=[1, torch.get_num_threads()])
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--other-source", type=Path, help="another version of the kernel's C source")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape {unknown[0]!r}: choose from {', '.join(SHAPES)}")
+    if not paged_attention_cpu.available():
+        print("bench.cpu_attention: the C kernel did not build here (no C compiler?)")
+        return 1
+    other = None
+    if args.other_source is not None:
+        other = paged_attention_cpu.build(args.other_source.resolve())
+        if other is None:
+            p.error(f"{args.other_source} did not build")
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()}), float32, block {BLOCK_SIZE}, "
+        f"blocks scattered over a pool 4x the batch's"
+    )
+    name = args.other_source.name if other else ""
+    other_col = f" {name} µs | {name} / kernel |" if other else ""
+    print(
+        f"| shape | batch | context | threads | kernel µs |{other_col} torch ref µs | ref / kernel |"
+    )
+    print("| --- |" + " ---: |" * (8 if other else 6))
+    rows = []
+    for shape in shapes:
+        for context in args.contexts:
+            for batch in args.batches:
+                for threads in args.threads:
+                    r = measure(shape, batch, context, threads, other, args.reps)
+                    rows.append(r)
+                    vs = f" {r.other_us:.1f} | {r.other_us / r.kernel_us:.2f}x |" if other else ""
+                    print(
+                        f"| {shape} | {batch} | {context} | {threads} | {r.kernel_us:.1f} |{vs} "
+                        f"{r.reference_us:.1f} | {r.reference_us / r.kernel_us:.2f}x |",
+                        flush=True,
+                    )
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
