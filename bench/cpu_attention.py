@@ -1,6 +1,6 @@
 """The CPU paged-attention kernel against the torch reference, and against another version of its
 C source, side by side in one run: decode steps (one query per sequence) over a pool whose blocks
-are scattered as a serving pool's are, at one thread and at all of them.
+are shuffled, as a serving pool's are, at one thread and at all of them.
 
     .venv/bin/python -m bench.cpu_attention
     git show REV:kernels/csrc/paged_attention_cpu.c > /tmp/old.c
@@ -13,17 +13,18 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from bench import kernels
+from bench.model_step import median_ms
 from kernels import attention_ref, paged_attention_cpu
 
 # name: (query heads, KV heads, head_dim), as the peer benchmark's models.
 SHAPES = {"llama-9m": (8, 4, 32), "llama-50m": (8, 4, 64), "qwen3-25m": (6, 2, 128)}
-BLOCK_SIZE = 16
+BLOCK_SIZE = kernels.BLOCK_SIZE
 
 
 @dataclass(slots=True)
@@ -42,34 +43,11 @@ def _ints(text: str) -> list[int]:
 
 
 def decode_inputs(batch: int, context: int, heads: tuple[int, int, int], seed: int = 0) -> dict:
-    """One decode step's inputs: `batch` sequences of `context` cached tokens each, their blocks
-    drawn at random from a pool four times their size."""
-    num_heads, num_kv_heads, head_dim = heads
-    gen = torch.Generator().manual_seed(seed)
-    per_seq = -(-context // BLOCK_SIZE)
-    pool_blocks = 4 * batch * per_seq
-    shape = (pool_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    tables = torch.randperm(pool_blocks, generator=gen)[: batch * per_seq]
-    return dict(
-        query=torch.randn(batch, num_heads, head_dim, generator=gen),
-        k_cache=torch.randn(shape, generator=gen),
-        v_cache=torch.randn(shape, generator=gen),
-        block_tables=tables.view(batch, per_seq).to(torch.int32),
-        seq_lens=torch.full((batch,), context),
-        query_start_loc=torch.arange(batch + 1),
-        scale=head_dim**-0.5,
-        max_query_len=1,
+    """One decode step's inputs: `batch` sequences of `context` cached tokens each, on shuffled
+    pages of one float32 CPU pool."""
+    return kernels.paged_inputs(
+        [context] * batch, [1] * batch, seed, heads, device="cpu", dtype=torch.float32
     )
-
-
-def median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def measure(shape: str, batch: int, context: int, threads: int, other, reps: int) -> Row:
@@ -83,7 +61,8 @@ def measure(shape: str, batch: int, context: int, threads: int, other, reps: int
     for _ in range(5):
         for i, fn in enumerate(rotate):
             if fn is not None:
-                times[i].append(median_us(lambda fn=fn: fn(**inputs), max(1, reps // 5)))
+                ms = median_ms(lambda fn=fn: fn(**inputs), "cpu", max(1, reps // 5), warmup=1)
+                times[i].append(ms * 1e3)
     mine, theirs, ref = (statistics.median(t) if t else None for t in times)
     return Row(shape, batch, context, threads, mine, theirs, ref)
 
@@ -113,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__} "
         f"({torch.backends.cpu.get_cpu_capability()}), float32, block {BLOCK_SIZE}, "
-        f"blocks scattered over a pool 4x the batch's"
+        "blocks shuffled over the pool"
     )
     name = args.other_source.name if other else ""
     other_col = f" {name} µs | {name} / kernel |" if other else ""

@@ -1,11 +1,12 @@
 """bench.cpu_attention: the kernel, another build of a C source and the torch reference timed on
-the same scattered-pool decode inputs; one row per point of the sweep."""
+the same shuffled-pool decode inputs; one row per point of the sweep."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from bench import cpu_attention
 from kernels import attention_ref, paged_attention_cpu
@@ -19,6 +20,7 @@ def test_decode_inputs_scatter_each_sequence_over_distinct_blocks():
     assert tables.shape == (3, 3)  # 40 tokens: 3 blocks of 16
     assert len(set(tables.flatten().tolist())) == 9
     assert int(tables.max()) < inputs["k_cache"].shape[0]
+    assert inputs["query"].shape == (3, 4, 32) and inputs["k_cache"].dtype == torch.float32
     got = paged_attention_cpu.paged_attention(**inputs)
     torch_ref = attention_ref.paged_attention(**inputs)
     assert (got - torch_ref).abs().max() < 1e-4
