@@ -5,7 +5,12 @@ path took the vocabulary projection of a 52M-parameter Llama at 1.7x the rate fo
 
 Float32 only (oneDNN's bfloat16 path needs AVX-512 BF16 to pay), CPU only, and not with the
 compiled step (inductor packs weights its own way). A packed layer drops its plain weight, unless
-another layer shares it (a tied embedding keeps it for the lookup)."""
+another layer shares it (a tied embedding keeps it for the lookup).
+
+oneDNN builds a kernel for every number of rows it is called with and keeps it (its primitive
+cache and ideep's hold about 0.6 MiB per row count and weight shape, up to 1,024 of each): a
+prefill node, which sees every row count up to its token budget, grew by hundreds of MiB. So
+rows go to oneDNN in pieces of at most MAX_ROWS, each padded to one of `row_counts()`."""
 
 from __future__ import annotations
 
@@ -19,6 +24,24 @@ logger = logging.getLogger(__name__)
 
 # The batch size oneDNN lays the packed weight out for; any batch runs on it.
 BATCH_HINT = 32
+# Rows per oneDNN call at most (past about 32 rows the time per row no longer falls), and the
+# row counts run as they are (a decode batch of a few sequences is not padded).
+MAX_ROWS = 256
+EXACT_ROWS = 16
+
+
+def padded_rows(m: int) -> int:
+    """The row count a piece of m rows (m <= MAX_ROWS) runs at: m up to EXACT_ROWS, else m
+    rounded up to one of eight counts per doubling (at most an eighth more rows)."""
+    if m <= EXACT_ROWS:
+        return max(m, 1)
+    step = 1 << (m.bit_length() - 4)  # 2 ** (floor(log2(m)) - 3)
+    return -(-m // step) * step
+
+
+def row_counts() -> list[int]:
+    """Every row count oneDNN is called with: what bounds its caches."""
+    return sorted({padded_rows(m) for m in range(1, MAX_ROWS + 1)})
 
 
 def packing_unavailable(device: str, dtype: str, compiled: bool) -> str | None:
@@ -50,7 +73,24 @@ def linear(
 ) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    if m <= MAX_ROWS:
+        y = _packed_linear(rows, packed, bias)
+    else:
+        pieces = [rows[i : i + MAX_ROWS] for i in range(0, m, MAX_ROWS)]
+        y = torch.cat([_packed_linear(piece, packed, bias) for piece in pieces])
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _packed_linear(
+    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    m = rows.shape[0]
+    padded = padded_rows(m)
+    if padded != m:
+        rows = F.pad(rows, (0, 0, 0, padded - m))
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:m]
 
 
 class Linear(nn.Linear):

@@ -5,6 +5,9 @@ giving the same greedy tokens as one on F.linear."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("rows", [1, 7, 17, 32, 300, 513])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_products_equal_f_linear_for_any_batch(rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -31,6 +34,67 @@ def test_packed_products_equal_f_linear_for_any_batch(rows, bias):
     assert got.shape == (rows, 96)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert cpu_linear.linear(x, w, b, None).equal(torch.nn.functional.linear(x, w, b))
+
+
+def test_a_batch_of_any_shape_keeps_its_leading_dimensions():
+    w, x = torch.randn(24, 8), torch.randn(3, 100, 8)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.BATCH_HINT)
+    got = cpu_linear.linear(x, w, None, packed)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_are_padded_to_few_counts_by_at_most_an_eighth():
+    counts = cpu_linear.row_counts()
+    assert len(counts) <= 48 and max(counts) == cpu_linear.MAX_ROWS
+    for m in range(1, cpu_linear.MAX_ROWS + 1):
+        padded = cpu_linear.padded_rows(m)
+        assert padded in counts and m <= padded <= m + m // 8
+        if m <= cpu_linear.EXACT_ROWS:
+            assert padded == m  # a decode batch of a few sequences runs as it is
+
+
+def test_onednn_is_called_only_with_the_padded_row_counts(monkeypatch):
+    seen: set[int] = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):  # noqa: ANN001, ANN002, ANN202
+        seen.add(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    w = torch.randn(16, 8)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.BATCH_HINT)
+    for m in range(1, 3 * cpu_linear.MAX_ROWS):
+        cpu_linear.linear(torch.randn(m, 8), w, None, packed)
+    assert seen == set(cpu_linear.row_counts())
+
+
+def test_memory_stays_flat_whatever_the_row_counts():
+    # oneDNN keeps a kernel (about 0.6 MiB here) for every row count it meets: unpadded, a
+    # second pass over 1..1024 rows grew the process by over 1 GiB.
+    script = textwrap.dedent("""
+        import torch
+        from engine import cpu_linear
+        torch.set_num_threads(1)
+        def rss_mib():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+        layer = cpu_linear.Linear(256, 768)
+        cpu_linear.pack(layer)
+        x = torch.randn(1024, 256)
+        grown = []
+        for _ in range(2):
+            before = rss_mib()
+            for m in range(1, 1025):
+                layer(x[:m])
+            grown.append(rss_mib() - before)
+        print(*grown)
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=True
+    )
+    first, second = (float(v) for v in out.stdout.split())
+    assert first < 100, f"the first pass over every row count grew {first:.0f} MiB"
+    assert second < 4, f"a second pass grew {second:.1f} MiB"
 
 
 def test_pack_covers_every_layer_that_runs_through_linear_and_nothing_else():
