@@ -138,8 +138,11 @@ def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = 
 
     @app.get("/health")
     async def health() -> Response:
+        # 200 or 503 is for load balancers; the counts tell `pdserve launch` when every node
+        # it started has registered.
         if serving.coordinator.ready():
-            return JSONResponse({"status": "ok"})
+            nodes = serving.coordinator.nodes.count_by_role()
+            return JSONResponse({"status": "ok", "nodes": nodes})
         return error_response(coordinator_error("unavailable", "no node of a needed kind is ready"))
 
     @app.get("/metrics")

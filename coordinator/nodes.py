@@ -121,6 +121,13 @@ class NodeRegistry:
     def decode_nodes(self) -> list[NodeState]:
         return self.alive(lambda n: n.decodes)
 
+    def count_by_role(self) -> dict[str, int]:
+        """Alive nodes of each role, every role named (what /health tells a launcher)."""
+        counts = dict.fromkeys(NodeRole, 0)
+        for node in self.alive():
+            counts[node.role] += 1
+        return {role.value: n for role, n in counts.items()}
+
     def kv_receivers(self) -> list[NodeState]:
         """Decode nodes that can take a prefilled sequence's KV now."""
         return self.alive(lambda n: n.role is NodeRole.DECODE and n.kv_error is None)

@@ -213,7 +213,15 @@ def _launch(args: argparse.Namespace) -> int:
     elif not spec.insecure:
         ClusterKeys.load_or_create(key_dir(spec))  # a cluster on loopback: this user's own
     url = f"http://{spec.coordinator_address}:{spec.http_port}"
-    supervisor = Supervisor(plans, logs, drain_timeout_s=spec.drain_timeout_s, serving_url=url)
+    # Every host says the cluster serves once every node of the file, its own among them, has
+    # registered.
+    supervisor = Supervisor(
+        plans,
+        logs,
+        drain_timeout_s=spec.drain_timeout_s,
+        serving_url=url,
+        serving_nodes=spec.node_counts,
+    )
     return supervisor.run()
 
 

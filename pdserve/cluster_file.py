@@ -113,6 +113,12 @@ class ClusterSpec:
         )
 
     @property
+    def node_counts(self) -> dict[str, int]:
+        """The cluster's nodes of each role, over every host."""
+        prefill = sum(h.num_prefill for h in self.hosts)
+        return {"prefill": prefill, "decode": sum(h.num_decode for h in self.hosts)}
+
+    @property
     def coordinator_address(self) -> str:
         return self.host(self.coordinator_host).address
 

@@ -1,11 +1,12 @@
 """Supervision of one host's processes for `pdserve launch`: start them, restart a process that
 dies with exponential backoff (one that keeps dying within seconds of starting is a permanent
-error: everything stops), say when the cluster serves, and stop gracefully (the coordinator
-drains first; a second signal stops everything at once). One log file per process; a process
-that dies has the end of its log shown on the console."""
+error: everything stops), say when the cluster serves (every node registered), and stop
+gracefully (the coordinator drains first; a second signal stops everything at once). One log
+file per process; a process that dies has the end of its log shown on the console."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +48,23 @@ def log_tail(path: Path | None, lines: int = TAIL_LINES) -> str:
     return "\n".join("  | " + line for line in text.splitlines()[-lines:])
 
 
+def cluster_serves(status: int, health: object, nodes: dict[str, int]) -> bool:
+    """Whether to say the cluster serves, from the coordinator's /health answer: it answers 200
+    (a request can be served) and counts at least nodes[role] registered nodes of each role (so
+    every node that was started is up, and requests go through disaggregated at once)."""
+    if status != 200 or not isinstance(health, dict):
+        return False
+    registered = health.get("nodes")
+    if not isinstance(registered, dict):
+        return False
+    return all(registered.get(role, 0) >= count for role, count in nodes.items())
+
+
+def started_nodes(plans: list[ProcessPlan]) -> dict[str, int]:
+    """The node processes of each role among plans (the coordinator is none)."""
+    return dict(Counter(p.role for p in plans if p.role != "coordinator"))
+
+
 class Supervisor:
     def __init__(
         self,
@@ -55,10 +74,12 @@ class Supervisor:
         stable_s: float = 60.0,
         drain_timeout_s: float = 30.0,
         serving_url: str | None = None,
+        serving_nodes: dict[str, int] | None = None,
         quick_death_s: float = 10.0,
         max_quick_deaths: int = 3,
     ) -> None:
-        """serving_url: the cluster's HTTP API, announced once its /health answers 200.
+        """serving_url: the cluster's HTTP API, announced once its /health answers 200 with
+        serving_nodes (by role; default: the nodes among plans) registered, or more.
         A process that exits within quick_death_s of its start max_quick_deaths times in a row
         (a port in use, a bad model path) stops the whole host with an error."""
         self.children = [Supervised(p) for p in plans]
@@ -67,6 +88,7 @@ class Supervisor:
         self.stable_s = stable_s
         self.drain_timeout_s = drain_timeout_s
         self.serving_url = serving_url
+        self.serving_nodes = started_nodes(plans) if serving_nodes is None else serving_nodes
         self.quick_death_s = quick_death_s
         self.max_quick_deaths = max_quick_deaths
         self.signals = 0
@@ -152,16 +174,17 @@ class Supervisor:
                 child.proc.send_signal(signal.SIGTERM)
 
     def _announce_when_serving(self, now: float) -> None:
-        """Print the cluster's URL once its /health answers 200, as `pdserve serve` does."""
+        """Print the cluster's URL once every node has registered (see cluster_serves), as
+        `pdserve serve` does once its nodes have."""
         if self.serving_url is None or now < self._next_probe:
             return
         self._next_probe = now + 0.5
         try:
             with urllib.request.urlopen(self.serving_url + "/health", timeout=1) as response:
-                up = response.status == 200
-        except (urllib.error.URLError, OSError):
-            up = False
-        if up:
+                status, health = response.status, json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError):  # down, 503, or not JSON
+            status, health = 0, None
+        if cluster_serves(status, health, self.serving_nodes):
             print(f"pdserve: serving {self.serving_url}", flush=True)
             self.serving_url = None
 

@@ -135,6 +135,17 @@ def test_registry_marks_silent_nodes_dead():
     assert registry.decode_nodes() == []
 
 
+def test_the_registry_counts_alive_nodes_of_every_role():
+    registry = NodeRegistry()
+    for node_id, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        reg = Register(node_id, NodeRole(role), "m", 4, 64, 512, "tcp")
+        registry.register(reg, node_id.encode(), now=0.0)
+    assert registry.count_by_role() == {"prefill": 1, "decode": 2, "colocated": 0}
+    registry.heartbeat(Heartbeat("d0", 60, 64, 0, 0, 0), now=2.0)  # the others fall silent
+    assert {n.node_id for n in registry.expire(timeout_s=3, now=4.0)} == {"p0", "d1"}
+    assert registry.count_by_role() == {"prefill": 0, "decode": 1, "colocated": 0}
+
+
 def _registry_with(node_id: str = "d0") -> NodeRegistry:
     registry = NodeRegistry()
     registry.register(Register(node_id, NodeRole.DECODE, "m", 4, 64, 512, "tcp"), b"d0", 0.0)

@@ -1,8 +1,9 @@
-"""`pdserve launch` for real: a CPU cluster file on loopback (it says when it serves; a killed
-worker is restarted and the end of its log shown; SIGTERM lets running streams finish and refuses
-new ones), a child that keeps dying at start stops everything, logs go to pdserve's cache folder,
-two hosts in network namespaces with a cluster key set and an API key, and a file whose hosts
-face a network without keys is refused naming the fix."""
+"""`pdserve launch` for real: a CPU cluster file on loopback (it says it serves once every node
+has registered, not before; a killed worker is restarted and the end of its log shown; SIGTERM
+lets running streams finish and refuses new ones), a child that keeps dying at start stops
+everything, logs go to pdserve's cache folder, two hosts in network namespaces with a cluster key
+set and an API key, and a file whose hosts face a network without keys is refused naming the
+fix."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from pdserve.supervisor import cluster_serves
 
 CLUSTER = """
 dtype = "float32"
@@ -72,6 +75,16 @@ def children_titled(parent: int, title: str) -> list[int]:
     return [int(p) for p in res.stdout.split()]
 
 
+def node_process(parent: int, node_id: str) -> int | None:
+    """The node's process from its exec on: found by its command line until it sets its title."""
+    res = subprocess.run(
+        ["pgrep", "-P", str(parent), "-f", f" --node-id {node_id} |^pdserve-{node_id}$"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    pids = [int(p) for p in res.stdout.split()]
+    return pids[0] if len(pids) == 1 else None
+
+
 def complete(url: str, max_tokens: int = 8) -> httpx.Response:
     body = {"model": "pdserve-tiny", "prompt": "Hello there", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
@@ -92,7 +105,6 @@ def cpu_cluster(tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{http_port}"
     try:
-        wait_health(url)
         yield proc, url, tmp_path / "logs", console
     finally:
         if proc.poll() is None:
@@ -108,18 +120,55 @@ def metric(url: str, name: str, node: str) -> float | None:
     return None
 
 
+def registered(url: str, node: str) -> bool:
+    return metric(url, "pdserve_kv_blocks_total", node) is not None
+
+
+def test_launch_says_it_serves_once_health_counts_every_node_of_the_file():
+    nodes = {"prefill": 2, "decode": 2}
+    health = {"status": "ok", "nodes": {"prefill": 2, "decode": 2, "colocated": 0}}
+    assert cluster_serves(200, health, nodes)
+    assert cluster_serves(200, {**health, "nodes": {"prefill": 3, "decode": 2}}, nodes)
+    # Healthy (a request can be served) is not enough: a decode node has not registered yet.
+    assert not cluster_serves(200, {**health, "nodes": {"prefill": 2, "decode": 1}}, nodes)
+    assert not cluster_serves(503, health, nodes)  # draining
+    assert not cluster_serves(200, {"status": "ok"}, nodes)  # says nothing of its nodes
+    assert not cluster_serves(0, None, nodes)  # not answering
+
+
 @pytest.mark.timeout(900)  # generous deadlines below for a loaded machine; it takes ~40 s idle
 def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(cpu_cluster):
     launch, url, logs, console = cpu_cluster
-    assert complete(url).status_code == 200
+
+    def log(node: str) -> str:
+        path = logs / f"pdserve-{node}.log"
+        return path.read_text() if path.is_file() else ""
+
+    # decode-1 is held before it can register: the cluster is healthy with the other three
+    # nodes, but launch says it serves only once decode-1 has registered too.
+    late = wait_until(lambda: node_process(launch.pid, "decode-1"), "decode-1 to start", 120)
+    os.kill(late, signal.SIGSTOP)
+    try:
+        wait_health(url)
+        for node in ("prefill-0", "prefill-1", "decode-0"):
+            wait_until(lambda n=node: registered(url, n), f"{node} to register")
+        assert not registered(url, "decode-1")
+        assert "decode node decode-1 serving" not in log("decode-1")
+        time.sleep(2)  # four of the supervisor's probes of /health
+        assert "pdserve: serving" not in console.read_text()
+    finally:
+        os.kill(late, signal.SIGCONT)
     wait_until(lambda: f"pdserve: serving {url}\n" in console.read_text(), "the serving line")
+    assert all(registered(url, n) for n in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
+    assert complete(url).status_code == 200
     titles = ["pdserve-coordinator", "pdserve-prefill-0", "pdserve-prefill-1",
               "pdserve-decode-0", "pdserve-decode-1"]  # fmt: skip
     for title in titles:
         assert len(children_titled(launch.pid, title)) == 1, title
         assert (logs / f"{title}.log").is_file()
 
-    # SIGUSR1 writes a process's thread stacks to its log, and it goes on serving.
+    # SIGUSR1 writes a process's thread stacks to its log, and it goes on serving (decode-0
+    # registered above: its handler is in place, so the signal cannot end its start).
     (dumped,) = children_titled(launch.pid, "pdserve-decode-0")
     os.kill(dumped, signal.SIGUSR1)
     wait_until(lambda: "most recent call first" in (logs / "pdserve-decode-0.log").read_text(),
@@ -127,24 +176,27 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     assert complete(url).status_code == 200
     assert children_titled(launch.pid, "pdserve-decode-0") == [dumped]
 
-    # A worker killed outright is restarted by the supervisor and registers again.
+    # A worker killed outright is restarted by the supervisor and registers again. It is up
+    # (registered, its log says it serves) before it is killed: killed in its start, it would
+    # never have said so, and its log would never say it twice.
+    wait_until(lambda: registered(url, "decode-1") and "decode node decode-1 serving" in
+               log("decode-1"), "decode-1 to serve")  # fmt: skip
     (victim,) = children_titled(launch.pid, "pdserve-decode-1")
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         pids = children_titled(launch.pid, "pdserve-decode-1")
-        log = (logs / "pdserve-decode-1.log").read_text()
-        started_again = log.count("decode node decode-1 serving") == 2
-        registered = metric(url, "pdserve_kv_blocks_total", "decode-1")
-        if pids and pids != [victim] and started_again and registered:
+        started_again = log("decode-1").count("decode node decode-1 serving") == 2
+        # Its new start's registration: the old one's lingers until its heartbeats are missed.
+        again = log("coordinator").count("node decode-1 registered") == 2
+        if pids and pids != [victim] and started_again and again and registered(url, "decode-1"):
             break
         time.sleep(0.3)
-    if pids and pids != [victim] and not started_again:
+    if pids and pids != [victim] and not (started_again and again):
         os.kill(pids[0], signal.SIGUSR1)  # every pdserve process dumps its threads' stacks
         time.sleep(3)
-        log = (logs / "pdserve-decode-1.log").read_text()
-    assert pids and pids != [victim] and started_again, (
-        f"the restarted decode-1 ({pids}) never served; its log:\n{log[-6000:]}"
+    assert pids and pids != [victim] and started_again and again, (
+        f"the restarted decode-1 ({pids}) never served; its log:\n{log('decode-1')[-6000:]}"
     )
     # The console showed the end of the dead worker's log.
     shown = console.read_text().split("pdserve-decode-1 died (-9)", 1)[1]
@@ -191,12 +243,14 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     assert not children_titled(launch.pid, "pdserve-")
 
 
-def wait_until(condition, what: str, timeout_s: float = 180) -> None:  # noqa: ANN001
+def wait_until(condition, what: str, timeout_s: float = 180):  # noqa: ANN001, ANN201
+    """Polls condition until it is true, and returns what it returned."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (result := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
         time.sleep(0.1)
+    return result
 
 
 def test_a_child_that_keeps_dying_at_start_stops_everything_with_its_log(tmp_path):
