@@ -42,7 +42,13 @@ from coordinator.admission import AdmissionQueue, Candidate, has_room
 from coordinator.config import CoordinatorConfig
 from coordinator.nodes import NodeRegistry, NodeState
 from coordinator.request_state import PENDING_PHASES, EarlyAdmission, Phase, RequestState
-from coordinator.routing import PrefixAffinity, kv_load, least_loaded, most_free_blocks
+from coordinator.routing import (
+    PrefixAffinity,
+    kv_load,
+    least_loaded,
+    most_free_blocks,
+    pool_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +83,12 @@ class CoordinatorCore:
         self.config = config or CoordinatorConfig()
         self.nodes = NodeRegistry()
         self.admission = AdmissionQueue()
-        self.affinity = PrefixAffinity()
+        # Each remembers no more prefixes than the KV pools of the nodes it chooses among hold.
+        self.affinity = PrefixAffinity(pool_blocks=lambda: pool_blocks(self.nodes.prefill_nodes()))
         # Which decode node holds which prefix (received or generated there), for prefix reuse.
-        self.decode_affinity = PrefixAffinity()
+        self.decode_affinity = PrefixAffinity(
+            pool_blocks=lambda: pool_blocks(self.nodes.decode_nodes())
+        )
         self.requests: dict[str, RequestState] = {}  # by request id
         self.by_wire: dict[str, RequestState] = {}  # by the id of its current attempt
         # Prefill nodes' handoff sockets (node id -> ZMQ identity): SendKV goes there.

@@ -46,13 +46,30 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+def pool_blocks(nodes: list[NodeState]) -> int:
+    """The KV blocks of the nodes' pools, all together."""
+    return sum(n.num_blocks for n in nodes)
+
+
 class PrefixAffinity:
     """Remembers which node last took each block-chain hash into its cache (bounded LRU): one
-    instance for prefill nodes, one for decode nodes."""
+    instance for prefill nodes, one for decode nodes. It keeps no more hashes than its nodes'
+    KV pools hold blocks (`pool_blocks`, read at each record: nodes come and go), and never more
+    than `capacity`: older hashes are out of the nodes' caches already and would only cost the
+    coordinator memory (about 240 bytes each)."""
 
-    def __init__(self, capacity: int = 200_000) -> None:
+    def __init__(
+        self, capacity: int = 200_000, pool_blocks: Callable[[], int] | None = None
+    ) -> None:
         self.capacity = capacity
+        self.pool_blocks = pool_blocks  # the blocks of the nodes it routes to, all together
         self.owner: OrderedDict[int, str] = OrderedDict()
+
+    @property
+    def limit(self) -> int:
+        if self.pool_blocks is None:
+            return self.capacity
+        return min(self.capacity, self.pool_blocks())
 
     def choose(
         self,
@@ -89,7 +106,8 @@ class PrefixAffinity:
         for h in prefix_hashes(token_ids, node.block_size):
             self.owner[h] = node.node_id
             self.owner.move_to_end(h)
-        while len(self.owner) > self.capacity:
+        limit = self.limit
+        while len(self.owner) > limit:
             self.owner.popitem(last=False)
 
     def forget_node(self, node_id: str) -> None:

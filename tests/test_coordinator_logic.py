@@ -17,6 +17,7 @@ from cluster.node_messages import (
     Tokens,
 )  # fmt: skip
 from coordinator.admission import AdmissionQueue, Candidate
+from coordinator.core import CoordinatorCore
 from coordinator.nodes import NodeRegistry, NodeState
 from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
 
@@ -94,6 +95,34 @@ def test_prefix_affinity_yields_when_the_cached_node_is_much_busier():
     affinity.forget_node("b")
     affinity.forget_node("a")
     assert not affinity.owner
+
+
+def test_prefix_affinity_remembers_no_more_hashes_than_its_nodes_hold_blocks():
+    a = node("a", "prefill", total=6)  # blocks of 4 tokens
+    held = [6]
+    affinity = PrefixAffinity(capacity=10, pool_blocks=lambda: held[0])
+    prompts = [list(range(1000 * i, 1000 * i + 8)) for i in range(5)]  # two blocks each
+    for prompt in prompts:
+        affinity.record(prompt, a)
+    assert len(affinity.owner) == 6  # the three newest prompts' blocks: the rest left a's cache
+    b = node("b", "prefill", queued_prefill_tokens=0)
+    a.queued_prefill_tokens = 1
+    assert affinity.choose(prompts[-1], [a, b], 1, 2.0) is a
+    assert affinity.choose(prompts[0], [a, b], 1, 2.0) is b  # forgotten: the least loaded
+    held[0] = 1000  # more nodes joined: still no more than the capacity
+    for prompt in prompts:
+        affinity.record(prompt, a)
+    assert len(affinity.owner) == 10
+
+
+def test_the_coordinators_affinity_maps_follow_the_blocks_of_their_nodes():
+    core = CoordinatorCore()
+    for n in (node("p", "prefill", total=40), node("d", total=30), node("c", "colocated", total=5)):
+        core.nodes.nodes[n.node_id] = n
+    assert core.affinity.limit == 40
+    assert core.decode_affinity.limit == 35  # decode and colocated nodes decode
+    core.nodes.nodes["d"].alive = False
+    assert core.decode_affinity.limit == 5
 
 
 def test_decode_choice_prefers_most_free_kv():
