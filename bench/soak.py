@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.compare import machine
@@ -170,7 +171,10 @@ async def soak(args: argparse.Namespace, base: str, root_pid: int) -> dict:
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         blocks = await wait_all_blocks_free(client, base, timeout_s=30.0)
-    return {"processes": processes, "samples": samples, "tally": tally, "kv_blocks": blocks}
+    return {
+        "model": model, "processes": processes, "samples": samples, "tally": tally,
+        "kv_blocks": blocks,
+    }  # fmt: skip
 
 
 def growth_over_second_half(
@@ -238,6 +242,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Sample], list[str]]:
              *args.serve_flag)  # fmt: skip
     system = PdserveSystem("soak", args.prefill_nodes, args.decode_nodes, flags=flags)
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    host = machine()  # its load average before the run
     with PdserveServer(system, args.work_dir, model=args.model) as server:
         out = asyncio.run(soak(args, server.base_url, server.proc.pid))
         command = server.command
@@ -262,7 +267,12 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Sample], list[str]]:
         "serve_command": command,
         "commit": commit,
         "date": date,
-        "machine": machine(),
+        "machine": host
+        | {
+            "uptime_after": machine()["uptime_before"],
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        },
+        "model": out["model"],
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "processes": out["processes"],
         "samples": [asdict(s) for s in samples],

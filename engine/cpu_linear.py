@@ -73,14 +73,14 @@ def linear(
 ) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    m = rows.shape[0]
-    if m <= MAX_ROWS:
-        y = _packed_linear(rows, packed, bias)
-    else:
-        pieces = [rows[i : i + MAX_ROWS] for i in range(0, m, MAX_ROWS)]
-        y = torch.cat([_packed_linear(piece, packed, bias) for piece in pieces])
-    return y.view(*x.shape[:-1], y.shape[-1])
+    if x.dim() != 2:
+        y = linear(x.reshape(-1, x.shape[-1]), weight, bias, packed)
+        return y.view(*x.shape[:-1], y.shape[-1])
+    m = x.shape[0]
+    if m > MAX_ROWS:
+        pieces = [x[i : i + MAX_ROWS] for i in range(0, m, MAX_ROWS)]
+        return torch.cat([_packed_linear(piece, packed, bias) for piece in pieces])
+    return _packed_linear(x, packed, bias)
 
 
 def _packed_linear(
@@ -88,8 +88,9 @@ def _packed_linear(
 ) -> torch.Tensor:
     m = rows.shape[0]
     padded = padded_rows(m)
-    if padded != m:
-        rows = F.pad(rows, (0, 0, 0, padded - m))
+    if padded == m:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    rows = F.pad(rows, (0, 0, 0, padded - m))
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:m]
 
 
