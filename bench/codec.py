@@ -1,10 +1,10 @@
 """Wire codec cost: the coordinator<->node and coordinator<->client messages encoded and decoded by
-`cluster.codec` (msgspec tagged structs) and, side by side in the same run, by the approach it
+`pdserve.cluster.codec` (msgspec tagged structs) and, side by side in the same run, by the approach it
 replaced: dataclass copies of the same messages, `dataclasses.asdict` + `msgpack.packb`, and
 `msgpack.unpackb` + `cls(**body)` with no type checks.
 
-    python -m bench.codec                            # the table in docs/benchmarks.md
-    python -m bench.codec --repeats 41 --json codec.json
+    python -m pdserve.bench.codec                            # the table in docs/benchmarks.md
+    python -m pdserve.bench.codec --repeats 41 --json codec.json
 
 Each figure is the median over --repeats rounds of one loop per codec and operation (at least
 --min-loop-ms long); the two codecs alternate within each round, so both see the same load.
@@ -31,9 +31,9 @@ from typing import Any
 import msgpack
 import msgspec
 
-from cluster.client_messages import Event, client_events
-from cluster.codec import Codec
-from cluster.node_messages import (
+from pdserve.cluster.client_messages import Event, client_events
+from pdserve.cluster.codec import Codec
+from pdserve.cluster.node_messages import (
     FinishReason,
     Heartbeat,
     Prefill,
@@ -43,7 +43,7 @@ from cluster.node_messages import (
     orders,
     reports,
 )
-from cluster.sampling_params import SamplingParams
+from pdserve.cluster.sampling_params import SamplingParams
 
 VOCAB = 128256  # Llama 3's, so token ids take the 3 or 5 msgpack bytes they take on the wire
 TOP_LOGPROBS = 5
@@ -326,7 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     out = {
-        "command": " ".join(["python -m bench.codec", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(
+            ["python -m pdserve.bench.codec", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "machine": host,
         "repeats": args.repeats,
         "min_loop_ms": args.min_loop_ms,

@@ -5,7 +5,7 @@ prints the results table. The results JSON and the figure go to the work directo
 --results and --plot); with --write-docs, to bench/results/, docs/serving_sweep.png and the
 results block of docs/benchmarks.md.
 
-    python -m bench.compare
+    python -m pdserve.bench.compare
 """
 
 from __future__ import annotations
@@ -23,17 +23,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.peers.driver import VLLM_VENV, missing_peer
-from bench.serve_load import HelpFormatter
-from bench.serving.bench_model import BENCH_NAME, ensure_bench_model
-from bench.serving.load_generator import LoadConfig
-from bench.serving.metrics import SLO
-from bench.serving.pdserve_server import PdserveServer, PdserveSystem
-from bench.serving.plots import plot_sweeps
-from bench.serving.report import aims, interference_table, long_requests_table, results_table
-from bench.serving.sweep import run_sweep
-from bench.serving.vllm_server import VllmServer
-from bench.serving.workload import SyntheticWorkload
+from pdserve.bench.peers.driver import VLLM_VENV, missing_peer
+from pdserve.bench.serve_load import HelpFormatter
+from pdserve.bench.serving.bench_model import BENCH_NAME, ensure_bench_model
+from pdserve.bench.serving.load_generator import LoadConfig
+from pdserve.bench.serving.metrics import SLO
+from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
+from pdserve.bench.serving.plots import plot_sweeps
+from pdserve.bench.serving.report import (
+    aims,
+    interference_table,
+    long_requests_table,
+    results_table,
+)
+from pdserve.bench.serving.sweep import run_sweep
+from pdserve.bench.serving.vllm_server import VllmServer
+from pdserve.bench.serving.workload import SyntheticWorkload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where --write-docs puts the results, under the repository.
@@ -268,7 +273,7 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.compare", description=__doc__,
                                 formatter_class=HelpFormatter)  # fmt: skip
     p.add_argument("--systems", nargs="+", choices=[*SYSTEMS, *PEER_SYSTEMS],
                    default=DEFAULT_SYSTEMS, metavar="SYSTEM",
@@ -327,10 +332,10 @@ def outputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path | No
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "vllm" in args.systems and (why := missing_peer("vllm", args.peer_venv)):
-        raise SystemExit(f"bench.compare: error: {why}")
+        raise SystemExit(f"pdserve.bench.compare: error: {why}")
     started = time.monotonic()
     results: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
-    results["command"] = "python -m bench.compare " + " ".join(argv or sys.argv[1:])
+    results["command"] = "python -m pdserve.bench.compare " + " ".join(argv or sys.argv[1:])
     results["settings"] = {k: v for k, v in vars(args).items()}
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     print(f"configs, logs and results in {work}", flush=True)

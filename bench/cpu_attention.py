@@ -2,9 +2,9 @@
 C source, side by side in one run: decode steps (one query per sequence) over a pool whose blocks
 are shuffled, as a serving pool's are, at one thread and at all of them.
 
-    .venv/bin/python -m bench.cpu_attention
+    .venv/bin/python -m pdserve.bench.cpu_attention
     git show REV:kernels/csrc/paged_attention_cpu.c > /tmp/old.c
-    .venv/bin/python -m bench.cpu_attention --other-source /tmp/old.c --threads 1
+    .venv/bin/python -m pdserve.bench.cpu_attention --other-source /tmp/old.c --threads 1
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from bench import kernels
-from bench.model_step import median_ms
-from kernels import attention_ref, paged_attention_cpu
+from pdserve.bench import kernels
+from pdserve.bench.model_step import median_ms
+from pdserve.kernels import attention_ref, paged_attention_cpu
 
 # name: (query heads, KV heads, head_dim), as the peer benchmark's models.
 SHAPES = {"llama-9m": (8, 4, 32), "llama-50m": (8, 4, 64), "qwen3-25m": (6, 2, 128)}
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown shape {unknown[0]!r}: choose from {', '.join(SHAPES)}")
     if not paged_attention_cpu.available():
-        print("bench.cpu_attention: the C kernel did not build here (no C compiler?)")
+        print("pdserve.bench.cpu_attention: the C kernel did not build here (no C compiler?)")
         return 1
     other = None
     if args.other_source is not None:

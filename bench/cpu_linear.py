@@ -1,10 +1,10 @@
-"""The packed linear layers of CPU nodes (`engine.cpu_linear`), side by side in one process: their
+"""The packed linear layers of CPU nodes (`pdserve.engine.cpu_linear`), side by side in one process: their
 time per call at each row count against oneDNN called on the rows as they come (what the engine
 did before it padded them) and against F.linear; and the memory oneDNN keeps for the row counts
 each way meets.
 
-    python -m bench.cpu_linear                          # pdserve-stories' projection shapes
-    python -m bench.cpu_linear --shape 4096x4096 --rows 1,8,64,300,1000 --threads 2
+    python -m pdserve.bench.cpu_linear                          # pdserve-stories' projection shapes
+    python -m pdserve.bench.cpu_linear --shape 4096x4096 --rows 1,8,64,300,1000 --threads 2
 
 A row count is timed by alternating the three ways call by call, `--repeat` calls each; the memory
 figures come from fresh processes, one per way, calling every row count of `--memory-rows` once.
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from bench.compare import machine
-from engine import cpu_linear
+from pdserve.bench.compare import machine
+from pdserve.engine import cpu_linear
 
 # pdserve-stories: qkv, o, gate_up, down and lm_head as (out, in).
 STORIES_SHAPES = ["384x256", "256x256", "1536x256", "256x768", "782x256"]
@@ -70,7 +70,7 @@ def time_rows(weight: torch.Tensor, rows: int, repeat: int) -> dict[str, float]:
 # row count 1..N once.
 MEMORY_CHILD = """
 import sys, torch
-from bench.cpu_linear import parse_shape, ways
+from pdserve.bench.cpu_linear import parse_shape, ways
 torch.set_num_threads(1)
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -101,7 +101,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.cpu_linear", description=__doc__,
+        prog="python -m pdserve.bench.cpu_linear", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--shape", action="append", help="OUTxIN (repeat; default: pdserve-stories')")
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short",
                              "HEAD"], capture_output=True, text=True).stdout.strip()  # fmt: skip
     results: dict = {
-        "command": "python -m bench.cpu_linear " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m pdserve.bench.cpu_linear "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "commit": commit,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine() | {"cpu_capability": torch.backends.cpu.get_cpu_capability()},

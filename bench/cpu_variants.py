@@ -4,7 +4,7 @@ the variants alternating round by round; prints each variant's output tokens/s p
 median, and the machine's load. `--load N` runs N busy-loop processes for the whole run (a
 competing load: one per core takes every core).
 
-    .venv/bin/python -m bench.cpu_variants --variant t2=cpu_threads:2 \\
+    .venv/bin/python -m pdserve.bench.cpu_variants --variant t2=cpu_threads:2 \\
         --variant t1-bound=cpu_threads:1,cpu_bind:0 --rounds 3 --load 2
 
 A variant is NAME=KEY:VALUE,KEY:VALUE... of EngineConfig settings (values as TOML would read
@@ -25,14 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.offline_throughput import (
+from pdserve import SOURCE_ROOT
+from pdserve.bench.offline_throughput import (
     blocks_for,
     machine,
     make_workload,
     model_config,
     write_model,
 )
-from bench.peers.models import num_parameters
+from pdserve.bench.peers.models import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 BUSY_LOOP = "while True:\n    pass\n"
@@ -53,8 +54,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def _value(key: str, text: str) -> object:
     """The text as the EngineConfig setting `key` holds it."""
-    from cluster.schema import declared
-    from engine.config import EngineConfig
+    from pdserve.cluster.schema import declared
+    from pdserve.engine.config import EngineConfig
 
     kinds = {d.name: d.kind for d in declared(EngineConfig)}
     if key not in kinds:
@@ -66,7 +67,7 @@ def _value(key: str, text: str) -> object:
 
 def child(spec: dict) -> dict:
     """One variant's run in this process: warm up, then the whole workload at once."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     args = argparse.Namespace(**spec["workload"])
     workload = make_workload(args)
@@ -104,9 +105,9 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
     out = subprocess.run(
-        [sys.executable, "-m", "bench.cpu_variants", "--child", json.dumps(spec)],
+        [sys.executable, "-m", "pdserve.bench.cpu_variants", "--child", json.dumps(spec)],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )  # fmt: skip
     if out.returncode != 0:
@@ -155,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     variants = [parse_variant(v) for v in args.variant] or [("default", {})]
     cfg = model_config(args)
     workload = {k: getattr(args, k) for k in WORKLOAD_KEYS}
-    command = "python -m bench.cpu_variants " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m pdserve.bench.cpu_variants " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
     print(f"command: {command}")
     print(f"machine: {machine()}")
     print(f"model: {num_parameters(cfg) / 1e6:.1f}M parameters, float32; load: {args.load} "

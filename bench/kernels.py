@@ -2,9 +2,9 @@
 decode attention's KV bandwidth as a fraction of a device-to-device copy, and prefill attention's
 TFLOP/s as a fraction of a bf16 matmul; the torch reference is timed on the same inputs.
 
-    .venv/bin/python -m bench.kernels                    # Llama-3-8B attention shapes, bf16
-    .venv/bin/python -m bench.kernels --batches 1,16 --contexts 4096 --json out.json
-    .venv/bin/python -m bench.kernels --quick            # gpu-check's shorter sweep
+    .venv/bin/python -m pdserve.bench.kernels                    # Llama-3-8B attention shapes, bf16
+    .venv/bin/python -m pdserve.bench.kernels --batches 1,16 --contexts 4096 --json out.json
+    .venv/bin/python -m pdserve.bench.kernels --quick            # gpu-check's shorter sweep
 """
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ def paged_inputs(
 
 
 def bench_decode(batch: int, context: int, copy_gbps: float, with_reference: bool) -> DecodeResult:
-    from kernels import attention_ref
-    from kernels.triton_ops import TRITON
+    from pdserve.kernels import attention_ref
+    from pdserve.kernels.triton_ops import TRITON
 
     inputs = paged_inputs([context] * batch, [1] * batch)
     kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * inputs["k_cache"].element_size()
@@ -159,8 +159,8 @@ def bench_decode(batch: int, context: int, copy_gbps: float, with_reference: boo
 def bench_prefill(
     prompts: int, prompt_len: int, matmul: float, with_reference: bool
 ) -> PrefillResult:
-    from kernels import attention_ref
-    from kernels.triton_ops import TRITON
+    from pdserve.kernels import attention_ref
+    from pdserve.kernels.triton_ops import TRITON
 
     inputs = paged_inputs([prompt_len] * prompts, [prompt_len] * prompts)
     triton_ms = _time_ms(lambda: TRITON.paged_attention(**inputs))
@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, values)
     if not torch.cuda.is_available():
-        print("bench.kernels: CUDA is not available; the Triton kernels need an NVIDIA GPU.")
+        print(
+            "pdserve.bench.kernels: CUDA is not available; the Triton kernels need an NVIDIA GPU."
+        )
         return 0
     import triton
 
@@ -261,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(
                 {
                     "device": device,
-                    "command": " ".join(["python -m bench.kernels", *(argv or sys.argv[1:])]),
+                    "command": " ".join(
+                        ["python -m pdserve.bench.kernels", *(argv or sys.argv[1:])]
+                    ),
                     "copy_gbps": copy_gbps,
                     "matmul_tflops": matmul,
                     "decode": [asdict(r) for r in decode],

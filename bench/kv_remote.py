@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer.base import TransferResult
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer.base import TransferResult
 
 
 def pool_bytes(kv: torch.Tensor, blocks: list[int] | None = None) -> bytes:
@@ -37,7 +37,7 @@ def wait_for(endpoint, done: dict, transfer_id: str, timeout_s: float) -> Transf
 
 
 def _serve(conn, role: str, name: str, layout: dict, num_blocks: int, device: str, options: dict):
-    from kv_transfer import make_receiver, make_sender
+    from pdserve.kv_transfer import make_receiver, make_sender
 
     lay = KVLayout.from_dict(layout)
     if role == "receiver":
@@ -76,7 +76,9 @@ def _process_context():
     forks from it ready (a fresh spawn spends seconds importing torch); spawn elsewhere."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["bench.kv_remote", "kv_transfer.tcp", "kv_transfer.shm"])
+        ctx.set_forkserver_preload(
+            ["pdserve.bench.kv_remote", "pdserve.kv_transfer.tcp", "pdserve.kv_transfer.shm"]
+        )
         return ctx
     return mp.get_context("spawn")
 

@@ -4,9 +4,9 @@ from this process's pool into a receiver's pool in another process, beside the r
 same bytes on the same path: one plain ZeroMQ send of one buffer (tcp), a memcpy into the shared
 segment (shm), a device-to-device copy (cuda_ipc).
 
-    .venv/bin/python -m bench.kv_transfer                       # tcp and shm, 1..256 blocks
-    .venv/bin/python -m bench.kv_transfer --max-blocks 1024 --transports shm
-    .venv/bin/python -m bench.kv_transfer --transports tcp --security none curve auth-only
+    .venv/bin/python -m pdserve.bench.kv_transfer                       # tcp and shm, 1..256 blocks
+    .venv/bin/python -m pdserve.bench.kv_transfer --max-blocks 1024 --transports shm
+    .venv/bin/python -m pdserve.bench.kv_transfer --transports tcp --security none curve auth-only
 
 --security runs one receiver per mode side by side in the same rounds: none (a cluster run
 --insecure), curve (the default: the cluster keys, pages encrypted with CurveZMQ) and auth-only
@@ -36,11 +36,11 @@ import numpy as np
 import torch
 import zmq
 
-from bench.kv_remote import RemoteEndpoint, wait_for
-from cluster.keys import ClusterKeys
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer import make_sender
-from kv_transfer.shm import map_pool
+from pdserve.bench.kv_remote import RemoteEndpoint, wait_for
+from pdserve.cluster.keys import ClusterKeys
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer import make_sender
+from pdserve.kv_transfer.shm import map_pool
 
 LLAMA3_8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 SWEEP = (1, 4, 16, 64, 256, 1024)
@@ -235,7 +235,7 @@ def main() -> None:
     securities = list(dict.fromkeys(args.security))
     side_by_side = len(securities) > 1
     print(
-        f"# {shlex.join([os.path.basename(sys.executable), '-m', 'bench.kv_transfer', *sys.argv[1:]])}"
+        f"# {shlex.join([os.path.basename(sys.executable), '-m', 'pdserve.bench.kv_transfer', *sys.argv[1:]])}"
     )
     print(
         f"# {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "

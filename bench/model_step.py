@@ -8,11 +8,11 @@ engine runs them (batch preparation, the forward, logits, the copy of logits to 
 - prefill: `prompts` prompts of `prompt_len` tokens in one step, its matmul and attention FLOPs
   over the step time, as a fraction of a measured bf16 matmul.
 
-    python -m bench.model_step                                  # on a GPU: Llama-3-8B, bf16
-    python -m bench.model_step --json out.json --batches 1,64 --contexts 4096
-    python -m bench.model_step --preset tiny --device cpu       # the script itself, on a CPU
-    python -m bench.model_step --quick                          # gpu-check's shorter sweep
-    python -m bench.model_step --tensor-parallel-size 2         # each step over 2 ranks
+    python -m pdserve.bench.model_step                                  # on a GPU: Llama-3-8B, bf16
+    python -m pdserve.bench.model_step --json out.json --batches 1,64 --contexts 4096
+    python -m pdserve.bench.model_step --preset tiny --device cpu       # the script itself, on a CPU
+    python -m pdserve.bench.model_step --quick                          # gpu-check's shorter sweep
+    python -m pdserve.bench.model_step --tensor-parallel-size 2         # each step over 2 ranks
 
 With --tensor-parallel-size N the model is split over N ranks (processes on devices 0..N-1, gloo
 on CPU): every rank runs the same steps on its shard, collectives included, and the tables give
@@ -31,22 +31,22 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from cluster.sampling_params import SamplingParams
-from engine.decode_graphs import DecodeGraphs
-from engine.kv_cache import KVLayout, KVPool
-from engine.loader import build_model
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaForCausalLM
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
-from engine.tp_group import TPGroup, host_store
-from engine.tp_shard import TPShard
-from kernels.ops import select_ops
+from pdserve import SOURCE_ROOT
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.decode_graphs import DecodeGraphs
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.loader import build_model
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.tp_group import TPGroup, host_store
+from pdserve.engine.tp_shard import TPShard
+from pdserve.kernels.ops import select_ops
 
 PRESETS = {
     # meta-llama/Meta-Llama-3-8B's config.json, weights aside.
@@ -348,7 +348,7 @@ def join_group(args: argparse.Namespace, argv: list[str]) -> TPGroup | None:
     if args.tp_rank > 0:
         return TPGroup.join(shard, args.device, port=args.tp_port)
     store = host_store(size)
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(SOURCE_ROOT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root,
                                                                os.environ.get("PYTHONPATH")]))}  # fmt: skip
     ranks = []
@@ -356,7 +356,7 @@ def join_group(args: argparse.Namespace, argv: list[str]) -> TPGroup | None:
         extra = ["--tp-rank", str(rank), "--tp-port", str(store.port)]
         if args.device.startswith("cuda"):
             extra += ["--device", f"cuda:{rank}"]
-        command = [sys.executable, "-m", "bench.model_step", *argv, *extra]
+        command = [sys.executable, "-m", "pdserve.bench.model_step", *argv, *extra]
         ranks.append(subprocess.Popen(_without(command, "--json"), env=env,
                                       stdout=subprocess.DEVNULL))  # fmt: skip
 
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     results = {
         "device": name,
-        "command": " ".join(["python -m bench.model_step", *argv]),
+        "command": " ".join(["python -m pdserve.bench.model_step", *argv]),
         "preset": args.preset,
         "dtype": dtype,
         "tensor_parallel_size": shard.size,

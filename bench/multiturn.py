@@ -5,7 +5,7 @@ received (its `pdserve_kv_transfer_blocks_total` on /metrics, times the bytes of
 blocks it found cached, TTFT, and the gap from the first token to the second (the KV handoff's
 share of a request's latency).
 
-    python -m bench.multiturn --sessions 8 --concurrency 4 --json /tmp/multiturn.json
+    python -m pdserve.bench.multiturn --sessions 8 --concurrency 4 --json /tmp/multiturn.json
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_load import HelpFormatter, length_range
-from bench.serving.metrics import percentile
-from bench.serving.multiturn import MultiTurnWorkload, TurnResult, run_sessions
-from bench.serving.pdserve_server import PdserveServer, PdserveSystem, free_port
-from engine.embedded_models import TINY, resolve_model_dir
-from engine.kv_cache import KVLayout
-from engine.model_config import ModelConfig
+from pdserve.bench.serve_load import HelpFormatter, length_range
+from pdserve.bench.serving.metrics import percentile
+from pdserve.bench.serving.multiturn import MultiTurnWorkload, TurnResult, run_sessions
+from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem, free_port
+from pdserve.engine.embedded_models import TINY, resolve_model_dir
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.model_config import ModelConfig
 
 MODES = {"reuse-on": True, "reuse-off": False}
 
@@ -141,7 +141,7 @@ def format_table(runs: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.multiturn", description=__doc__, formatter_class=HelpFormatter
+        prog="python -m pdserve.bench.multiturn", description=__doc__, formatter_class=HelpFormatter
     )
     p.add_argument("--model", default=TINY, help="the model every node serves")
     p.add_argument("--transport", default="tcp", help="KV transport between the nodes")
@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise SystemExit(f"bench.multiturn: error: unknown mode(s) {unknown}; use {list(MODES)}")
+        raise SystemExit(
+            f"pdserve.bench.multiturn: error: unknown mode(s) {unknown}; use {list(MODES)}"
+        )
     workload = MultiTurnWorkload(
         num_sessions=args.sessions,
         turns=args.turns,
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-multiturn-"))
     runs = [run_mode(m, MODES[m], args, workload, work) for m in modes]
     if len(runs) > 1 and any(r["outputs"] != runs[0]["outputs"] for r in runs):
-        raise SystemExit("bench.multiturn: error: the modes' greedy outputs differ")
+        raise SystemExit("pdserve.bench.multiturn: error: the modes' greedy outputs differ")
     print(format_table(runs))
     if args.json:
         for r in runs:

@@ -2,7 +2,7 @@
 stop) through transformers' static-batch `generate()`, pdserve `static` and pdserve `continuous`,
 in one process; prints output tokens/s, their ratios and a profile of pdserve's step loop.
 
-    .venv/bin/python -m bench.offline_throughput    # issue 3's workload, ~50M-parameter model
+    .venv/bin/python -m pdserve.bench.offline_throughput    # issue 3's workload, ~50M-parameter model
 
 The default workload (128 requests, prompts 32-512, outputs 16-512) takes about 7 minutes for the
 three systems on an idle 2-core CPU; a quicker one of the same shape halves every length:
@@ -10,7 +10,7 @@ three systems on an idle 2-core CPU; a quicker one of the same shape halves ever
 
 Against a peer engine (vLLM's CPU backend, in .venv-vllm from `make bench-peers`), pdserve and the
 peer alternating round by round, each in a fresh process:
-    .venv/bin/python -m bench.offline_throughput --peer vllm --model llama-9m --rounds 3
+    .venv/bin/python -m pdserve.bench.offline_throughput --peer vllm --model llama-9m --rounds 3
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from bench.peers import driver
-from bench.peers import models as bench_models
-from bench.peers.competing_load import CompetingLoad
-from bench.peers.protocol import RoundRequest, RoundResult, machine_cpu_seconds
-from bench.peers.rounds import summary, table
-from bench.peers.variants import DEFAULT_LABEL, parse_variants
+from pdserve.bench.peers import driver
+from pdserve.bench.peers import models as bench_models
+from pdserve.bench.peers.competing_load import CompetingLoad
+from pdserve.bench.peers.protocol import RoundRequest, RoundResult, machine_cpu_seconds
+from pdserve.bench.peers.rounds import summary, table
+from pdserve.bench.peers.variants import DEFAULT_LABEL, parse_variants
 
 SYSTEMS = ("hf", "static", "continuous")
 SYSTEM_NAMES = {
@@ -95,7 +95,7 @@ def model_config(args: argparse.Namespace) -> dict:
 def write_model(out_dir: Path, cfg: dict, seed: int) -> None:
     """A random-weight checkpoint with the pdserve-tiny tokenizer files (prompts are token ids, so
     the tokenizer is only loaded, never used)."""
-    from engine.tiny_model import ensure_tiny_model, write_checkpoint
+    from pdserve.engine.tiny_model import ensure_tiny_model, write_checkpoint
 
     write_checkpoint(out_dir, cfg, seed)
     tiny = ensure_tiny_model()
@@ -211,7 +211,7 @@ class StepTimer:
     `close()`. The wrappers cost a few perf_counter calls per step."""
 
     def __init__(self, engine) -> None:
-        import engine.llm_engine as llm_engine_module
+        import pdserve.engine.llm_engine as llm_engine_module
 
         self.engine = engine
         self.profile = StepProfile()
@@ -270,7 +270,7 @@ def make_llm(
     engine_options: dict | None = None,
 ):  # fmt: skip
     """pdserve's offline engine for the benchmark; `engine_options`: other EngineConfig settings."""
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(
         str(model_dir),
@@ -299,7 +299,7 @@ def run_pdserve(
     progress: bool,
     engine_options: dict | None = None,
 ) -> SystemResult:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     num_blocks = blocks_for(workload, block_size)
     llm = make_llm(model_dir, policy, max_num_seqs, num_blocks, block_size, engine_options)
@@ -341,8 +341,8 @@ def profile_decode_steps(
     """The step loop with `num_seqs` sequences all decoding: they are handed in already prefilled
     (as a decode node takes in sequences whose KV arrived; the pages hold zeros, which costs the
     same), with prompt lengths drawn from the workload's, then `num_steps` steps are timed."""
-    from engine import SamplingParams
-    from engine.sequence import Sequence
+    from pdserve.engine import SamplingParams
+    from pdserve.engine.sequence import Sequence
 
     rng = random.Random(seed + 1)
     prompts = [rng.choice(workload).prompt for _ in range(num_seqs)]
@@ -488,7 +488,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.peer and (why := driver.missing_peer(args.peer, args.peer_venv)):
-        raise SystemExit(f"bench.offline_throughput: error: {why}")
+        raise SystemExit(f"pdserve.bench.offline_throughput: error: {why}")
     if args.pdserve_variant and not args.peer:
         p.error("--pdserve-variant needs --peer")
     try:
@@ -511,7 +511,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = "python -m bench.offline_throughput " + shlex.join(
+    command = "python -m pdserve.bench.offline_throughput " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:

@@ -3,8 +3,8 @@
 goodput (requests per second that met both SLOs). Several rates (`--rate 1,2,4`) make a sweep;
 `--plot` draws it.
 
-    python -m bench.serve_load --rate 4 --num-requests 20       # against pdserve serve's default
-    python -m bench.serve_load --base-url http://HOST:PORT --rate 1,2,4 --slo-ttft-ms 500 \\
+    python -m pdserve.bench.serve_load --rate 4 --num-requests 20       # against pdserve serve's default
+    python -m pdserve.bench.serve_load --base-url http://HOST:PORT --rate 1,2,4 --slo-ttft-ms 500 \\
         --slo-tpot-ms 30 --output run.json --plot run.png
 """
 
@@ -16,11 +16,11 @@ import json
 import math
 from pathlib import Path
 
-from bench.serving.load_generator import LoadConfig, format_summary, run_load
-from bench.serving.metrics import SLO
-from bench.serving.plots import plot_sweeps
-from bench.serving.sweep import run_sweep
-from bench.serving.workload import (
+from pdserve.bench.serving.load_generator import LoadConfig, format_summary, run_load
+from pdserve.bench.serving.metrics import SLO
+from pdserve.bench.serving.plots import plot_sweeps
+from pdserve.bench.serving.sweep import run_sweep
+from pdserve.bench.serving.workload import (
     RequestSpec,
     SyntheticWorkload,
     approximate_token_count,
@@ -57,7 +57,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.serve_load", description=__doc__, formatter_class=HelpFormatter
+        prog="python -m pdserve.bench.serve_load",
+        description=__doc__,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="the server, http://HOST:PORT (with or without /v1)")  # fmt: skip

@@ -2,8 +2,8 @@
 memory of the coordinator and of every node process as they go. A process that keeps something
 per request grows linearly with the requests served; one that does not levels off after warm-up.
 
-    python -m bench.soak                                   # 10,000 requests, 1 prefill + 1 decode
-    python -m bench.soak --requests 4000 --transport shm --json-out bench/results/soak.json
+    python -m pdserve.bench.soak                                   # 10,000 requests, 1 prefill + 1 decode
+    python -m pdserve.bench.soak --requests 4000 --transport shm --json-out bench/results/soak.json
 
 The load: after `--warmup` requests, `--requests` more at `--concurrency`, streamed and not, some
 with n=2, stop strings, seeds or temperature 0, prompts of random length (text or token ids), and
@@ -30,9 +30,9 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.compare import machine
-from bench.serving.pdserve_server import REPO_ROOT, PdserveServer, PdserveSystem
-from bench.serving.process_memory import pdserve_processes, resident_mib
+from pdserve.bench.compare import machine
+from pdserve.bench.serving.pdserve_server import REPO_ROOT, PdserveServer, PdserveSystem
+from pdserve.bench.serving.process_memory import pdserve_processes, resident_mib
 
 WORDS = "once upon a time there was a cat who liked the river and the small red ball".split()
 
@@ -210,7 +210,7 @@ def render(samples: list[Sample], kinds: tuple[str, ...] = ("rss", "anon")) -> s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.soak", description=__doc__,
+        prog="python -m pdserve.bench.soak", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--requests", type=int, default=10_000, help="measured requests (10000)")
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Sample], list[str]]:
     commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     result = {
-        "command": "python -m bench.soak " + " ".join(sys.argv[1:]),
+        "command": "python -m pdserve.bench.soak " + " ".join(sys.argv[1:]),
         "serve_command": command,
         "commit": commit,
         "date": date,

@@ -9,9 +9,9 @@ on CPU, NCCL on GPU), the model's own compute left out:
 - the collectives of one forward: an all-reduce of [tokens, hidden] after the embedding and after
   each layer's attention and MLP, and the gather of the logits onto rank 0, for a model's shape.
 
-    python -m bench.tp_overhead                       # tiny and Llama-3-8B shapes, plans
-    python -m bench.tp_overhead --json out.json --repeats 200
-    python -m bench.tp_overhead --quick --repeats 5   # checks the script itself
+    python -m pdserve.bench.tp_overhead                       # tiny and Llama-3-8B shapes, plans
+    python -m pdserve.bench.tp_overhead --json out.json --repeats 200
+    python -m pdserve.bench.tp_overhead --quick --repeats 5   # checks the script itself
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
-from cluster.sampling_params import SamplingParams
-from engine.plan_channel import PlanChannel, plan_capacity
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
-from engine.step_plan import StepPlan
-from engine.tp_group import TPGroup, host_store
-from engine.tp_shard import TPShard
+from pdserve import SOURCE_ROOT
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.plan_channel import PlanChannel, plan_capacity
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_plan import StepPlan
+from pdserve.engine.tp_group import TPGroup, host_store
+from pdserve.engine.tp_shard import TPShard
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
@@ -147,7 +148,7 @@ def run_trials(group: TPGroup, trials: Trials, channel, reader) -> dict:  # noqa
 
 
 def worker() -> None:
-    """Rank 1 (`python -c "from bench.tp_overhead import worker; worker()"`)."""
+    """Rank 1 (`python -c "from pdserve.bench.tp_overhead import worker; worker()"`)."""
     port, inbox, fields = pickle.load(sys.stdin.buffer)
     trials = Trials(**fields)
     torch.set_num_threads(1)
@@ -176,12 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
     store = host_store(2)
     max_blocks = max(-(-c // BLOCK_SIZE) for _, _, c in trials.plans)
     channel = PlanChannel(1, plan_capacity(2048, max_blocks))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT),
                                                                os.environ.get("PYTHONPATH")]))}  # fmt: skip
     inbox = channel.inbox(0)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from bench.tp_overhead import worker; worker()"],
+            [sys.executable, "-c", "from pdserve.bench.tp_overhead import worker; worker()"],
             stdin=subprocess.PIPE, env=env, pass_fds=(inbox.fd,),
         )  # fmt: skip
         channel.handed_over(0)

@@ -1,11 +1,11 @@
 """The tuner's predictions beside real runs: profiles this machine (`pdserve tune profile`), predicts
 three configurations (1 prefill + 1 decode, 2 colocated, and the one `pdserve tune` picks for two
 workers here) at three rates on the serving benchmark's workload, runs the same requests at the
-same arrival times against `pdserve serve` with `bench.serve_load`'s load generator, and prints
+same arrival times against `pdserve serve` with `pdserve.bench.serve_load`'s load generator, and prints
 each prediction beside its measurement.
 
-    .venv/bin/python -m bench.tune_validate                    # ~5 min on 2 cores
-    .venv/bin/python -m bench.tune_validate --rates 2 --duration-s 3 --min-requests 6 --quick
+    .venv/bin/python -m pdserve.bench.tune_validate                    # ~5 min on 2 cores
+    .venv/bin/python -m pdserve.bench.tune_validate --rates 2 --duration-s 3 --min-requests 6 --quick
 
 The last line: `tune validation: goodput error max X%, TTFT p50 error max Y%, TPOT p50 error max
 Z%, ranking same|different`. Errors are |predicted - measured| / measured; the ranking orders the
@@ -29,21 +29,21 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.serving.arrivals import arrival_offsets
-from bench.serving.bench_model import ensure_bench_model
-from bench.serving.load_generator import LoadConfig, run_load
-from bench.serving.metrics import SLO as BenchSLO
-from bench.serving.pdserve_server import PdserveServer, PdserveSystem
-from bench.serving.workload import RequestSpec, SyntheticWorkload
-from tune.deployment import Deployment
-from tune.measure import StepGrid, measure_frontend, measure_profile
-from tune.metrics import SLO, summarize
-from tune.profile import Profile
-from tune.report import write_outputs
-from tune.search import SearchSpace, search
-from tune.simulator import Simulation
-from tune.transfer_model import TransferModel
-from tune.workload import SimRequest, from_requests
+from pdserve.bench.serving.arrivals import arrival_offsets
+from pdserve.bench.serving.bench_model import ensure_bench_model
+from pdserve.bench.serving.load_generator import LoadConfig, run_load
+from pdserve.bench.serving.metrics import SLO as BenchSLO
+from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
+from pdserve.bench.serving.workload import RequestSpec, SyntheticWorkload
+from pdserve.tune.deployment import Deployment
+from pdserve.tune.measure import StepGrid, measure_frontend, measure_profile
+from pdserve.tune.metrics import SLO, summarize
+from pdserve.tune.profile import Profile
+from pdserve.tune.report import write_outputs
+from pdserve.tune.search import SearchSpace, search
+from pdserve.tune.simulator import Simulation
+from pdserve.tune.transfer_model import TransferModel
+from pdserve.tune.workload import SimRequest, from_requests
 
 # The serving benchmark's node settings (bench/compare.py), on every configuration.
 NUM_KV_BLOCKS = 2048
@@ -225,7 +225,7 @@ def uptime() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.tune_validate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.tune_validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
                    default=[2.0, 5.0, 8.0])  # fmt: skip
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(points))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "command": "python -m bench.tune_validate " + " ".join(argv or sys.argv[1:]),
+            "command": "python -m pdserve.bench.tune_validate " + " ".join(argv or sys.argv[1:]),
             "profile": profile.to_dict(),
             "picked": picked.label,
             "points": [{"system": p.system, "rate": p.rate, "predicted": p.predicted,

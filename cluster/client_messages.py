@@ -3,9 +3,9 @@ client submits or cancels; the coordinator streams each request's events back.""
 
 from __future__ import annotations
 
-from cluster.codec import Codec, Message
-from cluster.node_messages import TokenLogprobs
-from cluster.sampling_params import SamplingParams
+from pdserve.cluster.codec import Codec, Message
+from pdserve.cluster.node_messages import TokenLogprobs
+from pdserve.cluster.sampling_params import SamplingParams
 
 CLIENT_PROTOCOL_VERSION = 2
 

@@ -31,7 +31,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from cluster.codec import MalformedLog
+from pdserve.cluster.codec import MalformedLog
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,16 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from cluster.codec import MalformedLog, ProtocolError
-from cluster.keys import HANDSHAKE_FAILED, ClusterKeys, curve_client
-from cluster.node_messages import Heartbeat, Message, Register, RequestError, orders, reports
+from pdserve.cluster.codec import MalformedLog, ProtocolError
+from pdserve.cluster.keys import HANDSHAKE_FAILED, ClusterKeys, curve_client
+from pdserve.cluster.node_messages import (
+    Heartbeat,
+    Message,
+    Register,
+    RequestError,
+    orders,
+    reports,
+)
 
 logger = logging.getLogger(__name__)
 

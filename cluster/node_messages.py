@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 
-from cluster.codec import Codec, Message
-from cluster.sampling_params import SamplingParams
+from pdserve.cluster.codec import Codec, Message
+from pdserve.cluster.sampling_params import SamplingParams
 
 NODE_PROTOCOL_VERSION = 2
 

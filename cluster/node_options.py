@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.schema import REQUIRED, setting, validate
+from pdserve.cluster.schema import REQUIRED, setting, validate
 
 TRANSPORTS = ("tcp", "shm", "cuda_ipc", "nccl")
 KV_HANDOFF = ("immediate", "between-steps")

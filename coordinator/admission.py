@@ -7,8 +7,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.nodes import NodeState
-from coordinator.routing import most_free_blocks
+from pdserve.coordinator.nodes import NodeState
+from pdserve.coordinator.routing import most_free_blocks
 
 
 @dataclass(slots=True)

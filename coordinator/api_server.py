@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coordinator.access_log import AccessLog, RequestIdLogFilter
-from coordinator.metrics import CONTENT_TYPE
-from coordinator.openai_protocol import (
+from pdserve.coordinator.access_log import AccessLog, RequestIdLogFilter
+from pdserve.coordinator.metrics import CONTENT_TYPE
+from pdserve.coordinator.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,12 +28,12 @@ from coordinator.openai_protocol import (
     TokenizeCompletionRequest,
     coordinator_error,
 )  # fmt: skip
-from coordinator.request_guard import KEYED_PREFIXES, RequestGuard
-from coordinator.serving import OpenAIServing
-from coordinator.serving_chat import OpenAIServingChat
-from coordinator.serving_completion import OpenAIServingCompletion
-from coordinator.serving_tokenization import OpenAIServingTokenization
-from engine.embedded_models import model_name
+from pdserve.coordinator.request_guard import KEYED_PREFIXES, RequestGuard
+from pdserve.coordinator.serving import OpenAIServing
+from pdserve.coordinator.serving_chat import OpenAIServingChat
+from pdserve.coordinator.serving_completion import OpenAIServingCompletion
+from pdserve.coordinator.serving_tokenization import OpenAIServingTokenization
+from pdserve.engine.embedded_models import model_name
 
 logger = logging.getLogger(__name__)
 

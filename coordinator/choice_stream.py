@@ -8,12 +8,12 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from cluster.client_messages import Event
-from coordinator.coordinator import Coordinator, RequestHandle
-from coordinator.detokenizer import IncrementalDetokenizer
-from coordinator.openai_protocol import APIError, coordinator_error
-from coordinator.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer
+from pdserve.cluster.client_messages import Event
+from pdserve.coordinator.coordinator import Coordinator, RequestHandle
+from pdserve.coordinator.detokenizer import IncrementalDetokenizer
+from pdserve.coordinator.openai_protocol import APIError, coordinator_error
+from pdserve.coordinator.stop_strings import StopStringMatcher
+from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
-from cluster.codec import ProtocolError
-from cluster.keys import ClusterKeys, curve_client, default_key_dir
-from cluster.sampling_params import SamplingParams
-from coordinator.coordinator import SubmitError
+from pdserve.cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
+from pdserve.cluster.codec import ProtocolError
+from pdserve.cluster.keys import ClusterKeys, curve_client, default_key_dir
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.coordinator import SubmitError
 
 DEFAULT_KEYS = "default"  # the key set of default_key_dir(): `pdserve serve`'s for this user
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.node_options import PLACEMENT, SECURITY, NodeOptions
-from cluster.schema import (
+from pdserve.cluster.node_options import PLACEMENT, SECURITY, NodeOptions
+from pdserve.cluster.schema import (
     declared,
     defaults,
     doc_rows,
@@ -20,7 +20,7 @@ from cluster.schema import (
     setting,
     validate,
 )
-from engine.config import EngineConfig, RoleTensorParallel
+from pdserve.engine.config import EngineConfig, RoleTensorParallel
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
 # Node settings the file does not hold, and where they come from instead.
@@ -236,4 +236,4 @@ def doc_tables() -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    print(*doc_tables(), sep="\n", end="")  # python -m coordinator.config: the docs' tables
+    print(*doc_tables(), sep="\n", end="")  # python -m pdserve.coordinator.config: the docs' tables

@@ -20,17 +20,17 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from cluster import node_messages
-from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
-from cluster.codec import MAX_FRAME_BYTES, Codec, MalformedLog, ProtocolError, peer_name
-from cluster.keys import ClusterKeys, close_server, curve_server, log_refused_handshakes
-from cluster.node_messages import Message
-from cluster.sampling_params import SamplingParams
-from coordinator.config import CoordinatorConfig
-from coordinator.core import CoordinatorCore, Outbox, SubmitError
-from coordinator.nodes import NodeRegistry
-from coordinator.request_state import PENDING_PHASES, RequestState
-from coordinator.stats import INTERVAL_S, StatsCounter
+from pdserve.cluster import node_messages
+from pdserve.cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
+from pdserve.cluster.codec import MAX_FRAME_BYTES, Codec, MalformedLog, ProtocolError, peer_name
+from pdserve.cluster.keys import ClusterKeys, close_server, curve_server, log_refused_handshakes
+from pdserve.cluster.node_messages import Message
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.core import CoordinatorCore, Outbox, SubmitError
+from pdserve.coordinator.nodes import NodeRegistry
+from pdserve.coordinator.request_state import PENDING_PHASES, RequestState
+from pdserve.coordinator.stats import INTERVAL_S, StatsCounter
 
 logger = logging.getLogger(__name__)
 stats_logger = logging.getLogger("pdserve.stats")

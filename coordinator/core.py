@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.client_messages import Event
-from cluster.node_messages import (
+from pdserve.cluster.client_messages import Event
+from pdserve.cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
@@ -37,12 +37,12 @@ from cluster.node_messages import (
     Tokens,
     TransferDone,
 )  # fmt: skip
-from cluster.sampling_params import SamplingParams
-from coordinator.admission import AdmissionQueue, Candidate, has_room
-from coordinator.config import CoordinatorConfig
-from coordinator.nodes import NodeRegistry, NodeState
-from coordinator.request_state import PENDING_PHASES, EarlyAdmission, Phase, RequestState
-from coordinator.routing import (
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.admission import AdmissionQueue, Candidate, has_room
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.nodes import NodeRegistry, NodeState
+from pdserve.coordinator.request_state import PENDING_PHASES, EarlyAdmission, Phase, RequestState
+from pdserve.coordinator.routing import (
     PrefixAffinity,
     kv_load,
     least_loaded,

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
 

@@ -18,9 +18,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from cluster.node_messages import NodeRole
-from coordinator.coordinator import Coordinator
-from coordinator.request_state import Phase, RequestState
+from pdserve.cluster.node_messages import NodeRole
+from pdserve.coordinator.coordinator import Coordinator
+from pdserve.coordinator.request_state import Phase, RequestState
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.node_messages import Heartbeat, NodeRole, Register
+from pdserve.cluster.node_messages import Heartbeat, NodeRole, Register
 
 
 @dataclass(slots=True)

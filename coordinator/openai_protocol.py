@@ -126,7 +126,7 @@ def parse_body(
     if unknown:
         logger.debug("ignored unknown fields %s", ", ".join(unknown))
     if limits is None:
-        from coordinator.config import CoordinatorConfig
+        from pdserve.coordinator.config import CoordinatorConfig
 
         limits = CoordinatorConfig()
     body.check(limits)

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi.responses import JSONResponse
 
-from coordinator.config import CoordinatorConfig
-from coordinator.openai_protocol import APIError
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.openai_protocol import APIError
 
 API_KEY_ENV = "PDSERVE_API_KEY"  # one key, or several separated by commas
 # The routes that use the model; /health, /version and the schema stay open.

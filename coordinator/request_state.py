@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from cluster.sampling_params import SamplingParams
+from pdserve.cluster.sampling_params import SamplingParams
 
 
 class Phase(enum.Enum):

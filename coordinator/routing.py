@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from coordinator.nodes import NodeState
-from engine.block_manager import hash_block_tokens
+from pdserve.coordinator.nodes import NodeState
+from pdserve.engine.block_manager import hash_block_tokens
 
 
 def least_loaded(nodes: list[NodeState]) -> NodeState | None:

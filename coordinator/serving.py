@@ -15,12 +15,12 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from cluster.sampling_params import SamplingParams
-from coordinator.choice_stream import ChoiceDelta, ChoiceResult, ChoiceStream
-from coordinator.coordinator import Coordinator, SubmitError
-from coordinator.detokenizer import TokenVocabulary
-from coordinator.metrics import Metrics
-from coordinator.openai_protocol import (
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.choice_stream import ChoiceDelta, ChoiceResult, ChoiceStream
+from pdserve.coordinator.coordinator import Coordinator, SubmitError
+from pdserve.coordinator.detokenizer import TokenVocabulary
+from pdserve.coordinator.metrics import Metrics
+from pdserve.coordinator.openai_protocol import (
     APIError,
     Body,
     ChatCompletionRequest,
@@ -29,7 +29,7 @@ from coordinator.openai_protocol import (
     coordinator_error,
     parse_body,
 )  # fmt: skip
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from coordinator.access_log import name_request
-from coordinator.choice_stream import ChoiceDelta, TokenLogprob
-from coordinator.openai_protocol import ChatCompletionRequest, bad_request
-from coordinator.serving import OpenAIServing
+from pdserve.coordinator.access_log import name_request
+from pdserve.coordinator.choice_stream import ChoiceDelta, TokenLogprob
+from pdserve.coordinator.openai_protocol import ChatCompletionRequest, bad_request
+from pdserve.coordinator.serving import OpenAIServing
 
 
 class OpenAIServingChat:

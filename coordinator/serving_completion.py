@@ -8,10 +8,10 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from coordinator.access_log import name_request
-from coordinator.choice_stream import ChoiceDelta, TokenLogprob
-from coordinator.openai_protocol import CompletionRequest, bad_request
-from coordinator.serving import OpenAIServing
+from pdserve.coordinator.access_log import name_request
+from pdserve.coordinator.choice_stream import ChoiceDelta, TokenLogprob
+from pdserve.coordinator.openai_protocol import CompletionRequest, bad_request
+from pdserve.coordinator.serving import OpenAIServing
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions (chat's is the rest of the context)
 

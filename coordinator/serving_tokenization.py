@@ -6,7 +6,7 @@ from __future__ import annotations
 import jinja2
 from fastapi import Request
 
-from coordinator.openai_protocol import (
+from pdserve.coordinator.openai_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -14,7 +14,7 @@ from coordinator.openai_protocol import (
     load_json,
     parse_body,
 )  # fmt: skip
-from coordinator.serving import OpenAIServing
+from pdserve.coordinator.serving import OpenAIServing
 
 
 class OpenAIServingTokenization:

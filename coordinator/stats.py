@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.node_messages import NodeRole
-from coordinator.core import CoordinatorCore
-from coordinator.request_state import Phase, RequestState
+from pdserve.cluster.node_messages import NodeRole
+from pdserve.coordinator.core import CoordinatorCore
+from pdserve.coordinator.request_state import Phase, RequestState
 
 INTERVAL_S = 10.0  # how often the coordinator logs the line while anything runs
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from cluster.keys import node_keys
-from cluster.node_link import NodeLink, stop_on_signals
-from cluster.node_messages import (
+from pdserve.cluster.keys import node_keys
+from pdserve.cluster.node_link import NodeLink, stop_on_signals
+from pdserve.cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
@@ -27,15 +27,15 @@ from cluster.node_messages import (
     Tokens,
     TransferDone,
 )  # fmt: skip
-from cluster.node_options import NodeOptions
-from engine.config import EngineConfig
-from engine.kv_cache import KVLayout, KVPool
-from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
-from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
-from engine.sequence import Sequence
-from engine.tp_shard import kv_head_ranges
-from kv_transfer.base import KVReceiver, TransportFailed
-from kv_transfer.handoff import DecodeHandoff
+from pdserve.cluster.node_options import NodeOptions
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
+from pdserve.engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.tp_shard import kv_head_ranges
+from pdserve.kv_transfer.base import KVReceiver, TransportFailed
+from pdserve.kv_transfer.handoff import DecodeHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
     size = engine_config.tensor_parallel_size
     specs, links = [], None
     if not colocated:
-        from kv_transfer.rank_endpoint import rank_endpoints
+        from pdserve.kv_transfer.rank_endpoint import rank_endpoints
 
         # Every rank receives the pages of its heads, on a port of its own, keyed as rank 0's.
         specs, links = rank_endpoints(
@@ -202,7 +202,7 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
         nonlocal receiver
         if colocated:
             return KVPool(layout, num_blocks, engine_config.resolved_device())
-        from kv_transfer import make_receiver
+        from pdserve.kv_transfer import make_receiver
 
         receiver = make_receiver(
             options.transport,
@@ -218,7 +218,7 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
 
     engine = LLMEngine(engine_config, pool_factory=pool_factory, kv_endpoints=specs)
     if receiver is not None and size > 1:
-        from kv_transfer.sharded import ShardedReceiver
+        from pdserve.kv_transfer.sharded import ShardedReceiver
 
         heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
         receiver = ShardedReceiver(receiver, links, heads, engine.layout, engine.ranks.check)

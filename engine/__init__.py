@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cluster.sampling_params import SamplingParams
+from pdserve.cluster.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.llm import LLM, CompletionOutput
+    from pdserve.engine.llm import LLM, CompletionOutput
 
 __all__ = ["LLM", "CompletionOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> object:
     if name in ("LLM", "CompletionOutput"):
-        from engine import llm
+        from pdserve.engine import llm
 
         return getattr(llm, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from engine.forward_batch import AttentionBatch
-from engine.kv_cache import KVPool
-from engine.models.llama import LlamaForCausalLM
-from kernels.ops import Ops
+from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.kernels.ops import Ops
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """Engine configuration: one dataclass whose fields declare every engine setting (default, meaning,
-limits) once; flags, config files and node command lines follow from them (`cluster.schema`)."""
+limits) once; flags, config files and node command lines follow from them (`pdserve.cluster.schema`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cluster.schema import setting, validate
+from pdserve.cluster.schema import setting, validate
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -109,7 +109,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         validate(self)
         if self.cpu_bind is not None and self.cpu_bind != "auto":
-            from engine.cpu_threads import parse_cores
+            from pdserve.engine.cpu_threads import parse_cores
 
             parse_cores(self.cpu_bind)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from cluster.sampling_params import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 
 
 @dataclass(slots=True)

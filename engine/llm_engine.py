@@ -16,23 +16,23 @@ from typing import Any, Protocol
 
 import torch
 
-from cluster.sampling_params import SamplingParams
-from engine import cpu_threads
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.embedded_models import resolve_model_dir
-from engine.kv_cache import KVLayout, KVPool
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.model_shard import ModelShard, PoolFactory
-from engine.sampler import sample
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
-from engine.thread_governor import CpuTimes, ThreadGovernor
-from engine.tokenizer import Tokenizer
-from engine.tp_group import TPGroup
-from engine.tp_ranks import RankProcesses, TPGroupFailed
-from engine.tp_shard import TPShard
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine import cpu_threads
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_shard import ModelShard, PoolFactory
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.thread_governor import CpuTimes, ThreadGovernor
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp_group import TPGroup
+from pdserve.engine.tp_ranks import RankProcesses, TPGroupFailed
+from pdserve.engine.tp_shard import TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class LLMEngine(Engine):
     ) -> None:
         """pool_factory(layout, num_blocks) makes rank 0's KV pool, e.g. in shared memory for a
         transport that writes into it; by default a plain tensor on the device. kv_endpoints:
-        how ranks 1..N-1 make theirs (`kv_transfer.rank_endpoint`)."""
+        how ranks 1..N-1 make theirs (`pdserve.kv_transfer.rank_endpoint`)."""
         config = config or EngineConfig(**overrides)
         self.model_dir = resolve_model_dir(config.model)
         torch.manual_seed(config.seed)
@@ -375,7 +375,7 @@ class LLMEngine(Engine):
         if self.ranks is None:
             self.executor = ModelExecutor(self.runner, self.stats)
         else:
-            from engine.tp_executor import TPExecutor
+            from pdserve.engine.tp_executor import TPExecutor
 
             self.executor = TPExecutor(self.runner, self.stats, self.ranks)
             weakref.finalize(self, self.ranks.stop)

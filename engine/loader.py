@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.tp_group import TPGroup
-from engine.tp_shard import TPShard
-from engine.weights import iter_checkpoint
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.tp_group import TPGroup
+from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.weights import iter_checkpoint
 
 
 def build_model(

@@ -7,14 +7,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.compiled_step import CompiledStep
-from engine.decode_graphs import DecodeGraphs
-from engine.forward_batch import AttentionBatch
-from engine.kv_cache import KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.scheduler import SchedulerOutput
-from engine.step_plan import StepPlan
-from kernels.ops import Ops
+from pdserve.engine.compiled_step import CompiledStep
+from pdserve.engine.decode_graphs import DecodeGraphs
+from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step_plan import StepPlan
+from pdserve.kernels.ops import Ops
 
 
 class ModelRunner:

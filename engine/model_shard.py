@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_linear
-from engine.config import EngineConfig
-from engine.kv_cache import KVLayout, KVPool
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.tp_group import TPGroup
-from engine.tp_shard import TPShard
-from kernels.ops import select_ops
+from pdserve.engine import cpu_linear
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.tp_group import TPGroup
+from pdserve.engine.tp_shard import TPShard
+from pdserve.kernels.ops import select_ops
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class ModelShard:
 
     def _compile(self) -> None:
         """Compile the model step, or say in one line why it runs eagerly."""
-        from engine.compiled_step import CompiledStep, compile_unavailable
+        from pdserve.engine.compiled_step import CompiledStep, compile_unavailable
 
         why = compile_unavailable(self.device)
         if why is None and self.device.startswith("cuda"):

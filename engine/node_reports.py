@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from cluster.node_messages import Heartbeat, NodeRole, Register, TokenLogprobs
-from engine.embedded_models import model_name
-from engine.llm_engine import LLMEngine
+from pdserve.cluster.node_messages import Heartbeat, NodeRole, Register, TokenLogprobs
+from pdserve.engine.embedded_models import model_name
+from pdserve.engine.llm_engine import LLMEngine
 
 
 def wire_logprobs(logprobs: list[dict]) -> TokenLogprobs | None:

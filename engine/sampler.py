@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 MASK32 = 0xFFFFFFFF
 HASH_MULTIPLIER = 0x45D9F3B

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

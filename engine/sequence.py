@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-from cluster.sampling_params import SamplingParams
+from pdserve.cluster.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

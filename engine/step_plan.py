@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import AttentionBatch
-from engine.scheduler import SchedulerOutput
+from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)

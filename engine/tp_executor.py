@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.llm_engine import ModelExecutor, StepStats
-from engine.model_runner import ModelRunner
-from engine.scheduler import SchedulerOutput
-from engine.tp_ranks import RankProcesses
+from pdserve.engine.llm_engine import ModelExecutor, StepStats
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.tp_ranks import RankProcesses
 
 
 class TPExecutor(ModelExecutor):

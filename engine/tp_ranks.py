@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.plan_channel import PlanChannel, plan_capacity
-from engine.step_plan import StepPlan
-from engine.tp_group import host_store
-from engine.tp_worker import RankSpec, Stop
+from pdserve import SOURCE_ROOT
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.plan_channel import PlanChannel, plan_capacity
+from pdserve.engine.step_plan import StepPlan
+from pdserve.engine.tp_group import host_store
+from pdserve.engine.tp_worker import RankSpec, Stop
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = SOURCE_ROOT  # what rank processes need on their path
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class RankProcesses:
             # Descriptors the rank inherits: its plan pipe, and the line to its KV endpoint.
             fds = (inbox.fd,) + ((kv.fd,) if kv is not None else ())
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from engine.tp_worker import main; main()"],
+                [sys.executable, "-c", "from pdserve.engine.tp_worker import main; main()"],
                 stdin=subprocess.PIPE, env=env, pass_fds=fds,
             )  # fmt: skip
             self.channel.handed_over(rank - 1)

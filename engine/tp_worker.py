@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.plan_channel import PlanInbox, PublisherGone
-from engine.step_plan import StepPlan
-from engine.tp_shard import TPShard
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.plan_channel import PlanInbox, PublisherGone
+from pdserve.engine.step_plan import StepPlan
+from pdserve.engine.tp_shard import TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RankSpec:
     plans: PlanInbox
     parent_pid: int
     log_level: int
-    # How this rank's KV endpoint is made, for a node that moves KV (`kv_transfer.rank_endpoint`).
+    # How this rank's KV endpoint is made, for a node that moves KV (`pdserve.kv_transfer.rank_endpoint`).
     kv_endpoint: Any = None
 
 
@@ -67,13 +67,13 @@ def run_rank(spec: RankSpec) -> None:
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # as the CLI's processes do
 
-    from engine.model_shard import ModelShard
-    from engine.tp_group import TPGroup
+    from pdserve.engine.model_shard import ModelShard
+    from pdserve.engine.tp_group import TPGroup
 
     config = spec.config
     if not config.rank_device(spec.rank).startswith("cuda"):
         # The ranks of a CPU node share its cores: each takes its share.
-        from engine import cpu_threads
+        from pdserve.engine import cpu_threads
 
         place = cpu_threads.placement(
             config.cpu_bind, config.cpu_threads, spec.rank, spec.size,
@@ -87,7 +87,7 @@ def run_rank(spec: RankSpec) -> None:
     endpoint = None
     pool_factory = None
     if spec.kv_endpoint is not None:
-        from kv_transfer.rank_endpoint import RankEndpointServer
+        from pdserve.kv_transfer.rank_endpoint import RankEndpointServer
 
         endpoint = RankEndpointServer(spec.kv_endpoint, config.rank_device(spec.rank))
         pool_factory = endpoint.pool_factory

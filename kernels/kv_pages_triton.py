@@ -1,4 +1,4 @@
-"""Triton kernels for moving KV pages on GPU, with the signatures of `kernels.kv_pages`.
+"""Triton kernels for moving KV pages on GPU, with the signatures of `pdserve.kernels.kv_pages`.
 
 One kernel copies page rows (one K or V page of one block of one layer) from an indexed source
 to an indexed destination; gather, scatter and pool-to-pool copy are its three uses. Pages are
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_pages import as_block_ids, check_scatter_buffer, gather_buffer, layer_range
+from pdserve.kernels.kv_pages import as_block_ids, check_scatter_buffer, gather_buffer, layer_range
 
 _TILE = 1024
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kernels import attention_ref, norm_ref, rotary_ref
+from pdserve.kernels import attention_ref, norm_ref, rotary_ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ REFERENCE = Ops(
 def cpu_ops() -> Ops | None:
     """The reference with paged attention from the C kernel that reads KV pages in place; None
     where the kernel cannot be built."""
-    from kernels import paged_attention_cpu
+    from pdserve.kernels import paged_attention_cpu
 
     if not paged_attention_cpu.available():
         return None
@@ -57,7 +57,7 @@ def select_ops(device: str, backend: str = "auto") -> Ops:
     if backend == "cpu":
         raise RuntimeError("kernel backend 'cpu' runs on CPU devices only")
     try:
-        from kernels.triton_ops import TRITON
+        from pdserve.kernels.triton_ops import TRITON
     except ImportError as exc:
         if backend == "triton":
             raise RuntimeError(f"kernel backend 'triton' is unavailable: {exc}") from exc

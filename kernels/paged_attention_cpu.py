@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import attention_ref
+from pdserve.kernels import attention_ref
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def _cpu_key() -> str:
 
 
 def _library_path(compiler: str, source: Path) -> Path:
-    from engine.tiny_model import cache_root
+    from pdserve.engine.tiny_model import cache_root
 
     digest = hashlib.sha256(
         source.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_key().encode()

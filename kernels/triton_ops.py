@@ -1,13 +1,13 @@
 """The Triton op table for CUDA tensors: the same calls and return conventions as the torch
-references in `kernels.ops.REFERENCE`, which stay the ground truth in tests."""
+references in `pdserve.kernels.ops.REFERENCE`, which stay the ground truth in tests."""
 
 from __future__ import annotations
 
-from kernels.ops import Ops
-from kernels.triton_attention import paged_attention
-from kernels.triton_kv import store_kv
-from kernels.triton_norm import fused_add_rms_norm, rms_norm
-from kernels.triton_rotary import apply_rotary
+from pdserve.kernels.ops import Ops
+from pdserve.kernels.triton_attention import paged_attention
+from pdserve.kernels.triton_kv import store_kv
+from pdserve.kernels.triton_norm import fused_add_rms_norm, rms_norm
+from pdserve.kernels.triton_rotary import apply_rotary
 
 TRITON = Ops(
     name="triton",

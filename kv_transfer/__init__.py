@@ -1,7 +1,7 @@
 """KV transfer: move pages from a prefill node's pool into a decode node's pool, bit for bit.
 
 `make_receiver` / `make_sender` build a transport by name ("tcp", "shm", "cuda_ipc", "nccl");
-node code uses only the `KVReceiver` / `KVSender` interface of `kv_transfer.base`:
+node code uses only the `KVReceiver` / `KVSender` interface of `pdserve.kv_transfer.base`:
 
     receiver = make_receiver("tcp", layout, num_blocks)     # decode node; owns receiver.pool
     sender = make_sender("tcp", pool)                       # prefill node
@@ -34,15 +34,15 @@ import importlib
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
 
 # name -> (module, receiver class, sender class); modules load on first use (cupy stays optional)
 TRANSPORTS: dict[str, tuple[str, str, str]] = {
-    "tcp": ("kv_transfer.tcp", "TcpReceiver", "TcpSender"),
-    "shm": ("kv_transfer.shm", "ShmReceiver", "ShmSender"),
-    "cuda_ipc": ("kv_transfer.cuda_ipc", "CudaIpcReceiver", "CudaIpcSender"),
-    "nccl": ("kv_transfer.nccl", "NcclReceiver", "NcclSender"),
+    "tcp": ("pdserve.kv_transfer.tcp", "TcpReceiver", "TcpSender"),
+    "shm": ("pdserve.kv_transfer.shm", "ShmReceiver", "ShmSender"),
+    "cuda_ipc": ("pdserve.kv_transfer.cuda_ipc", "CudaIpcReceiver", "CudaIpcSender"),
+    "nccl": ("pdserve.kv_transfer.nccl", "NcclReceiver", "NcclSender"),
 }
 
 

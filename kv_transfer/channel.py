@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from cluster.keys import (
+from pdserve.cluster.keys import (
     ClusterKeys,
     close_server,
     curve_client,
@@ -23,7 +23,7 @@ from cluster.keys import (
     plain_client,
     plain_server,
 )
-from kv_transfer.base import TransferResult, TransportFailed
+from pdserve.kv_transfer.base import TransferResult, TransportFailed
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import socket as pysocket
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer import pages
-from kv_transfer.receiver import ZmqReceiver
-from kv_transfer.sender import Outgoing, Peer, ZmqSender
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.receiver import ZmqReceiver
+from pdserve.kv_transfer.sender import Outgoing, Peer, ZmqSender
 
 
 def _cupy():

@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVPool
-from engine.sequence import Sequence
-from kv_transfer.base import KVReceiver, KVSender, TransportFailed
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.sequence import Sequence
+from pdserve.kv_transfer.base import KVReceiver, KVSender, TransportFailed
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class PrefillHandoff:
         num_layers: int | None = None,
     ) -> None:
         if make_sender is None:
-            from kv_transfer import make_sender
+            from pdserve.kv_transfer import make_sender
         self.block_manager = block_manager
         self.pool = pool
         self.transport = transport  # used when a receiver does not say which it speaks

@@ -15,11 +15,11 @@ import time
 import torch
 import zmq
 
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer.pages import Chunk
-from kv_transfer.protocol import Hello, Pages, ProtocolError, control
-from kv_transfer.receiver import Payload, ZmqReceiver
-from kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer.pages import Chunk
+from pdserve.kv_transfer.protocol import Hello, Pages, ProtocolError, control
+from pdserve.kv_transfer.receiver import Payload, ZmqReceiver
+from pdserve.kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 

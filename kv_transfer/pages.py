@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.kv_cache import KVLayout
-from kernels import kv_pages
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.kernels import kv_pages
 
 
 def _kernels(device: torch.device):
     if device.type == "cuda":
-        from kernels import kv_pages_triton
+        from pdserve.kernels import kv_pages_triton
 
         return kv_pages_triton
     return kv_pages

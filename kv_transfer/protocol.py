@@ -1,5 +1,5 @@
 """Control messages between a KV sender and receiver, on the codec of every pdserve wire protocol
-(`cluster.codec`): typed structs, so a frame with a field of the wrong type or range is refused.
+(`pdserve.cluster.codec`): typed structs, so a frame with a field of the wrong type or range is refused.
 
 Sender to receiver: Hello, Pages (header of a chunk of pages that follows in the same ZMQ
 message or over NCCL), Begin / Done (a direct write into a mapped pool), Abort.
@@ -12,8 +12,8 @@ from typing import Annotated, Any
 
 from msgspec import Meta
 
-from cluster.codec import Codec, Message, ProtocolError
-from engine.kv_cache import KVLayout
+from pdserve.cluster.codec import Codec, Message, ProtocolError
+from pdserve.engine.kv_cache import KVLayout
 
 # 2: msgspec structs in the cluster codec's [version, message] envelope; 3: head slices (`heads`)
 KV_PROTOCOL_VERSION = 3

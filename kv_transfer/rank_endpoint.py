@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer.base import KVReceiver, KVSender, TransferResult
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class RankEndpointServer:
         return self._make_receiver if self.spec.role == "receiver" else None
 
     def _make_receiver(self, layout: KVLayout, num_blocks: int) -> KVPool:
-        from kv_transfer import make_receiver
+        from pdserve.kv_transfer import make_receiver
 
         self.receiver = make_receiver(
             self.spec.transport, layout, num_blocks, device=self.device, address=self.spec.address,
@@ -209,7 +209,7 @@ class RankEndpointServer:
 
     def _sender(self, transport: str) -> KVSender:
         if transport not in self.senders:
-            from kv_transfer import make_sender
+            from pdserve.kv_transfer import make_sender
 
             self.senders[transport] = make_sender(transport, self.pool, **self.spec.options)
         return self.senders[transport]

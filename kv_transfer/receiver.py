@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import zmq
 
-from cluster.codec import MalformedLog, ProtocolError, peer_name
-from cluster.keys import ClusterKeys, close_server
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer import pages
-from kv_transfer.arrivals import Arrivals, Expected, Unit, UnitState
-from kv_transfer.base import KVReceiver, TransferResult
-from kv_transfer.channel import CommandThread, Security, bind_router
-from kv_transfer.protocol import (
+from pdserve.cluster.codec import MalformedLog, ProtocolError, peer_name
+from pdserve.cluster.keys import ClusterKeys, close_server
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.arrivals import Arrivals, Expected, Unit, UnitState
+from pdserve.kv_transfer.base import KVReceiver, TransferResult
+from pdserve.kv_transfer.channel import CommandThread, Security, bind_router
+from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
     Abort,

@@ -27,13 +27,13 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cluster.codec import MalformedLog, ProtocolError
-from cluster.keys import HANDSHAKE_FAILED, ClusterKeys
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer import pages
-from kv_transfer.base import KVSender, TransferResult
-from kv_transfer.channel import CommandThread, check_security, configure, secure_dealer
-from kv_transfer.protocol import (
+from pdserve.cluster.codec import MalformedLog, ProtocolError
+from pdserve.cluster.keys import HANDSHAKE_FAILED, ClusterKeys
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.base import KVSender, TransferResult
+from pdserve.kv_transfer.channel import CommandThread, check_security, configure, secure_dealer
+from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
     Abort,

@@ -15,10 +15,10 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVLayout
-from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
-from kv_transfer.head_routes import HeadRange, HeadRoute, route_heads
-from kv_transfer.rank_endpoint import RankLinks
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
+from pdserve.kv_transfer.head_routes import HeadRange, HeadRoute, route_heads
+from pdserve.kv_transfer.rank_endpoint import RankLinks
 
 logger = logging.getLogger(__name__)
 

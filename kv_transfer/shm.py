@@ -17,10 +17,10 @@ import uuid
 
 import torch
 
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer import pages
-from kv_transfer.receiver import ZmqReceiver
-from kv_transfer.sender import Outgoing, Peer, ZmqSender
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.receiver import ZmqReceiver
+from pdserve.kv_transfer.sender import Outgoing, Peer, ZmqSender
 
 SHM_DIR = "/dev/shm"
 # Runs with no site packages: blocks until its stdin (the owner's pipe) closes, then unlinks.

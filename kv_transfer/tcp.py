@@ -14,12 +14,12 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from engine.kv_cache import KVLayout, KVPool
-from kv_transfer import pages
-from kv_transfer.pages import Chunk
-from kv_transfer.protocol import MAX_CONTROL_BYTES, Pages, ProtocolError, control
-from kv_transfer.receiver import Payload, ZmqReceiver
-from kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.pages import Chunk
+from pdserve.kv_transfer.protocol import MAX_CONTROL_BYTES, Pages, ProtocolError, control
+from pdserve.kv_transfer.receiver import Payload, ZmqReceiver
+from pdserve.kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
 
 
 class StagingRing:

@@ -13,14 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.node_options import PLACEMENT, SECURITY, NodeOptions
-from cluster.schema import add_flags, from_args, names, values_from_args
-from coordinator.config import CoordinatorConfig
-from engine.config import EngineConfig, RoleTensorParallel
-from engine.embedded_models import EMBEDDED
 from pdserve import __version__
-from tune.command import DESCRIPTION as TUNE_DESCRIPTION
-from tune.command import add_arguments as add_tune_arguments
+from pdserve.cluster.node_options import PLACEMENT, SECURITY, NodeOptions
+from pdserve.cluster.schema import add_flags, from_args, names, values_from_args
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.engine.config import EngineConfig, RoleTensorParallel
+from pdserve.engine.embedded_models import EMBEDDED
+from pdserve.tune.command import DESCRIPTION as TUNE_DESCRIPTION
+from pdserve.tune.command import add_arguments as add_tune_arguments
 
 DESCRIPTION = (
     "pdserve serves open-weight LLMs (Hugging Face checkpoints of the Llama, Mistral, Qwen2 and "
@@ -94,7 +94,7 @@ def escape_controls(text: str) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     model = _model_arg(args)  # a bad model is refused before torch is imported
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -120,24 +120,24 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from cluster.keys import node_keys
+    from pdserve.cluster.keys import node_keys
 
     check_model(args.model)
     options, engine = from_args(NodeOptions, args), from_args(EngineConfig, args)
     node_keys(options.cluster_keys, options.insecure)  # missing keys: one line, before the model
     if args.command == "prefill":
-        from prefill_node.worker import serve
+        from pdserve.prefill_node.worker import serve
 
         serve(options, engine)
     else:
-        from decode_node.worker import serve
+        from pdserve.decode_node.worker import serve
 
         serve(options, engine, colocated=args.colocated)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from coordinator.request_guard import api_keys_from
+    from pdserve.coordinator.request_guard import api_keys_from
     from pdserve.serve import ServeOptions, run_serve
 
     start_nodes = args.command == "serve"
@@ -170,7 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from cluster.keys import ClusterKeys
+    from pdserve.cluster.keys import ClusterKeys
 
     keys = ClusterKeys.generate().write(args.directory)
     print(f"pdserve: wrote the cluster key set {keys.fingerprint}... to {keys.directory}: copy "
@@ -182,7 +182,7 @@ def _keygen(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     import socket
 
-    from cluster.keys import ClusterKeys
+    from pdserve.cluster.keys import ClusterKeys
     from pdserve.cluster_file import key_dir, load_cluster_file, log_dir, plan
     from pdserve.supervisor import Supervisor
 
@@ -226,7 +226,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from tune.command import run
+    from pdserve.tune.command import run
 
     return run(args)
 

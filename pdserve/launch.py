@@ -11,10 +11,10 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cluster.node_options import NodeOptions
-from cluster.schema import to_flags
-from engine.config import EngineConfig, RoleTensorParallel
-from engine.cpu_threads import available_cores, node_bindings
+from pdserve.cluster.node_options import NodeOptions
+from pdserve.cluster.schema import to_flags
+from pdserve.engine.config import EngineConfig, RoleTensorParallel
+from pdserve.engine.cpu_threads import available_cores, node_bindings
 
 PR_SET_PDEATHSIG = 1
 

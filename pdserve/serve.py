@@ -12,16 +12,16 @@ from pathlib import Path
 
 import jinja2
 
-from cluster.keys import ClusterKeys, default_key_dir
-from cluster.schema import validate
-from coordinator.api_server import build_app, default_model_names, listen_socket, serve_http
-from coordinator.config import CoordinatorConfig
-from coordinator.coordinator import Coordinator
-from coordinator.serving import OpenAIServing
-from engine.config import EngineConfig, RoleTensorParallel
-from engine.embedded_models import resolve_model_dir
-from engine.tokenizer import Tokenizer
 from pdserve import __version__
+from pdserve.cluster.keys import ClusterKeys, default_key_dir
+from pdserve.cluster.schema import validate
+from pdserve.coordinator.api_server import build_app, default_model_names, listen_socket, serve_http
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import Coordinator
+from pdserve.coordinator.serving import OpenAIServing
+from pdserve.engine.config import EngineConfig, RoleTensorParallel
+from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
 logger = logging.getLogger("pdserve.serve")

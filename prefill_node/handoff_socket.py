@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import zmq
 
-from cluster.codec import MalformedLog, ProtocolError
-from cluster.keys import ClusterKeys, curve_client
-from cluster.node_messages import HandoffReady, SendKV, orders, reports
+from pdserve.cluster.codec import MalformedLog, ProtocolError
+from pdserve.cluster.keys import ClusterKeys, curve_client
+from pdserve.cluster.node_messages import HandoffReady, SendKV, orders, reports
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ recorded there before it reads the pages.
 
 from __future__ import annotations
 
-from engine.scheduler import SchedulerOutput
-from kv_transfer.handoff import PrefillHandoff
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kv_transfer.handoff import PrefillHandoff
 
 
 class LayerStream:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from cluster.keys import node_keys
-from cluster.node_link import NodeLink, stop_on_signals
-from cluster.node_messages import (
+from pdserve.cluster.keys import node_keys
+from pdserve.cluster.node_link import NodeLink, stop_on_signals
+from pdserve.cluster.node_messages import (
     Abort,
     FinishReason,
     FirstToken,
@@ -27,16 +27,16 @@ from cluster.node_messages import (
     Shutdown,
     TransferDone,
 )  # fmt: skip
-from cluster.node_options import NodeOptions
-from engine.config import EngineConfig
-from engine.kv_cache import KVPool
-from engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
-from engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
-from engine.tp_shard import kv_head_ranges
-from kv_transfer.base import KVSender
-from kv_transfer.handoff import PrefillHandoff
-from prefill_node.handoff_socket import HandoffSocket
-from prefill_node.layer_stream import LayerStream
+from pdserve.cluster.node_options import NodeOptions
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
+from pdserve.engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from pdserve.engine.tp_shard import kv_head_ranges
+from pdserve.kv_transfer.base import KVSender
+from pdserve.kv_transfer.handoff import PrefillHandoff
+from pdserve.prefill_node.handoff_socket import HandoffSocket
+from pdserve.prefill_node.layer_stream import LayerStream
 
 logger = logging.getLogger(__name__)
 
@@ -179,9 +179,9 @@ class PrefillNode:
 
 def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
-    from kv_transfer import make_sender
-    from kv_transfer.rank_endpoint import rank_endpoints
-    from kv_transfer.sharded import ShardedSender
+    from pdserve.kv_transfer import make_sender
+    from pdserve.kv_transfer.rank_endpoint import rank_endpoints
+    from pdserve.kv_transfer.sharded import ShardedSender
 
     keys = node_keys(options.cluster_keys, options.insecure)
     size = engine_config.tensor_parallel_size

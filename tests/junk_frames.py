@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgpack
 
-from cluster.codec import MAX_FRAME_BYTES
-from cluster.node_messages import NODE_PROTOCOL_VERSION, Abort, Heartbeat, orders, reports
+from pdserve.cluster.codec import MAX_FRAME_BYTES
+from pdserve.cluster.node_messages import NODE_PROTOCOL_VERSION, Abort, Heartbeat, orders, reports
 
 V = NODE_PROTOCOL_VERSION
 JUNK: list[list[bytes]] = [

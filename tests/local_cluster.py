@@ -12,11 +12,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.keys import ClusterKeys, default_key_dir
-from coordinator.config import CoordinatorConfig
-from coordinator.coordinator import Coordinator
-from engine.config import EngineConfig, RoleTensorParallel
-from engine.tiny_model import ensure_tiny_model
+from pdserve.cluster.keys import ClusterKeys, default_key_dir
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import Coordinator
+from pdserve.engine.config import EngineConfig, RoleTensorParallel
+from pdserve.engine.tiny_model import ensure_tiny_model
 from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
 

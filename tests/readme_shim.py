@@ -76,7 +76,11 @@ def main() -> int:
     tool, args = Path(sys.argv[0]).name, sys.argv[1:]
     if tool == "pdserve" and args[:1] == ["serve"]:
         return serve(args)
-    if tool == "python" and args[:2] == ["-m", "bench.serve_load"] and "--base-url" not in args:
+    if (
+        tool == "python"
+        and args[:2] == ["-m", "pdserve.bench.serve_load"]
+        and "--base-url" not in args
+    ):
         args = [*args, "--base-url", f"http://127.0.0.1:{os.environ['README_PORT']}"]
     command = [sys.executable, *(["-m", "pdserve"] if tool == "pdserve" else []), *args]
     return subprocess.run(command).returncode

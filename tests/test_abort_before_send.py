@@ -13,7 +13,7 @@ import zmq
 from conftest import RecordingLink
 from local_cluster import Cluster
 
-from cluster.node_messages import (
+from pdserve.cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
@@ -26,13 +26,13 @@ from cluster.node_messages import (
     orders,
     reports,
 )  # fmt: skip
-from decode_node.worker import DecodeNode
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.kv_cache import KVLayout
-from engine.llm_engine import LLMEngine
-from kv_transfer import make_receiver
-from kv_transfer.handoff import HandoffState
+from pdserve.decode_node.worker import DecodeNode
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer import make_receiver
+from pdserve.kv_transfer.handoff import HandoffState
 
 LAYOUT = KVLayout(2, 8, 2, 32, "float32")
 

@@ -1,6 +1,6 @@
-"""The benchmarks as commands: `bench` installs with pdserve (so `python -m bench.X` runs from any
-directory), `bench.serve_load` needs no more than a rate and a count, and `bench.compare` writes
-into the repository only when asked."""
+"""The benchmarks as commands: `bench` installs with pdserve as `pdserve.bench` (so
+`python -m pdserve.bench.X` runs from any directory), `pdserve.bench.serve_load` needs no more than
+a rate and a count, and `pdserve.bench.compare` writes into the repository only when asked."""
 
 from __future__ import annotations
 
@@ -10,22 +10,23 @@ import sys
 import tomllib
 from pathlib import Path
 
-from setuptools import find_packages
-
-from bench import compare, serve_load
+from pdserve.bench import compare, serve_load
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_bench_is_one_of_the_installed_packages():
-    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    packages = find_packages(str(REPO), include=find["find"]["include"])
-    assert {"bench", "bench.serving", "pdserve", "coordinator"} <= set(packages)
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]
+    assert {"pdserve.bench", "pdserve.bench.serving", "pdserve", "pdserve.coordinator"} <= set(
+        packages
+    )
 
 
 def test_a_benchmark_runs_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # what an install puts on the path
-    res = subprocess.run([sys.executable, "-m", "bench.serve_load", "--help"], cwd=tmp_path,
+    res = subprocess.run([sys.executable, "-m", "pdserve.bench.serve_load", "--help"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert res.returncode == 0, res.stderr
     shown = " ".join(res.stdout.split())

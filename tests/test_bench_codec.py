@@ -1,4 +1,4 @@
-"""bench.codec at tiny repeat counts: the script runs end to end, and both codecs it times carry
+"""pdserve.bench.codec at tiny repeat counts: the script runs end to end, and both codecs it times carry
 every message it times there and back unchanged, field by field."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from bench import codec as bench_codec
+from pdserve.bench import codec as bench_codec
 
 
 def plain(value: Any) -> Any:

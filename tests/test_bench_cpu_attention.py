@@ -1,4 +1,4 @@
-"""bench.cpu_attention: the kernel, another build of a C source and the torch reference timed on
+"""pdserve.bench.cpu_attention: the kernel, another build of a C source and the torch reference timed on
 the same shuffled-pool decode inputs; one row per point of the sweep."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from bench import cpu_attention
-from kernels import attention_ref, paged_attention_cpu
+from pdserve.bench import cpu_attention
+from pdserve.kernels import attention_ref, paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(not paged_attention_cpu.available(), reason="no C compiler")
 

@@ -1,11 +1,11 @@
-"""bench.cpu_variants: variants are engine settings, typed as their declarations say; one tiny
+"""pdserve.bench.cpu_variants: variants are engine settings, typed as their declarations say; one tiny
 run of two variants side by side reports both."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cpu_variants import main, parse_variant
+from pdserve.bench.cpu_variants import main, parse_variant
 
 
 def test_a_variant_is_a_name_and_typed_engine_settings():

@@ -1,4 +1,4 @@
-"""bench.model_step on the CPU at a tiny shape: the script runs end to end, and the work it divides
+"""pdserve.bench.model_step on the CPU at a tiny shape: the script runs end to end, and the work it divides
 by (FLOPs, bytes) is what the model really does."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import model_step
-from engine.model_runner import ModelRunner
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from kernels.ops import select_ops
+from pdserve.bench import model_step
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.kernels.ops import select_ops
 
 
 def test_runs_every_combination_on_cpu(tmp_path):

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from bench.multiturn import build_parser, format_table
-from bench.serving.multiturn import MultiTurnWorkload, Turn, run_session
-from cluster.client_messages import Event
+from pdserve.bench.multiturn import build_parser, format_table
+from pdserve.bench.serving.multiturn import MultiTurnWorkload, Turn, run_session
+from pdserve.cluster.client_messages import Event
 
 
 def test_sessions_are_seeded_and_within_their_ranges():

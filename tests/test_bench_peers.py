@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import driver, models, pdserve_runner, vllm_runner
-from bench.peers.competing_load import CompetingLoad
-from bench.peers.protocol import (
+from pdserve.bench.peers import driver, models, pdserve_runner, vllm_runner
+from pdserve.bench.peers.competing_load import CompetingLoad
+from pdserve.bench.peers.protocol import (
     RESULT_PREFIX,
     RoundRequest,
     RoundResult,
@@ -27,9 +27,15 @@ from bench.peers.protocol import (
     runner_argv,
     write_requests,
 )
-from bench.peers.rounds import Run, median_tokens_per_s, ratio, round_order, summary, table
-from bench.peers.variants import DEFAULT, Variant, engine_options, parse_variant, parse_variants
-from engine.tiny_model import ensure_tiny_model
+from pdserve.bench.peers.rounds import Run, median_tokens_per_s, ratio, round_order, summary, table
+from pdserve.bench.peers.variants import (
+    DEFAULT,
+    Variant,
+    engine_options,
+    parse_variant,
+    parse_variants,
+)
+from pdserve.engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,7 +184,7 @@ def test_offline_throughput_refuses_a_bad_variant_before_running_anything(tmp_pa
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").touch()
-    cmd = [sys.executable, "-m", "bench.offline_throughput", "--peer", "vllm",
+    cmd = [sys.executable, "-m", "pdserve.bench.offline_throughput", "--peer", "vllm",
            "--peer-venv", str(venv), "--pdserve-variant", "x=--max-num-seqs 4"]  # fmt: skip
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
@@ -194,7 +200,7 @@ def test_each_engine_runs_with_its_own_interpreter(tmp_path):
     cmd = driver.runner_command("vllm", tmp_path, tmp_path / "r.json", 256, 16, venv)
     assert cmd[:2] == [str(venv / "bin" / "python"), str(driver.VLLM_RUNNER)]
     cmd = driver.runner_command("pdserve", tmp_path, tmp_path / "r.json", 256, 16, venv)
-    assert cmd[:3] == [sys.executable, "-m", "bench.peers.pdserve_runner"]
+    assert cmd[:3] == [sys.executable, "-m", "pdserve.bench.peers.pdserve_runner"]
     assert pdserve_runner.parse_args(cmd[3:]).model == tmp_path
     assert "PYTHONPATH" not in driver.runner_env("vllm")
     assert driver.runner_env("pdserve")["PYTHONPATH"] == str(REPO)
@@ -226,12 +232,12 @@ def test_a_missing_peer_virtualenv_names_the_make_target(tmp_path):
 
 def test_offline_throughput_peer_without_the_venv_is_a_one_line_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "bench.offline_throughput", "--peer", "vllm",
+    cmd = [sys.executable, "-m", "pdserve.bench.offline_throughput", "--peer", "vllm",
            "--peer-venv", str(tmp_path / "none")]  # fmt: skip
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bench.offline_throughput: error: ")
+    assert len(lines) == 1 and lines[0].startswith("pdserve.bench.offline_throughput: error: ")
     assert "make bench-peers" in lines[0]
     assert list(tmp_path.iterdir()) == []
 
@@ -309,7 +315,7 @@ def _numel(shape: list[int]) -> int:
 
 
 def test_compare_starts_vllms_openai_server_from_its_venv(tmp_path):
-    from bench.serving.vllm_server import VllmServer
+    from pdserve.bench.serving.vllm_server import VllmServer
 
     server = VllmServer(tmp_path, "/m", max_num_seqs=64, venv=tmp_path / "venv")
     server.work_dir.mkdir(parents=True)
@@ -328,10 +334,10 @@ def test_compare_starts_vllms_openai_server_from_its_venv(tmp_path):
 
 
 def test_compare_with_vllm_but_no_venv_is_a_one_line_error(tmp_path):
-    from bench import compare
+    from pdserve.bench import compare
 
     with pytest.raises(SystemExit) as exc:
         compare.main(["--systems", "vllm", "--peer-venv", str(tmp_path / "none")])
     message = str(exc.value)
-    assert message.startswith("bench.compare: error: ") and "make bench-peers" in message
+    assert message.startswith("pdserve.bench.compare: error: ") and "make bench-peers" in message
     assert "\n" not in message

@@ -13,10 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from bench.serving.arrivals import arrival_offsets, inter_arrival_times
-from bench.serving.completion_stream import CompletionTimer, SSEDecoder, completion_body
-from bench.serving.load_generator import LoadConfig, run_load
-from bench.serving.metrics import (
+from pdserve.bench.serving.arrivals import arrival_offsets, inter_arrival_times
+from pdserve.bench.serving.completion_stream import CompletionTimer, SSEDecoder, completion_body
+from pdserve.bench.serving.load_generator import LoadConfig, run_load
+from pdserve.bench.serving.metrics import (
     SLO,
     RequestResult,
     distribution,
@@ -25,8 +25,8 @@ from bench.serving.metrics import (
     summarize,
     throughput_at_latency,
 )
-from bench.serving.report import aims, tpot_inflation
-from bench.serving.workload import RequestSpec, SyntheticWorkload, load_sharegpt
+from pdserve.bench.serving.report import aims, tpot_inflation
+from pdserve.bench.serving.workload import RequestSpec, SyntheticWorkload, load_sharegpt
 
 
 def result(ttft: float, latency: float, output_len: int, success: bool = True) -> RequestResult:
@@ -209,7 +209,7 @@ def test_request_body_asks_for_ignore_eos_streaming_and_usage():
 def fake_server():
     import uvicorn
 
-    from bench.serving.fake_server import create_app
+    from pdserve.bench.serving.fake_server import create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -275,7 +275,7 @@ def test_aims_report_tpot_inflation_and_goodput_ratios():
 
 
 def test_compare_replaces_only_its_results_block_in_the_doc(tmp_path):
-    from bench.compare import update_doc
+    from pdserve.bench.compare import update_doc
 
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Offline\n\nkeep me\n")

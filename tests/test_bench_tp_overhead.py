@@ -1,11 +1,11 @@
-"""bench.tp_overhead at TP=2 on the CPU: both ranks run every trial in lockstep, and rank 0
+"""pdserve.bench.tp_overhead at TP=2 on the CPU: both ranks run every trial in lockstep, and rank 0
 reports each plan handoff both ways and a forward's collectives."""
 
 from __future__ import annotations
 
 import json
 
-from bench import tp_overhead
+from pdserve.bench import tp_overhead
 
 
 def test_runs_both_ways_and_the_collectives_on_two_ranks(tmp_path):

@@ -21,8 +21,8 @@ import pytest
 from test_http_api import free_port, wait_until
 
 import pdserve
-from engine.tiny_model import ensure_tiny_model
 from pdserve.cli import HelpFormatter, build_parser, escape_controls
+from pdserve.engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 PDSERVE = [sys.executable, "-m", "pdserve"]
@@ -135,7 +135,7 @@ def test_escape_controls_keeps_text_newlines_and_tabs():
 
 
 def test_generate_prints_the_text_then_tokens_time_and_speed_on_stderr():
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     ensure_tiny_model()
     res = run(*GENERATE)

@@ -15,12 +15,12 @@ import zmq.asyncio
 from junk_frames import JUNK
 from local_cluster import Cluster
 
-from cluster.keys import curve_client
-from coordinator.client import CoordinatorClient
-from coordinator.config import CoordinatorConfig
-from coordinator.coordinator import SubmitError
-from coordinator.request_state import Phase
-from engine import LLM, SamplingParams
+from pdserve.cluster.keys import curve_client
+from pdserve.coordinator.client import CoordinatorClient
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import SubmitError
+from pdserve.coordinator.request_state import Phase
+from pdserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -195,10 +195,21 @@ class TestTwoByTwo:
         cluster.coordinator.listeners.append(listener)
         hits_before = {n: cluster.node(n).prefix_hits for n in ("prefill-0", "prefill-1")}
 
+        def reported() -> bool:
+            return all(cluster.node(n).prefill_load == 0 for n in hits_before)
+
         async def sequentially() -> None:
             async with CoordinatorClient(cluster.client_addr) as client:
                 for i in range(6):
                     await client.complete(shared + [200 + i, 300 + i], GREEDY)
+                    # Until the nodes' load reports say their queues are empty: a report sent
+                    # while the last prompt was queued counts it as load (66 tokens, more than
+                    # the 64 a cached prefix saves), and the next request would rightly go to
+                    # the idler node.
+                    deadline = time.monotonic() + 30
+                    while not reported():
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.02)
 
         asyncio.run(sequentially())
         cluster.coordinator.listeners.remove(listener)

@@ -25,12 +25,18 @@ import zmq
 import zmq.asyncio
 from test_http_api import free_port, wait_until
 
-from cluster import keys as cluster_keys
-from cluster.keys import ClusterKeys, close_server, curve_client, curve_server, default_key_dir
-from cluster.node_messages import NodeRole, Register, reports
-from coordinator.config import CoordinatorConfig
-from coordinator.coordinator import Coordinator
-from engine.tiny_model import ensure_tiny_model
+from pdserve.cluster import keys as cluster_keys
+from pdserve.cluster.keys import (
+    ClusterKeys,
+    close_server,
+    curve_client,
+    curve_server,
+    default_key_dir,
+)
+from pdserve.cluster.node_messages import NodeRole, Register, reports
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import Coordinator
+from pdserve.engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,7 +71,7 @@ def test_keygen_writes_a_private_key_set_and_a_readable_secret_is_refused(tmp_pa
 
 
 def test_two_processes_making_the_default_key_set_at_once_end_up_with_one(tmp_path):
-    code = "from cluster.keys import ClusterKeys; import sys\n"
+    code = "from pdserve.cluster.keys import ClusterKeys; import sys\n"
     code += "print(ClusterKeys.load_or_create(sys.argv[1]).public.decode())"
     procs = [
         subprocess.Popen(
@@ -135,7 +141,7 @@ def test_a_keyed_coordinator_admits_only_key_holders_and_logs_each_address_once(
                 sock.close(0)
             await coordinator.stop(shutdown_nodes=False)
 
-    with caplog.at_level(logging.WARNING, logger="cluster.keys"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.cluster.keys"):
         registered, denials = asyncio.run(run())
     assert registered == {"member"}
     assert denials >= 3
@@ -303,9 +309,9 @@ def test_raw_sockets_at_a_keyed_kv_port_change_no_block_and_keyed_senders_land_e
     from test_kv_malformed_input import junk_for_a_receiver
     from test_kv_transfer import CHUNK, NUM_BLOCKS, blocks_bits, layout, random_pool, wait_result
 
-    from kv_transfer import make_receiver, make_sender
-    from kv_transfer.pages import page_bytes
-    from kv_transfer.protocol import Hello, Pages, control
+    from pdserve.kv_transfer import make_receiver, make_sender
+    from pdserve.kv_transfer.pages import page_bytes
+    from pdserve.kv_transfer.protocol import Hello, Pages, control
 
     caplog.set_level(logging.WARNING)
     keys, lay = ClusterKeys.generate(), layout()
@@ -396,8 +402,8 @@ def test_keyed_tcp_transfers_between_processes_land_bit_exact(dtype: str, encryp
     blocks, exactly to the bit (NaN payloads too), and touches no other block."""
     from test_kv_transfer import CHUNK, NUM_BLOCKS, blocks_bits, layout, random_pool, wait_result
 
-    from bench.kv_remote import RemoteEndpoint
-    from kv_transfer import make_sender
+    from pdserve.bench.kv_remote import RemoteEndpoint
+    from pdserve.kv_transfer import make_sender
 
     keys, lay = ClusterKeys.generate(), layout(dtype)
     remote = RemoteEndpoint("receiver", "tcp", lay, NUM_BLOCKS, keys=keys, encrypt=encrypt)

@@ -12,9 +12,9 @@ import time
 import pytest
 from local_cluster import Cluster
 
-from coordinator.client import CoordinatorClient
-from coordinator.metrics import Metrics
-from engine import LLM, SamplingParams
+from pdserve.coordinator.client import CoordinatorClient
+from pdserve.coordinator.metrics import Metrics
+from pdserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = 8  # the test cluster's block size

@@ -12,10 +12,10 @@ import time
 import pytest
 from local_cluster import Cluster
 
-from coordinator.client import CoordinatorClient
-from coordinator.config import CoordinatorConfig
-from coordinator.request_state import EarlyAdmission
-from engine import LLM, SamplingParams
+from pdserve.coordinator.client import CoordinatorClient
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.request_state import EarlyAdmission
+from pdserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 STREAMING = CoordinatorConfig(

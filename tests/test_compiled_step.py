@@ -11,8 +11,8 @@ import sys
 import pytest
 from checkpoints import hf_greedy
 
-from engine import LLM, SamplingParams
-from engine.compiled_step import bucket, compile_unavailable
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.compiled_step import bucket, compile_unavailable
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 NEW_TOKENS = 8
@@ -36,7 +36,7 @@ def test_compiled_greedy_equals_eager_and_transformers(checkpoint_dir, caplog):
     model_dir = checkpoint_dir("qwen3")  # q/k norms besides Llama's parts
     expected = hf_greedy(model_dir, PROMPTS, NEW_TOKENS)
     eager, _ = _greedy(model_dir)
-    with caplog.at_level(logging.INFO, logger="engine.model_shard"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.model_shard"):
         compiled, llm = _greedy(model_dir, compile=True)
     assert llm.engine.runner.compiled is not None
     assert "model step compiled in" in caplog.text
@@ -46,7 +46,7 @@ def test_compiled_greedy_equals_eager_and_transformers(checkpoint_dir, caplog):
 
 TWO_ENGINES = """
 import json, sys
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 prompts, options = json.loads(sys.argv[3]), json.loads(sys.argv[4])
 params = SamplingParams(max_tokens=int(sys.argv[5]), temperature=0, ignore_eos=True)
 out = []
@@ -76,10 +76,10 @@ def test_compiled_engines_of_other_shapes_in_one_process_each_equal_transformers
 
 
 def test_without_a_compiler_the_step_runs_eagerly_saying_why(checkpoint_dir, caplog, monkeypatch):
-    from engine import compiled_step
+    from pdserve.engine import compiled_step
 
     monkeypatch.setattr(compiled_step.shutil, "which", lambda name: None)
-    with caplog.at_level(logging.WARNING, logger="engine.model_shard"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.model_shard"):
         tokens, llm = _greedy(checkpoint_dir("llama"), compile=True)
     assert llm.engine.runner.compiled is None
     assert "no C++ compiler" in caplog.text and "runs eagerly" in caplog.text
@@ -89,8 +89,8 @@ def test_without_a_compiler_the_step_runs_eagerly_saying_why(checkpoint_dir, cap
 def test_a_shape_that_fails_to_compile_runs_eagerly_from_then_on(checkpoint_dir, caplog):
     import torch
 
-    from engine.compiled_step import CompiledStep
-    from engine.forward_batch import AttentionBatch
+    from pdserve.engine.compiled_step import CompiledStep
+    from pdserve.engine.forward_batch import AttentionBatch
 
     llm = LLM(str(checkpoint_dir("llama")), device="cpu", num_kv_blocks=8)
     runner = llm.engine.runner
@@ -105,7 +105,10 @@ def test_a_shape_that_fails_to_compile_runs_eagerly_from_then_on(checkpoint_dir,
         torch.arange(3), torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]),
         torch.tensor([0, 3]), 3,
     )  # fmt: skip
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="engine.compiled_step"):
+    with (
+        torch.inference_mode(),
+        caplog.at_level(logging.WARNING, logger="pdserve.engine.compiled_step"),
+    ):
         got = step(ids, positions, batch)
         want = runner.model(ids, positions, batch, runner.pool, runner.ops)
     torch.testing.assert_close(got, want)

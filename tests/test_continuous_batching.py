@@ -8,9 +8,9 @@ import random
 import pytest
 from conftest import COMPILE
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestRejected
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine, RequestRejected
 
 BLOCK = 4
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.client_messages import Event
-from cluster.node_messages import (
+from pdserve.cluster.client_messages import Event
+from pdserve.cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
@@ -26,10 +26,10 @@ from cluster.node_messages import (
     Tokens,
     TransferDone,
 )  # fmt: skip
-from cluster.sampling_params import SamplingParams
-from coordinator.config import CoordinatorConfig
-from coordinator.core import CoordinatorCore, Outbox, SubmitError
-from coordinator.request_state import Phase, RequestState
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.core import CoordinatorCore, Outbox, SubmitError
+from pdserve.coordinator.request_state import Phase, RequestState
 
 BLOCK = 4
 PROMPT = list(range(10, 22))  # 12 tokens: 3 blocks

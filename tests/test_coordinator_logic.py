@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from cluster import node_messages
-from cluster.codec import ProtocolError
-from cluster.node_messages import (
+from pdserve.cluster import node_messages
+from pdserve.cluster.codec import ProtocolError
+from pdserve.cluster.node_messages import (
     FinishReason,
     Heartbeat,
     NodeRole,
@@ -16,10 +16,10 @@ from cluster.node_messages import (
     TokenLogprobs,
     Tokens,
 )  # fmt: skip
-from coordinator.admission import AdmissionQueue, Candidate
-from coordinator.core import CoordinatorCore
-from coordinator.nodes import NodeRegistry, NodeState
-from coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
+from pdserve.coordinator.admission import AdmissionQueue, Candidate
+from pdserve.coordinator.core import CoordinatorCore
+from pdserve.coordinator.nodes import NodeRegistry, NodeState
+from pdserve.coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
 
 
 def node(node_id: str, role: str = "decode", free: int = 100, total: int = 100, **kw) -> NodeState:

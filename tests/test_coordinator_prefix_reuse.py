@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_coordinator_core import PROMPT, Sim
 
-from cluster.node_messages import (
+from pdserve.cluster.node_messages import (
     Admit,
     Admitted,
     FinishReason,
@@ -19,7 +19,7 @@ from cluster.node_messages import (
     Tokens,
     TransferDone,
 )  # fmt: skip
-from coordinator.request_state import Phase
+from pdserve.coordinator.request_state import Phase
 
 
 def two_decoders(**config: object) -> Sim:

@@ -12,8 +12,8 @@ import zmq
 import zmq.asyncio
 from junk_frames import JUNK
 
-from cluster.client_messages import Submit, client_requests
-from cluster.node_messages import (
+from pdserve.cluster.client_messages import Submit, client_requests
+from pdserve.cluster.node_messages import (
     Abort,
     Heartbeat,
     NodeRole,
@@ -21,9 +21,9 @@ from cluster.node_messages import (
     orders,
     reports,
 )  # fmt: skip
-from cluster.sampling_params import SamplingParams
-from coordinator.config import CoordinatorConfig
-from coordinator.coordinator import Coordinator
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import Coordinator
 
 
 async def _poll_until(condition, timeout_s: float = 20.0) -> None:  # noqa: ANN001
@@ -74,7 +74,7 @@ def test_junk_of_any_shape_is_dropped_and_logged_once_per_peer(caplog):
                 sock.close(0)
             await coordinator.stop(shutdown_nodes=False)
 
-    with caplog.at_level(logging.WARNING, logger="coordinator.coordinator"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.coordinator.coordinator"):
         asyncio.run(run())
     dropped = [r for r in caplog.records if "dropped a malformed message" in r.getMessage()]
     # One line per peer and socket, however many junk messages each sent.
@@ -93,7 +93,7 @@ def test_a_task_that_dies_marks_the_coordinator_failed(caplog):
             for task in coordinator._tasks:
                 task.cancel()
 
-    with caplog.at_level(logging.CRITICAL, logger="coordinator.coordinator"):
+    with caplog.at_level(logging.CRITICAL, logger="pdserve.coordinator.coordinator"):
         failure = asyncio.run(run())
     assert isinstance(failure, zmq.ZMQError)
     assert any("coordinator-nodes died" in r.getMessage() for r in caplog.records)
@@ -113,7 +113,7 @@ def test_serve_exits_non_zero_when_a_coordinator_task_dies(monkeypatch):
 
 @pytest.mark.parametrize("frames", JUNK[:4], ids=["garbage", "multi-frame", "empty", "two-empty"])
 def test_a_node_drops_junk_from_the_coordinator(frames):
-    from cluster.node_link import NodeLink
+    from pdserve.cluster.node_link import NodeLink
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -138,8 +138,8 @@ def test_a_node_drops_junk_from_the_coordinator(frames):
 
 
 def test_send_kv_for_a_closed_handoff_socket_goes_to_the_node_s_main_socket():
-    from cluster.node_messages import HandoffReady, SendKV
-    from coordinator.core import Outbox
+    from pdserve.cluster.node_messages import HandoffReady, SendKV
+    from pdserve.coordinator.core import Outbox
 
     async def run() -> object:
         coordinator = Coordinator(CoordinatorConfig(heartbeat_timeout_s=30))

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams, cpu_linear
-from engine.models.parallel_layers import ParallelLMHead, RowParallelLinear
-from engine.tiny_model import ensure_tiny_model
+from pdserve.engine import LLM, SamplingParams, cpu_linear
+from pdserve.engine.models.parallel_layers import ParallelLMHead, RowParallelLinear
+from pdserve.engine.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
@@ -74,7 +74,7 @@ def test_memory_stays_flat_whatever_the_row_counts():
     # second pass over 1..1024 rows grew the process by over 1 GiB.
     script = textwrap.dedent("""
         import torch
-        from engine import cpu_linear
+        from pdserve.engine import cpu_linear
         torch.set_num_threads(1)
         def rss_mib():
             return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -132,7 +132,7 @@ def test_the_choice_packs_cpu_float32_eager_nodes_only(caplog):
     assert cpu_linear.choose("auto", "cpu", "float32", compiled=False)
     assert cpu_linear.choose("onednn", "cpu", "float32", compiled=False)
     assert not cpu_linear.choose("torch", "cpu", "float32", compiled=False)
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_linear"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.cpu_linear"):
         assert not cpu_linear.choose("auto", "cpu", "bfloat16", compiled=False)
         assert not cpu_linear.choose("auto", "cuda:0", "float32", compiled=False)
         assert not caplog.records  # auto falls back quietly

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.cpu_threads import (
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_threads import (
     format_cores,
     node_bindings,
     parse_cores,
@@ -75,9 +75,9 @@ def test_a_ranks_placement():
 
 PROBE = """
 import json, os, sys, torch
-from engine import LLM
+from pdserve.engine import LLM
 llm = LLM("pdserve-tiny", cpu_threads=1, cpu_bind=sys.argv[1], device="cpu", num_kv_blocks=8)
-out = llm.generate([[5, 6, 7]], __import__("engine").SamplingParams(max_tokens=2, temperature=0))
+out = llm.generate([[5, 6, 7]], __import__("pdserve.engine", fromlist=["SamplingParams"]).SamplingParams(max_tokens=2, temperature=0))
 bound = (sorted(os.sched_getaffinity(0)), torch.get_num_threads(), len(out[0].token_ids))
 llm.close()
 print(json.dumps({"bound": bound, "after": [sorted(os.sched_getaffinity(0)),
@@ -102,7 +102,7 @@ def test_an_engine_process_runs_on_the_cores_and_threads_it_was_given():
 
 FAILING_PROBE = """
 import json, os, sys, torch
-from engine import LLM
+from pdserve.engine import LLM
 try:
     LLM(sys.argv[2], cpu_threads=1, cpu_bind=sys.argv[1], device="cpu", num_kv_blocks=8)
 except Exception as exc:
@@ -116,7 +116,7 @@ def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path
     """The weights fail to load after the engine bound its process: the process is unbound."""
     import shutil
 
-    from engine.tiny_model import ensure_tiny_model
+    from pdserve.engine.tiny_model import ensure_tiny_model
 
     model = tmp_path / "broken"
     shutil.copytree(ensure_tiny_model(), model)
@@ -133,8 +133,8 @@ def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path
 
 
 def test_a_node_command_carries_its_placement():
-    from cluster.node_options import NodeOptions
     from pdserve.cli import build_parser
+    from pdserve.cluster.node_options import NodeOptions
     from pdserve.launch import NodeSpec
 
     options = NodeOptions(coordinator="tcp://127.0.0.1:1", node_id="decode-0", insecure=True)
@@ -144,8 +144,8 @@ def test_a_node_command_carries_its_placement():
 
 
 def test_the_nodes_serve_starts_split_the_hosts_cores(monkeypatch):
-    from engine.config import RoleTensorParallel
     from pdserve import launch
+    from pdserve.engine.config import RoleTensorParallel
 
     monkeypatch.setattr(launch, "available_cores", lambda: tuple(range(8)))
     engine = EngineConfig(device="cpu")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs, DecodeInputs, capture_sizes, padded_size
-from engine.forward_batch import AttentionBatch
-from engine.llm_engine import LLMEngine
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.decode_graphs import DecodeGraphs, DecodeInputs, capture_sizes, padded_size
+from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.llm_engine import LLMEngine
 
 BLOCK = 4
 

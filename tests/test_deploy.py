@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.node_options import NodeOptions
-from cluster.schema import from_args
-from engine.config import EngineConfig
 from pdserve.cli import build_parser
+from pdserve.cluster.node_options import NodeOptions
+from pdserve.cluster.schema import from_args
 from pdserve.cluster_file import ClusterFileError, load_cluster_file, plan
+from pdserve.engine.config import EngineConfig
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 

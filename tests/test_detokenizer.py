@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.detokenizer import REPLACEMENT, IncrementalDetokenizer, TokenVocabulary
-from coordinator.stop_strings import StopStringMatcher
-from engine.tiny_model import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from pdserve.coordinator.detokenizer import REPLACEMENT, IncrementalDetokenizer, TokenVocabulary
+from pdserve.coordinator.stop_strings import StopStringMatcher
+from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.tokenizer import Tokenizer
 
 MULTIBYTE = "héllo wörld 日本語 🙂 naïve café"
 

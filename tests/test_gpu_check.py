@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import deps, gpu_tests, report
-from bench.gpu_check.plan import BUDGET_S, LONG, MIN_STEP_S, QUICK, Step
-from bench.gpu_check.runner import RunSettings, StepResult, run_step
+from pdserve.bench.gpu_check import deps, gpu_tests, report
+from pdserve.bench.gpu_check.plan import BUDGET_S, LONG, MIN_STEP_S, QUICK, Step
+from pdserve.bench.gpu_check.runner import RunSettings, StepResult, run_step
 
 REPO = Path(__file__).resolve().parents[1]
 # The device tool: one command runs 600 s at most; at most 8 files come back, named plainly.
@@ -248,7 +248,7 @@ def test_install_step_installs_with_pip_alone_and_names_wheels_off_the_pins(tmp_
     wheels, site, record = tmp_path / "whl", tmp_path / "site", tmp_path / "install.json"
     wheels.mkdir()
     _wheel(wheels)
-    cmd = [sys.executable, "-m", "bench.gpu_check.install", "--json", str(record)]
+    cmd = [sys.executable, "-m", "pdserve.bench.gpu_check.install", "--json", str(record)]
     cmd += ["--work", str(tmp_path), "--wheels", str(wheels), "--site", str(site)]
     subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, timeout=120, check=True)
     assert (site / "gpucheck_probe" / "__init__.py").read_text() == "VALUE = 42\n"
@@ -263,7 +263,15 @@ def test_install_step_installs_with_pip_alone_and_names_wheels_off_the_pins(tmp_
 def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tmp_path: Path):
     out, empty = tmp_path / "out", tmp_path / "no-wheels"
     empty.mkdir()
-    cmd = [sys.executable, "-m", "bench.gpu_check", "--out", str(out), "--wheels", str(empty)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.bench.gpu_check",
+        "--out",
+        str(out),
+        "--wheels",
+        str(empty),
+    ]
     env = _env(CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -296,7 +304,7 @@ def _hanging_step(folder: Path, crash: bool) -> Step:
     (folder / "hanging_step.py").write_text(
         textwrap.dedent(f"""
         import os, threading
-        from bench.gpu_check.record import StepRecord, step_args
+        from pdserve.bench.gpu_check.record import StepRecord, step_args
         args = step_args("hangs")
         record = StepRecord(args.json)
         record.data["half"] = "done"
@@ -324,8 +332,8 @@ def test_a_step_stopped_at_its_box_or_dying_fails_and_keeps_what_it_recorded(
 
 
 def _model_step_data() -> dict:
-    """bench.model_step's results as it writes them (its own dataclasses), graph the faster."""
-    from bench import model_step
+    """pdserve.bench.model_step's results as it writes them (its own dataclasses), graph the faster."""
+    from pdserve.bench import model_step
 
     def decode(batch: int, context: int, gbps: float, fraction: float) -> dict:
         return asdict(model_step.DecodeResult(batch, context, 1.0, 2.0, 1.0, gbps, fraction))
@@ -337,12 +345,12 @@ def _model_step_data() -> dict:
 
 
 def _kernels_data() -> dict:
-    """bench.kernels' results as it writes them."""
-    from bench import kernels
+    """pdserve.bench.kernels' results as it writes them."""
+    from pdserve.bench import kernels
 
     decode = kernels.DecodeResult(64, 4096, 400.0, 420.0, 9000.0, 1.07, 2684.0, 0.8)
     prefill = kernels.PrefillResult(1, 2048, 0.4, None, 0.14, 350.0, 0.45)
-    return {"copy_gbps": 3340.0, "matmul_tflops": 785.0, "command": "python -m bench.kernels",
+    return {"copy_gbps": 3340.0, "matmul_tflops": 785.0, "command": "python -m pdserve.bench.kernels",
             "decode": [asdict(decode)], "prefill": [asdict(prefill)]}  # fmt: skip
 
 
@@ -360,7 +368,7 @@ def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
         StepResult("model_step", "model_step", "passed", 60, data=_model_step_data()),
         StepResult("serving", "serving", "timed out", 115, summary="stopped"),
     ]  # fmt: skip
-    run = {"command": "python -m bench.gpu_check", "plan": "quick", "started": "now",
+    run = {"command": "python -m pdserve.bench.gpu_check", "plan": "quick", "started": "now",
            "seconds": 300.0, "budget_s": 540.0}  # fmt: skip
     screen = report.first_screen(run, results)
     assert len(screen) <= 40

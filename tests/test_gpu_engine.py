@@ -10,10 +10,10 @@ import torch
 from conftest import random_prompts
 from paged_inputs import paged_inputs
 
-from engine import LLM, SamplingParams
-from engine.sampler import hash32, sample, seeded_noise
-from engine.sequence import Sequence
-from kernels import attention_ref, norm_ref, rotary_ref
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.sampler import hash32, sample, seeded_noise
+from pdserve.engine.sequence import Sequence
+from pdserve.kernels import attention_ref, norm_ref, rotary_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -191,7 +191,7 @@ def test_seeded_generation_on_cuda_does_not_depend_on_batch_companions():
 
 
 def _check_attention(args: dict) -> None:
-    from kernels.triton_ops import TRITON
+    from pdserve.kernels.triton_ops import TRITON
 
     got = TRITON.paged_attention(**args)
     expected = attention_ref.paged_attention(**args)
@@ -219,7 +219,7 @@ def test_prefill_attention_matches_reference_on_a_mixed_batch(dtype, heads, head
 
 
 def test_decode_attention_replays_in_a_cuda_graph():
-    from kernels.triton_ops import TRITON
+    from pdserve.kernels.triton_ops import TRITON
 
     args = paged_inputs(
         [4000, 3000, 2500, 900], [1] * 4, (32, 8), 128, 16, torch.bfloat16, device="cuda"
@@ -244,7 +244,7 @@ def test_decode_attention_replays_in_a_cuda_graph():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_store_kv_norms_and_rotary_match_reference_at_model_shapes(dtype):
-    from kernels.triton_ops import TRITON
+    from pdserve.kernels.triton_ops import TRITON
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     tokens, num_heads, num_kv_heads, head_dim, hidden = 300, 32, 8, 128, 4096

@@ -14,7 +14,7 @@ from local_cluster import Cluster
 from test_cluster import expected_outputs, make_prompts
 from test_tp_cluster import complete_all
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -25,8 +25,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
-from engine.tiny_model import ensure_tiny_model
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 # Heartbeats often, so a request's KV blocks show in /metrics soon after it starts decoding.
@@ -521,9 +521,9 @@ def test_unknown_fields_are_accepted_and_ignored(server):
 
 
 def test_unknown_fields_are_named_in_a_debug_line(caplog):
-    from coordinator.openai_protocol import CompletionRequest, parse_body
+    from pdserve.coordinator.openai_protocol import CompletionRequest, parse_body
 
-    with caplog.at_level(logging.DEBUG, logger="coordinator.openai_protocol"):
+    with caplog.at_level(logging.DEBUG, logger="pdserve.coordinator.openai_protocol"):
         body = parse_body(b'{"prompt": "hi", "user": "u", "zzz": 1}', CompletionRequest)
     assert body.prompt == "hi"
     assert "ignored unknown fields user, zzz" in caplog.text

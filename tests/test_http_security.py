@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_http_api import WAIT_S, assert_error_body, free_port, wait_until
 
-from engine.tiny_model import ensure_tiny_model
+from pdserve.engine.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 KEY, OTHER_KEY = "sesame-open", "second-key"
@@ -208,7 +208,7 @@ def test_the_openai_client_with_api_key_is_served_and_a_wrong_key_is_its_auth_er
 def test_the_load_generator_sends_the_api_key_it_is_given(server):
     def load(*key: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "bench.serve_load", "--base-url", server.url, *key,
+            [sys.executable, "-m", "pdserve.bench.serve_load", "--base-url", server.url, *key,
              "--num-requests", "3", "--warmup", "0", "--short-prompt-len", "8",
              "--short-output-len", "4", "--no-progress"],
             cwd=REPO, capture_output=True, text=True, timeout=120,

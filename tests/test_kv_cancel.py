@@ -9,7 +9,7 @@ import threading
 import pytest
 from test_kv_transfer import layout, random_pool, wait_result, wait_until
 
-from kv_transfer import TransferResult, make_receiver, make_sender
+from pdserve.kv_transfer import TransferResult, make_receiver, make_sender
 
 NUM_BLOCKS = 8
 

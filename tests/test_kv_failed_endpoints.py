@@ -20,7 +20,7 @@ from test_kv_transfer import (
     wait_until,
 )
 
-from kv_transfer import (
+from pdserve.kv_transfer import (
     KVReceiver,
     KVSender,
     TransferResult,

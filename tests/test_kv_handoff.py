@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from cluster.sampling_params import SamplingParams
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVLayout, KVPool
-from engine.sequence import Sequence
-from kv_transfer import make_receiver
-from kv_transfer.handoff import DecodeHandoff, HandoffState, PrefillHandoff
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.sequence import Sequence
+from pdserve.kv_transfer import make_receiver
+from pdserve.kv_transfer.handoff import DecodeHandoff, HandoffState, PrefillHandoff
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 BLOCKS = 16
@@ -193,11 +193,11 @@ def test_a_failed_sender_fails_its_sends_and_is_replaced(sides, monkeypatch):
 def test_a_decode_node_whose_receiver_failed_reports_it_and_takes_no_more_handoffs(monkeypatch):
     from conftest import RecordingLink
 
-    from cluster.node_messages import Admit, Admitted, TransferDone
-    from decode_node.worker import DecodeNode
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.node_reports import engine_heartbeat
+    from pdserve.cluster.node_messages import Admit, Admitted, TransferDone
+    from pdserve.decode_node.worker import DecodeNode
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.node_reports import engine_heartbeat
 
     receivers = []
 

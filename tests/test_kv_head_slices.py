@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_kv_transfer import NUM_BLOCKS, random_pool, wait_result
 
-from engine.kv_cache import KVLayout
-from engine.tp_shard import kv_head_ranges
-from kv_transfer import make_receiver, make_sender
-from kv_transfer.head_routes import route_heads
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.tp_shard import kv_head_ranges
+from pdserve.kv_transfer import make_receiver, make_sender
+from pdserve.kv_transfer.head_routes import route_heads
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,10 +19,10 @@ from test_kv_transfer import (
     wait_result,
 )
 
-from engine.kv_cache import KVLayout
-from kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
-from kv_transfer.pages import page_bytes
-from kv_transfer.protocol import (
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
+from pdserve.kv_transfer.pages import page_bytes
+from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
     Ack,
@@ -136,7 +136,7 @@ def test_junk_frames_to_a_receiver_are_dropped_and_logged_once_per_peer(
         for sock in strangers:
             sock.close(0)
         ctx.term()
-    warnings = malformed_warnings(caplog, "kv_transfer.receiver")
+    warnings = malformed_warnings(caplog, "pdserve.kv_transfer.receiver")
     assert len(warnings) == 2
     assert all(any(name in w for w in warnings) for name in ("stranger-1", "stranger-2"))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no tracebacks
@@ -198,5 +198,5 @@ def test_junk_frames_to_a_sender_are_dropped_and_logged_once(
     finally:
         impostor.close(0)
         ctx.term()
-    assert len(malformed_warnings(caplog, "kv_transfer.sender")) == 1
+    assert len(malformed_warnings(caplog, "pdserve.kv_transfer.sender")) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import kv_pages
+from pdserve.kernels import kv_pages
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ def test_bad_layer_range_and_shapes_are_refused() -> None:
 _TRITON_CHECK = textwrap.dedent(
     """
     import torch
-    from kernels import kv_pages as ref, kv_pages_triton as tri
+    from pdserve.kernels import kv_pages as ref, kv_pages_triton as tri
     from tests.test_kv_pages import DTYPES, bits, random_bits
 
     for seed, dtype in enumerate(DTYPES):
@@ -129,7 +129,7 @@ def test_triton_page_kernel_compiles_for_h100_without_spills(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.kv_pages_triton import _TILE, _copy_pages_kernel
+    from pdserve.kernels.kv_pages_triton import _TILE, _copy_pages_kernel
 
     signature = {
         "src_ptr": f"*{width}",

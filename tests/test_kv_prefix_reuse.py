@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_kv_handoff import BLOCKS, Sides
 
-import engine.block_manager as block_manager_module
-from cluster.sampling_params import SamplingParams
-from engine.sequence import Sequence
+import pdserve.engine.block_manager as block_manager_module
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 BS = 4  # the layout's block size
 PARAMS = SamplingParams(max_tokens=4, temperature=0)

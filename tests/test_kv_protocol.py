@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.kv_cache import KVLayout
-from kv_transfer.protocol import (
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
     Abort,

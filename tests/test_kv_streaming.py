@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_coordinator_core import BLOCK, PROMPT, cluster
 
-from cluster.node_messages import (
+from pdserve.cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
@@ -25,17 +25,17 @@ from cluster.node_messages import (
     Tokens,
     TransferDone,
 )  # fmt: skip
-from cluster.sampling_params import SamplingParams
-from coordinator.request_state import EarlyAdmission, Phase
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVLayout, KVPool
-from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence
-from engine.tiny_model import ensure_tiny_model
-from kv_transfer import make_receiver, make_sender
-from kv_transfer.base import KVSender, TransferResult
-from kv_transfer.handoff import DecodeHandoff, HandoffState, PrefillHandoff
-from prefill_node.layer_stream import LayerStream
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.request_state import EarlyAdmission, Phase
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.kv_transfer import make_receiver, make_sender
+from pdserve.kv_transfer.base import KVSender, TransferResult
+from pdserve.kv_transfer.handoff import DecodeHandoff, HandoffState, PrefillHandoff
+from pdserve.prefill_node.layer_stream import LayerStream
 
 LAYOUT = KVLayout(num_layers=4, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 INFO = {"transport": "fake"}

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_transfer.arrivals import Arrivals, Unit, UnitState
+from pdserve.kv_transfer.arrivals import Arrivals, Unit, UnitState
 
 pytestmark = pytest.mark.timeout(60)
 

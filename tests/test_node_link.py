@@ -6,8 +6,8 @@ import time
 
 import zmq
 
-from cluster.node_link import NodeLink
-from cluster.node_messages import Heartbeat, reports
+from pdserve.cluster.node_link import NodeLink
+from pdserve.cluster.node_messages import Heartbeat, reports
 
 
 def test_heartbeats_continue_while_the_step_loop_is_busy():

@@ -1,12 +1,12 @@
 """No process of a cluster grows with the requests it serves: a few hundred mixed requests (the
-soak of `bench.soak`, shortened) through `pdserve serve` with one prefill and one decode node,
+soak of `pdserve.bench.soak`, shortened) through `pdserve serve` with one prefill and one decode node,
 over tcp and over shm; each process's resident memory is sampled from /proc as they go."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import soak
+from pdserve.bench import soak
 
 # A node that kept one request's KV pages (about 100 KiB here) per request would grow by 20 MiB
 # over the second half; one that met a new oneDNN row count per step, by far more.

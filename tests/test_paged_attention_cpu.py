@@ -7,8 +7,8 @@ import pytest
 import torch
 from paged_inputs import paged_inputs
 
-from kernels import attention_ref, paged_attention_cpu
-from kernels.ops import select_ops
+from pdserve.kernels import attention_ref, paged_attention_cpu
+from pdserve.kernels.ops import select_ops
 
 pytestmark = pytest.mark.skipif(
     not paged_attention_cpu.available(), reason="no C compiler: the reference serves"

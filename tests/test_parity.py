@@ -6,7 +6,7 @@ import pytest
 from checkpoints import hf_greedy
 from conftest import COMPILE, random_prompts
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = [3, 16, 29, 50]

@@ -8,12 +8,19 @@ import threading
 import zmq
 from conftest import RecordingLink
 
-from cluster.node_messages import HandoffReady, Message, SendKV, TransferDone, orders, reports
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from prefill_node.handoff_socket import HandoffSocket
-from prefill_node.worker import PrefillNode
+from pdserve.cluster.node_messages import (
+    HandoffReady,
+    Message,
+    SendKV,
+    TransferDone,
+    orders,
+    reports,
+)
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.prefill_node.handoff_socket import HandoffSocket
+from pdserve.prefill_node.worker import PrefillNode
 
 
 def _recv(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, Message]:

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import apply_penalties, filter_probs, sample, seeded_noise
-from engine.sequence import Sequence
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.sampler import apply_penalties, filter_probs, sample, seeded_noise
+from pdserve.engine.sequence import Sequence
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Every setting is declared once (`cluster.schema`) by EngineConfig, NodeOptions or
+"""Every setting is declared once (`pdserve.cluster.schema`) by EngineConfig, NodeOptions or
 CoordinatorConfig; flags, node command lines, the coordinator's file, the cluster file's role
 tables and the docs' tables follow from those declarations."""
 
@@ -16,12 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.node_options import NodeOptions
-from cluster.schema import Declared, add_flags, declared, from_args, values_from_args
-from coordinator.config import CoordinatorConfig, doc_tables, file_keys
-from engine.config import EngineConfig, RoleTensorParallel
 from pdserve.cli import build_parser
+from pdserve.cluster.node_options import NodeOptions
+from pdserve.cluster.schema import Declared, add_flags, declared, from_args, values_from_args
 from pdserve.cluster_file import NOT_PER_ROLE, ClusterFileError, load_cluster_file, plan
+from pdserve.coordinator.config import CoordinatorConfig, doc_tables, file_keys
+from pdserve.engine.config import EngineConfig, RoleTensorParallel
 from pdserve.launch import NodeSpec
 from pdserve.serve import ServeOptions, load_config, node_engine, node_specs
 
@@ -130,8 +130,8 @@ def test_a_node_command_parses_back_to_the_same_settings(options, engine, role):
 
 
 def test_a_node_with_default_settings_gets_no_setting_flags_but_its_keys_and_cores(tmp_path):
-    from cluster.keys import ClusterKeys
-    from engine.cpu_threads import available_cores, node_bindings
+    from pdserve.cluster.keys import ClusterKeys
+    from pdserve.engine.cpu_threads import available_cores, node_bindings
 
     keys = ClusterKeys.generate().write(tmp_path / "keys")
     (spec,) = [s for s in node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR, keys)
@@ -282,7 +282,7 @@ def test_live_reload_applies_live_fields_and_reports_the_rest(tmp_path):
 
 
 def test_sighup_reload_applies_live_fields_only(tmp_path, caplog):
-    from coordinator.coordinator import Coordinator
+    from pdserve.coordinator.coordinator import Coordinator
 
     path = tmp_path / "pdserve.toml"
     path.write_text("admission_watermark = 0.1\nmax_num_seqs = 8\n")
@@ -377,7 +377,7 @@ def test_the_precedence_example_of_the_docs_holds(monkeypatch):
 
 
 def test_sighup_keeps_the_flags_over_the_file(tmp_path):
-    from coordinator.coordinator import Coordinator
+    from pdserve.coordinator.coordinator import Coordinator
     from pdserve.serve import reload_config
 
     path = tmp_path / "pdserve.toml"
@@ -395,7 +395,7 @@ def test_the_docs_tables_are_the_declarations():
     for table in doc_tables():
         assert table in doc, (
             "docs/configuration.md's tables differ from the declarations; "
-            f"`python -m coordinator.config` prints them:\n{table}"
+            f"`python -m pdserve.coordinator.config` prints them:\n{table}"
         )
 
 

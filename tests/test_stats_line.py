@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_coordinator_core import PROMPT, cluster
 
-from cluster.node_messages import (
+from pdserve.cluster.node_messages import (
     Admit,
     Admitted,
     FinishReason,
@@ -17,7 +17,7 @@ from cluster.node_messages import (
     TokenItem,
     Tokens,
 )  # fmt: skip
-from coordinator.stats import StatsCounter
+from pdserve.coordinator.stats import StatsCounter
 
 
 def counted_cluster():

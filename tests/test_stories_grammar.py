@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from engine.stories import grammar
-from engine.stories.corpus import corpus
-from engine.stories.recognizer import accepts, read, split_sentences
+from pdserve.engine.stories import grammar
+from pdserve.engine.stories.corpus import corpus
+from pdserve.engine.stories.recognizer import accepts, read, split_sentences
 
 
 def test_every_sentence_the_grammar_generates_is_accepted():
@@ -78,7 +78,7 @@ def test_the_corpus_is_a_function_of_its_seed():
 def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(tmp_path):
     import transformers
 
-    from engine.stories.train import Recipe, Shape, train
+    from pdserve.engine.stories.train import Recipe, Shape, train
 
     shape = Shape(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, max_position_embeddings=128)  # fmt: skip
@@ -88,7 +88,7 @@ def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(t
     assert json.loads((tmp_path / "training.json").read_text())["final_loss"] > 0
 
     # Its logits, from the bfloat16 weights it saved, are the model transformers loads.
-    from engine.stories.train import StoryModel
+    from pdserve.engine.stories.train import StoryModel
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     mine = StoryModel(shape)

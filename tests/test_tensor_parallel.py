@@ -18,8 +18,8 @@ import torch
 from checkpoints import hf_greedy
 from conftest import random_prompts
 
-from engine import LLM, SamplingParams
-from engine.tp_ranks import TPGroupFailed
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.tp_ranks import TPGroupFailed
 
 NEW_TOKENS = 24
 PROMPT_LENGTHS = [3, 16, 29, 50]
@@ -158,7 +158,7 @@ def _zombie(pid: int) -> bool:
 
 RANK0 = """
 import sys
-from engine import LLM
+from pdserve.engine import LLM
 llm = LLM(sys.argv[1], num_kv_blocks=32, device="cpu", tensor_parallel_size=2)
 print(*llm.engine.ranks.pids, flush=True)
 sys.stdin.read()

@@ -11,7 +11,7 @@ ROOT = Path(__file__).parent.parent
 
 PROBE = """
 import importlib, pkgutil, sys
-import cluster, coordinator
+from pdserve import cluster, coordinator
 names = []
 for package in (cluster, coordinator):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):

@@ -15,9 +15,9 @@ import pytest
 from local_cluster import Cluster
 from test_cluster import expected_outputs, make_prompts
 
-from coordinator.client import CoordinatorClient
-from coordinator.request_state import Phase
-from engine import LLM, SamplingParams
+from pdserve.coordinator.client import CoordinatorClient
+from pdserve.coordinator.request_state import Phase
+from pdserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # prefill-1 and decode-1 are TP=2 groups; prefill-0 and decode-0 single processes.
@@ -77,7 +77,9 @@ def rank_pids(node_pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == node_pid and (b"pdserve-tp-rank" in cmdline or b"engine.tp_worker" in cmdline):
+        if ppid == node_pid and (
+            b"pdserve-tp-rank" in cmdline or b"pdserve.engine.tp_worker" in cmdline
+        ):
             out.append(int(entry.name))
     return out
 

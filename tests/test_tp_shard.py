@@ -12,16 +12,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.sampling_params import SamplingParams
-from engine.loader import load_model
-from engine.model_config import ModelConfig
-from engine.plan_channel import PlanChannel, PlanTooLarge, PublisherGone
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
-from engine.step_plan import StepPlan
-from engine.tiny_model import TINY_CONFIG
-from engine.tp_shard import TPShard, kv_head_ranges
-from engine.weights import CheckpointTensor
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.plan_channel import PlanChannel, PlanTooLarge, PublisherGone
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_plan import StepPlan
+from pdserve.engine.tiny_model import TINY_CONFIG
+from pdserve.engine.tp_shard import TPShard, kv_head_ranges
+from pdserve.engine.weights import CheckpointTensor
 
 CONFIG = ModelConfig.from_dict({**TINY_CONFIG, "vocab_size": 501})
 

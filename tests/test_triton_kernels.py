@@ -18,7 +18,7 @@ import pytest
 import torch
 from paged_inputs import paged_inputs
 
-from kernels import attention_ref, norm_ref, rotary_ref
+from pdserve.kernels import attention_ref, norm_ref, rotary_ref
 
 pytest.importorskip("triton")
 
@@ -69,8 +69,8 @@ def interpreted(test):
 
 @pytest.fixture(scope="module")
 def tk() -> SimpleNamespace:
-    from kernels import triton_attention
-    from kernels.triton_ops import TRITON
+    from pdserve.kernels import triton_attention
+    from pdserve.kernels.triton_ops import TRITON
 
     return SimpleNamespace(ops=TRITON, attention=triton_attention)
 
@@ -149,7 +149,7 @@ def test_short_decode_batch_takes_the_single_split_path(tk):
 
 @pytest.mark.skipif(INTERPRETED, reason="checked in the parent process")
 def test_decode_split_plan_fills_the_device_and_covers_the_context():
-    from kernels.triton_attention import plan_decode_splits
+    from pdserve.kernels.triton_attention import plan_decode_splits
 
     # Llama-3-8B shapes on an H100: batch 1 at 4k context is split, batch 256 is not.
     splits, partition = plan_decode_splits(1, 8, 4096, 64, 132)
@@ -311,7 +311,7 @@ def test_rotary_rotates_qkv_views_in_place(tk, dtype, head_dim):
 def test_engine_with_triton_ops_generates_what_the_reference_does(tk, monkeypatch):
     # The whole model through the Triton op table (interpreted): chunked prefill, a prefix-cache
     # hit between the two prompts, decode steps and the engine's strided qkv views.
-    from engine import LLM, SamplingParams, model_shard
+    from pdserve.engine import LLM, SamplingParams, model_shard
 
     prompts = [list(range(5, 40)), list(range(5, 21)) + [7, 8, 9]]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -328,8 +328,8 @@ def test_padded_decode_inputs_through_triton_ops_generate_what_the_reference_doe
     # What a CUDA graph replays, run eagerly: the decode kernel over block tables as wide as
     # max_model_len, 4 sequences, then 3 padded to 4 rows (the 4th row left by the larger step
     # becomes slot -1 with one token of context), then 2 and 1.
-    from engine import LLM, SamplingParams
-    from engine.decode_graphs import DecodeGraphs
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.decode_graphs import DecodeGraphs
 
     prompts = [list(range(5, 30)), list(range(40, 47)), list(range(9, 27)), list(range(60, 81))]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 3, 4, 2)]
@@ -399,8 +399,8 @@ def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
 def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
     # The interpreter runs kernels as Python; this catches what only the compiler rejects.
     dtype = torch.bfloat16
-    from kernels import triton_attention, triton_kv, triton_norm, triton_rotary
-    from kernels.triton_ops import TRITON
+    from pdserve.kernels import triton_attention, triton_kv, triton_norm, triton_rotary
+    from pdserve.kernels.triton_ops import TRITON
 
     pytest.importorskip("triton.backends.nvidia")
     launches = []
@@ -439,10 +439,10 @@ def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
 def test_triton_ops_import_without_interpreter_and_cpu_never_loads_them():
     code = (
         "import sys\n"
-        "from kernels.ops import select_ops\n"
+        "from pdserve.kernels.ops import select_ops\n"
         "assert select_ops('cpu').name in ('torch', 'cpu')\n"
         "assert not [m for m in sys.modules if m.startswith('kernels.triton')]\n"
-        "from kernels.triton_ops import TRITON\n"
+        "from pdserve.kernels.triton_ops import TRITON\n"
         "assert TRITON.name == 'triton'\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -9,21 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import CoordinatorConfig
 from pdserve import serve
 from pdserve.cli import main
 from pdserve.cluster_file import load_cluster_file, plan
-from tune.command import _short_span
-from tune.deployment import ALL_LOCAL, Deployment
-from tune.measure import StepGrid, measure_profile
-from tune.metrics import SLO
-from tune.model_shape import PRESETS
-from tune.profile import Profile
-from tune.report import cluster_file, coordinator_config
-from tune.search import Evaluation
-from tune.step_model import StepShape, StepTimeModel
-from tune.transfer_model import TransferModel
-from tune.workload import LengthDist, synthetic
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.tune.command import _short_span
+from pdserve.tune.deployment import ALL_LOCAL, Deployment
+from pdserve.tune.measure import StepGrid, measure_profile
+from pdserve.tune.metrics import SLO
+from pdserve.tune.model_shape import PRESETS
+from pdserve.tune.profile import Profile
+from pdserve.tune.report import cluster_file, coordinator_config
+from pdserve.tune.search import Evaluation
+from pdserve.tune.step_model import StepShape, StepTimeModel
+from pdserve.tune.transfer_model import TransferModel
+from pdserve.tune.workload import LengthDist, synthetic
 
 
 def test_a_roofline_profile_says_so_and_costs_decode_by_bytes_and_prefill_by_flops(tmp_path):

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tune.deployment import Deployment
-from tune.metrics import SLO
-from tune.model_shape import ModelShape
-from tune.profile import Profile
-from tune.search import SearchSpace, max_rate, search, throughput_bound
-from tune.step_model import StepTimeModel
-from tune.transfer_model import TransferModel
-from tune.workload import LengthDist, synthetic
+from pdserve.tune.deployment import Deployment
+from pdserve.tune.metrics import SLO
+from pdserve.tune.model_shape import ModelShape
+from pdserve.tune.profile import Profile
+from pdserve.tune.search import SearchSpace, max_rate, search, throughput_bound
+from pdserve.tune.step_model import StepTimeModel
+from pdserve.tune.transfer_model import TransferModel
+from pdserve.tune.workload import LengthDist, synthetic
 
 SHAPE = ModelShape("test", 2, 64, 192, 4, 2, 16, 512, 4096)
 

@@ -9,15 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.node_messages import Admit, Admitted, Generate, Prefill
-from tune.deployment import Deployment
-from tune.metrics import SLO, Outcome, summarize
-from tune.model_shape import ModelShape
-from tune.profile import Profile
-from tune.simulator import Simulation
-from tune.step_model import StepTimeModel
-from tune.transfer_model import TransferModel
-from tune.workload import LengthDist, SimRequest, synthetic
+from pdserve.cluster.node_messages import Admit, Admitted, Generate, Prefill
+from pdserve.tune.deployment import Deployment
+from pdserve.tune.metrics import SLO, Outcome, summarize
+from pdserve.tune.model_shape import ModelShape
+from pdserve.tune.profile import Profile
+from pdserve.tune.simulator import Simulation
+from pdserve.tune.step_model import StepTimeModel
+from pdserve.tune.transfer_model import TransferModel
+from pdserve.tune.workload import LengthDist, SimRequest, synthetic
 
 SHAPE = ModelShape("test", 2, 64, 192, 4, 2, 16, 512, 2048)
 STEP_S = 0.010
@@ -201,9 +201,9 @@ def test_a_run_stops_once_its_slo_attainment_cannot_be_met():
 
 
 def test_tpot_and_slo_attainment_follow_the_serving_benchmark_definitions():
-    from bench.serving.metrics import SLO as BenchSLO
-    from bench.serving.metrics import RequestResult
-    from bench.serving.metrics import summarize as bench_summarize
+    from pdserve.bench.serving.metrics import SLO as BenchSLO
+    from pdserve.bench.serving.metrics import RequestResult
+    from pdserve.bench.serving.metrics import summarize as bench_summarize
 
     outcomes = [
         Outcome(True, 0.0, 10, 0.2, 1.1),

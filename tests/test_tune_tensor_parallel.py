@@ -8,16 +8,22 @@ from test_deploy import engine
 
 from pdserve.cli import main
 from pdserve.cluster_file import load_cluster_file, plan
-from tune.deployment import Deployment
-from tune.metrics import SLO
-from tune.model_shape import DTYPE_BYTES, PRESETS, ModelShape
-from tune.profile import GroupModel, Profile
-from tune.report import candidates_table, cluster_file, coordinator_config
-from tune.roofline import DEVICES, Assumptions, allreduce_seconds, roofline_profile, roofline_step
-from tune.search import Evaluation, SearchSpace, search, usable_tp_sizes
-from tune.step_model import StepShape, StepTimeModel
-from tune.transfer_model import TransferModel
-from tune.workload import LengthDist, synthetic
+from pdserve.tune.deployment import Deployment
+from pdserve.tune.metrics import SLO
+from pdserve.tune.model_shape import DTYPE_BYTES, PRESETS, ModelShape
+from pdserve.tune.profile import GroupModel, Profile
+from pdserve.tune.report import candidates_table, cluster_file, coordinator_config
+from pdserve.tune.roofline import (
+    DEVICES,
+    Assumptions,
+    allreduce_seconds,
+    roofline_profile,
+    roofline_step,
+)
+from pdserve.tune.search import Evaluation, SearchSpace, search, usable_tp_sizes
+from pdserve.tune.step_model import StepShape, StepTimeModel
+from pdserve.tune.transfer_model import TransferModel
+from pdserve.tune.workload import LengthDist, synthetic
 
 H100 = DEVICES["h100"]
 LLAMA_70B = PRESETS["llama3-70b"]
@@ -134,7 +140,7 @@ def test_a_tensor_parallel_cluster_file_is_what_launch_takes(tmp_path, capsys):
         gpus = n.env["CUDA_VISIBLE_DEVICES"].split(",")
         assert len(gpus) == sizes[n.name] and engine(n).max_num_seqs == 128
     # pdserve serve --config starts the same sizes.
-    from coordinator.config import CoordinatorConfig
+    from pdserve.coordinator.config import CoordinatorConfig
 
     roles = CoordinatorConfig.from_toml(tmp_path / "pdserve.toml").node_settings.roles
     assert roles == {"prefill_tensor_parallel_size": 4, "decode_tensor_parallel_size": 8}

@@ -1,4 +1,4 @@
-"""`python -m bench.tune_validate` end to end on a tiny workload: it profiles this machine, runs
+"""`python -m pdserve.bench.tune_validate` end to end on a tiny workload: it profiles this machine, runs
 pdserve tune, serves the three configurations for real (the pick from the config file tune wrote)
 and prints predictions beside measurements. Its figures are not checked here: a few requests on a
 shared machine measure nothing; docs/benchmarks.md holds a full run."""
@@ -14,7 +14,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_the_validation_command_runs_end_to_end(tmp_path):
-    cmd = [sys.executable, "-m", "bench.tune_validate", "--quick", "--rates", "3",
+    cmd = [sys.executable, "-m", "pdserve.bench.tune_validate", "--quick", "--rates", "3",
            "--duration-s", "1", "--min-requests", "3", "--transfer-gbps", "1",
            "--work-dir", str(tmp_path), "--json", str(tmp_path / "out.json")]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)

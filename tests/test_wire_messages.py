@@ -7,9 +7,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
-from cluster.codec import Codec, Message
-from cluster.node_messages import (
+from pdserve.cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
+from pdserve.cluster.codec import Codec, Message
+from pdserve.cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
@@ -33,7 +33,7 @@ from cluster.node_messages import (
     orders,
     reports,
 )  # fmt: skip
-from cluster.sampling_params import SamplingParams
+from pdserve.cluster.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(
     max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=11,

@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure (or derive) a profile: step and transfer times",
         description="Measure this machine's step times (real engine steps, fitted) and KV "
         "transfer, or derive them from a roofline of a device's stated peaks (--roofline) or from "
-        "`python -m bench.model_step --json` (--model-step); write the profile JSON.",
+        "`python -m pdserve.bench.model_step --json` (--model-step); write the profile JSON.",
         formatter_class=parser.formatter_class,
     )
     p.add_argument("--model", default=None,
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="no measurement: the model's FLOPs and bytes against a device's stated "
                      "peaks: h100, h200, a100, l40s (unset: measured)")  # fmt: skip
     how.add_argument("--model-step", metavar="JSON",
-                     help="the rates a GPU reached in `python -m bench.model_step --json` (unset: measured)")  # fmt: skip
+                     help="the rates a GPU reached in `python -m pdserve.bench.model_step --json` (unset: measured)")  # fmt: skip
     p.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="LIST",
                    help="roofline: node sizes (tensor-parallel groups of GPUs) to model, of "
                    "which those that hold the model with room for KV are kept (default: "
@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from tune.model_shape import model_shape
-    from tune.roofline import DEVICES, Assumptions, model_step_profile, roofline_profile
-    from tune.transfer_model import TransferModel
+    from pdserve.tune.model_shape import model_shape
+    from pdserve.tune.roofline import DEVICES, Assumptions, model_step_profile, roofline_profile
+    from pdserve.tune.transfer_model import TransferModel
 
     efficiency = {
         k: v
@@ -173,7 +173,7 @@ def run_profile(args: argparse.Namespace) -> int:
         profile = model_step_profile(args.model_step, model_shape(args.model),
                                      memory_gb=args.memory_gb, assumptions=assumptions)  # fmt: skip
     else:
-        from tune.measure import StepGrid, measure_frontend, measure_profile
+        from pdserve.tune.measure import StepGrid, measure_frontend, measure_profile
 
         transfer = None
         if args.transfer_gbps is not None:
@@ -221,7 +221,13 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 
 
 def _workload(args: argparse.Namespace):  # noqa: ANN202
-    from tune.workload import LengthDist, load_sharegpt, load_trace, synthetic, token_counter
+    from pdserve.tune.workload import (
+        LengthDist,
+        load_sharegpt,
+        load_trace,
+        synthetic,
+        token_counter,
+    )
 
     if args.trace:
         return load_trace(args.trace)
@@ -243,12 +249,12 @@ def _workload(args: argparse.Namespace):  # noqa: ANN202
 
 
 def run_search(args: argparse.Namespace) -> int:
-    from tune.metrics import SLO, summarize
-    from tune.model_shape import model_shape
-    from tune.profile import Profile
-    from tune.report import candidates_table, plot_curves, serve_command, write_outputs
-    from tune.search import CEILING, SearchSpace, curves, search
-    from tune.simulator import Simulation
+    from pdserve.tune.metrics import SLO, summarize
+    from pdserve.tune.model_shape import model_shape
+    from pdserve.tune.profile import Profile
+    from pdserve.tune.report import candidates_table, plot_curves, serve_command, write_outputs
+    from pdserve.tune.search import CEILING, SearchSpace, curves, search
+    from pdserve.tune.simulator import Simulation
 
     missing = [f for f in ("profile", "devices", "slo_ttft_ms", "slo_tpot_ms")
                if getattr(args, f) is None]  # fmt: skip
@@ -336,7 +342,7 @@ def _short_span(workload, slo, rate: float) -> tuple[float, float] | None:  # no
 def _served_model(model: str | None) -> str | None:
     """What the cluster file names as its model: an embedded model's name or the checkpoint's
     directory; None (the nodes' default) for a preset or none given."""
-    from engine.embedded_models import EMBEDDED
+    from pdserve.engine.embedded_models import EMBEDDED
 
     if model is None or model in EMBEDDED:
         return model

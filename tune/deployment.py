@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from coordinator.config import CoordinatorConfig
-from engine.config import EngineConfig
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.engine.config import EngineConfig
 
 # Long enough that every prompt is prefilled where it decodes: a colocated deployment written
 # as decode-only nodes (the cluster file has no colocated workers).

@@ -1,6 +1,6 @@
 """`pdserve tune profile`: the step-time model measured on this machine, from a grid of real engine
 steps (scheduler, `ModelRunner`, sampler, postprocess: what a node's loop runs each step), and the
-transfer model from `bench.kv_transfer`'s transfers, both fitted and saved as a profile."""
+transfer model from `pdserve.bench.kv_transfer`'s transfers, both fitted and saved as a profile."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.sampling_params import SamplingParams
-from engine.config import EngineConfig
-from engine.kv_cache import KVLayout
-from engine.llm_engine import LLMEngine
-from tune.model_shape import ModelShape
-from tune.profile import Profile
-from tune.step_model import StepShape, fit
-from tune.transfer_model import TransferModel
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.tune.model_shape import ModelShape
+from pdserve.tune.profile import Profile
+from pdserve.tune.step_model import StepShape, fit
+from pdserve.tune.transfer_model import TransferModel
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +145,11 @@ def measure_transfer(
     blocks: tuple[int, ...] = (1, 8, 32, 128),
     repeats: int = 5,
 ) -> TransferModel:
-    """`bench.kv_transfer`'s transfers of the model's own KV layout (a receiver in another
+    """`pdserve.bench.kv_transfer`'s transfers of the model's own KV layout (a receiver in another
     process, blocks scattered over its pool as a busy node's are) at a few sizes, fitted to
     latency + bytes / bandwidth; a transfer's cost per page shows in the bandwidth."""
     try:
-        from bench.kv_transfer import TransferBench
+        from pdserve.bench.kv_transfer import TransferBench
     except ImportError as exc:
         raise ValueError(
             "measuring the transfer needs bench/ (a source checkout); or give "
@@ -229,7 +229,7 @@ def pool_blocks(config: EngineConfig, shape: ModelShape) -> int:
     if config.resolved_device().startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         return int(free * config.gpu_memory_utilization) // per_block
-    from engine.model_shard import DEFAULT_CPU_KV_BYTES
+    from pdserve.engine.model_shard import DEFAULT_CPU_KV_BYTES
 
     return (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // per_block
 
@@ -254,13 +254,13 @@ def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int 
     from dataclasses import replace
     from pathlib import Path
 
-    from bench.serving.load_generator import LoadConfig, run_load
-    from bench.serving.metrics import SLO as BenchSLO
-    from bench.serving.pdserve_server import PdserveServer, PdserveSystem
-    from bench.serving.workload import SyntheticWorkload
-    from tune.deployment import Deployment
-    from tune.simulator import Simulation
-    from tune.workload import SimRequest
+    from pdserve.bench.serving.load_generator import LoadConfig, run_load
+    from pdserve.bench.serving.metrics import SLO as BenchSLO
+    from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
+    from pdserve.bench.serving.workload import SyntheticWorkload
+    from pdserve.tune.deployment import Deployment
+    from pdserve.tune.simulator import Simulation
+    from pdserve.tune.workload import SimRequest
 
     specs = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(4, 4)).sample(
         num_requests + 2, seed=7

@@ -7,8 +7,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.embedded_models import EMBEDDED, resolve_model_dir
-from engine.model_config import ModelConfig
+from pdserve.engine.embedded_models import EMBEDDED, resolve_model_dir
+from pdserve.engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

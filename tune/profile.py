@@ -1,6 +1,6 @@
 """A profile: everything the simulator models about one model on one kind of device, saved as
 JSON. The step-time and transfer-time models, the KV blocks a node holds, the delays around them,
-and where the figures came from (`source`: measured here, from `bench.model_step`, or a roofline
+and where the figures came from (`source`: measured here, from `pdserve.bench.model_step`, or a roofline
 of stated peaks), which every output of the tuner repeats."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tune.model_shape import ModelShape
-from tune.step_model import StepTimeModel
-from tune.transfer_model import TransferModel
+from pdserve.tune.model_shape import ModelShape
+from pdserve.tune.step_model import StepTimeModel
+from pdserve.tune.transfer_model import TransferModel
 
 VERSION = 1
 

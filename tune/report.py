@@ -8,10 +8,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from tune.deployment import Deployment
-from tune.metrics import SLO, Summary
-from tune.profile import Profile
-from tune.search import Evaluation
+from pdserve.tune.deployment import Deployment
+from pdserve.tune.metrics import SLO, Summary
+from pdserve.tune.profile import Profile
+from pdserve.tune.search import Evaluation
 
 
 def _ms(summary: Summary | None, key: str) -> str:

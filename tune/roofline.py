@@ -1,5 +1,5 @@
 """Profiles for GPUs not at hand: a roofline of the model's FLOPs and bytes against a device's stated
-peaks times stated efficiencies, or against the rates a device reached in `bench.model_step`.
+peaks times stated efficiencies, or against the rates a device reached in `pdserve.bench.model_step`.
 Every figure that is assumed rather than measured is named in the profile's `source`.
 """
 
@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tune.model_shape import DTYPE_BYTES, ModelShape
-from tune.profile import GroupModel, Profile
-from tune.step_model import StepTimeModel
-from tune.transfer_model import TransferModel
+from pdserve.tune.model_shape import DTYPE_BYTES, ModelShape
+from pdserve.tune.profile import GroupModel, Profile
+from pdserve.tune.step_model import StepTimeModel
+from pdserve.tune.transfer_model import TransferModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +190,7 @@ def model_step_profile(
     block_size: int = 16,
     assumptions: Assumptions | None = None,
 ) -> Profile:
-    """The roofline at the rates a device reached in `bench.model_step --json`: its best decode
+    """The roofline at the rates a device reached in `pdserve.bench.model_step --json`: its best decode
     bandwidth (bytes a step must read over the step's time) and its best prefill FLOP/s, with the
     smallest decode step's excess over its bytes as the per-step overhead."""
     a = assumptions or Assumptions()

@@ -30,12 +30,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tune.deployment import Deployment
-from tune.metrics import SLO, Summary, summarize
-from tune.profile import Profile
-from tune.simulator import Simulation
-from tune.step_model import StepShape
-from tune.workload import Workload
+from pdserve.tune.deployment import Deployment
+from pdserve.tune.metrics import SLO, Summary, summarize
+from pdserve.tune.profile import Profile
+from pdserve.tune.simulator import Simulation
+from pdserve.tune.step_model import StepShape
+from pdserve.tune.workload import Workload
 
 KV_TIGHT = 0.7  # decode pools fuller than this at goodput: the admission watermark matters
 CEILING = 4.0  # probes stay below this multiple of a deployment's throughput bound

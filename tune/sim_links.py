@@ -1,6 +1,6 @@
 """The simulator's stand-ins for what connects pdserve's parts: a node's link to the coordinator
 (`NodeLink`'s interface, messages delivered on the simulated clock) and a KV transport (the
-`KVSender` / `KVReceiver` interface of `kv_transfer.base`, pages "moved" in the time the transfer
+`KVSender` / `KVReceiver` interface of `pdserve.kv_transfer.base`, pages "moved" in the time the transfer
 model gives). Nodes use them exactly as they use the real ones."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from cluster.node_link import NodeLink
-from cluster.node_messages import Heartbeat, Message, Register
-from kv_transfer.base import KVReceiver, KVSender, TransferResult
-from tune.transfer_model import TransferModel
+from pdserve.cluster.node_link import NodeLink
+from pdserve.cluster.node_messages import Heartbeat, Message, Register
+from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult
+from pdserve.tune.transfer_model import TransferModel
 
 if TYPE_CHECKING:
-    from tune.simulator import Simulation
+    from pdserve.tune.simulator import Simulation
 
 TRANSPORT = "sim"
 

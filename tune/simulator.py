@@ -28,24 +28,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.node_messages import HandoffReady, Message, NodeRole, SendKV
-from cluster.sampling_params import SamplingParams
-from coordinator.config import CoordinatorConfig
-from coordinator.coordinator import TICK_S
-from coordinator.core import CoordinatorCore, Outbox, SubmitError
-from coordinator.request_state import RequestState
-from decode_node.worker import DecodeNode
-from engine.config import EngineConfig
-from engine.kv_cache import KVLayout
-from engine.llm_engine import Engine, SampledTokens
-from engine.scheduler import SchedulerOutput
-from prefill_node.worker import PrefillNode
-from tune.deployment import Deployment
-from tune.metrics import SLO, Outcome
-from tune.profile import Profile
-from tune.sim_links import SimKV, SimLink
-from tune.step_model import StepShape, StepTimeModel
-from tune.workload import SimRequest
+from pdserve.cluster.node_messages import HandoffReady, Message, NodeRole, SendKV
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import TICK_S
+from pdserve.coordinator.core import CoordinatorCore, Outbox, SubmitError
+from pdserve.coordinator.request_state import RequestState
+from pdserve.decode_node.worker import DecodeNode
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.llm_engine import Engine, SampledTokens
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.prefill_node.worker import PrefillNode
+from pdserve.tune.deployment import Deployment
+from pdserve.tune.metrics import SLO, Outcome
+from pdserve.tune.profile import Profile
+from pdserve.tune.sim_links import SimKV, SimLink
+from pdserve.tune.step_model import StepShape, StepTimeModel
+from pdserve.tune.workload import SimRequest
 
 START_S = 1.0  # nodes register and report before the first request arrives
 HORIZON_S = 3600.0  # after the last arrival, a run that has not ended is stopped (a safety net)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

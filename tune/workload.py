@@ -233,7 +233,7 @@ def load_sharegpt(
 ) -> Workload:
     """The first human turn of each conversation as the prompt and the reply's length as the
     output length, conversations too short or too long skipped, drawn in seeded order: the
-    serving benchmark's filter (`bench.serving.workload.load_sharegpt`)."""
+    serving benchmark's filter (`pdserve.bench.serving.workload.load_sharegpt`)."""
     data = json.loads(Path(path).read_text())
     rng = np.random.default_rng(seed)
     requests: list[SimRequest] = []

@@ -2,7 +2,7 @@
 the docs (their tables go to the step's log, their JSON into the record), with the headline
 figures the report compares with the aims.
 
-    python -m bench.gpu_check.bench_steps kernels --json k.json [--long]
+    python -m pdserve.bench.gpu_check.bench_steps kernels --json k.json [--long]
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-from bench.gpu_check.record import StepRecord, step_args
+from pdserve.bench.gpu_check.record import StepRecord, step_args
 
 
 def kernels(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
-    from bench import kernels as bench
+    from pdserve.bench import kernels as bench
 
     bench.main(["--json", str(out)] + ([] if args.long else ["--quick"]))
     data = json.loads(out.read_text())
@@ -35,7 +35,7 @@ def kernels(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
 
 
 def model_step(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
-    from bench import model_step as bench
+    from pdserve.bench import model_step as bench
 
     data = bench.main(["--json", str(out)] + ([] if args.long else ["--quick"]))
     record.data = data
@@ -53,10 +53,10 @@ def model_step(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
 
 
 def kv_transfer(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
-    from bench import kv_transfer as bench
+    from pdserve.bench import kv_transfer as bench
 
     saved = sys.argv
-    sys.argv = ["bench.kv_transfer", "--transports", "cuda_ipc", "--json", str(out)]
+    sys.argv = ["pdserve.bench.kv_transfer", "--transports", "cuda_ipc", "--json", str(out)]
     try:
         bench.main()
     finally:
@@ -77,7 +77,7 @@ BENCHES = {"kernels": kernels, "model_step": model_step, "kv_transfer": kv_trans
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: python -m bench.gpu_check.bench_steps {{{','.join(BENCHES)}}} ...")
+        print(f"usage: python -m pdserve.bench.gpu_check.bench_steps {{{','.join(BENCHES)}}} ...")
         return 2
     name = argv.pop(0)
     args = step_args(f"gpu-check step {name}", argv)

@@ -13,26 +13,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.gpu_check import deps
-from bench.gpu_check.record import StepRecord, step_args
+from pdserve.bench.gpu_check import deps
+from pdserve.bench.gpu_check.record import StepRecord, step_args
 
 # Modules whose import pulls in every other module of pdserve's import graph, CUDA paths too.
 ENTRY_MODULES = (
-    "engine.llm",
-    "engine.decode_graphs",
-    "kernels.triton_ops",
-    "kernels.kv_pages_triton",
+    "pdserve.engine.llm",
+    "pdserve.engine.decode_graphs",
+    "pdserve.kernels.triton_ops",
+    "pdserve.kernels.kv_pages_triton",
     "kv_transfer",
-    "kv_transfer.cuda_ipc",
-    "kv_transfer.nccl",
-    "prefill_node.worker",
-    "decode_node.worker",
-    "coordinator.api_server",
+    "pdserve.kv_transfer.cuda_ipc",
+    "pdserve.kv_transfer.nccl",
+    "pdserve.prefill_node.worker",
+    "pdserve.decode_node.worker",
+    "pdserve.coordinator.api_server",
     "pdserve.serve",
     "pdserve.cli",
-    "bench.kernels",
-    "bench.model_step",
-    "bench.serve_load",
+    "pdserve.bench.kernels",
+    "pdserve.bench.model_step",
+    "pdserve.bench.serve_load",
 )
 
 # Modules a CPU machine may lack without harm.

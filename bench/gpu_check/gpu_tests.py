@@ -17,10 +17,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench.gpu_check import deps
-from bench.gpu_check.record import StepRecord, step_args
+from pdserve.bench.gpu_check import deps
+from pdserve.bench.gpu_check.record import StepRecord, step_args
 
-PLUGIN = ["-p", "no:cacheprovider", "-p", "bench.gpu_check.pytest_cuda"]
+PLUGIN = ["-p", "no:cacheprovider", "-p", "pdserve.bench.gpu_check.pytest_cuda"]
 PER_TEST_TIMEOUT_S = 120
 # Outcome order: the worst phase of a test decides its outcome.
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from bench.gpu_check import deps
-from bench.gpu_check.record import StepRecord, step_args
+from pdserve.bench.gpu_check import deps
+from pdserve.bench.gpu_check.record import StepRecord, step_args
 
 # (family, block size): every family at the default block, Llama at 1 and 32 too (Triton takes
 # powers of two only; the CPU test's 7 is the reference path's).
@@ -18,7 +18,7 @@ TOP = 5
 
 
 def generate(model: Path, backend: str, block_size: int, prompts, new_tokens: int):  # noqa: ANN001, ANN201
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     # Graphs up to 8 rows cover the batch of 4 prompts with fewer captures than the default.
     options = dict(block_size=block_size, num_kv_blocks=1024 // block_size)

@@ -23,10 +23,12 @@ class Step:
     args: tuple[str, ...] = ()
 
 
-INSTALL = Step("install", "wheels installed with pip --no-index", "bench.gpu_check.install", 30)
-ENV = Step("env", "the host, and every import and requirement", "bench.gpu_check.env", 25)
+INSTALL = Step(
+    "install", "wheels installed with pip --no-index", "pdserve.bench.gpu_check.install", 30
+)
+ENV = Step("env", "the host, and every import and requirement", "pdserve.bench.gpu_check.env", 25)
 CUDA = ("cuda",)
-BENCH = "bench.gpu_check.bench_steps"
+BENCH = "pdserve.bench.gpu_check.bench_steps"
 
 
 def gpu_step(name: str, title: str, module: str, box_s: int, *args: str) -> Step:
@@ -36,23 +38,35 @@ def gpu_step(name: str, title: str, module: str, box_s: int, *args: str) -> Step
 QUICK = (
     INSTALL,
     ENV,
-    gpu_step("tests", "every test that skips without CUDA", "bench.gpu_check.gpu_tests", 160),
-    gpu_step("kernels", "bench.kernels --quick (Llama-3-8B attention)", BENCH, 50, "kernels"),
-    gpu_step("tiles", "Triton attention tile sweep", "bench.gpu_check.tiles", 55),
-    gpu_step("model_step", "bench.model_step --quick (Llama-3-8B)", BENCH, 70, "model_step"),
-    gpu_step("serving", "pdserve serve on cuda_ipc and tcp", "bench.gpu_check.serving", 115),
-    gpu_step("parity", "float32: Triton vs torch vs transformers", "bench.gpu_check.parity", 35),
+    gpu_step(
+        "tests", "every test that skips without CUDA", "pdserve.bench.gpu_check.gpu_tests", 160
+    ),
+    gpu_step(
+        "kernels", "pdserve.bench.kernels --quick (Llama-3-8B attention)", BENCH, 50, "kernels"
+    ),
+    gpu_step("tiles", "Triton attention tile sweep", "pdserve.bench.gpu_check.tiles", 55),
+    gpu_step(
+        "model_step", "pdserve.bench.model_step --quick (Llama-3-8B)", BENCH, 70, "model_step"
+    ),
+    gpu_step(
+        "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.bench.gpu_check.serving", 115
+    ),
+    gpu_step(
+        "parity", "float32: Triton vs torch vs transformers", "pdserve.bench.gpu_check.parity", 35
+    ),
 )
 
 LONG = (
     INSTALL,
     ENV,
-    gpu_step("kernels", "bench.kernels, full sweep", BENCH, 120, "kernels"),
-    gpu_step("model_step", "bench.model_step, full sweep", BENCH, 150, "model_step"),
-    gpu_step("tiles", "Triton attention tile sweep, full grid", "bench.gpu_check.tiles", 150),
+    gpu_step("kernels", "pdserve.bench.kernels, full sweep", BENCH, 120, "kernels"),
+    gpu_step("model_step", "pdserve.bench.model_step, full sweep", BENCH, 150, "model_step"),
+    gpu_step(
+        "tiles", "Triton attention tile sweep, full grid", "pdserve.bench.gpu_check.tiles", 150
+    ),
     Step(
         "kv_transfer",
-        "bench.kv_transfer over cuda_ipc",
+        "pdserve.bench.kv_transfer over cuda_ipc",
         BENCH,
         65,
         ("cuda", "cupy"),

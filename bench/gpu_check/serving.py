@@ -2,7 +2,7 @@
 decode node over `cuda_ipc` and then over `tcp` (GPU pages staged through pinned memory) on a
 random-weight Llama of about 1B parameters in bfloat16; each request's token stream, one request
 at a time, must equal the offline engine's greedy output on the same GPU token for token; then a
-short `bench.serve_load` run gives TTFT, TPOT and throughput.
+short `pdserve.bench.serve_load` run gives TTFT, TPOT and throughput.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.gpu_check import deps
-from bench.gpu_check.record import Deadline, StepRecord, step_args
+from pdserve.bench.gpu_check import deps
+from pdserve.bench.gpu_check.record import Deadline, StepRecord, step_args
 
 # Llama-3.2-1B's layers (16 x hidden 2048, 32 q / 8 KV heads of 64, MLP 8192) with pdserve-tiny's
 # tokenizer: 0.97 B parameters, nearly all in the layers.
@@ -56,7 +56,7 @@ def write_model(target: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from engine.tiny_model import TINY_CONFIG, ensure_tiny_model, random_llama_weights
+    from pdserve.engine.tiny_model import TINY_CONFIG, ensure_tiny_model, random_llama_weights
 
     tiny = ensure_tiny_model()
     target.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def offline_reference(model: Path, prompt_ids: list[list[int]]) -> list[list[int
     """Greedy outputs of the offline engine on this GPU, one prompt at a time."""
     import torch
 
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model), device="cuda", dtype="bfloat16", **ENGINE)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -109,7 +109,7 @@ class Server:
     """`pdserve serve` on the GPU, its output in a log; ready once it prints its HTTP address."""
 
     def __init__(self, model: Path, transport: str, work: Path) -> None:
-        from bench.serving.pdserve_server import free_port
+        from pdserve.bench.serving.pdserve_server import free_port
 
         self.work = work
         work.mkdir(parents=True, exist_ok=True)
@@ -171,8 +171,8 @@ class Server:
 
 async def stream_tokens(client_port: int, prompt_ids: list[list[int]]) -> list[dict]:
     """Each prompt alone through the coordinator's client socket: its streamed token ids."""
-    from coordinator.client import CoordinatorClient
-    from engine import SamplingParams
+    from pdserve.coordinator.client import CoordinatorClient
+    from pdserve.engine import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     results = []
@@ -196,7 +196,7 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 
 
 def load_run(url: str, vocab: int, out: Path, log: Path, timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "bench.serve_load", "--base-url", url, "--rate", "inf"]
+    cmd = [sys.executable, "-m", "pdserve.bench.serve_load", "--base-url", url, "--rate", "inf"]
     cmd += ["--max-concurrency", str(LOAD["max_concurrency"])]
     cmd += ["--num-requests", str(LOAD["num_requests"]), "--short-prompt-len", LOAD["prompt_len"]]
     cmd += ["--short-output-len", LOAD["output_len"], "--token-id-range", f"10:{vocab - 1}"]

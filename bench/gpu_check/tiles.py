@@ -4,8 +4,8 @@ Llama-3-8B attention shapes in bfloat16. Every configuration is checked against 
 reference on the same inputs before it is timed, and compared with the shipped defaults
 (`decode_config`, `prefill_config`), which were chosen from compiles, not timings.
 
-    python -m bench.gpu_check.tiles --json tiles.json            # the quick sweep
-    python -m bench.gpu_check.tiles --json tiles.json --long     # the full grid, for the docs
+    python -m pdserve.bench.gpu_check.tiles --json tiles.json            # the quick sweep
+    python -m pdserve.bench.gpu_check.tiles --json tiles.json --long     # the full grid, for the docs
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_check.record import Deadline, StepRecord, step_args
+from pdserve.bench.gpu_check.record import Deadline, StepRecord, step_args
 
 # Attention outputs in bfloat16 against the reference in bfloat16 (tests/test_gpu_engine.py).
 TOLERANCE = dict(atol=2e-2, rtol=2e-2)
@@ -62,7 +62,7 @@ class Case:
 
 
 def grid(axes: dict[str, list[int]], fixed: dict[str, int]) -> list:
-    from kernels.triton_attention import TileConfig
+    from pdserve.kernels.triton_attention import TileConfig
 
     names = list(axes)
     return [
@@ -122,9 +122,9 @@ def sweep(record: StepRecord, case: Case, configs: list, deadline: Deadline) -> 
 
 
 def decode_case(batch: int, context: int, copy_gbps: float) -> Case:
-    from bench.kernels import HEAD_DIM, NUM_KV_HEADS, paged_inputs
-    from kernels import attention_ref
-    from kernels.triton_attention import decode_config, paged_decode_attention
+    from pdserve.bench.kernels import HEAD_DIM, NUM_KV_HEADS, paged_inputs
+    from pdserve.kernels import attention_ref
+    from pdserve.kernels.triton_attention import decode_config, paged_decode_attention
 
     s = paged_inputs([context] * batch, [1] * batch)
     kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * s["k_cache"].element_size()
@@ -149,9 +149,9 @@ def decode_case(batch: int, context: int, copy_gbps: float) -> Case:
 
 
 def prefill_case(prompts: int, prompt_len: int, matmul_tflops: float) -> Case:
-    from bench.kernels import HEAD_DIM, NUM_HEADS, paged_inputs
-    from kernels import attention_ref
-    from kernels.triton_attention import paged_prefill_attention, prefill_config
+    from pdserve.bench.kernels import HEAD_DIM, NUM_HEADS, paged_inputs
+    from pdserve.kernels import attention_ref
+    from pdserve.kernels.triton_attention import paged_prefill_attention, prefill_config
 
     s = paged_inputs([prompt_len] * prompts, [prompt_len] * prompts)
     # Causal: query i attends to i + 1 keys; QK^T and PV are 2 flops per multiply-add each.
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         record.finish("no CUDA device", status="skipped")
         return 0
-    from bench.kernels import copy_bandwidth_gbps, matmul_tflops
+    from pdserve.bench.kernels import copy_bandwidth_gbps, matmul_tflops
 
     plan = LONG if args.long else QUICK
     copy, matmul = copy_bandwidth_gbps(), matmul_tflops()

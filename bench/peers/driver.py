@@ -1,5 +1,5 @@
 """Runs pdserve and a peer engine round by round, each engine in a fresh process per round: pdserve
-with this interpreter (`bench.peers.pdserve_runner`), vLLM with the interpreter of its own
+with this interpreter (`pdserve.bench.peers.pdserve_runner`), vLLM with the interpreter of its own
 virtualenv (`bench/peers/vllm_runner.py`, made by `make bench-peers`)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.peers.protocol import RoundRequest, parse_result, runner_argv, write_requests
-from bench.peers.rounds import Run, round_order
-from bench.peers.variants import DEFAULT, Variant
+from pdserve import SOURCE_ROOT
+from pdserve.bench.peers.protocol import RoundRequest, parse_result, runner_argv, write_requests
+from pdserve.bench.peers.rounds import Run, round_order
+from pdserve.bench.peers.variants import DEFAULT, Variant
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEERS = ("vllm",)
@@ -42,7 +43,7 @@ def runner_command(
     args = runner_argv(model_dir, requests_path, max_num_seqs, block_size)
     if engine == "pdserve":
         extra = ["--label", variant.label, *variant.flags]
-        return [sys.executable, "-m", "bench.peers.pdserve_runner", *args, *extra]
+        return [sys.executable, "-m", "pdserve.bench.peers.pdserve_runner", *args, *extra]
     return [str(peer_python(engine, venv)), str(VLLM_RUNNER), *args]
 
 
@@ -52,7 +53,7 @@ def runner_env(engine: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if engine == "pdserve":
-        env["PYTHONPATH"] = str(REPO_ROOT)
+        env["PYTHONPATH"] = str(SOURCE_ROOT)
     return env
 
 

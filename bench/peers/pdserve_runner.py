@@ -1,14 +1,14 @@
 """One round of pdserve's continuous engine on a request file, in a process of its own: the same
-run as `bench.offline_throughput`'s `continuous` system (model loading and a two-request warm-up
+run as `pdserve.bench.offline_throughput`'s `continuous` system (model loading and a two-request warm-up
 outside the timing) with the engine's defaults or the engine flags given (a variant's, see
 bench.peers.variants), printed as one result line (protocol.RESULT_PREFIX + JSON) under its label.
 
-    python -m bench.peers.pdserve_runner --model DIR --requests FILE [--label L] [ENGINE FLAGS]"""
+    python -m pdserve.bench.peers.pdserve_runner --model DIR --requests FILE [--label L] [ENGINE FLAGS]"""
 
 from __future__ import annotations
 
-from bench.peers.protocol import RoundResult, read_requests, result_line, runner_parser
-from bench.peers.variants import DEFAULT_LABEL, add_engine_flags, engine_options
+from pdserve.bench.peers.protocol import RoundResult, read_requests, result_line, runner_parser
+from pdserve.bench.peers.variants import DEFAULT_LABEL, add_engine_flags, engine_options
 
 
 def parse_args(argv: list[str] | None = None):
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import pdserve
-    from bench.offline_throughput import run_pdserve
+    from pdserve.bench.offline_throughput import run_pdserve
 
     # Threads as pdserve's engine sets them by default (torch's own default where it does not),
     # unless the variant's flags say otherwise.

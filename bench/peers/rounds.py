@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from bench.peers.protocol import RoundResult
+from pdserve.bench.peers.protocol import RoundResult
 
 ENGINE_NAMES = {"pdserve": "pdserve", "vllm": "vLLM"}
 

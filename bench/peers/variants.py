@@ -11,7 +11,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from engine.config import CPU_LINEAR_BACKENDS
+from pdserve.engine.config import CPU_LINEAR_BACKENDS
 
 DEFAULT_LABEL = "pdserve"
 LABEL = re.compile(r"^[A-Za-z0-9._-]+$")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 if __package__:
-    from bench.peers.protocol import (
+    from pdserve.bench.peers.protocol import (
         RoundResult,
         machine_cpu_seconds,
         parse_runner_args,

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.tiny_model import TINY_CONFIG, cache_root, ensure_tiny_model, write_checkpoint
+from pdserve.engine.tiny_model import TINY_CONFIG, cache_root, ensure_tiny_model, write_checkpoint
 
 BENCH_NAME = "pdserve-bench"
 BENCH_VERSION = "1"

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import httpx
 
-from bench.serving.metrics import RequestResult
-from bench.serving.workload import RequestSpec
+from pdserve.bench.serving.metrics import RequestResult
+from pdserve.bench.serving.workload import RequestSpec
 
 DONE = "[DONE]"
 

@@ -1,7 +1,7 @@
 """A stand-in OpenAI completions server for testing the load generator: it streams `max_tokens`
 one-token chunks, the first after `ttft_s` and the rest every `tpot_s`, with usage on request.
 
-    python -m bench.serving.fake_server --port 8100 --ttft-ms 50 --tpot-ms 10
+    python -m pdserve.bench.serving.fake_server --port 8100 --ttft-ms 50 --tpot-ms 10
 """
 
 from __future__ import annotations

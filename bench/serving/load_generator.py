@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from tqdm import tqdm
 
-from bench.serving.arrivals import arrival_offsets
-from bench.serving.completion_stream import completion_body, send_completion
-from bench.serving.metrics import SLO, RequestResult, summarize
-from bench.serving.workload import RequestSpec
+from pdserve.bench.serving.arrivals import arrival_offsets
+from pdserve.bench.serving.completion_stream import completion_body, send_completion
+from pdserve.bench.serving.metrics import SLO, RequestResult, summarize
+from pdserve.bench.serving.workload import RequestSpec
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from cluster.sampling_params import SamplingParams
-from coordinator.client import CoordinatorClient
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.client import CoordinatorClient
 
 
 @dataclass(slots=True, frozen=True)

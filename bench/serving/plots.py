@@ -1,5 +1,5 @@
 """Sweeps of several systems on one figure: throughput against P99 TPOT, TTFT and end-to-end
-latency; SLO attainment, goodput and the short requests' P99 TPOT against the offered rate. `python -m bench.serving.plots A.json B.json
+latency; SLO attainment, goodput and the short requests' P99 TPOT against the offered rate. `python -m pdserve.bench.serving.plots A.json B.json
 -o fig.png` plots saved sweeps (one sweep or a list of sweeps per file)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.serving.sweep import curve
+from pdserve.bench.serving.sweep import curve
 
 LINESTYLES = ("-", "--", ":", "-.")
 

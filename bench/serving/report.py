@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.serving.metrics import throughput_at_latency
-from bench.serving.sweep import curve
+from pdserve.bench.serving.metrics import throughput_at_latency
+from pdserve.bench.serving.sweep import curve
 
 
 def _find(sweeps: Sequence[dict], system: str, variant: str) -> dict | None:

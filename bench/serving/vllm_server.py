@@ -1,5 +1,5 @@
 """vLLM's OpenAI-compatible server (its CPU backend, from the `.venv-vllm` that `make bench-peers`
-creates) as one more system of `bench.compare`: started and stopped like a pdserve configuration,
+creates) as one more system of `pdserve.bench.compare`: started and stopped like a pdserve configuration,
 on the same checkpoint, with vLLM's defaults apart from float32, the batch cap and a fixed KV
 pool (its CPU default reserves 92% of the host's memory)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bench.peers.driver import VLLM_VENV, peer_python
-from bench.serving.pdserve_server import PdserveServer, PdserveSystem
+from pdserve.bench.peers.driver import VLLM_VENV, peer_python
+from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
 
 KV_CACHE_BYTES = 2 << 30
 

@@ -8,15 +8,19 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.cpu_linear import Linear
-from engine.forward_batch import AttentionBatch
-from engine.kv_cache import KVPool
-from engine.model_config import ModelConfig
-from engine.models.parallel_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from engine.tp_group import TPGroup
-from engine.tp_shard import TPShard
-from engine.weights import CheckpointTensor
-from kernels.ops import Ops
+from pdserve.engine.cpu_linear import Linear
+from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.parallel_layers import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pdserve.engine.tp_group import TPGroup
+from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.weights import CheckpointTensor
+from pdserve.kernels.ops import Ops
 
 
 class RMSNorm(nn.Module):

@@ -1,7 +1,7 @@
 """The training corpus of `pdserve-stories`, generated from the story grammar by a seed: stories,
 and chat turns written in the model's chat template, in a fixed order.
 
-    python -m engine.stories.corpus --out stories.txt --megabytes 8   # look at it
+    python -m pdserve.engine.stories.corpus --out stories.txt --megabytes 8   # look at it
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine.stories.grammar import chat_turn, story
+from pdserve.engine.stories.grammar import chat_turn, story
 
 BOS, EOS = "<s>", "</s>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

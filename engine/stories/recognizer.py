@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 
-from engine.stories.grammar import NAMES, TEMPLATES, WORDS
+from pdserve.engine.stories.grammar import NAMES, TEMPLATES, WORDS
 
 SLOT_WORDS = {**WORDS, "hero": NAMES, "friend": NAMES, "fkind": WORDS["kind"]}
 _SLOT = re.compile(r"\{(\w+)\}")

@@ -3,8 +3,8 @@ and a small Llama-architecture model on the story grammar's corpus, saved as a H
 checkpoint (bfloat16 safetensors, tokenizer, chat template) that pdserve and `transformers` load.
 
     # the committed checkpoint, by its seed (83 min on two shared cores):
-    python -m engine.stories.train --out engine/stories/pdserve-stories --plot docs/stories_training.png
-    python -m engine.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
+    python -m pdserve.engine.stories.train --out engine/stories/pdserve-stories --plot docs/stories_training.png
+    python -m pdserve.engine.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
 
 Same seed, same corpus, same tokenizer, same batches: the loss curve repeats within the noise of
 floating-point summation order.
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.stories.corpus import BOS, CHAT_TEMPLATE, EOS, IM_END, SPECIAL_TOKENS, corpus
-from engine.stories.recognizer import read
+from pdserve.engine.stories.corpus import BOS, CHAT_TEMPLATE, EOS, IM_END, SPECIAL_TOKENS, corpus
+from pdserve.engine.stories.recognizer import read
 
 
 @dataclass(slots=True)
@@ -348,7 +348,7 @@ def plot_losses(losses: list[float], path: Path, record: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m engine.stories.train",
+        prog="python -m pdserve.engine.stories.train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
