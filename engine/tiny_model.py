@@ -5,11 +5,12 @@ Hugging Face-format loading code as any checkpoint. Its text is noise; tests use
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pdserve import cache_root
 
 if TYPE_CHECKING:
     import torch
@@ -52,10 +53,6 @@ Hello, world! How are you today? I am fine, thank you. What is the capital of Fr
 The quick brown fox jumps over the lazy dog. Once upon a time there was a small model that
 wanted to talk. It said hello to everyone it met, and everyone said hello back. 0123456789
 """.strip()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:

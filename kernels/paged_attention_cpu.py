@@ -43,7 +43,7 @@ def _cpu_key() -> str:
 
 
 def _library_path(compiler: str, source: Path) -> Path:
-    from pdserve.engine.tiny_model import cache_root
+    from pdserve import cache_root
 
     digest = hashlib.sha256(
         source.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_key().encode()

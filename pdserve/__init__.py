@@ -4,6 +4,7 @@ release (the version every process of a cluster must share) and, as subpackages,
 a folder of its own at its top level: an installed wheel maps them under `pdserve/`, and a
 checkout finds them beside this folder, below)."""
 
+import os
 from pathlib import Path
 
 __version__ = "0.1.0"
@@ -25,6 +26,13 @@ PARTS = (
 # The folder holding this package (a checkout, or site-packages): what a child process needs on its
 # path to import pdserve.
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cache_root() -> Path:
+    """Where pdserve keeps what it builds or generates (the tiny model, compiled kernels, logs):
+    $PDSERVE_CACHE, else ~/.cache/pdserve."""
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
 
 # Run from a checkout (on PYTHONPATH, or installed editable), the parts lie beside this folder:
 # pdserve.engine is <checkout>/engine.

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve import cache_root
 from pdserve.cluster.keys import default_key_dir
 from pdserve.cluster.node_options import PLACEMENT, SECURITY, NodeOptions
 from pdserve.cluster.node_options import TRANSPORTS as NODE_TRANSPORTS
 from pdserve.cluster.schema import pick, read_table
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.tiny_model import cache_root
 from pdserve.launch import NodeSpec, share_cores
 
 TRANSPORTS = ("auto", *NODE_TRANSPORTS)

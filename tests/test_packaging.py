@@ -6,6 +6,7 @@ checkout; the checkout's folders map onto `pdserve.<folder>`."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,9 +59,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A wheel of the checkout, and a fresh virtualenv with it installed (not editable); the
     test runner's packages (torch and the rest) reach the venv by a path, not by installing."""
     work = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: setuptools writes its build folder into the tree it builds.
+    source = work / "source"
+    ignore = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "docs")
+    shutil.copytree(ROOT, source, ignore=ignore)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(work / "dist"), str(ROOT)],
+         "-w", str(work / "dist"), str(source)],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     (wheel,) = (work / "dist").glob("pdserve-*.whl")

@@ -10,7 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pdserve.engine.tiny_model import cache_root, ensure_tiny_model
+from pdserve import cache_root
+from pdserve.engine.tiny_model import ensure_tiny_model
 
 VERSION = "1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -9,7 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pdserve.engine.tiny_model import TINY_CONFIG, cache_root, ensure_tiny_model, write_checkpoint
+from pdserve import cache_root
+from pdserve.engine.tiny_model import TINY_CONFIG, ensure_tiny_model, write_checkpoint
 
 BENCH_NAME = "pdserve-bench"
 BENCH_VERSION = "1"
