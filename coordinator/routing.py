@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from pdserve.cluster.block_hash import prefix_hashes
 from pdserve.coordinator.nodes import NodeState
-from pdserve.engine.block_manager import hash_block_tokens
 
 
 def least_loaded(nodes: list[NodeState]) -> NodeState | None:
@@ -34,16 +34,6 @@ def prefill_load(node: NodeState) -> int:
 def kv_load(node: NodeState) -> int:
     """KV tokens a decode node holds or has been promised: its used blocks."""
     return (node.num_blocks - node.available_blocks) * node.block_size
-
-
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks, as the block manager computes them."""
-    hashes: list[int] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 def pool_blocks(nodes: list[NodeState]) -> int:

@@ -1,28 +1,17 @@
 """Bookkeeping of the paged KV pool: which physical blocks each sequence holds, and prefix caching.
 
-Pure Python: it hands out block ids; the model runner and the transports move the bytes. Full blocks are keyed by a hash chained over (parent hash, token ids).
+Pure Python: it hands out block ids; the model runner and the transports move the bytes. Full
+blocks are keyed by a hash chained over (parent hash, token ids) (`pdserve.cluster.block_hash`).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
+from pdserve.cluster.block_hash import hash_block_tokens
+
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of a full block given its parent's hash: 128-bit and stable across processes.
-
-    Stable so that another process (e.g. a cache-aware router) can compute the same keys.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    if parent_hash is not None:
-        h.update(parent_hash.to_bytes(16, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:

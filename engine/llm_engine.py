@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -23,13 +23,13 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded_models import resolve_model_dir
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens, StepStats
 from pdserve.engine.model_shard import ModelShard, PoolFactory
-from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.thread_governor import CpuTimes, ThreadGovernor
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp_executor import TPExecutor
 from pdserve.engine.tp_group import TPGroup
 from pdserve.engine.tp_ranks import RankProcesses, TPGroupFailed
 from pdserve.engine.tp_shard import TPShard
@@ -64,53 +64,6 @@ class EngineLoad:
     queued_prefill_tokens: int
     prefix_hits: int
     prefix_misses: int
-
-
-@dataclass(slots=True)
-class StepStats:
-    num_steps: int = 0
-    num_tokens: int = 0
-    forward_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass(slots=True)
-class SampledTokens:
-    """What executing one step produced: a token for each sequence whose chunk reached its end."""
-
-    rows: list[int]  # indices into SchedulerOutput.scheduled, in order
-    token_ids: list[int]
-    logprobs: list[dict | None]
-
-
-class Executor(Protocol):
-    """Runs one scheduled step: the model forward over its tokens, then sampling."""
-
-    def execute(self, out: SchedulerOutput) -> SampledTokens: ...
-
-
-class ModelExecutor:
-    """The model runner and the sampler, on the model's device."""
-
-    def __init__(self, runner: ModelRunner, stats: StepStats) -> None:
-        self.runner = runner
-        self.stats = stats
-
-    def execute(self, out: SchedulerOutput) -> SampledTokens:
-        t0 = time.perf_counter()
-        logits, rows = self.forward(out)
-        # On a GPU this is launch time: the sampler's copy of the token ids waits for the kernels.
-        self.stats.forward_s += time.perf_counter() - t0
-        if not rows:
-            return SampledTokens(rows, [], [])
-        result = sample(logits, [out.scheduled[i].seq for i in rows])
-        return SampledTokens(rows, result.token_ids, result.logprobs)
-
-    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        return self.runner.run(out)
-
-    def close(self) -> None:
-        pass
 
 
 class Engine:
@@ -375,8 +328,6 @@ class LLMEngine(Engine):
         if self.ranks is None:
             self.executor = ModelExecutor(self.runner, self.stats)
         else:
-            from pdserve.engine.tp_executor import TPExecutor
-
             self.executor = TPExecutor(self.runner, self.stats, self.ranks)
             weakref.finalize(self, self.ranks.stop)
 

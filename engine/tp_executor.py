@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.llm_engine import ModelExecutor, StepStats
+from pdserve.engine.model_executor import ModelExecutor, StepStats
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tp_ranks import RankProcesses

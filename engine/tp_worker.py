@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.plan_channel import PlanInbox, PublisherGone
@@ -32,6 +32,19 @@ class Stop:
     """Published by rank 0 when the node closes."""
 
 
+class RankKVEndpoint(Protocol):
+    """A rank's KV endpoint, made by its spec in the rank's process (`RankSpec.kv_endpoint`:
+    what the node's KV transport handed it, e.g. `pdserve.kv_transfer.rank_endpoint`'s)."""
+
+    @property
+    def pool_factory(self) -> Any:
+        """How the rank's KV pool is made (None: the default pool)."""
+
+    def start(self, pool: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class RankSpec:
     """What a worker rank needs (picklable: it is its process's argument)."""
@@ -44,7 +57,7 @@ class RankSpec:
     plans: PlanInbox
     parent_pid: int
     log_level: int
-    # How this rank's KV endpoint is made, for a node that moves KV (`pdserve.kv_transfer.rank_endpoint`).
+    # For a node that moves KV: a spec whose serve(device) makes the rank's `RankKVEndpoint`.
     kv_endpoint: Any = None
 
 
@@ -84,12 +97,10 @@ def run_rank(spec: RankSpec) -> None:
     shard = TPShard(spec.rank, spec.size)
     reader = spec.plans.open()
     group = TPGroup.join(shard, config.rank_device(spec.rank), port=spec.store_port)
-    endpoint = None
+    endpoint: RankKVEndpoint | None = None
     pool_factory = None
     if spec.kv_endpoint is not None:
-        from pdserve.kv_transfer.rank_endpoint import RankEndpointServer
-
-        endpoint = RankEndpointServer(spec.kv_endpoint, config.rank_device(spec.rank))
+        endpoint = spec.kv_endpoint.serve(config.rank_device(spec.rank))
         pool_factory = endpoint.pool_factory
     part = ModelShard(spec.model_dir, config, shard, group, pool_factory)
     if endpoint is not None:

@@ -36,6 +36,10 @@ class RankEndpointSpec:
     address: str | None = None  # where a receiver listens
     options: dict[str, Any] = field(default_factory=dict)
 
+    def serve(self, device: str) -> RankEndpointServer:
+        """In the rank's process: its endpoint's server (what `RankKVEndpoint` asks of it)."""
+        return RankEndpointServer(self, device)
+
 
 def endpoint_pair(
     role: str,
