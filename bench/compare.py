@@ -26,9 +26,6 @@ from pathlib import Path
 from pdserve.bench.peers.driver import VLLM_VENV, missing_peer
 from pdserve.bench.serve_load import HelpFormatter
 from pdserve.bench.serving.bench_model import BENCH_NAME, ensure_bench_model
-from pdserve.bench.serving.load_generator import LoadConfig
-from pdserve.bench.serving.metrics import SLO
-from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
 from pdserve.bench.serving.plots import plot_sweeps
 from pdserve.bench.serving.report import (
     aims,
@@ -38,7 +35,10 @@ from pdserve.bench.serving.report import (
 )
 from pdserve.bench.serving.sweep import run_sweep
 from pdserve.bench.serving.vllm_server import VllmServer
-from pdserve.bench.serving.workload import SyntheticWorkload
+from pdserve.tune.load_generator import LoadConfig
+from pdserve.tune.local_server import PdserveServer, PdserveSystem
+from pdserve.tune.serving_metrics import SLO
+from pdserve.tune.serving_workload import SyntheticWorkload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where --write-docs puts the results, under the repository.

@@ -36,16 +36,12 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.bench.kv_remote import RemoteEndpoint, wait_for
-from pdserve.cluster.keys import ClusterKeys
-from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.kv_transfer import make_sender
+from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer.shm import map_pool
+from pdserve.tune.transfer_probe import SECURITY, TransferProbe
 
 LLAMA3_8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 SWEEP = (1, 4, 16, 64, 256, 1024)
-# How the receiver admits senders -> (keyed, pages encrypted)
-SECURITY = {"none": (False, False), "curve": (True, True), "auth-only": (True, False)}
 
 
 def _raw_sink(address_pipe) -> None:
@@ -136,47 +132,6 @@ def _block_ids(n: int, total: int, pattern: str, rng: random.Random) -> tuple[li
     return rng.sample(range(total), n), rng.sample(range(total), n)
 
 
-class TransferBench:
-    """One transport: a receiver in a child process, the sender here; keyed as `security` says."""
-
-    def __init__(
-        self,
-        transport: str,
-        max_blocks: int,
-        device: str,
-        chunk_bytes: int,
-        security: str = "none",
-        layout: KVLayout = LLAMA3_8B,
-    ) -> None:
-        rx_device = "cuda:1" if transport == "nccl" else device
-        keyed, encrypt = SECURITY[security]
-        keys = ClusterKeys.generate() if keyed else None
-        self.remote = RemoteEndpoint("receiver", transport, layout, max_blocks, device=rx_device,
-                                     keys=keys, encrypt=encrypt)  # fmt: skip
-        self.pool = KVPool(layout, max_blocks, device)
-        self.pool.kv.view(torch.int16).random_()  # touch every page, arbitrary bits
-        self.sender = make_sender(transport, self.pool, chunk_bytes=chunk_bytes, keys=keys)
-        self.sender.connect("decode", self.remote.info)
-        self.count = 0
-
-    def run(self, src: list[int], dst: list[int]) -> float:
-        """One transfer; returns the seconds from send() to the sender seeing the ack."""
-        self.count += 1
-        tid = f"bench-{self.count}"
-        self.remote.expect(tid, dst, timeout_s=120.0)  # (a pipe round trip, not timed)
-        t0 = time.perf_counter()
-        self.sender.send(tid, "decode", src, dst, timeout_s=120.0)
-        result = wait_for(self.sender, {}, tid, 120.0)
-        elapsed = time.perf_counter() - t0
-        assert result is not None and result.ok, result
-        assert self.remote.wait(tid, 60.0).ok
-        return elapsed
-
-    def close(self) -> None:
-        self.sender.close()
-        self.remote.close()
-
-
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     out = fn()
@@ -259,7 +214,7 @@ def main() -> None:
     rows = []
     for transport in transports:
         device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
-        benches = {s: TransferBench(transport, max_blocks, device, chunk_bytes, s)
+        benches = {s: TransferProbe(transport, LLAMA3_8B, max_blocks, device, chunk_bytes, s)
                    for s in securities}  # fmt: skip
         info = benches[securities[0]].remote.info
         if transport == "tcp":

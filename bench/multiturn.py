@@ -23,12 +23,12 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.serve_load import HelpFormatter, length_range
-from pdserve.bench.serving.metrics import percentile
 from pdserve.bench.serving.multiturn import MultiTurnWorkload, TurnResult, run_sessions
-from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem, free_port
 from pdserve.engine.embedded_models import TINY, resolve_model_dir
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.model_config import ModelConfig
+from pdserve.tune.local_server import PdserveServer, PdserveSystem, free_port
+from pdserve.tune.serving_metrics import percentile
 
 MODES = {"reuse-on": True, "reuse-off": False}
 

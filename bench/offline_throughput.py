@@ -211,12 +211,12 @@ class StepTimer:
     `close()`. The wrappers cost a few perf_counter calls per step."""
 
     def __init__(self, engine) -> None:
-        import pdserve.engine.llm_engine as llm_engine_module
+        import pdserve.engine.model_executor as executor_module
 
         self.engine = engine
         self.profile = StepProfile()
-        self._module = llm_engine_module
-        self._sample = llm_engine_module.sample
+        self._module = executor_module
+        self._sample = executor_module.sample
         parts = self.profile.parts
         engine.scheduler.schedule = self._timed(engine.scheduler.schedule, "schedule", parts)
         engine.runner.prepare = self._timed(engine.runner.prepare, "prepare", parts)
@@ -225,7 +225,7 @@ class StepTimer:
         engine.scheduler.postprocess = self._timed(
             engine.scheduler.postprocess, "postprocess", parts
         )
-        llm_engine_module.sample = self._timed(self._sample, "sample", parts)
+        executor_module.sample = self._timed(self._sample, "sample", parts)
         self._start = (engine.stats.num_steps, engine.stats.total_s, engine.stats.forward_s)
 
     @staticmethod

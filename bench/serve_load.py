@@ -16,11 +16,11 @@ import json
 import math
 from pathlib import Path
 
-from pdserve.bench.serving.load_generator import LoadConfig, format_summary, run_load
-from pdserve.bench.serving.metrics import SLO
 from pdserve.bench.serving.plots import plot_sweeps
 from pdserve.bench.serving.sweep import run_sweep
-from pdserve.bench.serving.workload import (
+from pdserve.tune.load_generator import LoadConfig, format_summary, run_load
+from pdserve.tune.serving_metrics import SLO
+from pdserve.tune.serving_workload import (
     RequestSpec,
     SyntheticWorkload,
     approximate_token_count,

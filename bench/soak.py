@@ -31,8 +31,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.compare import machine
-from pdserve.bench.serving.pdserve_server import REPO_ROOT, PdserveServer, PdserveSystem
 from pdserve.bench.serving.process_memory import pdserve_processes, resident_mib
+from pdserve.tune.local_server import PdserveServer, PdserveSystem
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = "once upon a time there was a cat who liked the river and the small red ball".split()
 

@@ -29,18 +29,18 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.serving.arrivals import arrival_offsets
 from pdserve.bench.serving.bench_model import ensure_bench_model
-from pdserve.bench.serving.load_generator import LoadConfig, run_load
-from pdserve.bench.serving.metrics import SLO as BenchSLO
-from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
-from pdserve.bench.serving.workload import RequestSpec, SyntheticWorkload
+from pdserve.tune.arrivals import arrival_offsets
 from pdserve.tune.deployment import Deployment
+from pdserve.tune.load_generator import LoadConfig, run_load
+from pdserve.tune.local_server import PdserveServer, PdserveSystem
 from pdserve.tune.measure import StepGrid, measure_frontend, measure_profile
 from pdserve.tune.metrics import SLO, summarize
 from pdserve.tune.profile import Profile
 from pdserve.tune.report import write_outputs
 from pdserve.tune.search import SearchSpace, search
+from pdserve.tune.serving_metrics import SLO as BenchSLO
+from pdserve.tune.serving_workload import RequestSpec, SyntheticWorkload
 from pdserve.tune.simulator import Simulation
 from pdserve.tune.transfer_model import TransferModel
 from pdserve.tune.workload import SimRequest, from_requests

@@ -24,6 +24,7 @@ T = TypeVar("T")
 REQUIRED: Any = dataclasses.MISSING  # the default of a setting that must be given
 KINDS = (bool, int, float, str)
 KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+MANY_WORDS = {int: "integers", float: "numbers", str: "strings"}  # tuple[kind, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +63,11 @@ class Declared:
     """One setting of a class, as its field declares it."""
 
     name: str
-    kind: type  # bool, int, float or str
+    kind: type  # bool, int, float or str: of the setting, or of each of its items
     optional: bool  # None is a value: unset
     default: Any  # REQUIRED when it must be given
     spec: Setting
+    many: bool = False  # a list of values (tuple[kind, ...]), its limits holding for each item
 
     @property
     def flag(self) -> str:
@@ -76,15 +78,24 @@ class Declared:
         return self.default is REQUIRED
 
 
-def _kind(cls: type, name: str, hint: object) -> tuple[type, bool]:
-    if hint in KINDS:
-        return hint, False
+def _kind(cls: type, name: str, hint: object) -> tuple[type, bool, bool]:
+    """(kind, optional, many) of a field's type hint."""
+    optional = False
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1 and rest[0] in KINDS:
-            return rest[0], True
-    raise TypeError(f"{cls.__name__}.{name}: a setting is bool, int, float or str (or | None)")
+        if len(rest) == 1:
+            hint, optional = rest[0], True
+    args = typing.get_args(hint)
+    many = typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis
+    if many:
+        hint = args[0]
+    if hint in KINDS and not (many and hint is bool):  # a list of booleans would have no flag
+        return hint, optional, many
+    raise TypeError(
+        f"{cls.__name__}.{name}: a setting is bool, int, float or str, or a tuple[int | float | "
+        "str, ...] (or | None)"
+    )
 
 
 @functools.cache
@@ -96,8 +107,8 @@ def declared(cls: type) -> tuple[Declared, ...]:
     for f in dataclasses.fields(cls):
         spec = f.metadata.get("setting")
         if spec is not None:
-            kind, optional = _kind(cls, f.name, hints[f.name])
-            out.append(Declared(f.name, kind, optional, f.default, spec))
+            kind, optional, many = _kind(cls, f.name, hints[f.name])
+            out.append(Declared(f.name, kind, optional, f.default, spec, many))
     return tuple(out)
 
 
@@ -121,6 +132,11 @@ def pick(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
 def _typed(d: Declared, value: Any, label: str) -> Any:
     if value is None and d.optional:
         return None
+    if d.many:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{label} must be a list of {MANY_WORDS[d.kind]}, got {_shown(value)}")
+        one = dataclasses.replace(d, optional=False, many=False)
+        return tuple(_typed(one, item, f"{label}: every item") for item in value)
     if d.kind is bool and isinstance(value, bool):
         return value
     if d.kind is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -139,6 +155,9 @@ def check(d: Declared, value: Any, label: str | None = None) -> Any:
     value = _typed(d, value, label)
     if value is None:
         return None
+    if d.many:
+        one = dataclasses.replace(d, optional=False, many=False)
+        return tuple(check(one, item, f"{label}: every item") for item in value)
     s = d.spec
     if s.choices is not None and value not in s.choices:
         one_of = ", ".join(map(str, s.choices))
@@ -202,7 +221,8 @@ def add_flags(
         if d.kind is bool:
             parser.add_argument(d.flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            parser.add_argument(d.flag, type=d.kind, choices=d.spec.choices, **kwargs)
+            many = {"nargs": "*"} if d.many else {}
+            parser.add_argument(d.flag, type=d.kind, choices=d.spec.choices, **many, **kwargs)
 
 
 def values_from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -222,7 +242,9 @@ def to_flags(obj: object) -> list[str]:
         value = getattr(obj, d.name)
         if not d.required and value == d.default:
             continue
-        if d.kind is bool:
+        if d.many and value is not None:
+            out += [d.flag, *map(str, value)]
+        elif d.kind is bool:
             out.append(d.flag if value else "--no-" + d.flag[2:])
         elif value is None:
             raise ValueError(f"{d.name}: None is no flag value (its default is {d.default!r})")
@@ -241,10 +263,14 @@ def read_table(
     *classes: type,
     where: str = "",
     refuse: Mapping[str, str] | None = None,
+    tables: Collection[str] = (),
+    list_known: bool = False,
 ) -> list[dict[str, Any]]:
     """Split a TOML table into the settings of each class, every value checked: an unknown key, a
     key in `refuse` (with its reason), a wrong type or a value out of range is a ValueError naming
-    the key after `where`. An old name is read as its setting, with a warning."""
+    the key after `where`. An old name is read as its setting, with a warning. Keys in `tables`
+    hold tables the caller reads itself: they are skipped here. With `list_known`, an unknown key
+    unlike any known one is told every key the table takes."""
     refuse = refuse or {}
     owner: dict[str, tuple[int, Declared]] = {}
     old: dict[str, str] = {}
@@ -256,6 +282,8 @@ def read_table(
             old.update(dict.fromkeys(d.spec.old_names, d.name))
     out: list[dict[str, Any]] = [{} for _ in classes]
     for key, value in table.items():
+        if key in tables:
+            continue
         name = old.get(key, key)
         if name != key:
             if name in table:
@@ -264,13 +292,23 @@ def read_table(
         if name in refuse:
             raise ValueError(f"{where}key '{key}' is not set here: {refuse[name]}")
         if name not in owner:
-            known = [n for n in owner if n not in refuse]
+            known = [n for n in owner if n not in refuse] + list(tables)
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
+            if list_known and not close:
+                hint = f" (known keys: {', '.join(known)})"
             raise ValueError(f"{where}unknown key '{key}'{hint}")
         index, d = owner[name]
         out[index][name] = check(d, value, f"{where}key '{key}'")
     return out
+
+
+def check_required(cls: type, values: Mapping[str, Any], where: str = "") -> None:
+    """A ValueError naming the first required setting of cls that `values` (as `read_table` gives
+    them) lacks, and what it means."""
+    for d in declared(cls):
+        if d.required and d.name not in values:
+            raise ValueError(f"{where}key '{d.name}' is required: {d.spec.help}")
 
 
 # --- documentation ------------------------------------------------------------------------------
@@ -284,6 +322,8 @@ def _shown(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return f'"{value}"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_shown, value)) + "]"
     return str(value)
 
 

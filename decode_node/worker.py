@@ -2,7 +2,9 @@
 arrived from a prefill node, prefills short prompts itself when the coordinator says so, and sends
 all new tokens of each step in one message.
 
-Loop: receive orders -> take in arrived KV -> step the engine -> send tokens -> heartbeat.
+The node loop (`pdserve.cluster.node_loop`) with the decode role: orders Generate, Admit,
+StartDecode and Abort; before each step it takes in sequences whose KV has arrived, after it sends
+the step's tokens.
 """
 
 from __future__ import annotations
@@ -11,36 +13,37 @@ import logging
 
 from pdserve.cluster.keys import node_keys
 from pdserve.cluster.node_link import NodeLink, stop_on_signals
+from pdserve.cluster.node_loop import IDLE_WAIT_MS, NodeLoop
 from pdserve.cluster.node_messages import (
     Abort,
     Admit,
     Admitted,
     FinishReason,
     Generate,
+    Heartbeat,
     Message,
     NodeRole,
+    Register,
     RequestError,
-    Reset,
-    Shutdown,
     StartDecode,
     TokenItem,
     Tokens,
     TransferDone,
 )  # fmt: skip
 from pdserve.cluster.node_options import NodeOptions
+from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, wire_logprobs
+from pdserve.decode_node.handoff import DecodeHandoff
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
-from pdserve.engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.tp_shard import kv_head_ranges
 from pdserve.kv_transfer.base import KVReceiver, TransportFailed
-from pdserve.kv_transfer.handoff import DecodeHandoff
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeNode:
+class DecodeNode(NodeLoop):
     def __init__(
         self,
         engine: Engine,
@@ -48,15 +51,13 @@ class DecodeNode:
         receiver: KVReceiver | None,
         role: NodeRole = NodeRole.DECODE,
     ) -> None:
-        self.engine = engine
-        self.link = link
+        super().__init__(engine, link)
         self.role = role
         self.receiver = receiver  # None for a colocated worker that never receives KV
         self.handoff = DecodeHandoff(receiver, engine.block_manager) if receiver else None
         self._kv_error_logged = False
-        self.running = True
 
-    def handle(self, msg: Message) -> None:
+    def handle(self, msg: Message) -> bool:
         if isinstance(msg, Generate):
             try:
                 self.engine.add_request(
@@ -73,16 +74,13 @@ class DecodeNode:
         elif isinstance(msg, Abort):
             if self.handoff is None or not self.handoff.cancel(msg.request_id, msg.kv_unsent):
                 self.engine.abort(msg.request_id)
-        elif isinstance(msg, Shutdown):
-            self.running = False
-        elif isinstance(msg, Reset):
-            for request_id in list(self.engine.seqs):
-                self.engine.abort(request_id)
-            if self.handoff is not None:
-                self.handoff.reset()
-            self.register()
         else:
-            logger.warning("decode node ignores %s", msg.TYPE)
+            return False
+        return True
+
+    def reset(self) -> None:
+        if self.handoff is not None:
+            self.handoff.reset()
 
     def _admit(self, msg: Admit) -> None:
         blocks, num_reused = None, 0
@@ -100,14 +98,15 @@ class DecodeNode:
                 logger.warning("[%s] admission refused: %s", msg.request_id, exc)
         self.link.send(Admitted(msg.request_id, blocks is not None, blocks or [], num_reused))
 
-    def _take_in_arrivals(self) -> None:
+    def take_in(self) -> None:
+        """Sequences whose KV has all arrived start; failed handoffs are reported."""
         if self.handoff is None:
             return
         arrived, failed = self.handoff.poll()
         for seq in arrived:
             self._run_arrived(seq)
         for end in failed:
-            self.link.send(TransferDone(end.request_id, False, end.error))
+            self.link.send(end)
         if self.kv_error is not None and not self._kv_error_logged:
             logger.error("KV receiver failed; taking no more handoffs: %s", self.kv_error)
             self._kv_error_logged = True
@@ -120,7 +119,10 @@ class DecodeNode:
             self.engine.block_manager.free(seq.block_table)
             self.link.send(TransferDone(seq.request_id, False, str(exc)))
 
-    def _send_tokens(self, outputs: list[RequestOutput]) -> None:
+    def report(self, outputs: list[RequestOutput]) -> None:
+        """All of the step's new tokens, in one message."""
+        if not outputs:
+            return
         items = [
             TokenItem(
                 o.request_id,
@@ -137,50 +139,26 @@ class DecodeNode:
         """Why this node takes no more handoffs (its KV receiver failed), or None."""
         return self.handoff.failed if self.handoff is not None else None
 
-    def step(self) -> None:
-        unfinished = self.engine.has_unfinished()
+    def idle_wait_ms(self) -> int:
         expecting = self.handoff is not None and self.handoff.num_pending > 0
-        self.before_step(self.link.receive(0 if unfinished else (1 if expecting else 5)))
-        self.after_step(self.engine.step() if self.engine.has_unfinished() else [])
+        return 1 if expecting else IDLE_WAIT_MS  # KV arrivals are polled between steps
 
-    # The loop's two halves around the engine's step, which a simulator drives on its own clock.
+    def heartbeat(self) -> Heartbeat:
+        beat = engine_heartbeat(self.engine, self.link.node_id, 0, self.kv_error)
+        if self.handoff is not None:
+            beat.pending_transfers = self.handoff.num_pending
+            beat.kv_blocks_received = self.handoff.blocks_received
+            beat.kv_blocks_reused = self.handoff.blocks_reused
+        return beat
 
-    def before_step(self, orders: list[Message]) -> None:
-        """Carry out the orders received since the last step; take in sequences whose KV
-        arrived."""
-        for msg in orders:
-            self.link.carry_out(msg, self.handle)
-        self._take_in_arrivals()
-
-    def after_step(self, outputs: list[RequestOutput]) -> None:
-        """Send the step's tokens; refresh the load report."""
-        if outputs:
-            self._send_tokens(outputs)
-        if self.link.load_due():
-            self.engine.check_alive()  # a dead rank takes the node down, idle or not
-            beat = engine_heartbeat(self.engine, self.link.node_id, 0, self.kv_error)
-            if self.handoff is not None:
-                beat.pending_transfers = self.handoff.num_pending
-                beat.kv_blocks_received = self.handoff.blocks_received
-                beat.kv_blocks_reused = self.handoff.blocks_reused
-            self.link.set_load(beat)
-
-    def register(self) -> None:
+    def registration(self) -> Register:
         info = self.receiver.info() if self.receiver is not None else {}
         transport = self.receiver.name if self.receiver is not None else "none"
-        reg = engine_registration(self.engine, self.link.node_id, self.role, transport, info)
-        self.link.register(reg)
+        return engine_registration(self.engine, self.link.node_id, self.role, transport, info)
 
-    def run(self) -> None:
-        self.register()
-        while self.running:
-            self.step()
-        self.close()
-
-    def close(self) -> None:
+    def release(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
-        self.link.close()
 
 
 def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = False) -> None:

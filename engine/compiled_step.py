@@ -17,7 +17,7 @@ import torch
 from pdserve.engine.forward_batch import AttentionBatch
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.kernels.ops import Ops
+from pdserve.kernels.op_table import Ops
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine import cpu_threads
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.embedded_models import model_name, resolve_model_dir
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens, StepStats
@@ -177,6 +177,11 @@ class Engine:
             return False
         self.scheduler.abort(request_id)
         return True
+
+    @property
+    def model_name(self) -> str:
+        """What the model is called on the wire: an embedded model's name, or its directory's."""
+        return model_name(self.config.model)
 
     def load(self) -> EngineLoad:
         """What a node reports to the coordinator about this engine."""

@@ -14,7 +14,7 @@ from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_plan import StepPlan
-from pdserve.kernels.ops import Ops
+from pdserve.kernels.op_table import Ops
 
 
 class ModelRunner:

@@ -1,4 +1,4 @@
-"""The op table the engine calls: one name per op, the backend chosen once at start-up.
+"""The backends of the op table (`Ops`) the engine calls, one chosen once at start-up.
 
 `torch` (the reference, debugging) is always available; `triton` kernels, when present, register
 themselves for CUDA tensors; `cpu` is the reference with paged attention from a C kernel.
@@ -6,21 +6,10 @@ themselves for CUDA tensors; `cpu` is the reference with paged attention from a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pdserve.kernels import attention_ref, norm_ref, rotary_ref
-
-
-@dataclass(frozen=True, slots=True)
-class Ops:
-    name: str
-    store_kv: Callable
-    paged_attention: Callable
-    rms_norm: Callable
-    fused_add_rms_norm: Callable
-    apply_rotary: Callable
-
+from pdserve.kernels.op_table import Ops
 
 REFERENCE = Ops(
     name="torch",

@@ -3,7 +3,7 @@ references in `pdserve.kernels.ops.REFERENCE`, which stay the ground truth in te
 
 from __future__ import annotations
 
-from pdserve.kernels.ops import Ops
+from pdserve.kernels.op_table import Ops
 from pdserve.kernels.triton_attention import paged_attention
 from pdserve.kernels.triton_kv import store_kv
 from pdserve.kernels.triton_norm import fused_add_rms_norm, rms_norm

@@ -1,8 +1,9 @@
 """The cluster file (TOML) of `pdserve launch`: the model, the coordinator's place and ports, the
 cluster's key set, and per host the GPUs (or CPU workers) given to prefill and to decode, with
-each role's settings (`tensor_parallel_size` groups a role's GPUs into nodes of that many). `plan`
-turns it into the processes one host runs: their commands, environments and ports. No process is
-started here."""
+each role's settings (`tensor_parallel_size` groups a role's GPUs into nodes of that many). Its
+keys are settings declared here (`python -m pdserve.cluster_file` prints their table for
+docs/deployment.md); `plan` turns a file into the processes one host runs: their commands,
+environments and ports. No process is started here."""
 
 from __future__ import annotations
 
@@ -10,18 +11,31 @@ import ipaddress
 import shlex
 import sys
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve import cache_root
 from pdserve.cluster.keys import default_key_dir
 from pdserve.cluster.node_options import PLACEMENT, SECURITY, NodeOptions
 from pdserve.cluster.node_options import TRANSPORTS as NODE_TRANSPORTS
-from pdserve.cluster.schema import pick, read_table
+from pdserve.cluster.schema import (
+    REQUIRED,
+    check_required,
+    declared,
+    doc_rows,
+    markdown_table,
+    names,
+    pick,
+    read_table,
+    setting,
+    validate,
+)
 from pdserve.engine.config import EngineConfig
 from pdserve.launch import NodeSpec, share_cores
 
+T = TypeVar("T")
 TRANSPORTS = ("auto", *NODE_TRANSPORTS)
 # Engine settings every node of a cluster shares: the top of the file, not a role's table.
 CLUSTER_WIDE = ("model", "dtype", "block_size")
@@ -33,38 +47,135 @@ NOT_PER_ROLE = {
     **{name: "launch gives each node its own" for name in PLACEMENT if name != "transport"},
     **{name: "set it at the top of the file: every process holds the same" for name in SECURITY},
 }
-TOP_KEYS = {"log_dir", "coordinator_config", "transport", "coordinator", "host", *CLUSTER_WIDE,
-            *SECURITY}  # fmt: skip
-COORDINATOR_KEYS = {"host", "http_port", "node_port", "client_port", "drain_timeout_s", "api_key"}
+# The engine settings the top of the file does not take, and why.
+NOT_AT_TOP = {
+    **{name: "set it in [host.prefill] or [host.decode]" for name in names(EngineConfig)
+       if name not in CLUSTER_WIDE},
+    "device": NOT_PER_ROLE["device"],
+}  # fmt: skip
 API_KEY_ENV = "PDSERVE_API_KEY"  # how launch hands the coordinator its API keys (not argv: ps)
-HOST_KEYS = {"name", "address", "prefill_gpus", "decode_gpus", "prefill_workers",
-             "decode_workers", "transport", "kv_port_base", "prefill", "decode"}  # fmt: skip
 
 
 class ClusterFileError(ValueError):
-    """A cluster file that cannot be launched; the message names the key (and host)."""
+    """A cluster file that cannot be launched; the message names the file and the key (and host)."""
+
+
+# --- the file's tables: one declaration per key -------------------------------------------------
+
+
+@dataclass(slots=True)
+class ClusterOptions:
+    """The top of the file beside the engine's CLUSTER_WIDE settings: what launch does on every
+    host. Paths are relative to the file."""
+
+    log_dir: str | None = setting(
+        None,
+        "one log file per process in it (unset: a folder named as the file in ~/.cache/pdserve/logs)",
+    )
+    coordinator_config: str | None = setting(
+        None, "the coordinator's config file (docs/configuration.md; unset: its defaults)"
+    )
+    transport: str = setting(
+        "auto",
+        "how decode nodes receive KV pages (auto: chosen per decode node)",
+        choices=TRANSPORTS,
+    )
+    cluster_keys: str | None = setting(
+        None,
+        "the cluster key set (pdserve keygen DIR, copied to every host) every process holds; required when a host is off loopback (unset: the per-user set, made on first use)",
+    )
+    insecure: bool = setting(
+        False,
+        "no cluster keys: sockets admit anyone and carry everything in clear (a trusted network only)",
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.cluster_keys == "":
+            raise ValueError("key 'cluster_keys' must name a directory, got \"\"")
+        if self.cluster_keys is not None and self.insecure:
+            raise ValueError("keys 'cluster_keys' and 'insecure' contradict each other")
+
+
+@dataclass(slots=True)
+class CoordinatorPlace:
+    """[coordinator]: the host that runs the coordinator, its ports, its drain, its API keys."""
+
+    host: str | None = setting(None, "the [[host]] that runs it (unset: the first)")
+    http_port: int = setting(8000, "the HTTP API's port", minimum=1, maximum=65535)
+    node_port: int = setting(5555, "the port nodes connect to", minimum=1, maximum=65535)
+    client_port: int | None = setting(
+        None, "the Python client's socket (unset: none)", minimum=1, maximum=65535
+    )
+    drain_timeout_s: float = setting(
+        30.0, "on SIGTERM, how long running requests get to finish", minimum=0
+    )
+    api_key: tuple[str, ...] | None = setting(
+        None,
+        "the HTTP API's key, or a list of keys, handed to the coordinator in its environment (unset: the API is open)",
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+        keys = self.api_key
+        if keys is not None and not (keys and all(k and "," not in k for k in keys)):
+            raise ValueError("key 'api_key' must be a key or a list of keys (non-empty, no commas)")
 
 
 @dataclass(slots=True)
 class HostSpec:
-    name: str
-    address: str
-    prefill_gpus: list[int] = field(default_factory=list)
-    decode_gpus: list[int] = field(default_factory=list)
-    prefill_workers: int = 0  # CPU workers, when no GPUs are given
-    decode_workers: int = 0
-    transport: str | None = None
-    kv_port_base: int = 5700
-    # Per-role settings of EngineConfig and NodeOptions, checked, by their current names.
+    """[[host]]: one machine of the cluster and the nodes launch starts on it."""
+
+    name: str = setting(REQUIRED, "the host's name, as `pdserve launch --host NAME` gives it")
+    address: str = setting(REQUIRED, "how the other hosts reach this one (its IP or name)")
+    prefill_gpus: tuple[int, ...] = setting(
+        (), "GPUs of prefill nodes, [host.prefill] tensor_parallel_size per node", minimum=0
+    )
+    decode_gpus: tuple[int, ...] = setting(
+        (), "GPUs of decode nodes, [host.decode] tensor_parallel_size per node", minimum=0
+    )
+    prefill_workers: int = setting(0, "CPU prefill nodes, instead of prefill_gpus", minimum=0)
+    decode_workers: int = setting(0, "CPU decode nodes, instead of decode_gpus", minimum=0)
+    transport: str | None = setting(
+        None,
+        "how this host's decode nodes receive KV pages (unset: the top's transport)",
+        choices=TRANSPORTS,
+    )
+    kv_port_base: int = setting(
+        5700,
+        "decode node i of this host receives KV on kv_port_base + i × its tensor_parallel_size",
+        minimum=1,
+        maximum=65535,
+    )
+    # Per-role settings of EngineConfig and NodeOptions ([host.prefill], [host.decode]), checked,
+    # by their current names.
     prefill: dict[str, Any] = field(default_factory=dict)
     decode: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        for key in ("name", "address"):
+            if not getattr(self, key):
+                raise ValueError(f"key '{key}' must not be empty")
+        for role in ("prefill", "decode"):
+            gpus, size = getattr(self, f"{role}_gpus"), self.tensor_parallel_size(role)
+            if len(set(gpus)) != len(gpus):
+                raise ValueError(f"key '{role}_gpus' names a GPU twice: {list(gpus)}")
+            if len(gpus) % size:
+                raise ValueError(
+                    f"key '{role}_gpus' names {len(gpus)} GPUs, not a multiple of "
+                    f"[host.{role}] tensor_parallel_size = {size}"
+                )
+        overlap = set(self.prefill_gpus) & set(self.decode_gpus)
+        if overlap:
+            raise ValueError(f"key 'decode_gpus' reuses prefill GPU {sorted(overlap)[0]}")
 
     def tensor_parallel_size(self, role: str) -> int:
         """Devices (processes) per node of this role: its table's tensor_parallel_size."""
         settings = self.prefill if role == "prefill" else self.decode
         return settings.get("tensor_parallel_size", 1)
 
-    def gpu_groups(self, role: str) -> list[list[int]]:
+    def gpu_groups(self, role: str) -> list[tuple[int, ...]]:
         """Each node's GPUs: contiguous groups of tensor_parallel_size, in the order given."""
         gpus = self.prefill_gpus if role == "prefill" else self.decode_gpus
         size = self.tensor_parallel_size(role)
@@ -83,22 +194,49 @@ class HostSpec:
         return bool(self.prefill_gpus or self.decode_gpus)
 
 
+# Keys that hold tables, read apart from the settings beside them.
+TABLES = {ClusterOptions: ("coordinator", "host"), HostSpec: ("prefill", "decode")}
+
+
+def doc_table() -> str:
+    """The table of docs/deployment.md: every key of a cluster file, by the table it goes in."""
+    rows = []
+    for table, cls, only in (("top", EngineConfig, CLUSTER_WIDE), ("top", ClusterOptions, None),
+                             ("`[coordinator]`", CoordinatorPlace, None),
+                             ("`[[host]]`", HostSpec, None)):  # fmt: skip
+        choices = {d.name: d.spec.choices for d in declared(cls) if d.spec.choices}
+        for key, default, _, meaning in doc_rows(cls, only):
+            if key in choices:
+                meaning += f"; one of {', '.join(map(str, choices[key]))}"
+            rows.append((table, f"`{key}`", default, meaning))
+    refused = ", ".join(f"`{name}`" for name in NOT_PER_ROLE)
+    rows.append(("`[host.prefill]`, `[host.decode]`", "a node setting", "its default",
+                 f"any key that configuration.md marks restart, but {refused}"))  # fmt: skip
+    return markdown_table(("table", "key", "default", "meaning"), rows)
+
+
+# --- the file, checked --------------------------------------------------------------------------
+
+
 @dataclass(slots=True)
 class ClusterSpec:
+    """A checked cluster file: its hosts, and what every host's launch takes from it (the
+    defaults are the declarations' above)."""
+
     path: Path
     hosts: list[HostSpec]
     coordinator_host: str
-    http_port: int = 8000
-    node_port: int = 5555
-    client_port: int | None = None
-    drain_timeout_s: float = 30.0
-    engine: dict[str, Any] = field(default_factory=dict)  # the CLUSTER_WIDE settings given
-    log_dir: Path | None = None
-    coordinator_config: Path | None = None
-    transport: str = "auto"
-    cluster_keys: Path | None = None  # the key set's directory (unset: the per-user default)
-    insecure: bool = False
-    api_keys: tuple[str, ...] = ()
+    http_port: int
+    node_port: int
+    client_port: int | None
+    drain_timeout_s: float
+    api_keys: tuple[str, ...]
+    engine: dict[str, Any]  # the CLUSTER_WIDE settings given
+    transport: str
+    insecure: bool
+    cluster_keys: Path | None  # the key set's directory (unset: the per-user default)
+    log_dir: Path | None
+    coordinator_config: Path | None
 
     @property
     def model(self) -> str | None:
@@ -149,43 +287,6 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _fail(path: Path, where: str, message: str) -> ClusterFileError:
-    return ClusterFileError(f"{path}: {where}{message}")
-
-
-def _check_keys(path: Path, table: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise _fail(path, where, f"unknown key '{unknown[0]}'")
-
-
-def _int_list(path: Path, where: str, key: str, value: object) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
-        raise _fail(path, where, f"key '{key}' must be a list of GPU indexes, got {value!r}")
-    if len(set(value)) != len(value):
-        raise _fail(path, where, f"key '{key}' names a GPU twice: {value!r}")
-    return list(value)
-
-
-def _positive_int(path: Path, where: str, key: str, value: object, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _fail(path, where, f"key '{key}' must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _overrides(path: Path, where: str, role: str, table: object) -> dict[str, Any]:
-    if not isinstance(table, dict):
-        raise _fail(path, where, f"key '{role}' must be a table of settings")
-    try:
-        where = f"{path}: {where}[host.{role}] "
-        engine, node = read_table(
-            table, EngineConfig, NodeOptions, where=where, refuse=NOT_PER_ROLE
-        )
-    except ValueError as exc:
-        raise ClusterFileError(str(exc)) from exc
-    return {**engine, **node}
-
-
 def load_cluster_file(path: str | Path) -> ClusterSpec:
     path = Path(path)
     try:
@@ -194,128 +295,110 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
         raise ClusterFileError(f"cluster file {path} does not exist") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ClusterFileError(f"{path}: not valid TOML: {exc}") from exc
-    _check_keys(path, data, TOP_KEYS, "")
+    try:
+        return _checked(path, data)
+    except ClusterFileError:
+        raise
+    except ValueError as exc:  # every message names the file already
+        raise ClusterFileError(str(exc)) from exc
+
+
+def _made(cls: type[T], values: Mapping[str, Any], where: str, **given: Any) -> T:
+    """cls of values read_table checked; what its own checks refuse is named after `where`."""
+    try:
+        return cls(**values, **given)
+    except ValueError as exc:
+        raise ValueError(f"{where}{exc}") from exc
+
+
+def _checked(path: Path, data: dict[str, Any]) -> ClusterSpec:
+    at = f"{path}: "
+    own, engine = read_table(data, ClusterOptions, EngineConfig, where=at, refuse=NOT_AT_TOP,
+                             tables=TABLES[ClusterOptions], list_known=True)  # fmt: skip
+    options = _made(ClusterOptions, own, at)
     raw_hosts = data.get("host")
-    if not isinstance(raw_hosts, list) or not raw_hosts:
-        raise _fail(path, "", "key 'host' must list at least one [[host]] table")
+    if not (
+        isinstance(raw_hosts, list) and raw_hosts and all(isinstance(h, dict) for h in raw_hosts)
+    ):
+        raise ValueError(f"{at}key 'host' must list at least one [[host]] table")
     hosts: list[HostSpec] = []
     for index, raw in enumerate(raw_hosts):
-        name = raw.get("name")
-        where = f"host {name!r}: " if isinstance(name, str) else f"host #{index + 1}: "
-        if not isinstance(name, str) or not name:
-            raise _fail(path, where, "key 'name' is required")
-        if any(h.name == name for h in hosts):
-            raise _fail(path, where, "key 'name' repeats another host's name")
-        _check_keys(path, raw, HOST_KEYS, where)
-        address = raw.get("address")
-        if not isinstance(address, str) or not address:
-            raise _fail(path, where, "key 'address' is required (the host's reachable IP or name)")
-        host = HostSpec(name=name, address=address)
-        for role in ("prefill", "decode"):
-            gpus_key, workers_key = f"{role}_gpus", f"{role}_workers"
-            if gpus_key in raw and workers_key in raw:
-                raise _fail(
-                    path, where, f"key '{workers_key}' conflicts with '{gpus_key}': give one"
-                )
-            if gpus_key in raw:
-                setattr(host, gpus_key, _int_list(path, where, gpus_key, raw[gpus_key]))
-            if workers_key in raw:
-                setattr(
-                    host, workers_key, _positive_int(path, where, workers_key, raw[workers_key])
-                )
-            if role in raw:
-                setattr(host, role, _overrides(path, where, role, raw[role]))
-        for role in ("prefill", "decode"):
-            gpus, size = getattr(host, f"{role}_gpus"), host.tensor_parallel_size(role)
-            if len(gpus) % size:
-                raise _fail(
-                    path, where, f"key '{role}_gpus' names {len(gpus)} GPUs, not a multiple of "
-                    f"[host.{role}] tensor_parallel_size = {size}",
-                )  # fmt: skip
-        overlap = set(host.prefill_gpus) & set(host.decode_gpus)
-        if overlap:
-            raise _fail(path, where, f"key 'decode_gpus' reuses prefill GPU {sorted(overlap)[0]}")
-        if "transport" in raw:
-            if raw["transport"] not in TRANSPORTS:
-                raise _fail(
-                    path,
-                    where,
-                    f"key 'transport' must be one of {TRANSPORTS}, got {raw['transport']!r}",
-                )
-            host.transport = raw["transport"]
-        if "kv_port_base" in raw:
-            host.kv_port_base = _positive_int(path, where, "kv_port_base", raw["kv_port_base"], 1)
-        hosts.append(host)
-    coordinator = data.get("coordinator", {})
-    if not isinstance(coordinator, dict):
-        raise _fail(path, "", "key 'coordinator' must be a table")
-    _check_keys(path, coordinator, COORDINATOR_KEYS, "[coordinator] ")
-    coordinator_host = coordinator.get("host", hosts[0].name)
+        hosts.append(_host(path, index, raw, hosts, engine))
+    raw_place = data.get("coordinator", {})
+    if not isinstance(raw_place, dict):
+        raise ValueError(f"{at}key 'coordinator' must be a table")
+    where = f"{at}[coordinator] "
+    if isinstance(raw_place.get("api_key"), str):  # one key may be written alone
+        raw_place = {**raw_place, "api_key": [raw_place["api_key"]]}
+    (values,) = read_table(raw_place, CoordinatorPlace, where=where, list_known=True)
+    place = _made(CoordinatorPlace, values, where)
+    coordinator_host = hosts[0].name if place.host is None else place.host
     if coordinator_host not in {h.name for h in hosts}:
-        raise _fail(path, "[coordinator] ", f"key 'host' names no host: {coordinator_host!r}")
-    spec = ClusterSpec(path=path, hosts=hosts, coordinator_host=coordinator_host)
-    for key in ("http_port", "node_port", "client_port"):
-        if key in coordinator:
-            setattr(spec, key, _positive_int(path, "[coordinator] ", key, coordinator[key], 1))
-    if "drain_timeout_s" in coordinator:
-        spec.drain_timeout_s = float(coordinator["drain_timeout_s"])
-    if "api_key" in coordinator:
-        keys = coordinator["api_key"]
-        keys = [keys] if isinstance(keys, str) else keys
-        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k and
-                                                               "," not in k for k in keys):  # fmt: skip
-            raise _fail(path, "[coordinator] ", "key 'api_key' must be a key or a list of keys "
-                        "(non-empty, no commas)")  # fmt: skip
-        spec.api_keys = tuple(keys)
-    _read_security(spec, data)
-    if "transport" in data:
-        if data["transport"] not in TRANSPORTS:
-            raise _fail(
-                path, "", f"key 'transport' must be one of {TRANSPORTS}, got {data['transport']!r}"
-            )
-        spec.transport = data["transport"]
-    try:
-        (spec.engine,) = read_table(
-            {k: v for k, v in data.items() if k in CLUSTER_WIDE}, EngineConfig, where=f"{path}: "
+        raise ValueError(f"{where}key 'host' names no host: {coordinator_host!r}")
+    spec = ClusterSpec(
+        path=path,
+        hosts=hosts,
+        coordinator_host=coordinator_host,
+        http_port=place.http_port,
+        node_port=place.node_port,
+        client_port=place.client_port,
+        drain_timeout_s=place.drain_timeout_s,
+        api_keys=place.api_key or (),
+        engine=engine,
+        transport=options.transport,
+        insecure=options.insecure,
+        cluster_keys=_beside(path, options.cluster_keys, expand=True),
+        log_dir=_beside(path, options.log_dir),
+        coordinator_config=_beside(path, options.coordinator_config),
+    )
+    far = spec.off_loopback
+    if far is not None and spec.cluster_keys is None and not spec.insecure:
+        raise ValueError(
+            f"{at}host {far.name!r} is at {far.address}, not loopback, and the file names no "
+            "cluster keys: make a key set with `pdserve keygen DIR`, copy DIR to every host and "
+            'add `cluster_keys = "DIR"` at the top of the file (or, on a trusted network only, '
+            "`insecure = true`; see docs/security.md)"
         )
-        for host in hosts:  # the checks that span settings, before any process starts
-            EngineConfig(**spec.engine, **pick(EngineConfig, host.prefill))
-            EngineConfig(**spec.engine, **pick(EngineConfig, host.decode))
-    except ValueError as exc:
-        raise ClusterFileError(str(exc)) from exc
-    if "log_dir" in data:
-        spec.log_dir = (path.parent / data["log_dir"]).resolve()
-    if "coordinator_config" in data:
-        spec.coordinator_config = (path.parent / data["coordinator_config"]).resolve()
     if not any(h.num_decode for h in hosts):
-        raise _fail(path, "", "no host has decode GPUs or decode workers")
-    gpu_hosts = {h.has_gpus for h in hosts if h.num_prefill or h.num_decode}
-    if len(gpu_hosts) > 1:
-        raise _fail(path, "", "hosts mix GPUs and CPU workers; give all GPUs or all CPU workers")
+        raise ValueError(f"{at}no host has decode GPUs or decode workers")
+    if len({h.has_gpus for h in hosts if h.num_prefill or h.num_decode}) > 1:
+        raise ValueError(f"{at}hosts mix GPUs and CPU workers; give all GPUs or all CPU workers")
     return spec
 
 
-def _read_security(spec: ClusterSpec, data: dict) -> None:
-    path = spec.path
-    if "insecure" in data:
-        if not isinstance(data["insecure"], bool):
-            raise _fail(path, "", f"key 'insecure' must be true or false, got {data['insecure']!r}")
-        spec.insecure = data["insecure"]
-    if "cluster_keys" in data:
-        if not isinstance(data["cluster_keys"], str) or not data["cluster_keys"]:
-            raise _fail(path, "", "key 'cluster_keys' must be a directory")
-        if spec.insecure:
-            raise _fail(path, "", "keys 'cluster_keys' and 'insecure' contradict each other")
-        spec.cluster_keys = (path.parent / Path(data["cluster_keys"]).expanduser()).resolve()
-    far = spec.off_loopback
-    if far is not None and spec.cluster_keys is None and not spec.insecure:
-        raise _fail(
-            path, "",
-            f"host {far.name!r} is at {far.address}, not loopback, and the file names no cluster "
-            "keys: make a key set with `pdserve keygen DIR`, copy DIR to every host and add "
-            "`cluster_keys = \"DIR\"` at the top of the file (or, on a trusted network only, "
-            "`insecure = true`; see docs/security.md)",
-        )  # fmt: skip
+def _host(
+    path: Path, index: int, raw: dict[str, Any], before: list[HostSpec], engine: dict[str, Any]
+) -> HostSpec:
+    """The index-th [[host]] table, checked (`engine`: the top's CLUSTER_WIDE settings)."""
+    name = raw.get("name")
+    where = f"{path}: " + (f"host {name!r}: " if isinstance(name, str) else f"host #{index + 1}: ")
+    (values,) = read_table(raw, HostSpec, where=where, tables=TABLES[HostSpec], list_known=True)
+    check_required(HostSpec, values, where)
+    if any(h.name == values["name"] for h in before):
+        raise ValueError(f"{where}key 'name' repeats another host's name")
+    roles: dict[str, dict[str, Any]] = {}
+    for role in ("prefill", "decode"):
+        if f"{role}_gpus" in raw and f"{role}_workers" in raw:
+            raise ValueError(f"{where}key '{role}_workers' conflicts with '{role}_gpus': give one")
+        if role in raw:
+            table = raw[role]
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}key '{role}' must be a table of settings")
+            settings = read_table(table, EngineConfig, NodeOptions, where=f"{where}[host.{role}] ",
+                                  refuse=NOT_PER_ROLE)  # fmt: skip
+            roles[role] = {**settings[0], **settings[1]}
+    host = _made(HostSpec, values, where, **roles)
+    for role in ("prefill", "decode"):  # the checks that span settings, before any process starts
+        settings = pick(EngineConfig, getattr(host, role))
+        _made(EngineConfig, {**engine, **settings}, f"{where}[host.{role}] ")
+    return host
+
+
+def _beside(path: Path, given: str | None, expand: bool = False) -> Path | None:
+    """A path the file gives, relative to the file's folder."""
+    if given is None:
+        return None
+    return (path.parent / (Path(given).expanduser() if expand else given)).resolve()
 
 
 def key_dir(spec: ClusterSpec) -> Path:
@@ -410,3 +493,7 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
         procs.append(ProcessPlan(f"pdserve-{node.node_id}", node.role, node.command(), node.env,
                                  ports, transport))  # fmt: skip
     return procs
+
+
+if __name__ == "__main__":
+    print(doc_table(), end="")  # python -m pdserve.cluster_file: the table of docs/deployment.md

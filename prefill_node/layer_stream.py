@@ -12,7 +12,7 @@ recorded there before it reads the pages.
 from __future__ import annotations
 
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.kv_transfer.handoff import PrefillHandoff
+from pdserve.prefill_node.handoff import PrefillHandoff
 
 
 class LayerStream:

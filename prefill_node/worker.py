@@ -1,10 +1,11 @@
 """The prefill node: batches prompts (chunked, prefix-cached), reports each first token as soon as
 it is sampled, and ships the sequence's KV pages to the decode node the coordinator admitted it to.
 
-Loop: receive orders -> step the engine -> report first tokens -> report ended handoffs ->
-heartbeat. SendKV usually arrives on the handoff socket instead (`handoff_socket.py`), whose
-thread starts the send during a step; `PrefillHandoff` keeps the two from deciding about the same
-sequence at once, and only the loop frees blocks or talks on the main socket.
+The node loop (`pdserve.cluster.node_loop`) with the prefill role: orders Prefill, SendKV and
+Abort; after each step it reports first tokens and ended handoffs. SendKV usually arrives on the
+handoff socket instead (`handoff_socket.py`), whose thread starts the send during a step;
+`PrefillHandoff` keeps the two from deciding about the same sequence at once, and only the loop
+frees blocks or talks on the main socket.
 """
 
 from __future__ import annotations
@@ -14,34 +15,34 @@ from collections.abc import Callable
 
 from pdserve.cluster.keys import node_keys
 from pdserve.cluster.node_link import NodeLink, stop_on_signals
+from pdserve.cluster.node_loop import IDLE_WAIT_MS, NodeLoop
 from pdserve.cluster.node_messages import (
     Abort,
     FinishReason,
     FirstToken,
+    Heartbeat,
     Message,
     NodeRole,
     Prefill,
+    Register,
     RequestError,
-    Reset,
     SendKV,
-    Shutdown,
-    TransferDone,
 )  # fmt: skip
 from pdserve.cluster.node_options import NodeOptions
+from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
-from pdserve.engine.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.engine.tp_shard import kv_head_ranges
 from pdserve.kv_transfer.base import KVSender
-from pdserve.kv_transfer.handoff import PrefillHandoff
+from pdserve.prefill_node.handoff import PrefillHandoff
 from pdserve.prefill_node.handoff_socket import HandoffSocket
 from pdserve.prefill_node.layer_stream import LayerStream
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillNode:
+class PrefillNode(NodeLoop):
     def __init__(
         self,
         engine: Engine,
@@ -50,17 +51,15 @@ class PrefillNode:
         make_sender: Callable[[str, KVPool], KVSender] | None = None,
     ) -> None:
         """make_sender(transport, pool): a KV sender (default: `kv_transfer.make_sender`)."""
-        self.engine = engine
-        self.link = link
+        super().__init__(engine, link)
         self.transport = transport
         self.handoff = PrefillHandoff(
             engine.block_manager, engine.pool, transport, make_sender, engine.layout.num_layers
         )
         self.handoff_socket: HandoffSocket | None = None
         self.layer_stream: LayerStream | None = None
-        self.running = True
 
-    def handle(self, msg: Message) -> None:
+    def handle(self, msg: Message) -> bool:
         if isinstance(msg, Prefill):
             try:
                 self.engine.add_request(
@@ -68,7 +67,7 @@ class PrefillNode:
                 )
             except (RequestRejected, ValueError, TypeError) as exc:
                 self.link.send(RequestError(msg.request_id, str(exc), retryable=False))
-                return
+                return True
             if msg.stream_kv:
                 self.handoff.expect_stream(msg.request_id)
         elif isinstance(msg, SendKV):
@@ -78,17 +77,9 @@ class PrefillNode:
             # own once no send reads them.
             self.handoff.abort(msg.request_id)
             self.engine.abort(msg.request_id)
-        elif isinstance(msg, Shutdown):
-            self.running = False
-        elif isinstance(msg, Reset):
-            for request_id in list(self.engine.seqs):
-                self.engine.abort(request_id)
-            self.handoff.reset()
-            self.register()
-            if self.handoff_socket is not None:
-                self.handoff_socket.announce()
         else:
-            logger.warning("prefill node ignores %s", msg.TYPE)
+            return False
+        return True
 
     def stream_layers(self) -> bool:
         """Send streaming prefills' pages layer by layer during their last chunk's forward
@@ -111,7 +102,11 @@ class PrefillNode:
             msg.transfer_timeout_s, msg.skip_blocks, msg.prefilling,
         )  # fmt: skip
 
-    def _report_first_tokens(self, outputs: list[RequestOutput]) -> None:
+    def idle_wait_ms(self) -> int:
+        return 0 if self.handoff.num_pending > 0 else IDLE_WAIT_MS  # sends to see through
+
+    def report(self, outputs: list[RequestOutput]) -> None:
+        """The step's first tokens, then the handoffs that ended."""
         for out in outputs:
             if not out.finished:
                 continue
@@ -131,50 +126,31 @@ class PrefillNode:
                     logprobs=wire_logprobs(out.logprobs),
                 )
             )
-
-    def _report_handoffs(self) -> None:
         for end in self.handoff.poll():
-            self.link.send(TransferDone(end.request_id, end.ok, end.error))
+            self.link.send(end)
+
+    def heartbeat(self) -> Heartbeat:
+        return engine_heartbeat(self.engine, self.link.node_id, self.handoff.num_pending)
+
+    def registration(self) -> Register:
+        return engine_registration(self.engine, self.link.node_id, NodeRole.PREFILL, "none", {})
+
+    def reset(self) -> None:
+        self.handoff.reset()
 
     def register(self) -> None:
-        reg = engine_registration(self.engine, self.link.node_id, NodeRole.PREFILL, "none", {})
-        self.link.register(reg)
+        super().register()
+        if self.handoff_socket is not None:
+            self.handoff_socket.announce()  # (again, after a reset) once registered
 
-    def step(self) -> None:
-        busy = self.engine.has_unfinished() or self.handoff.num_pending > 0
-        self.before_step(self.link.receive(0 if busy else 5))
-        self.after_step(self.engine.step() if self.engine.has_unfinished() else [])
-
-    # The loop's two halves around the engine's step, which a simulator drives on its own clock.
-
-    def before_step(self, orders: list[Message]) -> None:
-        """Carry out the orders received since the last step."""
-        for msg in orders:
-            self.link.carry_out(msg, self.handle)
-
-    def after_step(self, outputs: list[RequestOutput]) -> None:
-        """Report the step's first tokens and the handoffs that ended; refresh the load report."""
-        self._report_first_tokens(outputs)
-        self._report_handoffs()
-        if self.link.load_due():
-            self.engine.check_alive()  # a dead rank takes the node down, idle or not
-            self.link.set_load(
-                engine_heartbeat(self.engine, self.link.node_id, self.handoff.num_pending)
-            )
-
-    def run(self) -> None:
-        self.register()
+    def start(self) -> None:
         if self.handoff_socket is not None:
             self.handoff_socket.start()
-        while self.running:
-            self.step()
-        self.close()
 
-    def close(self) -> None:
+    def release(self) -> None:
         if self.handoff_socket is not None:
             self.handoff_socket.close()
         self.handoff.close()
-        self.link.close()
 
 
 def serve(options: NodeOptions, engine_config: EngineConfig) -> None:

@@ -26,13 +26,13 @@ from pdserve.cluster.node_messages import (
     orders,
     reports,
 )  # fmt: skip
+from pdserve.decode_node.handoff import HandoffState
 from pdserve.decode_node.worker import DecodeNode
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import make_receiver
-from pdserve.kv_transfer.handoff import HandoffState
 
 LAYOUT = KVLayout(2, 8, 2, 32, "float32")
 
@@ -123,7 +123,7 @@ def test_decode_node_frees_an_unsent_reservation_at_once():
         assert blocks.num_free_blocks == blocks.num_blocks and node.handoff.num_pending == 0
         node.handle(Abort("unsent"))  # the coordinator may say it twice: a no-op
         time.sleep(0.3)
-        node._take_in_arrivals()
+        node.take_in()
         assert not engine.seqs and not [m for m in node.link.sent if not isinstance(m, Admitted)]
 
         # Without the mark, a sender may be writing: the blocks wait for the transfer to end.

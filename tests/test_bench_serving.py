@@ -13,10 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.bench.serving.arrivals import arrival_offsets, inter_arrival_times
-from pdserve.bench.serving.completion_stream import CompletionTimer, SSEDecoder, completion_body
-from pdserve.bench.serving.load_generator import LoadConfig, run_load
-from pdserve.bench.serving.metrics import (
+from pdserve.bench.serving.report import aims, tpot_inflation
+from pdserve.tune.arrivals import arrival_offsets, inter_arrival_times
+from pdserve.tune.completion_stream import CompletionTimer, SSEDecoder, completion_body
+from pdserve.tune.load_generator import LoadConfig, run_load
+from pdserve.tune.serving_metrics import (
     SLO,
     RequestResult,
     distribution,
@@ -25,8 +26,7 @@ from pdserve.bench.serving.metrics import (
     summarize,
     throughput_at_latency,
 )
-from pdserve.bench.serving.report import aims, tpot_inflation
-from pdserve.bench.serving.workload import RequestSpec, SyntheticWorkload, load_sharegpt
+from pdserve.tune.serving_workload import RequestSpec, SyntheticWorkload, load_sharegpt
 
 
 def result(ttft: float, latency: float, output_len: int, success: bool = True) -> RequestResult:

@@ -402,8 +402,8 @@ def test_keyed_tcp_transfers_between_processes_land_bit_exact(dtype: str, encryp
     blocks, exactly to the bit (NaN payloads too), and touches no other block."""
     from test_kv_transfer import CHUNK, NUM_BLOCKS, blocks_bits, layout, random_pool, wait_result
 
-    from pdserve.bench.kv_remote import RemoteEndpoint
     from pdserve.kv_transfer import make_sender
+    from pdserve.tune.remote_endpoint import RemoteEndpoint
 
     keys, lay = ClusterKeys.generate(), layout(dtype)
     remote = RemoteEndpoint("receiver", "tcp", lay, NUM_BLOCKS, keys=keys, encrypt=encrypt)

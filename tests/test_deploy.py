@@ -1,20 +1,26 @@
-"""`pdserve launch`: the plan each example cluster file implies, and bad files refused by key."""
+"""`pdserve launch`: the plan each example cluster file implies, bad files refused by key; the
+Kubernetes manifests checked against the Kubernetes schema."""
 
 from __future__ import annotations
 
+import copy
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pdserve.cli import build_parser
 from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.schema import from_args
 from pdserve.cluster_file import ClusterFileError, load_cluster_file, plan
+from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine.config import EngineConfig
 
-DEPLOY = Path(__file__).parent.parent / "deploy"
+REPO = Path(__file__).parent.parent
+DEPLOY = REPO / "deploy"
 
 
 def by_name(plans):
@@ -158,6 +164,102 @@ def test_bad_cluster_files_are_refused_naming_the_key(tmp_path, text, words):
         assert word in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        (
+            BASE.format(extra="decode_workers = 1\n[coordinator]\ndrain_timeout_s = 'soon'"),
+            ["[coordinator]", "key 'drain_timeout_s'", "must be a number", '"soon"'],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\n[coordinator]\ndrain_timeout_s = -5"),
+            ["[coordinator]", "key 'drain_timeout_s'", "must be >= 0", "-5"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\n[coordinator]\nhttp_port = 80000"),
+            ["[coordinator]", "key 'http_port'", "<= 65535"],
+        ),
+        (
+            "transport = 'udp'\n" + BASE.format(extra="decode_workers = 1"),
+            ["key 'transport'", "one of auto, tcp, shm, cuda_ipc, nccl", '"udp"'],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\ntransport = 'udp'"),
+            ["host 'a'", "key 'transport'", "one of auto, tcp, shm, cuda_ipc, nccl", '"udp"'],
+        ),
+        (
+            "colour = 'blue'\n" + BASE.format(extra="decode_workers = 1"),
+            ["unknown key 'colour'", "known keys:", "model", "cluster_keys", "host"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\n[coordinator]\ncolour = 'blue'"),
+            ["[coordinator]", "unknown key 'colour'", "http_port", "drain_timeout_s"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\ncolour = 'blue'"),
+            ["host 'a'", "unknown key 'colour'", "decode_gpus", "kv_port_base"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\n[coordinator]\ndrain_timeout = 5"),
+            ["[coordinator]", "unknown key 'drain_timeout'", "did you mean 'drain_timeout_s'"],
+        ),
+        (
+            "max_num_seqs = 8\n" + BASE.format(extra="decode_workers = 1"),
+            ["key 'max_num_seqs'", "[host.prefill] or [host.decode]"],
+        ),
+        (
+            BASE.format(extra="decode_gpus = [0, -1]"),
+            ["host 'a'", "key 'decode_gpus'", "every item must be >= 0", "-1"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1.5"),
+            ["host 'a'", "key 'decode_workers'", "an integer", "1.5"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\nkv_port_base = 0"),
+            ["host 'a'", "key 'kv_port_base'", ">= 1"],
+        ),
+        (
+            "insecure = 'yes'\n" + BASE.format(extra="decode_workers = 1"),
+            ["key 'insecure'", "true or false"],
+        ),
+        (
+            BASE.format(extra="decode_workers = 1\n[coordinator]\napi_key = ['a,b']"),
+            ["[coordinator]", "key 'api_key'", "no commas"],
+        ),
+        (
+            '[[host]]\nname = "a"\ndecode_workers = 1\n',
+            ["host 'a'", "key 'address' is required", "how the other hosts reach this one"],
+        ),
+    ],
+)
+def test_bad_values_are_one_line_naming_the_file_the_key_and_what_is_allowed(tmp_path, text, words):
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    with pytest.raises(ClusterFileError) as err:
+        load_cluster_file(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_a_single_api_key_or_a_list_of_them(tmp_path):
+    path = tmp_path / "cluster.toml"
+    for given, keys in (("'k'", ("k",)), ("['k1', 'k2']", ("k1", "k2"))):
+        path.write_text(BASE.format(extra=f"decode_workers = 1\n[coordinator]\napi_key = {given}"))
+        assert load_cluster_file(path).api_keys == keys
+
+
+def test_the_docs_example_cluster_file_loads(tmp_path):
+    doc = (REPO / "docs" / "deployment.md").read_text()
+    path = tmp_path / "cluster.toml"
+    path.write_text(doc.split("## The cluster file")[1].split("```toml\n")[1].split("```")[0])
+    spec = load_cluster_file(path)
+    assert (spec.coordinator_host, spec.drain_timeout_s, spec.api_keys) == ("gpu0", 30.0, ("KEY",))
+    assert [p.name for p in plan(spec, "gpu0")][:2] == ["pdserve-coordinator", "pdserve-prefill-0"]
+
+
 def test_launch_dry_run_prints_the_plan_and_starts_nothing():
     res = subprocess.run(
         [sys.executable, "-m", "pdserve", "launch", str(DEPLOY / "gpu-two-hosts.toml"),
@@ -189,3 +291,94 @@ def test_launch_of_a_bad_file_is_one_line(tmp_path):
     )  # fmt: skip
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "decode_gpus" in res.stderr
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------
+
+MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
+
+
+def manifest_objects(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def kubernetes_errors(obj: dict) -> list[str]:
+    """What the Kubernetes schema of the newest release kubernetes-validate ships finds wrong in
+    one object, in strict mode (an unknown field is an error); none when it is valid."""
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    name = f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}"
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{name}: {'.'.join(map(str, exc.path))}: {exc.message} (Kubernetes {version})"]
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        return [f"{name}: {exc.message}"]
+    return []
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network: the schemas are the ones the package ships."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Kubernetes schema check tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_the_kubernetes_manifests_are_there():
+    assert [p.name for p in MANIFESTS] == ["coordinator.yaml", "decode.yaml", "prefill.yaml"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_each_kubernetes_manifest_is_valid_for_kubernetes(path, offline):
+    objects = manifest_objects(path)
+    assert objects
+    errors = [error for obj in objects for error in kubernetes_errors(obj)]
+    assert not errors, "\n".join(errors)
+
+
+def test_a_broken_kubernetes_manifest_is_refused(offline):
+    (decode, service) = manifest_objects(DEPLOY / "k8s" / "decode.yaml")
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    broken = []
+    misspelt = copy.deepcopy(decode)
+    misspelt["spec"]["template"]["spec"]["containers"][0]["resource"] = container["resources"]
+    del misspelt["spec"]["template"]["spec"]["containers"][0]["resources"]
+    broken.append((misspelt, "'resource' was unexpected"))
+    wrong_type = copy.deepcopy(decode)
+    wrong_type["spec"]["replicas"] = "four"
+    broken.append((wrong_type, "'four' is not of type 'integer'"))
+    no_selector = copy.deepcopy(decode)
+    del no_selector["spec"]["selector"]
+    broken.append((no_selector, "'selector' is a required property"))
+    bad_port = copy.deepcopy(service)
+    bad_port["spec"]["ports"] = [{"port": "http"}]
+    broken.append((bad_port, "'http' is not of type 'integer'"))
+    no_such_api = copy.deepcopy(decode)
+    no_such_api["apiVersion"] = "apps/v9"
+    broken.append((no_such_api, "Couldn't find schema for kind StatefulSet"))
+    for obj, words in broken:
+        (error,) = kubernetes_errors(obj)
+        assert words in error
+
+
+def test_the_kubernetes_commands_and_config_are_pdserves(tmp_path):
+    """Each container's command parses as `pdserve` parses it, and the coordinator's ConfigMap
+    holds a coordinator config that loads."""
+    configs = 0
+    for path in MANIFESTS:
+        for obj in manifest_objects(path):
+            if obj["kind"] == "ConfigMap":
+                config = tmp_path / "pdserve.toml"
+                config.write_text(obj["data"]["pdserve.toml"])
+                assert CoordinatorConfig.from_toml(config).heartbeat_timeout_s == 5.0
+                configs += 1
+            if obj["kind"] in ("Deployment", "StatefulSet"):
+                for container in obj["spec"]["template"]["spec"]["containers"]:
+                    assert container["command"][0] == "pdserve"
+                    build_parser().parse_args(container["command"][1:])
+    assert configs == 1

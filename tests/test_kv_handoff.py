@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.decode_node.handoff import DecodeHandoff
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import make_receiver
-from pdserve.kv_transfer.handoff import DecodeHandoff, HandoffState, PrefillHandoff
+from pdserve.prefill_node.handoff import HandoffState, PrefillHandoff
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 BLOCKS = 16
@@ -194,10 +195,10 @@ def test_a_decode_node_whose_receiver_failed_reports_it_and_takes_no_more_handof
     from conftest import RecordingLink
 
     from pdserve.cluster.node_messages import Admit, Admitted, TransferDone
+    from pdserve.cluster.node_reports import engine_heartbeat
     from pdserve.decode_node.worker import DecodeNode
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.node_reports import engine_heartbeat
 
     receivers = []
 
@@ -216,7 +217,7 @@ def test_a_decode_node_whose_receiver_failed_reports_it_and_takes_no_more_handof
         deadline = time.monotonic() + 20
         while not any(isinstance(m, TransferDone) for m in node.link.sent):
             assert time.monotonic() < deadline, node.link.sent
-            node._take_in_arrivals()
+            node.take_in()
             time.sleep(0.01)
         done = node.link.sent[-1]
         assert (done.request_id, done.ok) == ("r1", False) and "injected failure" in done.error

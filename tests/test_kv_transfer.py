@@ -12,9 +12,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pdserve.bench.kv_remote import RemoteEndpoint, pool_bytes, wait_for
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferResult, make_receiver, make_sender
+from pdserve.tune.remote_endpoint import RemoteEndpoint, pool_bytes, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

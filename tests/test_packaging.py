@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import pdserve
-from pdserve.bench.serving.pdserve_server import free_port
+from pdserve.tune.local_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

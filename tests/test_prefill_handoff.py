@@ -65,7 +65,7 @@ def test_a_send_that_cannot_start_is_settled_by_the_loop():
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("held", list(range(5, 30)), params, prefill_only=True)
     while engine.has_unfinished():
-        node._report_first_tokens(engine.step())
+        node.report(engine.step())
     node.link.sent.clear()  # the FirstToken
     blocks = engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks - 4  # 25 prompt tokens, held
@@ -80,7 +80,7 @@ def test_a_send_that_cannot_start_is_settled_by_the_loop():
     worker.start()
     worker.join(10)
     assert node.link.sent == [] and blocks.num_free_blocks == blocks.num_blocks - 4
-    node._report_handoffs()
+    node.report([])
     sent = sorted(node.link.sent, key=lambda m: m.request_id)
     assert [(m.request_id, m.ok) for m in sent] == [("held", False), ("unknown", False)]
     assert all(isinstance(m, TransferDone) for m in sent)

@@ -1,9 +1,11 @@
 """Every setting is declared once (`pdserve.cluster.schema`) by EngineConfig, NodeOptions or
-CoordinatorConfig; flags, node command lines, the coordinator's file, the cluster file's role
-tables and the docs' tables follow from those declarations."""
+CoordinatorConfig, and every key of the cluster file by its tables' declarations; flags, node
+command lines, the coordinator's file, the cluster file and the docs' tables follow from those
+declarations."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -18,8 +20,26 @@ from hypothesis import strategies as st
 
 from pdserve.cli import build_parser
 from pdserve.cluster.node_options import NodeOptions
-from pdserve.cluster.schema import Declared, add_flags, declared, from_args, values_from_args
-from pdserve.cluster_file import NOT_PER_ROLE, ClusterFileError, load_cluster_file, plan
+from pdserve.cluster.schema import (
+    Declared,
+    add_flags,
+    check,
+    declared,
+    from_args,
+    to_flags,
+    values_from_args,
+)
+from pdserve.cluster_file import (
+    CLUSTER_WIDE,
+    NOT_PER_ROLE,
+    ClusterFileError,
+    ClusterOptions,
+    CoordinatorPlace,
+    HostSpec,
+    doc_table,
+    load_cluster_file,
+    plan,
+)
 from pdserve.coordinator.config import CoordinatorConfig, doc_tables, file_keys
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
 from pdserve.launch import NodeSpec
@@ -71,6 +91,20 @@ def test_bad_values_are_refused_naming_the_setting():
     with pytest.raises(ValueError, match="heartbeat_interval_s must be > 0"):
         NodeOptions(coordinator=COORDINATOR, node_id="n", heartbeat_interval_s=0)
     assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1.0
+
+
+def test_a_list_setting_checks_each_item():
+    gpus = next(d for d in declared(HostSpec) if d.name == "prefill_gpus")
+    assert gpus.many and gpus.kind is int
+    assert check(gpus, [3, 1]) == (3, 1)
+    with pytest.raises(ValueError, match=r"prefill_gpus: every item must be >= 0, got -1"):
+        check(gpus, [0, -1])
+    with pytest.raises(ValueError, match=r"prefill_gpus must be a list of integers, got 2"):
+        check(gpus, 2)
+    host = HostSpec(name="h", address="127.0.0.1", decode_gpus=[2, 3])
+    parser = argparse.ArgumentParser()
+    add_flags(parser, HostSpec)
+    assert from_args(HostSpec, parser.parse_args(to_flags(host))) == host
 
 
 def test_decode_routing_is_gone():
@@ -397,6 +431,33 @@ def test_the_docs_tables_are_the_declarations():
             "docs/configuration.md's tables differ from the declarations; "
             f"`python -m pdserve.coordinator.config` prints them:\n{table}"
         )
+
+
+# --- the cluster file ---------------------------------------------------------------------------
+
+
+def test_the_cluster_files_keys_are_declared_once_per_table():
+    for cls in (ClusterOptions, CoordinatorPlace, HostSpec):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        settings_ = {d.name for d in declared(cls)}
+        # A host carries its role tables, read by EngineConfig's and NodeOptions' declarations.
+        assert fields - settings_ == ({"prefill", "decode"} if cls is HostSpec else set())
+    # The top's engine settings are EngineConfig's, not declared a second time.
+    assert not {d.name for d in declared(ClusterOptions)} & set(CLUSTER_WIDE)
+
+
+def test_the_cluster_files_table_in_the_docs_is_the_declarations():
+    doc = (REPO / "docs" / "deployment.md").read_text()
+    assert doc_table() in doc, (
+        "docs/deployment.md's table of the cluster file differs from its declarations; "
+        f"`python -m pdserve.cluster_file` prints it:\n{doc_table()}"
+    )
+
+
+def test_the_cluster_files_table_is_what_python_m_prints():
+    res = subprocess.run([sys.executable, "-m", "pdserve.cluster_file"], capture_output=True,
+                         text=True, timeout=60, check=True)  # fmt: skip
+    assert res.stdout == doc_table()
 
 
 # --- the cluster file's role tables -------------------------------------------------------------

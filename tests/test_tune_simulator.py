@@ -201,9 +201,9 @@ def test_a_run_stops_once_its_slo_attainment_cannot_be_met():
 
 
 def test_tpot_and_slo_attainment_follow_the_serving_benchmark_definitions():
-    from pdserve.bench.serving.metrics import SLO as BenchSLO
-    from pdserve.bench.serving.metrics import RequestResult
-    from pdserve.bench.serving.metrics import summarize as bench_summarize
+    from pdserve.tune.serving_metrics import SLO as ServingSLO
+    from pdserve.tune.serving_metrics import RequestResult
+    from pdserve.tune.serving_metrics import summarize as serving_summarize
 
     outcomes = [
         Outcome(True, 0.0, 10, 0.2, 1.1),
@@ -219,7 +219,7 @@ def test_tpot_and_slo_attainment_follow_the_serving_benchmark_definitions():
     ]  # fmt: skip
     slo = SLO(1.0, 0.1)
     ours = summarize(outcomes, slo, 2.0)
-    theirs = bench_summarize(results, 2.3, BenchSLO(1.0, 0.1))  # first send to last end
+    theirs = serving_summarize(results, 2.3, ServingSLO(1.0, 0.1))  # first send to last end
     assert ours.duration_s == pytest.approx(2.3)
     assert ours.attainment == theirs["slo_attainment"]
     assert ours.goodput == pytest.approx(theirs["goodput"])

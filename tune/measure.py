@@ -1,6 +1,6 @@
 """`pdserve tune profile`: the step-time model measured on this machine, from a grid of real engine
 steps (scheduler, `ModelRunner`, sampler, postprocess: what a node's loop runs each step), and the
-transfer model from `pdserve.bench.kv_transfer`'s transfers, both fitted and saved as a profile."""
+transfer model from the transfer probe's transfers, both fitted and saved as a profile."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pdserve.tune.model_shape import ModelShape
 from pdserve.tune.profile import Profile
 from pdserve.tune.step_model import StepShape, fit
 from pdserve.tune.transfer_model import TransferModel
+from pdserve.tune.transfer_probe import TransferProbe
 
 logger = logging.getLogger(__name__)
 
@@ -145,29 +146,22 @@ def measure_transfer(
     blocks: tuple[int, ...] = (1, 8, 32, 128),
     repeats: int = 5,
 ) -> TransferModel:
-    """`pdserve.bench.kv_transfer`'s transfers of the model's own KV layout (a receiver in another
-    process, blocks scattered over its pool as a busy node's are) at a few sizes, fitted to
+    """The transfer probe's transfers of the model's own KV layout (a receiver in another process,
+    blocks scattered over its pool as a busy node's are) at a few sizes, fitted to
     latency + bytes / bandwidth; a transfer's cost per page shows in the bandwidth."""
-    try:
-        from pdserve.bench.kv_transfer import TransferBench
-    except ImportError as exc:
-        raise ValueError(
-            "measuring the transfer needs bench/ (a source checkout); or give "
-            "--transfer-gbps and --transfer-latency-ms"
-        ) from exc
     pool_blocks = 2 * max(blocks) + 1
-    bench = TransferBench(transport, pool_blocks, "cpu", chunk_bytes=8 << 20, layout=layout)
+    probe = TransferProbe(transport, layout, pool_blocks, "cpu", chunk_bytes=8 << 20)
     rng = random.Random(0)
     try:
         sizes, seconds = [], []
         for n in blocks:
             src, dst = rng.sample(range(pool_blocks), n), rng.sample(range(pool_blocks), n)
-            bench.run(src, dst)  # warm-up: first touch of pages, the connection
-            times = [bench.run(src, dst) for _ in range(repeats)]
+            probe.run(src, dst)  # warm-up: first touch of pages, the connection
+            times = [probe.run(src, dst) for _ in range(repeats)]
             sizes.append(n * layout.bytes_per_block)
             seconds.append(statistics.median(times))
     finally:
-        bench.close()
+        probe.close()
     return TransferModel.fit(sizes, seconds, transport)
 
 
@@ -246,19 +240,18 @@ def cpu_name() -> str:
 
 def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int = 12) -> Profile:
     """What serving over HTTP adds to TTFT on this machine: lone short requests to a real
-    `pdserve serve` (one colocated worker), against the same requests simulated without it.
-    Needs bench/ (a source checkout)."""
+    `pdserve serve` (one colocated worker), against the same requests simulated without it."""
     import asyncio
     import math
     import tempfile
     from dataclasses import replace
     from pathlib import Path
 
-    from pdserve.bench.serving.load_generator import LoadConfig, run_load
-    from pdserve.bench.serving.metrics import SLO as BenchSLO
-    from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
-    from pdserve.bench.serving.workload import SyntheticWorkload
     from pdserve.tune.deployment import Deployment
+    from pdserve.tune.load_generator import LoadConfig, run_load
+    from pdserve.tune.local_server import PdserveServer, PdserveSystem
+    from pdserve.tune.serving_metrics import SLO as ServingSLO
+    from pdserve.tune.serving_workload import SyntheticWorkload
     from pdserve.tune.simulator import Simulation
     from pdserve.tune.workload import SimRequest
 
@@ -270,7 +263,7 @@ def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int 
     with tempfile.TemporaryDirectory() as work, PdserveServer(system, Path(work), model_dir) as s:
         cfg = LoadConfig(s.base_url, rate=math.inf, max_concurrency=1, progress=False,
                          extra_body={"logprobs": 0})  # fmt: skip
-        run = asyncio.run(run_load(specs[2:], cfg, BenchSLO(1.0, 1.0), specs[:2]))
+        run = asyncio.run(run_load(specs[2:], cfg, ServingSLO(1.0, 1.0), specs[:2]))
     measured = [r["ttft"] for r in run["requests"] if r["success"]]
     lone = [SimRequest(i * 0.5, s.prompt_len, s.output_len, tuple(s.prompt))
             for i, s in enumerate(specs[2:])]  # fmt: skip

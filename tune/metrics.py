@@ -1,5 +1,5 @@
-"""What a simulated run measured, with the serving benchmark's definitions (`bench/serving/metrics.py`,
-kept equal by a test): per request TTFT, TPOT = (latency - TTFT) / (outputs - 1), success; per run
+"""What a simulated run measured, with a real load's definitions (`tune/serving_metrics.py`, kept
+equal by a test): per request TTFT, TPOT = (latency - TTFT) / (outputs - 1), success; per run
 the SLO attainment (the fraction of all requests, failures counting as misses, within both the TTFT
 and the TPOT target), goodput (those requests per second of the run, first arrival to last end),
 and latency percentiles (linear interpolation)."""

@@ -6,7 +6,7 @@ model gives). Nodes use them exactly as they use the real ones."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 
@@ -15,8 +15,16 @@ from pdserve.cluster.node_messages import Heartbeat, Message, Register
 from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult
 from pdserve.tune.transfer_model import TransferModel
 
-if TYPE_CHECKING:
-    from pdserve.tune.simulator import Simulation
+
+class Simulation(Protocol):
+    """What the stand-ins ask of the simulation that runs them (`tune.simulator.Simulation`)."""
+
+    now: float
+
+    def at(self, when: float, fn: Callable[..., Any], *args: Any) -> None: ...
+
+    def to_coordinator(self, identity: bytes, msg: Message) -> None: ...
+
 
 TRANSPORT = "sim"
 

@@ -4,7 +4,7 @@ when they arrive, from synthetic length distributions, a trace file or a ShareGP
 A `Workload` holds the lengths and the arrival process at a rate of one request per second, so
 that the same requests come at any rate (`at_rate`): the search compares rates on identical
 draws. Arrivals are gamma-distributed gaps with mean 1/rate, shape `burstiness` (1 = Poisson), as
-the serving benchmark draws them (`bench/serving/arrivals.py`); a trace keeps its own times,
+a real load draws them (`tune/arrivals.py`); a trace keeps its own times,
 compressed or stretched to the rate.
 """
 
@@ -233,7 +233,7 @@ def load_sharegpt(
 ) -> Workload:
     """The first human turn of each conversation as the prompt and the reply's length as the
     output length, conversations too short or too long skipped, drawn in seeded order: the
-    serving benchmark's filter (`pdserve.bench.serving.workload.load_sharegpt`)."""
+    load generator's filter (`pdserve.tune.serving_workload.load_sharegpt`)."""
     data = json.loads(Path(path).read_text())
     rng = np.random.default_rng(seed)
     requests: list[SimRequest] = []

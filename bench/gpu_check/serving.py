@@ -109,7 +109,7 @@ class Server:
     """`pdserve serve` on the GPU, its output in a log; ready once it prints its HTTP address."""
 
     def __init__(self, model: Path, transport: str, work: Path) -> None:
-        from pdserve.bench.serving.pdserve_server import free_port
+        from pdserve.tune.local_server import free_port
 
         self.work = work
         work.mkdir(parents=True, exist_ok=True)

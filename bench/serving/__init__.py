@@ -1,2 +1,3 @@
-"""The serving benchmark: a load generator for any OpenAI-compatible completions endpoint, its
-metrics, rate sweeps and plots; `bench/compare.py` runs it against pdserve's configurations."""
+"""The serving benchmark: rate sweeps, reports and plots of the load generator (`pdserve.tune`'s,
+for any OpenAI-compatible completions endpoint); `bench/compare.py` runs it against pdserve's
+configurations and vLLM."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.bench.serving.metrics import throughput_at_latency
 from pdserve.bench.serving.sweep import curve
+from pdserve.tune.serving_metrics import throughput_at_latency
 
 
 def _find(sweeps: Sequence[dict], system: str, variant: str) -> dict | None:

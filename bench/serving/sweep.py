@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from pdserve.bench.serving.load_generator import LoadConfig, format_summary, run_load
-from pdserve.bench.serving.metrics import SLO
-from pdserve.bench.serving.workload import RequestSpec
+from pdserve.tune.load_generator import LoadConfig, format_summary, run_load
+from pdserve.tune.serving_metrics import SLO
+from pdserve.tune.serving_workload import RequestSpec
 
 
 async def run_sweep(

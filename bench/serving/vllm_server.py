@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from pdserve.bench.peers.driver import VLLM_VENV, peer_python
-from pdserve.bench.serving.pdserve_server import PdserveServer, PdserveSystem
+from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 KV_CACHE_BYTES = 2 << 30
 

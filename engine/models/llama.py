@@ -20,7 +20,7 @@ from pdserve.engine.models.parallel_layers import (
 from pdserve.engine.tp_group import TPGroup
 from pdserve.engine.tp_shard import TPShard
 from pdserve.engine.weights import CheckpointTensor
-from pdserve.kernels.ops import Ops
+from pdserve.kernels.op_table import Ops
 
 
 class RMSNorm(nn.Module):

@@ -1,13 +1,13 @@
 """What a node tells the coordinator about its engine: its registration, its load, and a sampled
-token's logprobs, as the wire messages that carry them."""
+token's logprobs, as the wire messages that carry them. Torch-free: the engine is read through
+the attributes every node engine has (the real one, and the tuner's simulated one)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from pdserve.cluster.node_messages import Heartbeat, NodeRole, Register, TokenLogprobs
-from pdserve.engine.embedded_models import model_name
-from pdserve.engine.llm_engine import LLMEngine
 
 
 def wire_logprobs(logprobs: list[dict]) -> TokenLogprobs | None:
@@ -20,12 +20,12 @@ def wire_logprobs(logprobs: list[dict]) -> TokenLogprobs | None:
 
 
 def engine_registration(
-    engine: LLMEngine, node_id: str, role: NodeRole, transport: str, receiver_info: dict
+    engine: Any, node_id: str, role: NodeRole, transport: str, receiver_info: dict
 ) -> Register:
     return Register(
         node_id=node_id,
         role=role,
-        model=model_name(engine.config.model),
+        model=engine.model_name,
         block_size=engine.layout.block_size,
         num_blocks=engine.block_manager.num_blocks,
         max_model_len=engine.max_model_len,
@@ -37,7 +37,7 @@ def engine_registration(
 
 
 def engine_heartbeat(
-    engine: LLMEngine, node_id: str, pending_transfers: int, kv_error: str | None = None
+    engine: Any, node_id: str, pending_transfers: int, kv_error: str | None = None
 ) -> Heartbeat:
     load = engine.load()
     return Heartbeat(

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import httpx
 
-from pdserve.bench.serving.metrics import RequestResult
-from pdserve.bench.serving.workload import RequestSpec
+from pdserve.tune.serving_metrics import RequestResult
+from pdserve.tune.serving_workload import RequestSpec
 
 DONE = "[DONE]"
 

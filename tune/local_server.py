@@ -1,5 +1,6 @@
-"""Starting one pdserve configuration on this machine for a benchmark, and stopping it: `pdserve
-serve` with a generated config file, waited on until `/health` answers and a request completes."""
+"""Starting one pdserve configuration on this machine for a measurement (the tuner's, a
+benchmark's), and stopping it: `pdserve serve` with a generated config file, waited on until
+`/health` answers and a request completes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from pdserve import SOURCE_ROOT
+
 # One math thread per process: with every node on the same few cores, torch's default (a thread
 # per core in each process) oversubscribes them and a decode step takes ten times longer.
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -90,7 +92,7 @@ class PdserveServer:
         self.command = cmd
         log = open(self.work_dir / "serve.log", "ab")  # noqa: SIM115
         # Its own session, so stopping it never signals this process.
-        self.proc = subprocess.Popen(cmd, env=self.env, cwd=REPO_ROOT, stdout=log,
+        self.proc = subprocess.Popen(cmd, env=self.env, cwd=SOURCE_ROOT, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             self.wait_ready()

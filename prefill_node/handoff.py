@@ -1,13 +1,8 @@
-"""A node's KV handoffs, one object per side: which blocks each handoff holds, in which state,
-and the transport calls that move them. The node's loop asks and polls; nothing here blocks on
-the network, so the step loop never waits on a peer.
-
-Prefill side (`PrefillHandoff`): hold a prefilled sequence's blocks, send them when the
+"""A prefill node's KV handoffs: hold a prefilled sequence's blocks, send them when the
 coordinator says where (from the loop or the handoff socket's thread), free them when the send
-ends or the request is aborted. Decode side (`DecodeHandoff`): reserve blocks for a sequence
-whose KV will arrive, expect it, and hand the sequence over once every page is in; free the
-blocks if it fails or is cancelled. Blocks are freed only by the loop's calls (hold, abort,
-poll), never by another thread: the block manager is the loop's.
+ends or the request is aborted. The node's loop asks and polls; nothing here blocks on the
+network, so the step loop never waits on a peer. Blocks are freed only by the loop's calls (hold,
+abort, poll), never by another thread: the block manager is the loop's.
 """
 
 from __future__ import annotations
@@ -18,24 +13,21 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.sequence import Sequence
-from pdserve.kv_transfer.base import KVReceiver, KVSender, TransportFailed
+from pdserve.kv_transfer.base import KVSender
 
 logger = logging.getLogger(__name__)
 
 
 class HandoffState(enum.Enum):
-    # prefill, layer-wise streaming: the prompt is still prefilling in the engine (which owns
-    # its blocks); the destination may come before it ends
+    # layer-wise streaming: the prompt is still prefilling in the engine (which owns its
+    # blocks); the destination may come before it ends
     PREFILLING = "prefilling"
-    HELD = "held"  # prefill: KV computed and kept, waiting to be sent
-    SENDING = "sending"  # prefill: pages on their way
-    EXPECTING = "expecting"  # decode: blocks reserved, pages awaited
-    # decode, early admission: every layer is in, the first token (StartDecode) is awaited
-    ARRIVED = "arrived"
-    # Ended by an abort while the transport may still touch the blocks: freed once it is done.
+    HELD = "held"  # KV computed and kept, waiting to be sent
+    SENDING = "sending"  # pages on their way
+    # Ended by an abort while the transport may still read the blocks: freed once it is done.
     CANCELLED = "cancelled"
 
 
@@ -55,27 +47,13 @@ class Handoff:
     request_id: str
     blocks: list[int]  # one reference on each, owned by the handoff (none while PREFILLING)
     state: HandoffState
-    seq: Sequence | None = None  # decode side: the sequence that runs once its KV is in
-    # Prefill side: the destination, the layers [0, next_layer) handed to the transport, the
-    # sends not yet ended, the first error, and whether the engine is done with the sequence.
+    # The destination, the layers [0, next_layer) handed to the transport, the sends not yet
+    # ended, the first error, and whether the engine is done with the sequence.
     route: Route | None = None
     next_layer: int = 0
     outstanding: int = 0
     error: str | None = None
     prefill_done: bool = True
-    # Decode side: leading blocks of `blocks` found in the prefix cache, not sent.
-    num_reused: int = 0
-    # Decode side, early admission: the first token has not come yet (StartDecode).
-    first_token_pending: bool = False
-
-
-@dataclass(slots=True)
-class HandoffEnd:
-    """A handoff that ended, for the node to report (TransferDone)."""
-
-    request_id: str
-    ok: bool
-    error: str | None = None
 
 
 class PrefillHandoff:
@@ -109,7 +87,7 @@ class PrefillHandoff:
         # One sender per transport, made on first use: each decode node's receiver says which
         # it speaks (a deployment may mix cuda_ipc within a host and nccl across).
         self.senders: dict[str, KVSender] = {}
-        self._refused: list[HandoffEnd] = []  # orders for KV not held here (nothing to free)
+        self._refused: list[TransferDone] = []  # orders for KV not held here (nothing to free)
         # Routes of streaming prefills whose SendKV (on the handoff socket's thread) came before
         # the loop took their Prefill order: expect_stream picks them up.
         self._ahead: dict[str, Route] = {}
@@ -206,7 +184,7 @@ class PrefillHandoff:
             if handoff is None or handoff.route is not None or handoff.state not in (
                 HandoffState.PREFILLING, HandoffState.HELD,
             ):  # fmt: skip
-                self._refused.append(HandoffEnd(request_id, False, "no prefilled KV held here"))
+                self._refused.append(TransferDone(request_id, False, "no prefilled KV held here"))
                 return
             handoff.route = route
             if handoff.state is HandoffState.PREFILLING:
@@ -286,7 +264,7 @@ class PrefillHandoff:
         with self._lock:
             self._ahead.clear()
 
-    def poll(self) -> list[HandoffEnd]:
+    def poll(self) -> list[TransferDone]:
         """Loop: the handoffs that ended since the last poll (every send ended, one failed, or
         none could start), their blocks freed, for the coordinator to hear of."""
         with self._lock:
@@ -305,7 +283,7 @@ class PrefillHandoff:
                 self.block_manager.free(handoff.blocks)
                 ok = handoff.error is None and handoff.state is HandoffState.SENDING
                 error = handoff.error or (None if ok else "aborted")
-                ends.append(HandoffEnd(handoff.request_id, ok, error))
+                ends.append(TransferDone(handoff.request_id, ok, error))
             refused, self._refused = self._refused, []
             self._drop_failed_senders()
         return ends + refused
@@ -336,156 +314,3 @@ class PrefillHandoff:
             for sender in self.senders.values():
                 sender.close()
             self.senders.clear()
-
-
-class DecodeHandoff:
-    """The receiving side; used by the loop only."""
-
-    def __init__(self, receiver: KVReceiver, block_manager: BlockManager) -> None:
-        self.receiver = receiver
-        self.block_manager = block_manager
-        self.handoffs: dict[str, Handoff] = {}
-        # Reservations whose every block was found cached: nothing to receive, in at the next
-        # poll.
-        self._complete: list[str] = []
-        self.blocks_received = 0  # blocks whose pages arrived here, since the node started
-        self.blocks_reused = 0  # blocks of admitted prompts found already cached here
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.handoffs)
-
-    @property
-    def failed(self) -> str | None:
-        """Why this node can no longer receive KV (its receiver's thread died), or None."""
-        return self.receiver.failed
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.handoffs
-
-    def reserve(
-        self,
-        seq: Sequence,
-        timeout_s: float,
-        reuse_prefix: bool = False,
-        first_token_pending: bool = False,
-    ) -> list[int] | None:
-        """Blocks for the KV of seq's computed tokens, expected from a sender within timeout_s;
-        None (nothing held) when the pool has no room. Raises TransportFailed when the receiver
-        is broken.
-
-        reuse_prefix: the leading full blocks already in the prefix cache are taken (referenced,
-        so never evicted while this handoff holds them) and only the blocks after them are
-        returned and expected: the sender skips `len(seq.block_table) - len(returned)` blocks.
-
-        first_token_pending (early admission): seq holds only its prompt, and it runs once
-        every layer is in and `start` has given it its first token, in either order (that
-        token's slot is allocated by its first decode step, as for any sequence)."""
-        if self.receiver.failed is not None:
-            raise TransportFailed(self.receiver.failed)
-        bm = self.block_manager
-        computed = seq.num_computed_tokens
-        # The token after the computed ones stays uncovered (with early admission, the prompt's
-        # last), so only full blocks of computed tokens can match; a partial last block is
-        # always sent.
-        blocks = bm.allocate_prefix(seq.token_ids[: computed + 1]) if reuse_prefix else []
-        num_reused = len(blocks)
-        if not bm.allocate_slots(blocks, computed, num_reused * bm.block_size):
-            bm.free(blocks)
-            return None
-        dst = blocks[num_reused:]
-        if dst:
-            try:
-                self.receiver.expect(seq.request_id, list(dst), timeout_s=timeout_s)
-            except Exception:
-                bm.free(blocks)
-                raise
-        else:
-            self._complete.append(seq.request_id)
-        seq.block_table = blocks
-        seq.num_cached_tokens = num_reused * bm.block_size
-        self.blocks_reused += num_reused
-        self.handoffs[seq.request_id] = Handoff(
-            seq.request_id, blocks, HandoffState.EXPECTING, seq, num_reused=num_reused,
-            first_token_pending=first_token_pending,
-        )  # fmt: skip
-        return list(dst)
-
-    def start(self, request_id: str, token_id: int) -> Sequence | None:
-        """An early-admitted sequence's first token (StartDecode): the sequence, ready to run,
-        if its KV is all in already (else `poll` hands it out once it is); None otherwise."""
-        handoff = self.handoffs.get(request_id)
-        if handoff is None or not handoff.first_token_pending:
-            return None  # cancelled, refused, or a duplicate
-        handoff.first_token_pending = False
-        handoff.seq.token_ids.append(token_id)
-        if handoff.state is not HandoffState.ARRIVED:
-            return None
-        del self.handoffs[request_id]
-        return handoff.seq
-
-    def cancel(self, request_id: str, kv_unsent: bool = False) -> bool:
-        """The request ended. With kv_unsent (no sender was ever asked for this KV), or when
-        nothing was to be received or all of it is in, the blocks are freed now. Otherwise a
-        sender may be writing: the receiver stops the transfer and the blocks are freed at the
-        poll that sees it end, once nothing writes into them. False if nothing is reserved for
-        it."""
-        handoff = self.handoffs.get(request_id)
-        if handoff is None:
-            return False
-        if request_id in self._complete:
-            self._complete.remove(request_id)
-            del self.handoffs[request_id]
-            self.block_manager.free(handoff.blocks)
-            return True
-        if self.receiver.failed is None and handoff.state is HandoffState.EXPECTING:
-            self.receiver.cancel(request_id, "aborted")
-        if handoff.state is HandoffState.ARRIVED or (
-            kv_unsent and handoff.state is HandoffState.EXPECTING
-        ):  # nothing writes into the blocks any more
-            del self.handoffs[request_id]
-            self.block_manager.free(handoff.blocks)
-        else:
-            handoff.state = HandoffState.CANCELLED
-        return True
-
-    def reset(self) -> None:
-        """Drop every handoff (the coordinator moved this node's requests elsewhere)."""
-        for request_id in list(self.handoffs):
-            self.cancel(request_id)
-
-    def poll(self) -> tuple[list[Sequence], list[HandoffEnd]]:
-        """Sequences whose KV has fully arrived (ready to run, their full blocks entered into
-        the prefix cache), and failed handoffs to report; the blocks of failed and cancelled
-        ones are freed."""
-        arrived: list[Sequence] = []
-        failed: list[HandoffEnd] = []
-        for request_id in self._complete:
-            self._land(self.handoffs.pop(request_id), arrived)
-        self._complete.clear()
-        for result in self.receiver.poll():
-            handoff = self.handoffs.pop(result.transfer_id, None)
-            if handoff is None:
-                continue
-            if result.ok and handoff.state is HandoffState.EXPECTING:
-                self.blocks_received += len(handoff.blocks) - handoff.num_reused
-                self._land(handoff, arrived)
-                continue
-            self.block_manager.free(handoff.blocks)
-            if not result.ok and handoff.state is HandoffState.EXPECTING:
-                logger.warning("[%s] KV arrival failed: %s", result.transfer_id, result.error)
-                failed.append(HandoffEnd(result.transfer_id, False, result.error))
-        return arrived, failed
-
-    def _land(self, handoff: Handoff, arrived: list[Sequence]) -> None:
-        """Every page of a handoff is in: its full blocks enter the prefix cache, and its
-        sequence is ready to run (or, admitted early, waits for its first token)."""
-        seq = handoff.seq
-        self.block_manager.cache_full_blocks(
-            seq.block_table, seq.token_ids, seq.num_computed_tokens
-        )
-        if handoff.first_token_pending:  # runs when its first token comes
-            handoff.state = HandoffState.ARRIVED
-            self.handoffs[handoff.request_id] = handoff
-        else:
-            arrived.append(seq)

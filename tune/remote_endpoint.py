@@ -1,6 +1,6 @@
-"""A KV receiver or sender running in a child process, driven over a pipe: what the two-process
-tests and the transfer benchmark use to put each side of a transport in its own process.
-"""
+"""A KV receiver or sender running in a child process, driven over a pipe: what the transfer probe
+(`pdserve tune profile`, the transfer benchmark) and the two-process tests use to put each side of
+a transport in its own process."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _process_context():
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(
-            ["pdserve.bench.kv_remote", "pdserve.kv_transfer.tcp", "pdserve.kv_transfer.shm"]
+            ["pdserve.tune.remote_endpoint", "pdserve.kv_transfer.tcp", "pdserve.kv_transfer.shm"]
         )
         return ctx
     return mp.get_context("spawn")

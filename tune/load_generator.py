@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from tqdm import tqdm
 
-from pdserve.bench.serving.arrivals import arrival_offsets
-from pdserve.bench.serving.completion_stream import completion_body, send_completion
-from pdserve.bench.serving.metrics import SLO, RequestResult, summarize
-from pdserve.bench.serving.workload import RequestSpec
+from pdserve.tune.arrivals import arrival_offsets
+from pdserve.tune.completion_stream import completion_body, send_completion
+from pdserve.tune.serving_metrics import SLO, RequestResult, summarize
+from pdserve.tune.serving_workload import RequestSpec
 
 
 @dataclass(slots=True)

@@ -1,0 +1,119 @@
+"""The loop every node role runs around its engine: carry out the coordinator's orders, step the
+engine, report what the step made, refresh the load report. A role (prefill, decode, colocated)
+says only what is its own: which orders it takes, what it does before a step, what it reports
+after one, and how it registers; the loop is the same for all, and the tuner's simulator drives
+it through the same two halves (`before_step`, `after_step`) on its own clock.
+
+Torch-free: the engine is reached through the methods every node engine has (`NodeEngine`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from pdserve.cluster.node_link import NodeLink
+from pdserve.cluster.node_messages import Heartbeat, Message, Register, Reset, Shutdown
+
+logger = logging.getLogger(__name__)
+
+# How long a node with nothing to step waits for an order (ms); a role waiting for KV asks less.
+IDLE_WAIT_MS = 5
+
+
+class NodeEngine(Protocol):
+    """What the loop asks of a node's engine."""
+
+    seqs: dict[str, Any]
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[Any]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def check_alive(self) -> None: ...
+
+
+class NodeLoop:
+    """One node's loop. Subclasses are the roles: they override the hooks below."""
+
+    def __init__(self, engine: NodeEngine, link: NodeLink) -> None:
+        self.engine = engine
+        self.link = link
+        self.running = True
+
+    # -- the role's part ---------------------------------------------------------------------
+    def handle(self, msg: Message) -> bool:
+        """Carry out an order of the role's; False when the role takes no such order."""
+        return False
+
+    def registration(self) -> Register:
+        raise NotImplementedError
+
+    def heartbeat(self) -> Heartbeat:
+        raise NotImplementedError
+
+    def idle_wait_ms(self) -> int:
+        """How long to wait for orders when the engine has nothing to step."""
+        return IDLE_WAIT_MS
+
+    def take_in(self) -> None:
+        """Before a step, after the orders: what arrived from elsewhere (a decode node's KV)."""
+
+    def report(self, outputs: list[Any]) -> None:
+        """After a step: what it made (tokens), and what ended beside it (handoffs)."""
+
+    def reset(self) -> None:
+        """The coordinator moved this node's requests elsewhere: drop the role's own state (the
+        engine's requests are aborted by the loop)."""
+
+    def start(self) -> None:
+        """Once registered, before the first step (threads of the role's own)."""
+
+    def release(self) -> None:
+        """After the last step: close the role's endpoints (the loop closes the link)."""
+
+    # -- the loop ----------------------------------------------------------------------------
+    def carry_out(self, msg: Message) -> None:
+        if isinstance(msg, Shutdown):
+            self.running = False
+        elif isinstance(msg, Reset):
+            for request_id in list(self.engine.seqs):
+                self.engine.abort(request_id)
+            self.reset()
+            self.register()
+        elif not self.handle(msg):
+            logger.warning("%s ignores %s", type(self).__name__, msg.TYPE)
+
+    def register(self) -> None:
+        self.link.register(self.registration())
+
+    def step(self) -> None:
+        wait = 0 if self.engine.has_unfinished() else self.idle_wait_ms()
+        self.before_step(self.link.receive(wait))
+        self.after_step(self.engine.step() if self.engine.has_unfinished() else [])
+
+    def before_step(self, orders: list[Message]) -> None:
+        """Carry out the orders received since the last step; take in what arrived."""
+        for msg in orders:
+            self.link.carry_out(msg, self.carry_out)
+        self.take_in()
+
+    def after_step(self, outputs: list[Any]) -> None:
+        """Report the step; refresh the load report when it is due."""
+        self.report(outputs)
+        if self.link.load_due():
+            self.engine.check_alive()  # a dead rank takes the node down, idle or not
+            self.link.set_load(self.heartbeat())
+
+    def run(self) -> None:
+        self.register()
+        self.start()
+        while self.running:
+            self.step()
+        self.close()
+
+    def close(self) -> None:
+        self.release()
+        self.link.close()
