@@ -62,14 +62,14 @@ OUT ?= gpu-report
 
 # On a connected machine: the pinned wheels (deploy/gpu-wheels.txt) into .whl/, checked complete.
 gpu-wheels: install
-	$(PY) -m pdserve.bench.gpu_check.wheels download
-	$(PY) -m pdserve.bench.gpu_check.wheels check
+	$(PY) -m pdserve.deploy.gpu_check.wheels download
+	$(PY) -m pdserve.deploy.gpu_check.wheels check
 
 # On the GPU host: install .whl/ with pip alone, run every CUDA path and the headline benchmarks
 # inside 10 minutes, write $(OUT)/report.md, results.json and logs.tar.gz.
 gpu-check:
-	$(GPU_PY) -m pdserve.bench.gpu_check --out $(OUT)
+	$(GPU_PY) -m pdserve.deploy.gpu_check --out $(OUT)
 
 # The full benchmark sweeps for docs/benchmarks.md: a second 10-minute run.
 gpu-check-long:
-	$(GPU_PY) -m pdserve.bench.gpu_check --out $(OUT) --long
+	$(GPU_PY) -m pdserve.deploy.gpu_check --out $(OUT) --long

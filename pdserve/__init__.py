@@ -21,6 +21,7 @@ PARTS = (
     "coordinator",
     "tune",
     "bench",
+    "deploy",
 )
 
 # The folder holding this package (a checkout, or site-packages): what a child process needs on its

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.gpu_check import deps, gpu_tests, report
-from pdserve.bench.gpu_check.plan import BUDGET_S, LONG, MIN_STEP_S, QUICK, Step
-from pdserve.bench.gpu_check.runner import RunSettings, StepResult, run_step
+from pdserve.deploy.gpu_check import deps, gpu_tests, report
+from pdserve.deploy.gpu_check.plan import BUDGET_S, LONG, MIN_STEP_S, QUICK, Step
+from pdserve.deploy.gpu_check.runner import RunSettings, StepResult, run_step
 
 REPO = Path(__file__).resolve().parents[1]
 # The device tool: one command runs 600 s at most; at most 8 files come back, named plainly.
@@ -248,7 +248,7 @@ def test_install_step_installs_with_pip_alone_and_names_wheels_off_the_pins(tmp_
     wheels, site, record = tmp_path / "whl", tmp_path / "site", tmp_path / "install.json"
     wheels.mkdir()
     _wheel(wheels)
-    cmd = [sys.executable, "-m", "pdserve.bench.gpu_check.install", "--json", str(record)]
+    cmd = [sys.executable, "-m", "pdserve.deploy.gpu_check.install", "--json", str(record)]
     cmd += ["--work", str(tmp_path), "--wheels", str(wheels), "--site", str(site)]
     subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, timeout=120, check=True)
     assert (site / "gpucheck_probe" / "__init__.py").read_text() == "VALUE = 42\n"
@@ -266,7 +266,7 @@ def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tm
     cmd = [
         sys.executable,
         "-m",
-        "pdserve.bench.gpu_check",
+        "pdserve.deploy.gpu_check",
         "--out",
         str(out),
         "--wheels",
@@ -304,7 +304,7 @@ def _hanging_step(folder: Path, crash: bool) -> Step:
     (folder / "hanging_step.py").write_text(
         textwrap.dedent(f"""
         import os, threading
-        from pdserve.bench.gpu_check.record import StepRecord, step_args
+        from pdserve.deploy.gpu_check.record import StepRecord, step_args
         args = step_args("hangs")
         record = StepRecord(args.json)
         record.data["half"] = "done"
@@ -368,7 +368,7 @@ def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
         StepResult("model_step", "model_step", "passed", 60, data=_model_step_data()),
         StepResult("serving", "serving", "timed out", 115, summary="stopped"),
     ]  # fmt: skip
-    run = {"command": "python -m pdserve.bench.gpu_check", "plan": "quick", "started": "now",
+    run = {"command": "python -m pdserve.deploy.gpu_check", "plan": "quick", "started": "now",
            "seconds": 300.0, "budget_s": 540.0}  # fmt: skip
     screen = report.first_screen(run, results)
     assert len(screen) <= 40

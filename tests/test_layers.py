@@ -12,10 +12,11 @@ import pdserve
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Higher imports lower; equal levels do not import each other. pdserve (the command) is the top,
-# bench may use everything, and the package root `pdserve` (its version, cache folder, parts) is
-# below them all.
+# Higher imports lower; equal levels do not import each other. pdserve (the command) is the top
+# of the product; bench may use all of it, and the GPU host's check (deploy.gpu_check) bench too;
+# the package root `pdserve` (its version, cache folder, parts) is below them all.
 LEVEL = {
+    "deploy": 7,
     "bench": 6,
     "pdserve": 5,
     "tune": 4,

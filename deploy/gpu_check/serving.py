@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve.bench.gpu_check import deps
-from pdserve.bench.gpu_check.record import Deadline, StepRecord, step_args
+from pdserve.deploy.gpu_check import deps
+from pdserve.deploy.gpu_check.record import Deadline, StepRecord, step_args
 
 # Llama-3.2-1B's layers (16 x hidden 2048, 32 q / 8 KV heads of 64, MLP 8192) with pdserve-tiny's
 # tokenizer: 0.97 B parameters, nearly all in the layers.

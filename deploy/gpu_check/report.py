@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.gpu_check.runner import StepResult
+from pdserve.deploy.gpu_check.runner import StepResult
 
 # The aims (docs/benchmarks.md): decode steps at batch >= 64 read at >= 70% of the measured copy
 # bandwidth; a 2k-token prefill step computes at >= 50% of the measured bf16 matmul rate.

@@ -67,7 +67,9 @@ SCANNED = (
     "kv_transfer",
     "pdserve",
     "prefill_node",
+    "tune",
     "bench",
+    "deploy",
     "tests",
 )
 # Imported only by code gpu-check never runs on the host, and why.

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.bench.gpu_check import deps
-from pdserve.bench.gpu_check.record import StepRecord, step_args
-from pdserve.bench.gpu_check.wheels import wheel_name_version
+from pdserve.deploy.gpu_check import deps
+from pdserve.deploy.gpu_check.record import StepRecord, step_args
+from pdserve.deploy.gpu_check.wheels import wheel_name_version
 
 HOST_VERSION = tuple(int(x) for x in deps.HOST_PYTHON.split("."))
 

@@ -3,7 +3,7 @@
 Phase one collects the whole suite with CUDA hidden and records which tests skip there (and which
 modules skip whole); phase two runs exactly those with the GPU visible, in parallel under
 pytest-xdist where the host has it, each under a per-test timeout, one event per test written as
-it ends (bench.gpu_check.pytest_cuda), so a run stopped at the time box still reports what ran.
+it ends (deploy.gpu_check.pytest_cuda), so a run stopped at the time box still reports what ran.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from pdserve.bench.gpu_check import deps
-from pdserve.bench.gpu_check.record import StepRecord, step_args
+from pdserve.deploy.gpu_check import deps
+from pdserve.deploy.gpu_check.record import StepRecord, step_args
 
-PLUGIN = ["-p", "no:cacheprovider", "-p", "pdserve.bench.gpu_check.pytest_cuda"]
+PLUGIN = ["-p", "no:cacheprovider", "-p", "pdserve.deploy.gpu_check.pytest_cuda"]
 PER_TEST_TIMEOUT_S = 120
 # Outcome order: the worst phase of a test decides its outcome.
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pdserve.bench.gpu_check import deps
-from pdserve.bench.gpu_check.record import StepRecord, step_args
+from pdserve.deploy.gpu_check import deps
+from pdserve.deploy.gpu_check.record import StepRecord, step_args
 
 # (family, block size): every family at the default block, Llama at 1 and 32 too (Triton takes
 # powers of two only; the CPU test's 7 is the reference path's).

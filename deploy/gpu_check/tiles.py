@@ -4,8 +4,8 @@ Llama-3-8B attention shapes in bfloat16. Every configuration is checked against 
 reference on the same inputs before it is timed, and compared with the shipped defaults
 (`decode_config`, `prefill_config`), which were chosen from compiles, not timings.
 
-    python -m pdserve.bench.gpu_check.tiles --json tiles.json            # the quick sweep
-    python -m pdserve.bench.gpu_check.tiles --json tiles.json --long     # the full grid, for the docs
+    python -m pdserve.deploy.gpu_check.tiles --json tiles.json            # the quick sweep
+    python -m pdserve.deploy.gpu_check.tiles --json tiles.json --long     # the full grid, for the docs
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.gpu_check.record import Deadline, StepRecord, step_args
+from pdserve.deploy.gpu_check.record import Deadline, StepRecord, step_args
 
 # Attention outputs in bfloat16 against the reference in bfloat16 (tests/test_gpu_engine.py).
 TOLERANCE = dict(atol=2e-2, rtol=2e-2)

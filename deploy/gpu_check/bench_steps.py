@@ -2,7 +2,7 @@
 the docs (their tables go to the step's log, their JSON into the record), with the headline
 figures the report compares with the aims.
 
-    python -m pdserve.bench.gpu_check.bench_steps kernels --json k.json [--long]
+    python -m pdserve.deploy.gpu_check.bench_steps kernels --json k.json [--long]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.bench.gpu_check.record import StepRecord, step_args
+from pdserve.deploy.gpu_check.record import StepRecord, step_args
 
 
 def kernels(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
@@ -77,7 +77,7 @@ BENCHES = {"kernels": kernels, "model_step": model_step, "kv_transfer": kv_trans
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: python -m pdserve.bench.gpu_check.bench_steps {{{','.join(BENCHES)}}} ...")
+        print(f"usage: python -m pdserve.deploy.gpu_check.bench_steps {{{','.join(BENCHES)}}} ...")
         return 2
     name = argv.pop(0)
     args = step_args(f"gpu-check step {name}", argv)

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.bench.gpu_check import deps
-from pdserve.bench.gpu_check.record import StepRecord, step_args
+from pdserve.deploy.gpu_check import deps
+from pdserve.deploy.gpu_check.record import StepRecord, step_args
 
 # Modules whose import pulls in every other module of pdserve's import graph, CUDA paths too.
 ENTRY_MODULES = (

@@ -1,10 +1,10 @@
-"""`python -m pdserve.bench.gpu_check --out DIR`: install the wheelhouse, run every CUDA path of pdserve and
+"""`python -m pdserve.deploy.gpu_check --out DIR`: install the wheelhouse, run every CUDA path of pdserve and
 its benchmarks inside one 10-minute budget, and write DIR/report.md, DIR/results.json and
 DIR/logs.tar.gz. Exit status 1 if a step failed or ran out of time; on a machine without CUDA the
 GPU steps are skipped, each with its reason, and the run passes.
 
-    python -m pdserve.bench.gpu_check --out gpu-report          # make gpu-check
-    python -m pdserve.bench.gpu_check --out gpu-report --long   # make gpu-check-long: the full sweeps
+    python -m pdserve.deploy.gpu_check --out gpu-report          # make gpu-check
+    python -m pdserve.deploy.gpu_check --out gpu-report --long   # make gpu-check-long: the full sweeps
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pdserve.bench.gpu_check import deps, report
-from pdserve.bench.gpu_check.plan import BUDGET_S, plan
-from pdserve.bench.gpu_check.runner import RunSettings, run_plan
+from pdserve.deploy.gpu_check import deps, report
+from pdserve.deploy.gpu_check.plan import BUDGET_S, plan
+from pdserve.deploy.gpu_check.runner import RunSettings, run_plan
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.gpu_check", description=__doc__.split("\n\n")[0]
+        prog="python -m pdserve.deploy.gpu_check", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--out",
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = run_plan(steps, settings)
         run = {
-            "command": shlex.join(["python", "-m", "pdserve.bench.gpu_check", *argv]),
+            "command": shlex.join(["python", "-m", "pdserve.deploy.gpu_check", *argv]),
             "plan": "long" if args.long else "quick",
             "started": datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "seconds": time.time() - started,

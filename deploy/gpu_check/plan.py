@@ -24,11 +24,11 @@ class Step:
 
 
 INSTALL = Step(
-    "install", "wheels installed with pip --no-index", "pdserve.bench.gpu_check.install", 30
+    "install", "wheels installed with pip --no-index", "pdserve.deploy.gpu_check.install", 30
 )
-ENV = Step("env", "the host, and every import and requirement", "pdserve.bench.gpu_check.env", 25)
+ENV = Step("env", "the host, and every import and requirement", "pdserve.deploy.gpu_check.env", 25)
 CUDA = ("cuda",)
-BENCH = "pdserve.bench.gpu_check.bench_steps"
+BENCH = "pdserve.deploy.gpu_check.bench_steps"
 
 
 def gpu_step(name: str, title: str, module: str, box_s: int, *args: str) -> Step:
@@ -39,20 +39,20 @@ QUICK = (
     INSTALL,
     ENV,
     gpu_step(
-        "tests", "every test that skips without CUDA", "pdserve.bench.gpu_check.gpu_tests", 160
+        "tests", "every test that skips without CUDA", "pdserve.deploy.gpu_check.gpu_tests", 160
     ),
     gpu_step(
         "kernels", "pdserve.bench.kernels --quick (Llama-3-8B attention)", BENCH, 50, "kernels"
     ),
-    gpu_step("tiles", "Triton attention tile sweep", "pdserve.bench.gpu_check.tiles", 55),
+    gpu_step("tiles", "Triton attention tile sweep", "pdserve.deploy.gpu_check.tiles", 55),
     gpu_step(
         "model_step", "pdserve.bench.model_step --quick (Llama-3-8B)", BENCH, 70, "model_step"
     ),
     gpu_step(
-        "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.bench.gpu_check.serving", 115
+        "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.deploy.gpu_check.serving", 115
     ),
     gpu_step(
-        "parity", "float32: Triton vs torch vs transformers", "pdserve.bench.gpu_check.parity", 35
+        "parity", "float32: Triton vs torch vs transformers", "pdserve.deploy.gpu_check.parity", 35
     ),
 )
 
@@ -62,7 +62,7 @@ LONG = (
     gpu_step("kernels", "pdserve.bench.kernels, full sweep", BENCH, 120, "kernels"),
     gpu_step("model_step", "pdserve.bench.model_step, full sweep", BENCH, 150, "model_step"),
     gpu_step(
-        "tiles", "Triton attention tile sweep, full grid", "pdserve.bench.gpu_check.tiles", 150
+        "tiles", "Triton attention tile sweep, full grid", "pdserve.deploy.gpu_check.tiles", 150
     ),
     Step(
         "kv_transfer",

@@ -6,8 +6,8 @@ tests/test_gpu_*.py; then, on the GPU, `--cuda-select FILE` runs those alone. `-
 FILE` appends one JSON line per test phase as it ends, so a run cut short still says what passed
 and what failed.
 
-    python -m pytest -p bench.gpu_check.pytest_cuda --collect-only --cuda-skips-out s.json tests
-    python -m pytest -p bench.gpu_check.pytest_cuda --cuda-select s.json --cuda-events e.jsonl tests
+    python -m pytest -p deploy.gpu_check.pytest_cuda --collect-only --cuda-skips-out s.json tests
+    python -m pytest -p deploy.gpu_check.pytest_cuda --cuda-select s.json --cuda-events e.jsonl tests
 """
 
 from __future__ import annotations

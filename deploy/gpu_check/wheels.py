@@ -2,8 +2,8 @@
 wheels (deploy/gpu-wheels.txt) for CPython 3.12 on manylinux x86-64 into .whl/, and `check`
 proves the set complete before it travels.
 
-    python -m pdserve.bench.gpu_check.wheels download      # make gpu-wheels runs both
-    python -m pdserve.bench.gpu_check.wheels check
+    python -m pdserve.deploy.gpu_check.wheels download      # make gpu-wheels runs both
+    python -m pdserve.deploy.gpu_check.wheels check
 
 What `check` proves, on this machine whatever its own Python: the set is the pins, one wheel
 each; pip accepts every wheel for CPython 3.12 on manylinux_2_28 x86-64 (`--target` install with
@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.bench.gpu_check import deps
+from pdserve.deploy.gpu_check import deps
 
 WHEEL_DIR = deps.REPO / ".whl"
 # The device tool carries 64 MiB of working tree in all; the repository takes a few.

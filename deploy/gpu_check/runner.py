@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.gpu_check import deps
-from pdserve.bench.gpu_check.plan import MIN_STEP_S, Step
+from pdserve.deploy.gpu_check import deps
+from pdserve.deploy.gpu_check.plan import MIN_STEP_S, Step
 
 # A step's own deadline comes this long before its hard stop, so it can write its record.
 SOFT_MARGIN_S = 8
