@@ -177,10 +177,17 @@ def cases(seed: int = 0) -> list[Case]:
             )
             out.append(Case(name, tokens(rng, sequences, logprobs), reports))
     heartbeat = Heartbeat(
-        node_id="decode-0", free_blocks=9731, total_blocks=16384, running=212, waiting=3,
-        queued_prefill_tokens=0, prefix_hits=48213, prefix_misses=9120, pending_transfers=2,
+        node_id="decode-0",
+        free_blocks=9731,
+        total_blocks=16384,
+        running=212,
+        waiting=3,
+        queued_prefill_tokens=0,
+        prefix_hits=48213,
+        prefix_misses=9120,
+        pending_transfers=2,
         seq=18345,
-    )  # fmt: skip
+    )
     out.append(Case("Heartbeat", heartbeat, reports))
     params = SamplingParams(max_tokens=512, temperature=0.7, top_p=0.95, seed=1234, logprobs=0)
     prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]

@@ -122,8 +122,14 @@ def machine() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    cpu = next((line.split(":", 1)[1].strip() for line in run(["lscpu"]).splitlines()
-                if line.startswith("Model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in run(["lscpu"]).splitlines()
+            if line.startswith("Model name")
+        ),
+        platform.processor(),
+    )
     import torch
 
     return {
@@ -154,8 +160,12 @@ async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
         with server:
             print(f"== {name}: {' '.join(server.command)}", flush=True)
             # logprobs: every token in its own chunk, even one that is not yet a whole character.
-            cfg = LoadConfig(server.base_url, seed=args.seed, progress=not args.no_progress,
-                             extra_body={"logprobs": 0})  # fmt: skip
+            cfg = LoadConfig(
+                server.base_url,
+                seed=args.seed,
+                progress=not args.no_progress,
+                extra_body={"logprobs": 0},
+            )
             for variant in args.variants:
                 workload = loads[variant]
                 handoffs_before = handoff_histogram(server)
@@ -256,8 +266,7 @@ def update_doc(doc: Path, block: str) -> None:
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     fenced = f"{BEGIN}\n{block}\n{END}"
     if BEGIN in text and END in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: fenced, text,
-                      flags=re.S)  # fmt: skip
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: fenced, text, flags=re.S)
     else:
         text = text.rstrip("\n") + f"\n\n## Serving\n\n{fenced}\n"
     doc.write_text(text)
@@ -273,48 +282,98 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.compare", description=__doc__,
-                                formatter_class=HelpFormatter)  # fmt: skip
-    p.add_argument("--systems", nargs="+", choices=[*SYSTEMS, *PEER_SYSTEMS],
-                   default=DEFAULT_SYSTEMS, metavar="SYSTEM",
-                   help=f"systems to run, of {', '.join([*SYSTEMS, *PEER_SYSTEMS])} (vllm: "
-                   "vLLM's OpenAI server on its CPU backend, from `make bench-peers`)")  # fmt: skip
-    p.add_argument("--peer-venv", type=Path, default=VLLM_VENV,
-                   help="vLLM's virtualenv, for --systems vllm")  # fmt: skip
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=DEFAULT_VARIANTS,
-                   help="workloads each system runs: mixed (long prompts among short ones), "
-                   "short-only, long-only")  # fmt: skip
-    p.add_argument("--rates", type=floats, default=[2.0, 4.0, 6.0, 8.0, 10.0],
-                   help="request rates of the sweep, req/s")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.bench.compare", description=__doc__, formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        choices=[*SYSTEMS, *PEER_SYSTEMS],
+        default=DEFAULT_SYSTEMS,
+        metavar="SYSTEM",
+        help=f"systems to run, of {', '.join([*SYSTEMS, *PEER_SYSTEMS])} (vllm: "
+        "vLLM's OpenAI server on its CPU backend, from `make bench-peers`)",
+    )
+    p.add_argument(
+        "--peer-venv", type=Path, default=VLLM_VENV, help="vLLM's virtualenv, for --systems vllm"
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=DEFAULT_VARIANTS,
+        help="workloads each system runs: mixed (long prompts among short ones), "
+        "short-only, long-only",
+    )
+    p.add_argument(
+        "--rates",
+        type=floats,
+        default=[2.0, 4.0, 6.0, 8.0, 10.0],
+        help="request rates of the sweep, req/s",
+    )
     p.add_argument("--duration-s", type=float, default=20.0, help="of arrivals per rate")
     p.add_argument("--min-requests", type=int, default=60, help="per rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads and arrivals")
-    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64),
-                   help="short prompts' tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--short-output-len", type=length_range, default=(32, 96),
-                   help="short requests' output tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--long-fraction", type=float, default=0.15,
-                   help="share of long prompts in the mixed workload")  # fmt: skip
-    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900),
-                   help="long prompts' tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--long-output-len", type=length_range, default=(8, 16),
-                   help="long prompts' output tokens, N or LO:HI")  # fmt: skip
+    p.add_argument(
+        "--short-prompt-len",
+        type=length_range,
+        default=(16, 64),
+        help="short prompts' tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--short-output-len",
+        type=length_range,
+        default=(32, 96),
+        help="short requests' output tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.15,
+        help="share of long prompts in the mixed workload",
+    )
+    p.add_argument(
+        "--long-prompt-len",
+        type=length_range,
+        default=(1536, 1900),
+        help="long prompts' tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--long-output-len",
+        type=length_range,
+        default=(8, 16),
+        help="long prompts' output tokens, N or LO:HI",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT objective of goodput")
     p.add_argument("--slo-tpot-ms", type=float, default=25.0, help="TPOT objective of goodput")
-    p.add_argument("--latency-limits-ms", type=floats, default=[1000.0, 2000.0, 3000.0],
-                   help="P99 end-to-end latencies at which continuous and static are compared")  # fmt: skip
-    p.add_argument("--model", default="pdserve-bench",
-                   help="checkpoint directory, pdserve-tiny, or pdserve-bench (generated)")  # fmt: skip
-    p.add_argument("--results", default=None,
-                   help="results JSON (default: WORK_DIR/serving_compare.json)")  # fmt: skip
+    p.add_argument(
+        "--latency-limits-ms",
+        type=floats,
+        default=[1000.0, 2000.0, 3000.0],
+        help="P99 end-to-end latencies at which continuous and static are compared",
+    )
+    p.add_argument(
+        "--model",
+        default="pdserve-bench",
+        help="checkpoint directory, pdserve-tiny, or pdserve-bench (generated)",
+    )
+    p.add_argument(
+        "--results", default=None, help="results JSON (default: WORK_DIR/serving_compare.json)"
+    )
     p.add_argument("--plot", default=None, help="figure (default: WORK_DIR/serving_sweep.png)")
-    p.add_argument("--write-docs", action="store_true",
-                   help="write the results to bench/results/serving_compare.json, the figure to "
-                   "docs/serving_sweep.png and the table into docs/benchmarks.md (unless "
-                   "--results or --plot say otherwise)")  # fmt: skip
+    p.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="write the results to bench/results/serving_compare.json, the figure to "
+        "docs/serving_sweep.png and the table into docs/benchmarks.md (unless "
+        "--results or --plot say otherwise)",
+    )
     p.add_argument("--no-doc", action="store_true", help=argparse.SUPPRESS)  # the default now
-    p.add_argument("--work-dir", default=None,
-                   help="configs, logs and results (default: a new temporary directory)")  # fmt: skip
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="configs, logs and results (default: a new temporary directory)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -349,8 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     results["elapsed_s"] = time.monotonic() - started
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(compact(results), default=str))
-    title = (f"pdserve on {results['machine']['cores']} CPU cores: mixed workload (solid) "
-             f"and short-only (dashed)")  # fmt: skip
+    title = (
+        f"pdserve on {results['machine']['cores']} CPU cores: mixed workload (solid) "
+        f"and short-only (dashed)"
+    )
     plot_sweeps(results["sweeps"], args.plot, title)
     block = markdown(results, args, doc or REPO_ROOT / DOC)
     print(block)

@@ -89,8 +89,11 @@ def memory_child(way: str, shape: str, n: int) -> float:
     """MiB a fresh process gains calling `way` at every row count 1..n once."""
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_CHILD, way, shape, str(n)],
-        capture_output=True, text=True, check=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return round(float(out.stdout.split()[-1]), 1)
 
 
@@ -101,15 +104,20 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.cpu_linear", description=__doc__,
+        prog="python -m pdserve.bench.cpu_linear",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("--shape", action="append", help="OUTxIN (repeat; default: pdserve-stories')")
     p.add_argument("--rows", default="1,3,8,17,33,100,200,300,700,1000,2000")
     p.add_argument("--repeat", type=int, default=40, help="timed calls of each way per row count")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--memory-rows", type=int, default=1024,
-                   help="memory: every row count 1..N, in a fresh process per way")  # fmt: skip
+    p.add_argument(
+        "--memory-rows",
+        type=int,
+        default=1024,
+        help="memory: every row count 1..N, in a fresh process per way",
+    )
     p.add_argument("--json-out", type=Path)
     return p.parse_args(argv)
 
@@ -122,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     shapes = args.shape or STORIES_SHAPES
     rows = [int(r) for r in args.rows.split(",")]
-    commit = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short",
-                             "HEAD"], capture_output=True, text=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     results: dict = {
         "command": "python -m pdserve.bench.cpu_linear "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -134,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         "times_us": {},
         "memory_mib": {},
     }
-    print(f"microseconds per call (median of {args.repeat}), {args.threads} thread(s); "
-          "ratio: padded / unpadded")  # fmt: skip
+    print(
+        f"microseconds per call (median of {args.repeat}), {args.threads} thread(s); "
+        "ratio: padded / unpadded"
+    )
     print("| shape | rows | padded | unpadded | F.linear | ratio | unpadded, first call |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape in shapes:
@@ -145,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             t = time_rows(weight, m, args.repeat)
             results["times_us"][shape][m] = t
             ratio = t["padded"] / t["unpadded"]
-            print(f"| {shape} | {m} | {t['padded']} | {t['unpadded']} | {t['f_linear']} | "
-                  f"{ratio:.2f} | {t['first_unpadded']} |")  # fmt: skip
+            print(
+                f"| {shape} | {m} | {t['padded']} | {t['unpadded']} | {t['f_linear']} | "
+                f"{ratio:.2f} | {t['first_unpadded']} |"
+            )
     print(f"\nMiB gained calling every row count 1..{args.memory_rows} once (fresh process each)")
     print("| shape | padded | unpadded |")
     print("| --- | ---: | ---: |")

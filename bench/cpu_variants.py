@@ -108,8 +108,11 @@ def run_child(spec: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.bench.cpu_variants", "--child", json.dumps(spec)],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"variant {spec['name']} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -144,8 +147,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-WORKLOAD_KEYS = ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len",
-                 "max_output_len", "seed", "vocab_size")  # fmt: skip
+WORKLOAD_KEYS = (
+    "num_requests",
+    "min_prompt_len",
+    "max_prompt_len",
+    "min_output_len",
+    "max_output_len",
+    "seed",
+    "vocab_size",
+)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -161,8 +171,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     )
     print(f"command: {command}")
     print(f"machine: {machine()}")
-    print(f"model: {num_parameters(cfg) / 1e6:.1f}M parameters, float32; load: {args.load} "
-          f"busy-loop processes")  # fmt: skip
+    print(
+        f"model: {num_parameters(cfg) / 1e6:.1f}M parameters, float32; load: {args.load} "
+        f"busy-loop processes"
+    )
     # Stopped by a signal, the run still stops its load (the `finally` below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.load)]
@@ -174,14 +186,21 @@ def main(argv: list[str] | None = None) -> dict | None:
             write_model(model_dir, cfg, args.seed)
             for r in range(args.rounds):
                 for name, settings in variants:
-                    spec = {"name": name, "model_dir": str(model_dir), "settings": settings,
-                            "workload": workload,
-                            "warm_workload": args.warm_workload}  # fmt: skip
+                    spec = {
+                        "name": name,
+                        "model_dir": str(model_dir),
+                        "settings": settings,
+                        "workload": workload,
+                        "warm_workload": args.warm_workload,
+                    }
                     res = run_child(spec)
                     results[name].append(res)
-                    print(f"round {r + 1} {name}: {res['tokens_per_s']:.0f} tok/s "
-                          f"({res['threads']} threads on cores {res['cores']}, "
-                          f"load {res['load_1m']:.2f})", flush=True)  # fmt: skip
+                    print(
+                        f"round {r + 1} {name}: {res['tokens_per_s']:.0f} tok/s "
+                        f"({res['threads']} threads on cores {res['cores']}, "
+                        f"load {res['load_1m']:.2f})",
+                        flush=True,
+                    )
     finally:
         for proc in busy:
             proc.kill()
@@ -195,8 +214,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         med = statistics.median(rates)
         summary[name] = {"settings": settings, "tokens_per_s": rates, "median": med}
         shown = ", ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
-        print(f"| {name} | {shown} | {', '.join(f'{x:.0f}' for x in rates)} | {med:.0f} "
-              f"| {med / first:.2f}x |")  # fmt: skip
+        print(
+            f"| {name} | {shown} | {', '.join(f'{x:.0f}' for x in rates)} | {med:.0f} "
+            f"| {med / first:.2f}x |"
+        )
     print(f"load average at the end: {os.getloadavg()}")
     out = {"command": command, "machine": machine(), "load": args.load, "variants": summary}
     if args.json_out:

@@ -175,8 +175,13 @@ def main() -> None:
     ap.add_argument("--patterns", nargs="*", default=["contiguous", "random"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk-mib", type=float, default=8.0, help="tcp / nccl chunk size")
-    ap.add_argument("--security", nargs="+", choices=list(SECURITY), default=["none"],
-                    help="how receivers admit senders; several: measured side by side")  # fmt: skip
+    ap.add_argument(
+        "--security",
+        nargs="+",
+        choices=list(SECURITY),
+        default=["none"],
+        help="how receivers admit senders; several: measured side by side",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -200,8 +205,10 @@ def main() -> None:
     print(f"# layout {LLAMA3_8B.to_dict()}, {block / 2**20:.0f} MiB per block")
     chunk_bytes = int(args.chunk_mib * 2**20)
     if side_by_side:
-        cols = " | ".join(f"{s} GB/s" + ("" if s == securities[0] else f" | {s} / {securities[0]}")
-                          for s in securities)  # fmt: skip
+        cols = " | ".join(
+            f"{s} GB/s" + ("" if s == securities[0] else f" | {s} / {securities[0]}")
+            for s in securities
+        )
         print(f"| transport | blocks | pattern | MiB | {cols} | raw path | raw GB/s |")
         print(
             "| --- | ---: | --- | ---: |" + " ---: |" * (2 * len(securities) - 1) + " --- | ---: |"
@@ -214,8 +221,10 @@ def main() -> None:
     rows = []
     for transport in transports:
         device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
-        benches = {s: TransferProbe(transport, LLAMA3_8B, max_blocks, device, chunk_bytes, s)
-                   for s in securities}  # fmt: skip
+        benches = {
+            s: TransferProbe(transport, LLAMA3_8B, max_blocks, device, chunk_bytes, s)
+            for s in securities
+        }
         info = benches[securities[0]].remote.info
         if transport == "tcp":
             raw = RawTcp(max(nbytes_list))
@@ -247,20 +256,22 @@ def main() -> None:
                     base = securities[0]
                     for security in securities:
                         for name in raws or {"-": None}:
-                            rows.append({
-                                "transport": transport,
-                                "security": security,
-                                "pattern": pattern,
-                                "blocks": n,
-                                "MiB": nbytes / 2**20,
-                                "GB/s": gbs[security],
-                                "raw": name,
-                                "raw GB/s": gbs.get(name),
-                                # median over rounds of raw time / transfer time, each round
-                                # measured back to back
-                                "ratio": per_round(times, security, name),
-                                f"vs {base}": per_round(times, security, base),
-                            })  # fmt: skip
+                            rows.append(
+                                {
+                                    "transport": transport,
+                                    "security": security,
+                                    "pattern": pattern,
+                                    "blocks": n,
+                                    "MiB": nbytes / 2**20,
+                                    "GB/s": gbs[security],
+                                    "raw": name,
+                                    "raw GB/s": gbs.get(name),
+                                    # median over rounds of raw time / transfer time, each round
+                                    # measured back to back
+                                    "ratio": per_round(times, security, name),
+                                    f"vs {base}": per_round(times, security, base),
+                                }
+                            )
                     if side_by_side:
                         cells = []
                         for security in securities:
@@ -269,8 +280,11 @@ def main() -> None:
                                 cells.append(f"{per_round(times, security, base):.0%}")
                         name = next(iter(raws), "-")
                         raw_gbs = f"{gbs[name]:.2f}" if name in gbs else "-"
-                        print(f"| {transport} | {n} | {pattern} | {nbytes / 2**20:.0f} | "
-                              f"{' | '.join(cells)} | {name} | {raw_gbs} |", flush=True)  # fmt: skip
+                        print(
+                            f"| {transport} | {n} | {pattern} | {nbytes / 2**20:.0f} | "
+                            f"{' | '.join(cells)} | {name} | {raw_gbs} |",
+                            flush=True,
+                        )
                         continue
                     for row in rows[-len(raws or [None]) :]:
                         raw_gbs = f"{row['raw GB/s']:.2f}" if row["raw GB/s"] else "-"

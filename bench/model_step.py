@@ -326,8 +326,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="batches 1,64,256, 1 prompt, 10 repeats"
     )
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks (processes, one device each) the model is split over")  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks (processes, one device each) the model is split over",
+    )
     # A rank other than 0, started by rank 0 with the same arguments.
     parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -349,16 +353,19 @@ def join_group(args: argparse.Namespace, argv: list[str]) -> TPGroup | None:
         return TPGroup.join(shard, args.device, port=args.tp_port)
     store = host_store(size)
     root = str(SOURCE_ROOT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root,
-                                                               os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
     ranks = []
     for rank in range(1, size):
         extra = ["--tp-rank", str(rank), "--tp-port", str(store.port)]
         if args.device.startswith("cuda"):
             extra += ["--device", f"cuda:{rank}"]
         command = [sys.executable, "-m", "pdserve.bench.model_step", *argv, *extra]
-        ranks.append(subprocess.Popen(_without(command, "--json"), env=env,
-                                      stdout=subprocess.DEVNULL))  # fmt: skip
+        ranks.append(
+            subprocess.Popen(_without(command, "--json"), env=env, stdout=subprocess.DEVNULL)
+        )
 
     def check() -> None:
         dead = [r.returncode for r in ranks if r.poll() is not None]

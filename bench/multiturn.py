@@ -100,7 +100,7 @@ def summarize(
             "mean": ms([r.ttft for r in results]),
             "p50": ms([r.ttft for r in results], 50),
             "p90": ms([r.ttft for r in results], 90),
-        },  # fmt: skip
+        },
         "first_gap_ms": {
             "mean": ms([r.first_gap for r in results]),
             "p50": ms([r.first_gap for r in results], 50),
@@ -148,16 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, default=8, help="chat sessions")
     p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
     p.add_argument("--turns", type=length_range, default=(4, 8), help="turns a session, N or LO:HI")
-    p.add_argument("--first-len", type=length_range, default=(64, 128),
-                   help="first message's tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--message-len", type=length_range, default=(16, 48),
-                   help="later messages' tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--output-len", type=length_range, default=(16, 32),
-                   help="answer tokens, N or LO:HI")  # fmt: skip
+    p.add_argument(
+        "--first-len",
+        type=length_range,
+        default=(64, 128),
+        help="first message's tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--message-len",
+        type=length_range,
+        default=(16, 48),
+        help="later messages' tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--output-len", type=length_range, default=(16, 32), help="answer tokens, N or LO:HI"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV blocks of every node")
-    p.add_argument("--modes", default="reuse-on,reuse-off",
-                   help="which servers, in order: reuse-on, reuse-off")  # fmt: skip
+    p.add_argument(
+        "--modes", default="reuse-on,reuse-off", help="which servers, in order: reuse-on, reuse-off"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument(
         "--work-dir", default=None, help="servers' configs and logs (default: a temp dir)"

@@ -266,9 +266,13 @@ class StepTimer:
 
 
 def make_llm(
-    model_dir: Path, policy: str, max_num_seqs: int, num_kv_blocks: int, block_size: int,
+    model_dir: Path,
+    policy: str,
+    max_num_seqs: int,
+    num_kv_blocks: int,
+    block_size: int,
     engine_options: dict | None = None,
-):  # fmt: skip
+):
     """pdserve's offline engine for the benchmark; `engine_options`: other EngineConfig settings."""
     from pdserve.engine import LLM
 
@@ -586,9 +590,17 @@ def run_peer(args: argparse.Namespace, model_dir: Path, workload: list[Request],
 
     requests = [RoundRequest(r.prompt, r.output_len) for r in workload]
     runs = driver.run_rounds(
-        args.peer, model_dir, requests, args.rounds, args.max_num_seqs, args.block_size, tmp,
-        on_run=show, venv=args.peer_venv, variants=args.variants,
-    )  # fmt: skip
+        args.peer,
+        model_dir,
+        requests,
+        args.rounds,
+        args.max_num_seqs,
+        args.block_size,
+        tmp,
+        on_run=show,
+        venv=args.peer_venv,
+        variants=args.variants,
+    )
     for variant in args.variants:
         print()
         if variant.flags:

@@ -61,46 +61,99 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="the server, http://HOST:PORT (with or without /v1)")  # fmt: skip
-    p.add_argument("--api-key", default=None,
-                   help="the server's API key, sent as `Authorization: Bearer KEY`")  # fmt: skip
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="the server, http://HOST:PORT (with or without /v1)",
+    )
+    p.add_argument(
+        "--api-key", default=None, help="the server's API key, sent as `Authorization: Bearer KEY`"
+    )
     p.add_argument("--model", default=None, help="model name (unset: the first of /v1/models)")
-    p.add_argument("--rate", type=rates, default=[math.inf],
-                   help="requests/s (inf: all at once), or a,b,c for a sweep")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        type=rates,
+        default=[math.inf],
+        help="requests/s (inf: all at once), or a,b,c for a sweep",
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at most (unset: no limit)")  # fmt: skip
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (unset: no limit)",
+    )
     p.add_argument("--num-requests", type=int, default=100, help="per rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first")
-    p.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS,
-                   help="time-to-first-token objective for goodput")  # fmt: skip
-    p.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS,
-                   help="time-per-output-token objective for goodput")  # fmt: skip
-    p.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic",
-                   help="random token prompts, or conversations from a ShareGPT file")  # fmt: skip
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=SLO_TTFT_MS,
+        help="time-to-first-token objective for goodput",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=SLO_TPOT_MS,
+        help="time-per-output-token objective for goodput",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=["synthetic", "sharegpt"],
+        default="synthetic",
+        help="random token prompts, or conversations from a ShareGPT file",
+    )
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON")
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer.json (or its folder) for ShareGPT lengths"
     )
-    p.add_argument("--short-prompt-len", type=length_range, default=(16, 64),
-                   help="synthetic prompt tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--short-output-len", type=length_range, default=(64, 128),
-                   help="synthetic output tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--long-fraction", type=float, default=0.0,
-                   help="share of synthetic requests that are long prompts")  # fmt: skip
-    p.add_argument("--long-prompt-len", type=length_range, default=(1536, 1900),
-                   help="long prompts' tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--long-output-len", type=length_range, default=(8, 16),
-                   help="long prompts' output tokens, N or LO:HI")  # fmt: skip
-    p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens",
-                   help="synthetic prompts as token ids or as words")  # fmt: skip
-    p.add_argument("--token-id-range", type=length_range, default=(10, 500),
-                   help="synthetic token ids, LO:HI")  # fmt: skip
+    p.add_argument(
+        "--short-prompt-len",
+        type=length_range,
+        default=(16, 64),
+        help="synthetic prompt tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--short-output-len",
+        type=length_range,
+        default=(64, 128),
+        help="synthetic output tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.0,
+        help="share of synthetic requests that are long prompts",
+    )
+    p.add_argument(
+        "--long-prompt-len",
+        type=length_range,
+        default=(1536, 1900),
+        help="long prompts' tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--long-output-len",
+        type=length_range,
+        default=(8, 16),
+        help="long prompts' output tokens, N or LO:HI",
+    )
+    p.add_argument(
+        "--prompt-format",
+        choices=["tokens", "text"],
+        default="tokens",
+        help="synthetic prompts as token ids or as words",
+    )
+    p.add_argument(
+        "--token-id-range", type=length_range, default=(10, 500), help="synthetic token ids, LO:HI"
+    )
     p.add_argument("--no-usage", action="store_true", help="do not ask for stream usage")
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="ask for logprobs, so that every token comes in a chunk of its own")  # fmt: skip
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="ask for logprobs, so that every token comes in a chunk of its own",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--label", default="server", help="the system's name in results and plots")
     p.add_argument("--output", default=None, help="results JSON")

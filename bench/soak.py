@@ -166,17 +166,27 @@ async def soak(args: argparse.Namespace, base: str, root_pid: int) -> dict:
                 if done - args.warmup in points:
                     memory = {name: resident_mib(pid) for name, pid in processes.items()}
                     elapsed = round(time.monotonic() - start, 2)
-                    samples.append(Sample(done - args.warmup, elapsed, {
-                        name: {k: round(v, 1) for k, v in m.items()}
-                        for name, m in memory.items() if m is not None
-                    }))  # fmt: skip
+                    samples.append(
+                        Sample(
+                            done - args.warmup,
+                            elapsed,
+                            {
+                                name: {k: round(v, 1) for k, v in m.items()}
+                                for name, m in memory.items()
+                                if m is not None
+                            },
+                        )
+                    )
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         blocks = await wait_all_blocks_free(client, base, timeout_s=30.0)
     return {
-        "model": model, "processes": processes, "samples": samples, "tally": tally,
+        "model": model,
+        "processes": processes,
+        "samples": samples,
+        "tally": tally,
         "kv_blocks": blocks,
-    }  # fmt: skip
+    }
 
 
 def growth_over_second_half(
@@ -212,16 +222,21 @@ def render(samples: list[Sample], kinds: tuple[str, ...] = ("rss", "anon")) -> s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.soak", description=__doc__,
+        prog="python -m pdserve.bench.soak",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("--requests", type=int, default=10_000, help="measured requests (10000)")
     p.add_argument("--warmup", type=int, default=200, help="requests before the first sample")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--sample-every", type=int, default=1000, help="requests between samples")
     p.add_argument("--max-prompt-len", type=int, default=120, help="words or token ids")
-    p.add_argument("--max-growth-mib", type=float, default=16.0,
-                   help="the most a process may grow over the second half (16)")  # fmt: skip
+    p.add_argument(
+        "--max-growth-mib",
+        type=float,
+        default=16.0,
+        help="the most a process may grow over the second half (16)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--prefill-nodes", type=int, default=1)
@@ -229,19 +244,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transport", default="tcp")
     p.add_argument("--kv-cache-bytes", type=int, default=128 << 20)
     p.add_argument("--model", help="checkpoint directory (unset: pdserve's default)")
-    p.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
-                   help="one more `pdserve serve` argument (repeat: --serve-flag=--cpu-linear "
-                        "--serve-flag=torch)")  # fmt: skip
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/pdserve-soak"),
-                   help="the server's logs")  # fmt: skip
+    p.add_argument(
+        "--serve-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more `pdserve serve` argument (repeat: --serve-flag=--cpu-linear "
+        "--serve-flag=torch)",
+    )
+    p.add_argument(
+        "--work-dir", type=Path, default=Path("/tmp/pdserve-soak"), help="the server's logs"
+    )
     p.add_argument("--json-out", type=Path, help="write the results file here")
     return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> tuple[dict, list[Sample], list[str]]:
     """Serve the soak: its results file, its samples and what it found wrong (empty: nothing)."""
-    flags = ("--transport", args.transport, "--kv-cache-bytes", str(args.kv_cache_bytes),
-             *args.serve_flag)  # fmt: skip
+    flags = (
+        "--transport",
+        args.transport,
+        "--kv-cache-bytes",
+        str(args.kv_cache_bytes),
+        *args.serve_flag,
+    )
     system = PdserveSystem("soak", args.prefill_nodes, args.decode_nodes, flags=flags)
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     host = machine()  # its load average before the run
@@ -262,8 +288,11 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Sample], list[str]]:
         for name, mib in growth.items()
         if mib > args.max_growth_mib
     ]
-    commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     result = {
         "command": "python -m pdserve.bench.soak " + " ".join(sys.argv[1:]),
         "serve_command": command,
@@ -292,11 +321,17 @@ def main(argv: list[str] | None = None) -> int:
     result, samples, problems = run(args)
     print(f"resident memory (MiB) after N measured requests (warm-up: {args.warmup}):")
     print(render(samples))
-    print("growth over the second half (MiB), private:", result["anon_growth_second_half_mib"],
-          "all:", result["rss_growth_second_half_mib"])  # fmt: skip
+    print(
+        "growth over the second half (MiB), private:",
+        result["anon_growth_second_half_mib"],
+        "all:",
+        result["rss_growth_second_half_mib"],
+    )
     tally = result["tally"]
-    print(f"completed {tally['completed']}, dropped by the client {tally['dropped']}, "
-          f"failed {tally['failed']}")  # fmt: skip
+    print(
+        f"completed {tally['completed']}, dropped by the client {tally['dropped']}, "
+        f"failed {tally['failed']}"
+    )
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(result, indent=1) + "\n")

@@ -42,8 +42,12 @@ from pdserve.engine.tp_shard import TPShard
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
 # (name, decode sequences or prefill tokens, context of each sequence)
-PLANS = [("decode-1", 1, 512), ("decode-64", 64, 512), ("decode-256", 256, 4096),
-         ("prefill-2048", 2048, 2048)]  # fmt: skip
+PLANS = [
+    ("decode-1", 1, 512),
+    ("decode-64", 64, 512),
+    ("decode-256", 256, 4096),
+    ("prefill-2048", 2048, 2048),
+]
 # (name, hidden, layers, vocab): the tiny test model's and Llama-3-8B's shapes.
 SHAPES = [("tiny", 128, 2, 512), ("llama3-8b", 4096, 32, 128256)]
 BATCHES = [1, 64]
@@ -140,10 +144,15 @@ def run_trials(group: TPGroup, trials: Trials, channel, reader) -> dict:  # noqa
                 forward_collectives(group, hidden, logits, layers)
 
             us = timed(step, max(1, trials.repeats // 10))
-            out["collectives"].append({
-                "shape": name, "batch": batch, "all_reduces": 2 * layers + 1,
-                "bytes_per_all_reduce": hidden.numel() * hidden.element_size(), "step_us": us,
-            })  # fmt: skip
+            out["collectives"].append(
+                {
+                    "shape": name,
+                    "batch": batch,
+                    "all_reduces": 2 * layers + 1,
+                    "bytes_per_all_reduce": hidden.numel() * hidden.element_size(),
+                    "step_us": us,
+                }
+            )
     return out
 
 
@@ -163,8 +172,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.device_count() > 1 else "cpu")
     parser.add_argument("--repeats", type=int, default=100, help="steps per timed run")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--quick", action="store_true",
-                        help="one decode plan, the tiny shape at batch 1 (checks the script)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one decode plan, the tiny shape at batch 1 (checks the script)",
+    )
     return parser.parse_args(argv)
 
 
@@ -177,14 +189,20 @@ def main(argv: list[str] | None = None) -> dict:
     store = host_store(2)
     max_blocks = max(-(-c // BLOCK_SIZE) for _, _, c in trials.plans)
     channel = PlanChannel(1, plan_capacity(2048, max_blocks))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT),
-                                                               os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
     inbox = channel.inbox(0)
     try:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from pdserve.bench.tp_overhead import worker; worker()"],
-            stdin=subprocess.PIPE, env=env, pass_fds=(inbox.fd,),
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            env=env,
+            pass_fds=(inbox.fd,),
+        )
         channel.handed_over(0)
         proc.stdin.write(pickle.dumps((store.port, inbox, asdict(trials))))
         proc.stdin.close()
@@ -216,8 +234,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{p['plan']:>14} {p['bytes']:>9} {p['shm_us']:>8.0f} {p['gloo_us']:>8.0f}")
     print(f"{'shape':>10} {'batch':>5} {'all-reduces':>11} {'bytes each':>10} {'step ms':>8}")
     for c in results["collectives"]:
-        print(f"{c['shape']:>10} {c['batch']:>5} {c['all_reduces']:>11} "
-              f"{c['bytes_per_all_reduce']:>10} {c['step_us'] / 1000:>8.2f}")  # fmt: skip
+        print(
+            f"{c['shape']:>10} {c['batch']:>5} {c['all_reduces']:>11} "
+            f"{c['bytes_per_all_reduce']:>10} {c['step_us'] / 1000:>8.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results

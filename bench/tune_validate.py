@@ -176,8 +176,9 @@ async def measure(
     if config is not None:
         system.config = config
     with PdserveServer(system, work, model=model) as server:
-        cfg = LoadConfig(server.base_url, seed=args.seed, progress=False,
-                         extra_body={"logprobs": 0})  # fmt: skip
+        cfg = LoadConfig(
+            server.base_url, seed=args.seed, progress=False, extra_body={"logprobs": 0}
+        )
         for i, rate in enumerate(args.rates):
             cfg.rate, cfg.seed = rate, args.seed + i
             specs = requests_at(args, rate, args.seed + i)
@@ -225,10 +226,14 @@ def uptime() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.tune_validate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
-                   default=[2.0, 5.0, 8.0])  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.bench.tune_validate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--rates", type=lambda t: [float(x) for x in t.split(",")], default=[2.0, 5.0, 8.0]
+    )
     p.add_argument("--duration-s", type=float, default=20.0, help="of arrivals per rate")
     p.add_argument("--min-requests", type=int, default=60, help="per rate")
     p.add_argument("--long-fraction", type=float, default=0.15)
@@ -239,10 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="checkpoint (default: pdserve-bench, the serving benchmark's)"
     )
     p.add_argument("--profile", default=None, help="use this profile instead of measuring one")
-    p.add_argument("--quick", action="store_true",
-                   help="a few profile points and a small search: checks the command itself")  # fmt: skip
-    p.add_argument("--transfer-gbps", type=float, default=None,
-                   help="state the KV transfer's bandwidth instead of measuring it")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few profile points and a small search: checks the command itself",
+    )
+    p.add_argument(
+        "--transfer-gbps",
+        type=float,
+        default=None,
+        help="state the KV transfer's bandwidth instead of measuring it",
+    )
     p.add_argument("--transfer-latency-ms", type=float, default=1.0)
     p.add_argument("--json", default=None, help="also write every figure here")
     p.add_argument("--work-dir", default=None, help="configs and logs (default: a temp dir)")
@@ -282,8 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.rates[len(args.rates) // 2]
     sample = sim_requests(requests_at(args, rate, args.seed), rate, args.seed)
     space = SearchSpace.quick() if args.quick else SearchSpace()
-    found = search(profile, from_requests(sample, "the serving benchmark's"), slo, 2, space=space,
-                   base=BASE, processes=1)  # fmt: skip
+    found = search(
+        profile,
+        from_requests(sample, "the serving benchmark's"),
+        slo,
+        2,
+        space=space,
+        base=BASE,
+        processes=1,
+    )
     picked = found.best.deployment
     # The pick runs from the coordinator config pdserve tune writes, as it is.
     written = write_outputs(found.best, profile, slo, 2, work / "tune", model, 8)[0]
@@ -297,24 +316,42 @@ def main(argv: list[str] | None = None) -> int:
         before = os.getloadavg()[0]
         measured = asyncio.run(measure(system, d, args, work, model, config))
         # Other jobs on the machine share its cores with the nodes: the load says how much.
-        print(f"# {system}: 1-min load average {before:.2f} before, {os.getloadavg()[0]:.2f} "
-              "after", flush=True)  # fmt: skip
+        print(
+            f"# {system}: 1-min load average {before:.2f} before, {os.getloadavg()[0]:.2f} after",
+            flush=True,
+        )
         for i, rate in enumerate(args.rates):
             requests = sim_requests(requests_at(args, rate, args.seed + i), rate, args.seed + i)
             predicted = predict(profile, d, requests, slo, rate)
             points.append(Point(system, rate, predicted, measured[rate]))
-            print(f"{system} @ {rate:g}: predicted {predicted['goodput']:.2f}, measured "
-                  f"{measured[rate]['goodput']:.2f} req/s", flush=True)  # fmt: skip
+            print(
+                f"{system} @ {rate:g}: predicted {predicted['goodput']:.2f}, measured "
+                f"{measured[rate]['goodput']:.2f} req/s",
+                flush=True,
+            )
     print(f"# load after: {uptime()}; {(time.monotonic() - started) / 60:.1f} min")
     print(table(points))
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "command": "python -m pdserve.bench.tune_validate " + " ".join(argv or sys.argv[1:]),
-            "profile": profile.to_dict(),
-            "picked": picked.label,
-            "points": [{"system": p.system, "rate": p.rate, "predicted": p.predicted,
-                        "measured": p.measured} for p in points],
-        }, indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": "python -m pdserve.bench.tune_validate "
+                    + " ".join(argv or sys.argv[1:]),
+                    "profile": profile.to_dict(),
+                    "picked": picked.label,
+                    "points": [
+                        {
+                            "system": p.system,
+                            "rate": p.rate,
+                            "predicted": p.predicted,
+                            "measured": p.measured,
+                        }
+                        for p in points
+                    ],
+                },
+                indent=1,
+            )
+        )
     same = ranking(points, "predicted") == ranking(points, "measured")
     worst = {k: max(p.error(k) for p in points) for k in ("goodput", "ttft_ms.p50", "tpot_ms.p50")}
     print(

@@ -101,8 +101,11 @@ class MalformedLog:
         if count == 1:
             self.log.warning(
                 "%s: dropped %s from %s (%s); further ones from it are counted, not logged",
-                self.where, self.what, peer, problem,
-            )  # fmt: skip
+                self.where,
+                self.what,
+                peer,
+                problem,
+            )
 
     @property
     def total(self) -> int:

@@ -104,9 +104,13 @@ class ClusterKeys:
         public = self.public.decode()
         files = {
             PUBLIC_FILE: (0o644, "public key", "may be shown to anyone", ""),
-            SECRET_FILE: (0o600, "SECRET key", "whoever holds this file is a cluster member: "
-                          "keep it mode 0600", f'    secret-key = "{self.secret.decode()}"\n'),
-        }  # fmt: skip
+            SECRET_FILE: (
+                0o600,
+                "SECRET key",
+                "whoever holds this file is a cluster member: keep it mode 0600",
+                f'    secret-key = "{self.secret.decode()}"\n',
+            ),
+        }
         for name, (mode, what, note, secret) in files.items():
             fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             with os.fdopen(fd, "w") as f:
@@ -215,8 +219,9 @@ class Gatekeeper(ThreadAuthenticator):
         if log is not None:
             log(self._address, why)
         else:
-            logger.warning("refused a connection from %s to an unknown ZAP domain %r",
-                           self._address, domain)  # fmt: skip
+            logger.warning(
+                "refused a connection from %s to an unknown ZAP domain %r", self._address, domain
+            )
         return False, why.encode()
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
@@ -341,8 +346,11 @@ async def log_refused_handshakes(sock: zmq.asyncio.Socket, label: str) -> None:
     try:
         while True:
             parse_monitor_message(await monitor.recv_multipart())
-            refused("a peer without the cluster keys", "its CurveZMQ handshake failed: it holds "
-                    "another key set or none; libzmq names no address for these")  # fmt: skip
+            refused(
+                "a peer without the cluster keys",
+                "its CurveZMQ handshake failed: it holds "
+                "another key set or none; libzmq names no address for these",
+            )
     finally:
         with contextlib.suppress(zmq.ZMQError):
             sock.disable_monitor()

@@ -217,17 +217,37 @@ class Reset(Message, tag="reset"):
 
 
 NodeReport = (
-    Register | Heartbeat | HandoffReady | FirstToken | Admitted | TransferDone | Tokens
+    Register
+    | Heartbeat
+    | HandoffReady
+    | FirstToken
+    | Admitted
+    | TransferDone
+    | Tokens
     | RequestError
-)  # fmt: skip
+)
 NodeOrder = Prefill | Generate | Admit | SendKV | StartDecode | Abort | Shutdown | Reset
 
 NODE_REPORTS: tuple[type[Message], ...] = (
-    Register, Heartbeat, HandoffReady, FirstToken, Admitted, TransferDone, Tokens, RequestError,
-)  # fmt: skip
+    Register,
+    Heartbeat,
+    HandoffReady,
+    FirstToken,
+    Admitted,
+    TransferDone,
+    Tokens,
+    RequestError,
+)
 NODE_ORDERS: tuple[type[Message], ...] = (
-    Prefill, Generate, Admit, SendKV, StartDecode, Abort, Shutdown, Reset,
-)  # fmt: skip
+    Prefill,
+    Generate,
+    Admit,
+    SendKV,
+    StartDecode,
+    Abort,
+    Shutdown,
+    Reset,
+)
 
 # What the coordinator decodes, and what a node decodes.
 reports = Codec("node report", NODE_PROTOCOL_VERSION, NODE_REPORTS)

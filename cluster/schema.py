@@ -53,8 +53,16 @@ def setting(
 ) -> Any:
     """A dataclass field declaring one setting; the class calls `validate(self)` in its
     `__post_init__`."""
-    spec = Setting(help, live, None if choices is None else tuple(choices), minimum, maximum,
-                   above, below, tuple(old_names))  # fmt: skip
+    spec = Setting(
+        help,
+        live,
+        None if choices is None else tuple(choices),
+        minimum,
+        maximum,
+        above,
+        below,
+        tuple(old_names),
+    )
     return dataclasses.field(default=default, metadata={"setting": spec})
 
 
@@ -330,11 +338,15 @@ def _shown(value: Any) -> str:
 def doc_rows(cls: type, only: Collection[str] | None = None) -> list[tuple[str, str, str, str]]:
     """(key, default, live or restart, meaning) for each setting of cls, in declaration order."""
     return [
-        (d.name, "required" if d.required else _shown(d.default),
-         "live" if d.spec.live else "restart", d.spec.help)
+        (
+            d.name,
+            "required" if d.required else _shown(d.default),
+            "live" if d.spec.live else "restart",
+            d.spec.help,
+        )
         for d in declared(cls)
         if only is None or d.name in only
-    ]  # fmt: skip
+    ]
 
 
 def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

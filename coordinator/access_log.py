@@ -78,7 +78,12 @@ class AccessLog:
             client = scope.get("client") or ("-", 0)
             access_logger.info(
                 '%s:%s "%s %s" %d %dB %.3fs',
-                client[0], client[1], scope["method"], scope["path"], status, body_bytes,
+                client[0],
+                client[1],
+                scope["method"],
+                scope["path"],
+                status,
+                body_bytes,
                 time.monotonic() - start,
-            )  # fmt: skip
+            )
             _current.reset(token)

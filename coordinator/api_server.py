@@ -27,7 +27,7 @@ from pdserve.coordinator.openai_protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     coordinator_error,
-)  # fmt: skip
+)
 from pdserve.coordinator.request_guard import KEYED_PREFIXES, RequestGuard
 from pdserve.coordinator.serving import OpenAIServing
 from pdserve.coordinator.serving_chat import OpenAIServingChat
@@ -56,8 +56,9 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
 def openapi_schema(app: FastAPI, keyed: bool = False) -> dict:
     """FastAPI's schema of the routes, with the request bodies the routes read by hand (and, with
     API keys, the bearer auth the model's routes take)."""
-    schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                         routes=app.routes)  # fmt: skip
+    schema = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for path, models in REQUEST_BODIES.items():
         refs = []
@@ -68,8 +69,9 @@ def openapi_schema(app: FastAPI, keyed: bool = False) -> dict:
             refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
         content = refs[0] if len(refs) == 1 else {"anyOf": refs}
         schema["paths"][path]["post"]["requestBody"] = {
-            "required": True, "content": {"application/json": {"schema": content}},
-        }  # fmt: skip
+            "required": True,
+            "content": {"application/json": {"schema": content}},
+        }
     if keyed:
         schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
         for path, operations in schema["paths"].items():
@@ -109,8 +111,9 @@ def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = 
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(APIError(500, "internal server error", "server_error",
-                                       code="internal_error"))  # fmt: skip
+        return error_response(
+            APIError(500, "internal server error", "server_error", code="internal_error")
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

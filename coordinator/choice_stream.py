@@ -81,8 +81,12 @@ class ChoiceStream:
             try:
                 event = await anext(events)
             except StopAsyncIteration:
-                raise APIError(500, "the request ended without finishing", "server_error",
-                               code="internal_error") from None  # fmt: skip
+                raise APIError(
+                    500,
+                    "the request ended without finishing",
+                    "server_error",
+                    code="internal_error",
+                ) from None
             delta = self._on_event(event)
             if self.stop.stopped:
                 await self._stop_early()
@@ -134,6 +138,10 @@ class ChoiceStream:
             self.finish_reason = "stop" if self.stop.stopped else reason
         elif reason is not None:  # "abort" that this API did not ask for
             self.finish_reason = reason
-            raise APIError(500, f"the request was ended by the server ({reason})", "server_error",
-                           code="aborted")  # fmt: skip
+            raise APIError(
+                500,
+                f"the request was ended by the server ({reason})",
+                "server_error",
+                code="aborted",
+            )
         return ChoiceDelta(self.index, "".join(pieces), logprobs, self.finish_reason)

@@ -42,9 +42,11 @@ class NodeSettings:
     def differences(self, other: NodeSettings) -> list[str]:
         """The settings whose values differ (one the file leaves out has its default)."""
         out = []
-        for cls, mine, theirs in ((NodeOptions, self.node, other.node),
-                                  (EngineConfig, self.engine, other.engine),
-                                  (RoleTensorParallel, self.roles, other.roles)):  # fmt: skip
+        for cls, mine, theirs in (
+            (NodeOptions, self.node, other.node),
+            (EngineConfig, self.engine, other.engine),
+            (RoleTensorParallel, self.roles, other.roles),
+        ):
             base = defaults(cls)
             out += [n for n in names(cls) if mine.get(n, base.get(n)) != theirs.get(n, base.get(n))]
         return out
@@ -177,9 +179,14 @@ class CoordinatorConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: not valid TOML: {exc}") from exc
         own, node, engine, roles = read_table(
-            data, cls, NodeOptions, EngineConfig, RoleTensorParallel, where=f"{path}: ",
+            data,
+            cls,
+            NodeOptions,
+            EngineConfig,
+            RoleTensorParallel,
+            where=f"{path}: ",
             refuse=NOT_IN_FILE,
-        )  # fmt: skip
+        )
         try:
             EngineConfig(**engine)  # the checks that span settings, before any node starts
         except ValueError as exc:

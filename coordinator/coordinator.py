@@ -147,8 +147,10 @@ class Coordinator:
         alone is invalid: it would never fit)."""
         config = self.config
         if tokens > config.max_pending_tokens:
-            raise SubmitError("invalid", f"{tokens} prompt tokens exceed max_pending_tokens "
-                              f"({config.max_pending_tokens})")  # fmt: skip
+            raise SubmitError(
+                "invalid",
+                f"{tokens} prompt tokens exceed max_pending_tokens ({config.max_pending_tokens})",
+            )
         if self.num_pending + requests > config.max_pending_requests:
             logger.info("refused: %d requests already pending", self.num_pending)
             raise SubmitError("overloaded", "the server is overloaded; retry later")
@@ -171,8 +173,10 @@ class Coordinator:
         self._spawn(self._node_loop(), "coordinator-nodes")
         self._spawn(self._clock_loop(), "coordinator-clock")
         if self.keys is not None:
-            self._spawn(log_refused_handshakes(self.node_sock, "coordinator node socket"),
-                        "coordinator-node-handshakes")  # fmt: skip
+            self._spawn(
+                log_refused_handshakes(self.node_sock, "coordinator node socket"),
+                "coordinator-node-handshakes",
+            )
         if self._client_bind:
             self.client_sock = router_socket(
                 self.ctx, self._client_bind, self.keys, "coordinator client socket"
@@ -180,8 +184,10 @@ class Coordinator:
             self.client_endpoint = self.client_sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._spawn(self._client_loop(), "coordinator-clients")
             if self.keys is not None:
-                self._spawn(log_refused_handshakes(self.client_sock, "coordinator client socket"),
-                            "coordinator-client-handshakes")  # fmt: skip
+                self._spawn(
+                    log_refused_handshakes(self.client_sock, "coordinator client socket"),
+                    "coordinator-client-handshakes",
+                )
         logger.info("coordinator listening for nodes on %s", self.node_endpoint)
 
     def _spawn(self, coro: Coroutine, name: str) -> None:

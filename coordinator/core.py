@@ -36,7 +36,7 @@ from pdserve.cluster.node_messages import (
     TokenLogprobs,
     Tokens,
     TransferDone,
-)  # fmt: skip
+)
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.admission import AdmissionQueue, Candidate, has_room
 from pdserve.coordinator.config import CoordinatorConfig
@@ -397,8 +397,13 @@ class CoordinatorCore:
                 old.alive = False
                 self._on_node_dead(old)
             node = self.nodes.register(msg, identity, self.now)
-            logger.info("node %s registered (%s, %d KV blocks, transport %s)",
-                        node.node_id, node.role, node.num_blocks, node.transport)  # fmt: skip
+            logger.info(
+                "node %s registered (%s, %d KV blocks, transport %s)",
+                node.node_id,
+                node.role,
+                node.num_blocks,
+                node.transport,
+            )
             self._pump_admission()
             return
         if isinstance(msg, HandoffReady):  # may come before or after its node's Register
@@ -493,9 +498,13 @@ class CoordinatorCore:
             # Its computed tokens' full blocks enter the decode node's prefix cache as they land.
             self.decode_affinity.record(state.resume_token_ids()[:-1], node)
         send_kv = SendKV(
-            state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks,
-            self.config.transfer_timeout_s, msg.num_reused,
-        )  # fmt: skip
+            state.wire_id,
+            node.node_id,
+            node.receiver_info,
+            msg.dst_blocks,
+            self.config.transfer_timeout_s,
+            msg.num_reused,
+        )
         # The handoff socket's thread starts the send at once; the main socket's loop only
         # between steps.
         self._send(prefill, send_kv, self.handoff_identities.get(prefill.node_id))
@@ -523,10 +532,14 @@ class CoordinatorCore:
                 token_ids if state.phase is Phase.PREFILLING else token_ids[:-1], node
             )
         send_kv = SendKV(
-            state.wire_id, node.node_id, node.receiver_info, msg.dst_blocks,
-            self.config.transfer_timeout_s, msg.num_reused,
+            state.wire_id,
+            node.node_id,
+            node.receiver_info,
+            msg.dst_blocks,
+            self.config.transfer_timeout_s,
+            msg.num_reused,
             prefilling=state.phase is Phase.PREFILLING,
-        )  # fmt: skip
+        )
         self._send(prefill, send_kv, self.handoff_identities.get(prefill.node_id))
         if state.phase is Phase.ADMITTING:  # the first token came before the reservation
             state.phase = Phase.TRANSFERRING
@@ -577,12 +590,18 @@ class CoordinatorCore:
         self.decode_affinity.forget_node(node.node_id)
         for state in list(self.by_wire.values()):
             on_prefill = state.prefill_node == node.node_id and state.phase in (
-                Phase.PREFILLING, Phase.WAITING_ADMISSION, Phase.ADMITTING, Phase.TRANSFERRING,
-            )  # fmt: skip
+                Phase.PREFILLING,
+                Phase.WAITING_ADMISSION,
+                Phase.ADMITTING,
+                Phase.TRANSFERRING,
+            )
             on_decode = state.decode_node == node.node_id and state.phase in (
-                Phase.LOCAL_PREFILL, Phase.ADMITTING, Phase.TRANSFERRING, Phase.DECODING,
+                Phase.LOCAL_PREFILL,
+                Phase.ADMITTING,
+                Phase.TRANSFERRING,
+                Phase.DECODING,
                 Phase.PREFILLING,  # admitted early (layer-wise KV streaming)
-            )  # fmt: skip
+            )
             if on_prefill or on_decode:
                 self._requeue(state, f"node {node.node_id} died")
 
@@ -646,9 +665,12 @@ class CoordinatorCore:
     def _finish(self, state: RequestState, reason: str) -> None:
         self._close(state, reason)
         self._out.events.append(
-            Event(state.request_id, finish_reason=reason,
-                  num_prompt_tokens=len(state.prompt_token_ids))
-        )  # fmt: skip
+            Event(
+                state.request_id,
+                finish_reason=reason,
+                num_prompt_tokens=len(state.prompt_token_ids),
+            )
+        )
 
     def _fail(self, state: RequestState, code: str, message: str) -> None:
         logger.warning("[%s] failed: %s", state.request_id, message)

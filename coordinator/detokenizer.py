@@ -63,8 +63,11 @@ class IncrementalDetokenizer:
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-to-printable-character table, inverted: the characters of byte-level BPE
     vocabularies back to the bytes they stand for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = list(printable)
     extra = 0
     for b in range(256):

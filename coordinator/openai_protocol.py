@@ -60,11 +60,13 @@ def coordinator_error(code: str, message: str) -> APIError:
     if code == "invalid":
         return bad_request(message)
     if code == "overloaded":
-        return APIError(429, message, "server_overloaded", code="overloaded",
-                        retry_after=RETRY_AFTER_S)  # fmt: skip
+        return APIError(
+            429, message, "server_overloaded", code="overloaded", retry_after=RETRY_AFTER_S
+        )
     if code == "unavailable":
-        return APIError(503, message, "service_unavailable", code="unavailable",
-                        retry_after=RETRY_AFTER_S)  # fmt: skip
+        return APIError(
+            503, message, "service_unavailable", code="unavailable", retry_after=RETRY_AFTER_S
+        )
     return APIError(500, message, "server_error", code="internal_error")
 
 
@@ -173,15 +175,21 @@ class _Sampling(_Body):
         at_most(self.n, limits.max_n, "n")
         stops = self.stop_strings
         if len(stops) > limits.max_stop_strings:
-            raise bad_request(f"at most {limits.max_stop_strings} stop strings, got {len(stops)}",
-                              "stop")  # fmt: skip
+            raise bad_request(
+                f"at most {limits.max_stop_strings} stop strings, got {len(stops)}", "stop"
+            )
         longest = max(map(len, stops), default=0)
         if longest > limits.max_stop_string_chars:
-            raise bad_request(f"a stop string is at most {limits.max_stop_string_chars} "
-                              f"characters, got {longest}", "stop")  # fmt: skip
+            raise bad_request(
+                f"a stop string is at most {limits.max_stop_string_chars} "
+                f"characters, got {longest}",
+                "stop",
+            )
         if self.logit_bias and len(self.logit_bias) > limits.max_logit_bias:
-            raise bad_request(f"at most {limits.max_logit_bias} logit_bias entries, got "
-                              f"{len(self.logit_bias)}", "logit_bias")  # fmt: skip
+            raise bad_request(
+                f"at most {limits.max_logit_bias} logit_bias entries, got {len(self.logit_bias)}",
+                "logit_bias",
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options may only be set when stream is true", "stream_options"

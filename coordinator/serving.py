@@ -28,7 +28,7 @@ from pdserve.coordinator.openai_protocol import (
     bad_request,
     coordinator_error,
     parse_body,
-)  # fmt: skip
+)
 from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -77,11 +77,19 @@ class OpenAIServing:
         max_model_len = self.coordinator.max_model_len
         return {
             "object": "list",
-            "data": [{
-                "id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "root": self.model_dir, "parent": None, "max_model_len": max_model_len,
-            } for name in self.listed],
-        }  # fmt: skip
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "pdserve",
+                    "root": self.model_dir,
+                    "parent": None,
+                    "max_model_len": max_model_len,
+                }
+                for name in self.listed
+            ],
+        }
 
     def response_model(self, requested: str | None) -> str:
         """The `model` a response carries: the name the request used, or the first name."""
@@ -95,8 +103,9 @@ class OpenAIServing:
     def check_model(self, body: Body) -> Body:
         name = getattr(body, "model", None)
         if name is not None and name not in self.model_names:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise APIError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
         return body
 
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
@@ -105,8 +114,9 @@ class OpenAIServing:
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} in '{param}' is outside the vocabulary [0, {vocab})",
-                              param)  # fmt: skip
+            raise bad_request(
+                f"token id {bad} in '{param}' is outside the vocabulary [0, {vocab})", param
+            )
         return ids
 
     def max_tokens(
@@ -120,8 +130,9 @@ class OpenAIServing:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
                 f"has {prompt_len} tokens, leaving no room for a completion.",
-                param, "context_length_exceeded",
-            )  # fmt: skip
+                param,
+                "context_length_exceeded",
+            )
         room = limit - prompt_len
         if requested is None:
             return room if default is None else min(default, room)
@@ -130,8 +141,9 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
                 "completion). Please reduce the prompt or the completion length.",
-                "max_tokens", "context_length_exceeded",
-            )  # fmt: skip
+                "max_tokens",
+                "context_length_exceeded",
+            )
         return requested
 
     def submission(
@@ -165,9 +177,11 @@ class OpenAIServing:
                     logprobs=num_logprobs,
                 )
                 try:
-                    params.append(SamplingParams.from_dict(
-                        {k: v for k, v in fields.items() if v is not None or k == "seed"}
-                    ))  # fmt: skip
+                    params.append(
+                        SamplingParams.from_dict(
+                            {k: v for k, v in fields.items() if v is not None or k == "seed"}
+                        )
+                    )
                 except ValueError as exc:
                     raise bad_request(str(exc), str(exc).split()[0]) from None
         return Submission(prompts, params, n, body.stop_strings, num_logprobs is not None)
@@ -184,14 +198,27 @@ class OpenAIServing:
             for index, params in enumerate(sub.params):
                 prompt = sub.prompts[index // sub.n]
                 handle = await self.coordinator.submit(prompt, params, f"{request_id}-{index}")
-                choices.append(ChoiceStream(self.coordinator, self.tokenizer, index, prompt,
-                                            handle, sub.stop, sub.logprobs))  # fmt: skip
+                choices.append(
+                    ChoiceStream(
+                        self.coordinator,
+                        self.tokenizer,
+                        index,
+                        prompt,
+                        handle,
+                        sub.stop,
+                        sub.logprobs,
+                    )
+                )
         except SubmitError as exc:
             logger.info("refused (%s): %s", exc.code, exc)
             await self.abort(choices)
             raise coordinator_error(exc.code, str(exc)) from None
-        logger.info("submitted %d choice(s), prompt tokens %s, max_tokens %d", len(choices),
-                    [len(p) for p in sub.prompts], sub.params[0].max_tokens)  # fmt: skip
+        logger.info(
+            "submitted %d choice(s), prompt tokens %s, max_tokens %d",
+            len(choices),
+            [len(p) for p in sub.prompts],
+            sub.params[0].max_tokens,
+        )
         return choices
 
     async def abort(self, choices: list[ChoiceStream]) -> None:

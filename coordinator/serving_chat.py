@@ -28,8 +28,12 @@ class OpenAIServingChat:
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sub = serving.submission(body, [prompt], requested, None, num_logprobs, "messages")
         choices = await serving.submit(request_id, sub)
-        base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": serving.response_model(body.model)}  # fmt: skip
+        base = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": serving.response_model(body.model),
+        }
 
         def logprobs(entries: list[TokenLogprob]) -> dict | None:
             return self.logprobs(entries) if body.logprobs else None
@@ -37,27 +41,51 @@ class OpenAIServingChat:
         if body.stream:
             chunk = {**base, "object": "chat.completion.chunk"}
             head = [
-                {**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]}
+                {
+                    **chunk,
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 for c in choices
-            ]  # fmt: skip
+            ]
 
             def render(d: ChoiceDelta) -> dict:
                 delta = {"content": d.text} if d.text else {}
-                return {**chunk, "choices": [{"index": d.index, "delta": delta,
-                        "logprobs": logprobs(d.logprobs), "finish_reason": d.finish_reason}]}  # fmt: skip
+                return {
+                    **chunk,
+                    "choices": [
+                        {
+                            "index": d.index,
+                            "delta": delta,
+                            "logprobs": logprobs(d.logprobs),
+                            "finish_reason": d.finish_reason,
+                        }
+                    ],
+                }
 
             return serving.stream(choices, sub.n, chunk, render, head, body.include_usage)
         results = await serving.collect(request, choices)
-        return JSONResponse({
-            **base,
-            "choices": [
-                {"index": r.index, "message": {"role": "assistant", "content": r.text},
-                 "logprobs": logprobs(r.logprobs), "finish_reason": r.finish_reason}
-                for r in results
-            ],
-            "usage": serving.usage(choices, sub.n),
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": r.index,
+                        "message": {"role": "assistant", "content": r.text},
+                        "logprobs": logprobs(r.logprobs),
+                        "finish_reason": r.finish_reason,
+                    }
+                    for r in results
+                ],
+                "usage": serving.usage(choices, sub.n),
+            }
+        )
 
     def prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The messages through the chat template, as token ids."""

@@ -29,8 +29,12 @@ class OpenAIServingCompletion:
             body, prompts, body.max_tokens, DEFAULT_MAX_TOKENS, body.logprobs, "prompt"
         )
         choices = await serving.submit(request_id, sub)
-        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": serving.response_model(body.model)}  # fmt: skip
+        base = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": serving.response_model(body.model),
+        }
         with_logprobs = body.logprobs is not None
 
         def choice(index: int, text: str, logprobs: list, finish_reason: str | None) -> dict:
@@ -48,11 +52,13 @@ class OpenAIServingCompletion:
 
             return serving.stream(choices, sub.n, base, render, [], body.include_usage)
         results = await serving.collect(request, choices)
-        return JSONResponse({
-            **base,
-            "choices": [choice(r.index, r.text, r.logprobs, r.finish_reason) for r in results],
-            "usage": serving.usage(choices, sub.n),
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                **base,
+                "choices": [choice(r.index, r.text, r.logprobs, r.finish_reason) for r in results],
+                "usage": serving.usage(choices, sub.n),
+            }
+        )
 
     def prompts(self, body: CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt: one string, strings, token ids, or lists of token ids. An

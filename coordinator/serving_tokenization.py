@@ -13,7 +13,7 @@ from pdserve.coordinator.openai_protocol import (
     bad_request,
     load_json,
     parse_body,
-)  # fmt: skip
+)
 from pdserve.coordinator.serving import OpenAIServing
 
 

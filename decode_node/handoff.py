@@ -103,9 +103,13 @@ class DecodeHandoff:
         seq.num_cached_tokens = num_reused * bm.block_size
         self.blocks_reused += num_reused
         self.handoffs[seq.request_id] = Handoff(
-            seq.request_id, blocks, HandoffState.EXPECTING, seq, num_reused=num_reused,
+            seq.request_id,
+            blocks,
+            HandoffState.EXPECTING,
+            seq,
+            num_reused=num_reused,
             first_token_pending=first_token_pending,
-        )  # fmt: skip
+        )
         return list(dst)
 
     def start(self, request_id: str, token_id: int) -> Sequence | None:

@@ -29,7 +29,7 @@ from pdserve.cluster.node_messages import (
     TokenItem,
     Tokens,
     TransferDone,
-)  # fmt: skip
+)
 from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.decode_node.handoff import DecodeHandoff
@@ -172,9 +172,13 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
 
         # Every rank receives the pages of its heads, on a port of its own, keyed as rank 0's.
         specs, links = rank_endpoints(
-            "receiver", size, options.transport, options.kv_host, options.kv_port,
+            "receiver",
+            size,
+            options.transport,
+            options.kv_host,
+            options.kv_port,
             options={"keys": keys, "encrypt": options.kv_encryption},
-        )  # fmt: skip
+        )
 
     def pool_factory(layout: KVLayout, num_blocks: int) -> KVPool:
         nonlocal receiver
@@ -204,6 +208,10 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
     node = DecodeNode(engine, link, receiver, role)
     stop_on_signals(node)
-    logger.info("%s node %s serving (transport %s)", role.value, options.node_id,
-                receiver.name if receiver else "none")  # fmt: skip
+    logger.info(
+        "%s node %s serving (transport %s)",
+        role.value,
+        options.node_id,
+        receiver.name if receiver else "none",
+    )
     node.run()

@@ -139,8 +139,11 @@ class CompiledStep:
             ids = torch.nn.functional.pad(ids, (0, pad))
             positions = torch.nn.functional.pad(positions, (0, pad))
             slots = torch.nn.functional.pad(slots, (0, pad), value=-1)
-        for tensor, dims in ((batch.block_tables, (0, 1)), (batch.seq_lens, (0,)),
-                             (batch.query_start_loc, (0,))):  # fmt: skip
+        for tensor, dims in (
+            (batch.block_tables, (0, 1)),
+            (batch.seq_lens, (0,)),
+            (batch.query_start_loc, (0,)),
+        ):
             for dim in dims:
                 torch._dynamo.mark_dynamic(tensor, dim)
         for tensor in (ids, positions, slots):
@@ -154,9 +157,14 @@ class CompiledStep:
             return self.model(ids[:n], positions[:n], batch, self.pool, self._eager_ops)
         try:
             hidden = self._fn(
-                ids, positions, slots, batch.block_tables, batch.seq_lens,
-                batch.query_start_loc, self.pool.kv,
-            )  # fmt: skip
+                ids,
+                positions,
+                slots,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.query_start_loc,
+                self.pool.kv,
+            )
         except Exception as exc:  # noqa: BLE001 - a shape that does not compile: run eagerly
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             logger.warning("compile: failed for %d tokens (%s); steps run eagerly", n, first[:300])

@@ -289,9 +289,12 @@ class LLMEngine(Engine):
             # The ranks of a CPU node share its cores (idle OpenMP threads spin): each takes
             # its share.
             place = cpu_threads.placement(
-                config.cpu_bind, config.cpu_threads, 0, shard.size,
+                config.cpu_bind,
+                config.cpu_threads,
+                0,
+                shard.size,
                 cpu_threads.available_cores(),
-            )  # fmt: skip
+            )
             self._placement_before = cpu_threads.apply(place)
             logger.info("cpu: %s", place.describe())
             if config.cpu_adaptive_threads and shard.size == 1 and place.threads > 1:
@@ -300,9 +303,11 @@ class LLMEngine(Engine):
         try:
             if self.ranks is not None:
                 group = TPGroup.join(
-                    shard, config.rank_device(0), store=self.ranks.store,
+                    shard,
+                    config.rank_device(0),
+                    store=self.ranks.store,
                     check_ranks=self.ranks.check,
-                )  # fmt: skip
+                )
                 self.ranks.formed()
             self.shard = ModelShard(self.model_dir, config, shard, group, pool_factory)
         except BaseException as exc:
@@ -320,14 +325,21 @@ class LLMEngine(Engine):
         self.ops = self.shard.ops
         self.runner = self.shard.runner
         layout = KVLayout(
-            mcfg.num_layers, config.block_size, mcfg.num_kv_heads, mcfg.head_dim,
+            mcfg.num_layers,
+            config.block_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
             config.resolved_dtype(),
-        )  # fmt: skip
+        )
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
         super().__init__(
-            config, layout, self.shard.num_blocks, mcfg.vocab_size,
-            mcfg.max_position_embeddings, eos,
-        )  # fmt: skip
+            config,
+            layout,
+            self.shard.num_blocks,
+            mcfg.vocab_size,
+            mcfg.max_position_embeddings,
+            eos,
+        )
         self.pool = self.shard.pool
         self.shard.capture_decode_graphs()
         if self.ranks is None:
@@ -352,10 +364,12 @@ class LLMEngine(Engine):
             if threads != torch.get_num_threads():
                 logger.info(
                     "cpu: %d intra-op thread%s (threads ran %.0f%% of a core each; %.1f idle "
-                    "cores)", threads, "s" * (threads != 1),
+                    "cores)",
+                    threads,
+                    "s" * (threads != 1),
                     100 * window.cpu_s / (window.step_s * torch.get_num_threads()),
                     window.idle_cores,
-                )  # fmt: skip
+                )
                 torch.set_num_threads(threads)
             self._cpu_times.reset()
         return outputs

@@ -106,8 +106,9 @@ class ModelShard:
         self.runner.compiled = step
         logger.info(
             "compile: model step compiled in %.1f s (small decode buckets; larger token counts "
-            "compile on first use)", seconds,
-        )  # fmt: skip
+            "compile on first use)",
+            seconds,
+        )
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and kernels free of host syncs: the Triton ones, not the reference

@@ -65,8 +65,17 @@ class StepPlan:
         for table in tables:
             flat.extend(table)
             flat.extend(padding[: width - len(table)])
-        return cls(input_ids, positions, slots, seq_lens, query_start, flat, width, sample_rows,
-                   max_query_len)  # fmt: skip
+        return cls(
+            input_ids,
+            positions,
+            slots,
+            seq_lens,
+            query_start,
+            flat,
+            width,
+            sample_rows,
+            max_query_len,
+        )
 
     @property
     def num_seqs(self) -> int:

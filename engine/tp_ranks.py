@@ -64,8 +64,10 @@ class RankProcesses:
             fds = (inbox.fd,) + ((kv.fd,) if kv is not None else ())
             proc = subprocess.Popen(
                 [sys.executable, "-c", "from pdserve.engine.tp_worker import main; main()"],
-                stdin=subprocess.PIPE, env=env, pass_fds=fds,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                env=env,
+                pass_fds=fds,
+            )
             self.channel.handed_over(rank - 1)
             if kv is not None:
                 os.close(kv.fd)

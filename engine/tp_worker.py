@@ -89,9 +89,12 @@ def run_rank(spec: RankSpec) -> None:
         from pdserve.engine import cpu_threads
 
         place = cpu_threads.placement(
-            config.cpu_bind, config.cpu_threads, spec.rank, spec.size,
+            config.cpu_bind,
+            config.cpu_threads,
+            spec.rank,
+            spec.size,
             cpu_threads.available_cores(),
-        )  # fmt: skip
+        )
         cpu_threads.apply(place)
         logger.info("cpu: %s", place.describe())
     shard = TPShard(spec.rank, spec.size)

@@ -27,8 +27,17 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
 # No -ffast-math: the kernel starts maxima at -FLT_MAX and relies on IEEE exp; reassociation alone
 # lets the compiler vectorise the dot products.
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
-         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")  # fmt: skip
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
 
 
 def _cpu_key() -> str:
@@ -135,8 +144,20 @@ def paged_attention(
     seq, limit = _token_positions(seq_lens.cpu(), query_start_loc.cpu().to(torch.int64), num_tokens)
     out = torch.empty_like(q)
     lib.paged_attention_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.stride(0), seq.data_ptr(), limit.data_ptr(), out.data_ptr(), num_tokens,
-        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        seq.data_ptr(),
+        limit.data_ptr(),
+        out.data_ptr(),
+        num_tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
     return out

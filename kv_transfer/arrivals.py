@@ -113,9 +113,13 @@ class Arrivals:
             raise ValueError(f"transfer {transfer_id!r} is already expected")
         self.finished.pop(transfer_id, None)
         exp = Expected(
-            transfer_id, list(dst_blocks), rng, now + timeout_s, [0] * (rng[1] - rng[0]),
+            transfer_id,
+            list(dst_blocks),
+            rng,
+            now + timeout_s,
+            [0] * (rng[1] - rng[0]),
             (1 << self.num_heads) - 1,
-        )  # fmt: skip
+        )
         self.expected[transfer_id] = exp
         return exp
 
@@ -144,9 +148,15 @@ class Arrivals:
         if heads is not None and not 0 <= heads[0] < heads[1] <= self.num_heads:
             return f"heads {list(heads)} outside [0, {self.num_heads})"
         unit = Unit(
-            peer, send_id, transfer_id, list(dst_blocks), tuple(layers), now + timeout_s, direct,
+            peer,
+            send_id,
+            transfer_id,
+            list(dst_blocks),
+            tuple(layers),
+            now + timeout_s,
+            direct,
             heads=None if heads is None else tuple(heads),
-        )  # fmt: skip
+        )
         exp = self.expected.get(transfer_id)
         if exp is not None:
             error = self.admit(unit, exp)

@@ -102,8 +102,15 @@ class CudaIpcSender(ZmqSender):
         with torch.cuda.stream(self._stream):
             if out.ready is not None:
                 self._stream.wait_event(out.ready)
-            pages.copy(self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers,
-                       out.heads, out.dst_heads)  # fmt: skip
+            pages.copy(
+                self.pool.kv,
+                out.src_blocks,
+                peer.extra["kv"],
+                out.dst_blocks,
+                out.layers,
+                out.heads,
+                out.dst_heads,
+            )
         self._stream.synchronize()  # the pages are in before the receiver hears Done
 
     def _release_peer(self, peer: Peer) -> None:

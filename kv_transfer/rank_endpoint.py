@@ -194,9 +194,13 @@ class RankEndpointServer:
         from pdserve.kv_transfer import make_receiver
 
         self.receiver = make_receiver(
-            self.spec.transport, layout, num_blocks, device=self.device, address=self.spec.address,
+            self.spec.transport,
+            layout,
+            num_blocks,
+            device=self.device,
+            address=self.spec.address,
             **self.spec.options,
-        )  # fmt: skip
+        )
         return self.receiver.pool
 
     def start(self, pool: KVPool) -> None:

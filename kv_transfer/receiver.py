@@ -328,9 +328,16 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._send(peer, Nack(tid, send_id, "sender did not complete the handshake"))
             return None
         unit = self._arrivals.open_unit(
-            peer, send_id, tid, list(dst), tuple(layers), timeout_s, time.monotonic(), direct,
+            peer,
+            send_id,
+            tid,
+            list(dst),
+            tuple(layers),
+            timeout_s,
+            time.monotonic(),
+            direct,
             heads,
-        )  # fmt: skip
+        )
         if isinstance(unit, str):
             self._send(peer, Nack(tid, send_id, unit))
             return None
@@ -382,9 +389,15 @@ class ZmqReceiver(CommandThread, KVReceiver):
     def _on_pages(self, peer: bytes, msg: Pages, payload: Payload) -> None:
         if msg.first:
             unit = self._open(
-                peer, msg.transfer_id, msg.send_id, msg.dst, msg.send_layers, msg.timeout_s, False,
+                peer,
+                msg.transfer_id,
+                msg.send_id,
+                msg.dst,
+                msg.send_layers,
+                msg.timeout_s,
+                False,
                 msg.heads,
-            )  # fmt: skip
+            )
         else:
             unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is None:

@@ -183,9 +183,18 @@ class ZmqSender(CommandThread, KVSender):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.pool.kv.device))
         out = Outgoing(
-            next(self._send_ids), transfer_id, peer_id, src, dst, (l0, l1), timeout_s,
-            time.monotonic() + timeout_s, ready, heads=heads, dst_heads=dst_heads,
-        )  # fmt: skip
+            next(self._send_ids),
+            transfer_id,
+            peer_id,
+            src,
+            dst,
+            (l0, l1),
+            timeout_s,
+            time.monotonic() + timeout_s,
+            ready,
+            heads=heads,
+            dst_heads=dst_heads,
+        )
         self._command("send", out, info)
 
     def _head_slices(
@@ -355,9 +364,10 @@ class ZmqSender(CommandThread, KVSender):
                 return
             if event["event"] & HANDSHAKE_FAILED:
                 self._drop_peer(
-                    peer, f"receiver {peer.peer_id!r} refused the handshake: it does not admit "
+                    peer,
+                    f"receiver {peer.peer_id!r} refused the handshake: it does not admit "
                     "this node's cluster keys (every process of a cluster needs the same)",
-                )  # fmt: skip
+                )
                 return
 
     def _check_peer(self, peer: Peer, out: Outgoing) -> None:
@@ -458,8 +468,14 @@ class ZmqSender(CommandThread, KVSender):
             peer.waiting.append(out)  # started on the Welcome, failed if the handshake fails
         elif self.direct:
             out.state = SendState.AWAITING_GO
-            begin = Begin(out.transfer_id, out.send_id, out.layers, out.dst_blocks, out.timeout_s,
-                          out.dst_heads)  # fmt: skip
+            begin = Begin(
+                out.transfer_id,
+                out.send_id,
+                out.layers,
+                out.dst_blocks,
+                out.timeout_s,
+                out.dst_heads,
+            )
             self._send_to(peer, begin)
         else:
             self._queue.append(out)
@@ -494,11 +510,19 @@ class ZmqSender(CommandThread, KVSender):
             self._check_peer(peer, out)
             first, last = i == 0, i == len(chunks) - 1
             header = Pages(
-                out.transfer_id, out.send_id, chunk.layers, chunk.lo, chunk.hi,
-                chunk.nbytes(layout), first, last,
-                out.dst_blocks if first else None, out.layers if first else None,
-                out.timeout_s, heads=out.dst_heads,
-            )  # fmt: skip
+                out.transfer_id,
+                out.send_id,
+                chunk.layers,
+                chunk.lo,
+                chunk.hi,
+                chunk.nbytes(layout),
+                first,
+                last,
+                out.dst_blocks if first else None,
+                out.layers if first else None,
+                out.timeout_s,
+                heads=out.dst_heads,
+            )
             self._emit(peer, out, header, chunk, src[chunk.lo : chunk.hi])
         out.state = SendState.AWAITING_ACK
 
@@ -558,9 +582,10 @@ class ZmqSender(CommandThread, KVSender):
         for peer in [p for p in self._peers.values() if not p.welcomed and now > p.deadline]:
             address = peer.info.get("address")
             self._drop_peer(
-                peer, f"handshake with {peer.peer_id!r}: no answer from {address} within "
-                f"{self.connect_timeout_s}s"
-            )  # fmt: skip
+                peer,
+                f"handshake with {peer.peer_id!r}: no answer from {address} within "
+                f"{self.connect_timeout_s}s",
+            )
 
     def _fail_all(self, why: str) -> None:
         for out in list(self._outgoing.values()):

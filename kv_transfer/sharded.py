@@ -206,12 +206,31 @@ class ShardedSender(KVSender):
         for route in routes:
             peer = _rank_peer(peer_id, route.dst_rank)
             if route.src_rank != 0:
-                self.links.order(route.src_rank, "send", self.name, transfer_id, peer, src, dst,
-                                 key[1], timeout_s, route.src_heads, route.dst_heads)  # fmt: skip
+                self.links.order(
+                    route.src_rank,
+                    "send",
+                    self.name,
+                    transfer_id,
+                    peer,
+                    src,
+                    dst,
+                    key[1],
+                    timeout_s,
+                    route.src_heads,
+                    route.dst_heads,
+                )
                 continue
             try:
-                self.local.send(transfer_id, peer, src, dst, key[1], timeout_s,
-                                heads=route.src_heads, dst_heads=route.dst_heads)  # fmt: skip
+                self.local.send(
+                    transfer_id,
+                    peer,
+                    src,
+                    dst,
+                    key[1],
+                    timeout_s,
+                    heads=route.src_heads,
+                    dst_heads=route.dst_heads,
+                )
             except Exception as exc:  # this piece fails; the send ends once the others have
                 with self._lock:
                     self._piece_ended(key, f"send failed: {exc}")
@@ -221,8 +240,11 @@ class ShardedSender(KVSender):
         with self._lock:
             for rank, result in results:
                 key = (result.transfer_id, tuple(result.layers or (0, self.node_layout.num_layers)))
-                error = None if result.ok else (result.error if rank == 0 else
-                                                f"rank {rank}: {result.error}")  # fmt: skip
+                error = (
+                    None
+                    if result.ok
+                    else (result.error if rank == 0 else f"rank {rank}: {result.error}")
+                )
                 self._piece_ended(key, error)
             for rank, why in self.links.failed().items():
                 # A rank whose line died reports no more: its pieces of every send fail.

@@ -125,8 +125,15 @@ class ShmSender(ZmqSender):
         peer.extra["kv"] = map_pool(info["shm_path"], layout, info["num_blocks"])
 
     def _write(self, peer: Peer, out: Outgoing) -> None:
-        pages.copy(self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers,
-                   out.heads, out.dst_heads)  # fmt: skip
+        pages.copy(
+            self.pool.kv,
+            out.src_blocks,
+            peer.extra["kv"],
+            out.dst_blocks,
+            out.layers,
+            out.heads,
+            out.dst_heads,
+        )
 
     def _release_peer(self, peer: Peer) -> None:
         peer.extra.clear()  # drops the mapping

@@ -114,8 +114,10 @@ def _generate(args: argparse.Namespace) -> int:
     # Generated text may hold control characters that would drive a terminal; a pipe gets it raw.
     print(escape_controls(out.text) if sys.stdout.isatty() else out.text, flush=True)
     num = len(out.token_ids)
-    print(f"pdserve: {num} tokens in {elapsed:.2f} s ({num / max(elapsed, 1e-9):.1f} tokens/s)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"pdserve: {num} tokens in {elapsed:.2f} s ({num / max(elapsed, 1e-9):.1f} tokens/s)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -173,9 +175,11 @@ def _keygen(args: argparse.Namespace) -> int:
     from pdserve.cluster.keys import ClusterKeys
 
     keys = ClusterKeys.generate().write(args.directory)
-    print(f"pdserve: wrote the cluster key set {keys.fingerprint}... to {keys.directory}: copy "
-          "that directory to every host of the cluster (its cluster.key_secret makes a member; "
-          "keep it mode 0600)")  # fmt: skip
+    print(
+        f"pdserve: wrote the cluster key set {keys.fingerprint}... to {keys.directory}: copy "
+        "that directory to every host of the cluster (its cluster.key_secret makes a member; "
+        "keep it mode 0600)"
+    )
     return 0
 
 
@@ -203,8 +207,10 @@ def _launch(args: argparse.Namespace) -> int:
     logs = log_dir(spec)
     keys = "none (insecure)" if spec.insecure else key_dir(spec)
     if args.dry_run:
-        print(f"# pdserve launch {args.cluster_file} --host {host}: {len(plans)} processes, "
-              f"logs in {logs}, cluster keys in {keys}")  # fmt: skip
+        print(
+            f"# pdserve launch {args.cluster_file} --host {host}: {len(plans)} processes, "
+            f"logs in {logs}, cluster keys in {keys}"
+        )
         for p in plans:
             print(p.describe())
         return 0
@@ -249,9 +255,13 @@ def _add_model_positional(p: argparse.ArgumentParser) -> None:
 def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
     """What the coordinator's HTTP frontend takes, in serve and coordinator alike."""
     add_flags(p, EngineConfig, only=("model",))
-    p.add_argument("--config", default=None, help="config file (TOML) of the coordinator and the "
-                   "nodes it starts, see docs/configuration.md; the flags given override its "
-                   "keys (unset: every setting at its default or flag)")  # fmt: skip
+    p.add_argument(
+        "--config",
+        default=None,
+        help="config file (TOML) of the coordinator and the "
+        "nodes it starts, see docs/configuration.md; the flags given override its "
+        "keys (unset: every setting at its default or flag)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument(
@@ -268,15 +278,28 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
         help="the model's names in the API: the first in responses and /v1/models, any in "
         "requests (unset: the embedded model's name or the model directory's name)",
     )
-    p.add_argument("--chat-template", metavar="FILE", default=None,
-                   help="a Jinja chat template file (unset: the model's own)")  # fmt: skip
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template file (unset: the model's own)",
+    )
     add_flags(p, CoordinatorConfig, only=SERVE_COORDINATOR_FLAGS, suppress_defaults=True)
     add_flags(p, NodeOptions, only=SECURITY, suppress_defaults=True)
-    p.add_argument("--api-key", action="append", metavar="KEY", default=None,
-                   help="the HTTP API takes only requests with `Authorization: Bearer KEY`; "
-                   "repeat for several keys (unset: $PDSERVE_API_KEY, else open)")  # fmt: skip
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds running requests get to finish")  # fmt: skip
+    p.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        default=None,
+        help="the HTTP API takes only requests with `Authorization: Bearer KEY`; "
+        "repeat for several keys (unset: $PDSERVE_API_KEY, else open)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,13 +333,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_positional(serve)
     _add_frontend_flags(serve)
     serve.add_argument("--prefill-nodes", type=int, default=1, help="prefill node processes")
-    serve.add_argument("--decode-nodes", type=int, default=1,
-                       help="decode node processes (colocated workers with --colocated)")  # fmt: skip
-    serve.add_argument("--colocated", action="store_true",
-                       help="workers that prefill and decode alike: no disaggregation")  # fmt: skip
+    serve.add_argument(
+        "--decode-nodes",
+        type=int,
+        default=1,
+        help="decode node processes (colocated workers with --colocated)",
+    )
+    serve.add_argument(
+        "--colocated",
+        action="store_true",
+        help="workers that prefill and decode alike: no disaggregation",
+    )
     serve.add_argument("--node-port", type=int, default=0, help="port nodes connect to (0: any)")
-    serve.add_argument("--log-dir", default=None,
-                       help="one log file per node here (unset: the nodes log to this console)")  # fmt: skip
+    serve.add_argument(
+        "--log-dir",
+        default=None,
+        help="one log file per node here (unset: the nodes log to this console)",
+    )
     engine = serve.add_argument_group("engine settings (every node)")
     add_flags(engine, EngineConfig, exclude=("model",), suppress_defaults=True)
     add_flags(engine, RoleTensorParallel, suppress_defaults=True)
@@ -334,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_positional(coordinator)
     _add_frontend_flags(coordinator)
-    coordinator.add_argument("--node-port", type=int, default=0,
-                             help="port nodes connect to (0: any, printed at start)")  # fmt: skip
+    coordinator.add_argument(
+        "--node-port", type=int, default=0, help="port nodes connect to (0: any, printed at start)"
+    )
     coordinator.set_defaults(func=_serve)
 
     gen = command(
@@ -349,8 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=-1, help="-1: no top-k")
-    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None,
-                     help="sampling seed (unset: unseeded)")  # fmt: skip
+    gen.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        help="sampling seed (unset: unseeded)",
+    )
     gen.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     # The engine's own seed would clash with the sampling seed's flag; it keeps its default.
@@ -378,9 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
         "See docs/deployment.md.",
     )
     launch.add_argument("cluster_file", help="cluster file (TOML), see docs/deployment.md")
-    launch.add_argument("--host", default=None,
-                        help="which [[host]] of the file this machine is (unset: the one named "
-                        "like this machine, or the only one)")  # fmt: skip
+    launch.add_argument(
+        "--host",
+        default=None,
+        help="which [[host]] of the file this machine is (unset: the one named "
+        "like this machine, or the only one)",
+    )
     launch.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     launch.set_defaults(func=_launch)
 

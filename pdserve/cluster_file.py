@@ -49,10 +49,13 @@ NOT_PER_ROLE = {
 }
 # The engine settings the top of the file does not take, and why.
 NOT_AT_TOP = {
-    **{name: "set it in [host.prefill] or [host.decode]" for name in names(EngineConfig)
-       if name not in CLUSTER_WIDE},
+    **{
+        name: "set it in [host.prefill] or [host.decode]"
+        for name in names(EngineConfig)
+        if name not in CLUSTER_WIDE
+    },
     "device": NOT_PER_ROLE["device"],
-}  # fmt: skip
+}
 API_KEY_ENV = "PDSERVE_API_KEY"  # how launch hands the coordinator its API keys (not argv: ps)
 
 
@@ -201,17 +204,26 @@ TABLES = {ClusterOptions: ("coordinator", "host"), HostSpec: ("prefill", "decode
 def doc_table() -> str:
     """The table of docs/deployment.md: every key of a cluster file, by the table it goes in."""
     rows = []
-    for table, cls, only in (("top", EngineConfig, CLUSTER_WIDE), ("top", ClusterOptions, None),
-                             ("`[coordinator]`", CoordinatorPlace, None),
-                             ("`[[host]]`", HostSpec, None)):  # fmt: skip
+    for table, cls, only in (
+        ("top", EngineConfig, CLUSTER_WIDE),
+        ("top", ClusterOptions, None),
+        ("`[coordinator]`", CoordinatorPlace, None),
+        ("`[[host]]`", HostSpec, None),
+    ):
         choices = {d.name: d.spec.choices for d in declared(cls) if d.spec.choices}
         for key, default, _, meaning in doc_rows(cls, only):
             if key in choices:
                 meaning += f"; one of {', '.join(map(str, choices[key]))}"
             rows.append((table, f"`{key}`", default, meaning))
     refused = ", ".join(f"`{name}`" for name in NOT_PER_ROLE)
-    rows.append(("`[host.prefill]`, `[host.decode]`", "a node setting", "its default",
-                 f"any key that configuration.md marks restart, but {refused}"))  # fmt: skip
+    rows.append(
+        (
+            "`[host.prefill]`, `[host.decode]`",
+            "a node setting",
+            "its default",
+            f"any key that configuration.md marks restart, but {refused}",
+        )
+    )
     return markdown_table(("table", "key", "default", "meaning"), rows)
 
 
@@ -313,8 +325,15 @@ def _made(cls: type[T], values: Mapping[str, Any], where: str, **given: Any) -> 
 
 def _checked(path: Path, data: dict[str, Any]) -> ClusterSpec:
     at = f"{path}: "
-    own, engine = read_table(data, ClusterOptions, EngineConfig, where=at, refuse=NOT_AT_TOP,
-                             tables=TABLES[ClusterOptions], list_known=True)  # fmt: skip
+    own, engine = read_table(
+        data,
+        ClusterOptions,
+        EngineConfig,
+        where=at,
+        refuse=NOT_AT_TOP,
+        tables=TABLES[ClusterOptions],
+        list_known=True,
+    )
     options = _made(ClusterOptions, own, at)
     raw_hosts = data.get("host")
     if not (
@@ -384,8 +403,13 @@ def _host(
             table = raw[role]
             if not isinstance(table, dict):
                 raise ValueError(f"{where}key '{role}' must be a table of settings")
-            settings = read_table(table, EngineConfig, NodeOptions, where=f"{where}[host.{role}] ",
-                                  refuse=NOT_PER_ROLE)  # fmt: skip
+            settings = read_table(
+                table,
+                EngineConfig,
+                NodeOptions,
+                where=f"{where}[host.{role}] ",
+                refuse=NOT_PER_ROLE,
+            )
             roles[role] = {**settings[0], **settings[1]}
     host = _made(HostSpec, values, where, **roles)
     for role in ("prefill", "decode"):  # the checks that span settings, before any process starts
@@ -428,9 +452,12 @@ class ProcessPlan:
     def describe(self) -> str:
         env = " ".join(f"{k}={'***' if k == API_KEY_ENV else v}" for k, v in self.env.items())
         ports = ", ".join(f"{k} {v}" for k, v in self.ports.items()) or "-"
-        lines = [f"{self.name}  ({self.role}; ports: {ports}"
-                 + (f"; transport: {self.transport}" if self.transport else "") + ")",
-                 f"  {env + ' ' if env else ''}{shlex.join(self.command)}"]  # fmt: skip
+        lines = [
+            f"{self.name}  ({self.role}; ports: {ports}"
+            + (f"; transport: {self.transport}" if self.transport else "")
+            + ")",
+            f"  {env + ' ' if env else ''}{shlex.join(self.command)}",
+        ]
         return "\n".join(lines)
 
 
@@ -451,8 +478,15 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
     coordinator = f"tcp://{spec.coordinator_address}:{spec.node_port}"
     security = {"insecure": True} if spec.insecure else {"cluster_keys": str(key_dir(spec))}
     if spec.coordinator_host == host.name:
-        cmd = python + ["coordinator", "--host", host.address, "--port", str(spec.http_port),
-                        "--node-port", str(spec.node_port)]  # fmt: skip
+        cmd = python + [
+            "coordinator",
+            "--host",
+            host.address,
+            "--port",
+            str(spec.http_port),
+            "--node-port",
+            str(spec.node_port),
+        ]
         ports = {"http": spec.http_port, "nodes": spec.node_port}
         if spec.client_port:
             cmd += ["--client-port", str(spec.client_port)]
@@ -470,8 +504,9 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
         groups = host.gpu_groups(role)
         count = host.num_prefill if role == "prefill" else host.num_decode
         settings = host.prefill if role == "prefill" else host.decode
-        engine = EngineConfig(**spec.engine, device="cuda" if groups else "cpu",
-                              **pick(EngineConfig, settings))  # fmt: skip
+        engine = EngineConfig(
+            **spec.engine, device="cuda" if groups else "cpu", **pick(EngineConfig, settings)
+        )
         size = engine.tensor_parallel_size
         first = _global_index(spec, host, role)
         for local in range(count):
@@ -490,8 +525,11 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
             nodes.append((NodeSpec(role, options, engine, env), ports, transport))
     share_cores([node for node, _, _ in nodes])
     for node, ports, transport in nodes:
-        procs.append(ProcessPlan(f"pdserve-{node.node_id}", node.role, node.command(), node.env,
-                                 ports, transport))  # fmt: skip
+        procs.append(
+            ProcessPlan(
+                f"pdserve-{node.node_id}", node.role, node.command(), node.env, ports, transport
+            )
+        )
     return procs
 
 

@@ -109,9 +109,13 @@ class NodeGroup:
         # A session of its own: Ctrl-C at a terminal reaches serve alone, which stops the nodes
         # in order (they never outlive it: _die_with_parent).
         proc = subprocess.Popen(
-            spec.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-            preexec_fn=_die_with_parent, start_new_session=True,
-        )  # fmt: skip
+            spec.command(),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
         self.procs[spec.node_id] = proc
         self.roles[spec.node_id] = spec.role
         return proc

@@ -194,9 +194,12 @@ async def serve_async(options: ServeOptions) -> int:
             elif not stop.is_set():
                 raise ValueError(next(iter(done)).result())
         if not stop.is_set():  # Ctrl-C while the nodes were starting: nothing to serve
-            logger.info("coordinator ready: nodes on %s, clients on %s, cluster keys %s",
-                        coordinator.node_endpoint, coordinator.client_endpoint or "-",
-                        keys.directory if keys else "none (insecure)")  # fmt: skip
+            logger.info(
+                "coordinator ready: nodes on %s, clients on %s, cluster keys %s",
+                coordinator.node_endpoint,
+                coordinator.client_endpoint or "-",
+                keys.directory if keys else "none (insecure)",
+            )
             print(f"pdserve: nodes connect to {coordinator.node_endpoint}", flush=True)
             await run_frontend(coordinator, options, names, chat_template, stop, http_sock)
     finally:

@@ -105,9 +105,12 @@ class PrefillHandoff:
         """Loop: a prefill whose destination may come before its end (layer-wise streaming)."""
         with self._lock:
             self.handoffs[request_id] = Handoff(
-                request_id, [], HandoffState.PREFILLING, prefill_done=False,
+                request_id,
+                [],
+                HandoffState.PREFILLING,
+                prefill_done=False,
                 route=self._ahead.pop(request_id, None),
-            )  # fmt: skip
+            )
 
     def streams(self, request_id: str) -> bool:
         """Whether request_id is a streaming prefill still in the engine."""
@@ -181,9 +184,15 @@ class PrefillHandoff:
             if handoff is None and prefilling:
                 self._ahead[request_id] = route
                 return
-            if handoff is None or handoff.route is not None or handoff.state not in (
-                HandoffState.PREFILLING, HandoffState.HELD,
-            ):  # fmt: skip
+            if (
+                handoff is None
+                or handoff.route is not None
+                or handoff.state
+                not in (
+                    HandoffState.PREFILLING,
+                    HandoffState.HELD,
+                )
+            ):
                 self._refused.append(TransferDone(request_id, False, "no prefilled KV held here"))
                 return
             handoff.route = route
@@ -226,9 +235,13 @@ class PrefillHandoff:
             # moved (a restarted decode node); the send waits for it on the sender's thread.
             sender.connect(route.decode_node, route.receiver_info)
             sender.send(
-                handoff.request_id, route.decode_node, src_blocks, route.dst_blocks,
-                layers=None if whole else layers, timeout_s=route.timeout_s,
-            )  # fmt: skip
+                handoff.request_id,
+                route.decode_node,
+                src_blocks,
+                route.dst_blocks,
+                layers=None if whole else layers,
+                timeout_s=route.timeout_s,
+            )
         except Exception as exc:  # a bad peer (or transport) must not take the node down
             logger.warning(
                 "[%s] send to %s failed to start: %s", handoff.request_id, route.decode_node, exc

@@ -27,7 +27,7 @@ from pdserve.cluster.node_messages import (
     Register,
     RequestError,
     SendKV,
-)  # fmt: skip
+)
 from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.engine.config import EngineConfig
@@ -98,9 +98,14 @@ class PrefillNode(NodeLoop):
     def send_kv(self, msg: SendKV) -> None:
         """Start shipping a prefilled sequence's KV; safe from the handoff socket's thread."""
         self.handoff.send(
-            msg.request_id, msg.decode_node, msg.receiver_info, msg.dst_blocks,
-            msg.transfer_timeout_s, msg.skip_blocks, msg.prefilling,
-        )  # fmt: skip
+            msg.request_id,
+            msg.decode_node,
+            msg.receiver_info,
+            msg.dst_blocks,
+            msg.transfer_timeout_s,
+            msg.skip_blocks,
+            msg.prefilling,
+        )
 
     def idle_wait_ms(self) -> int:
         return 0 if self.handoff.num_pending > 0 else IDLE_WAIT_MS  # sends to see through
@@ -178,6 +183,10 @@ def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
             options.coordinator, options.node_id, node.send_kv, keys
         )
     stop_on_signals(node)
-    logger.info("prefill node %s serving (transport %s, KV handoff %s)",
-                options.node_id, options.transport, options.kv_handoff)  # fmt: skip
+    logger.info(
+        "prefill node %s serving (transport %s, KV handoff %s)",
+        options.node_id,
+        options.transport,
+        options.kv_handoff,
+    )
     node.run()

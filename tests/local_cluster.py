@@ -124,10 +124,12 @@ class Cluster:
         while time.monotonic() < deadline:
             nodes = self.coordinator.nodes.alive()
             if nodes and all(
-                n.free_blocks == n.num_blocks and n.running == 0 and n.waiting == 0
+                n.free_blocks == n.num_blocks
+                and n.running == 0
+                and n.waiting == 0
                 and time.monotonic() - n.last_seen < 1.0
                 for n in nodes
-            ):  # fmt: skip
+            ):
                 return
             time.sleep(0.1)
         state = {n.node_id: (n.free_blocks, n.num_blocks, n.running, n.waiting) for n in nodes}

@@ -59,14 +59,20 @@ def serve(args: list[str]) -> int:
     log = state / f"server-{time.monotonic_ns()}.log"
     with open(log, "w") as out:
         # Its own session: the example's shell ends, the server stays (a second terminal).
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     (state / "server.pid").write_text(f"{proc.pid} {log}")
     deadline = time.monotonic() + 240
     while "pdserve: serving http://" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
-            print(f"pdserve {' '.join(args)} did not serve:\n{log.read_text()[-3000:]}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"pdserve {' '.join(args)} did not serve:\n{log.read_text()[-3000:]}",
+                file=sys.stderr,
+            )
             return 1
         time.sleep(0.1)
     return 0

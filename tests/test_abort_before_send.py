@@ -25,7 +25,7 @@ from pdserve.cluster.node_messages import (
     Register,
     orders,
     reports,
-)  # fmt: skip
+)
 from pdserve.decode_node.handoff import HandoffState
 from pdserve.decode_node.worker import DecodeNode
 from pdserve.engine import SamplingParams
@@ -49,9 +49,18 @@ class ScriptedNode:
         decode = role is NodeRole.DECODE
         info = {"transport": "tcp", "address": "tcp://127.0.0.1:1"} if decode else {}
         self.send(
-            Register(node_id, role, "pdserve-tiny", LAYOUT.block_size, 64, 1024, "tcp",
-                     LAYOUT.to_dict(), info)
-        )  # fmt: skip
+            Register(
+                node_id,
+                role,
+                "pdserve-tiny",
+                LAYOUT.block_size,
+                64,
+                1024,
+                "tcp",
+                LAYOUT.to_dict(),
+                info,
+            )
+        )
         self.send(Heartbeat(node_id, 64, 64, 0, 0, 0, seq=1))
 
     def send(self, msg: Message) -> None:

@@ -26,8 +26,14 @@ def test_bench_is_one_of_the_installed_packages():
 
 def test_a_benchmark_runs_from_another_directory(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # what an install puts on the path
-    res = subprocess.run([sys.executable, "-m", "pdserve.bench.serve_load", "--help"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve.bench.serve_load", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     shown = " ".join(res.stdout.split())
     assert "(default: 1000.0)" in shown and "(default: 50.0)" in shown

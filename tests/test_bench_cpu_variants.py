@@ -20,10 +20,38 @@ def test_a_variant_is_a_name_and_typed_engine_settings():
 
 
 def test_two_variants_run_side_by_side(capsys):
-    out = main(["--rounds", "1", "--num-requests", "3", "--min-prompt-len", "4", "--max-prompt-len", "20",
-                "--min-output-len", "4", "--max-output-len", "8", "--hidden-size", "64", "--layers", "1", "--heads", "2",
-                "--kv-heads", "1", "--intermediate-size", "64", "--vocab-size", "300",
-                "--variant", "ref=kernel_backend:torch", "--variant", "one=cpu_threads:1"])  # fmt: skip
+    out = main(
+        [
+            "--rounds",
+            "1",
+            "--num-requests",
+            "3",
+            "--min-prompt-len",
+            "4",
+            "--max-prompt-len",
+            "20",
+            "--min-output-len",
+            "4",
+            "--max-output-len",
+            "8",
+            "--hidden-size",
+            "64",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--intermediate-size",
+            "64",
+            "--vocab-size",
+            "300",
+            "--variant",
+            "ref=kernel_backend:torch",
+            "--variant",
+            "one=cpu_threads:1",
+        ]
+    )
     assert set(out["variants"]) == {"ref", "one"}
     assert all(v["median"] > 0 for v in out["variants"].values())
     assert "| one | cpu_threads=1 |" in capsys.readouterr().out

@@ -54,11 +54,14 @@ def test_each_turn_sends_the_history_and_its_new_message():
 
 def test_the_table_has_a_row_per_system():
     run = {
-        "system": "reuse-on", "requests": 4, "blocks_received": 10, "blocks_reused": 6,
+        "system": "reuse-on",
+        "requests": 4,
+        "blocks_received": 10,
+        "blocks_reused": 6,
         "kv_bytes_per_request": 2048.0,
         "ttft_ms": {"mean": 1.0, "p50": 1.0, "p90": 2.0},
         "first_gap_ms": {"mean": 3.0, "p50": 3.0, "p90": 4.0},
-    }  # fmt: skip
+    }
     table = format_table([run, {**run, "system": "reuse-off"}])
     assert table.count("\n") == 3 and "| reuse-on | 4 | 10 | 6 | 2.0 KiB |" in table
     assert build_parser().parse_args(["--turns", "4:8"]).turns == (4, 8)

@@ -88,8 +88,14 @@ def test_vllm_gets_its_defaults_but_float32_token_ids_and_the_shared_batch_cap(t
 
 def test_the_vllm_runner_starts_as_a_script_outside_the_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, str(driver.VLLM_RUNNER), "--help"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, str(driver.VLLM_RUNNER), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "--requests" in res.stdout and "--max-num-seqs" in res.stdout
 
@@ -184,8 +190,17 @@ def test_offline_throughput_refuses_a_bad_variant_before_running_anything(tmp_pa
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").touch()
-    cmd = [sys.executable, "-m", "pdserve.bench.offline_throughput", "--peer", "vllm",
-           "--peer-venv", str(venv), "--pdserve-variant", "x=--max-num-seqs 4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.bench.offline_throughput",
+        "--peer",
+        "vllm",
+        "--peer-venv",
+        str(venv),
+        "--pdserve-variant",
+        "x=--max-num-seqs 4",
+    ]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "is not an engine flag" in res.stderr.strip().splitlines()[-1]
@@ -232,8 +247,15 @@ def test_a_missing_peer_virtualenv_names_the_make_target(tmp_path):
 
 def test_offline_throughput_peer_without_the_venv_is_a_one_line_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "pdserve.bench.offline_throughput", "--peer", "vllm",
-           "--peer-venv", str(tmp_path / "none")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.bench.offline_throughput",
+        "--peer",
+        "vllm",
+        "--peer-venv",
+        str(tmp_path / "none"),
+    ]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
@@ -272,8 +294,9 @@ def test_a_pdserve_variant_runs_with_its_engine_flags(tmp_path):
     cmd = driver.runner_command(
         "pdserve", ensure_tiny_model(), tmp_path / "r.json", 8, 16, variant=variant
     )
-    res = subprocess.run(cmd, env=driver.runner_env("pdserve"), capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    res = subprocess.run(
+        cmd, env=driver.runner_env("pdserve"), capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     got = parse_result(res.stdout)
     assert (got.engine, got.output_tokens, got.threads) == ("one", 5, 1)

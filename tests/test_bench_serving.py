@@ -168,10 +168,14 @@ def chunk(text: str, finish: str | None = None) -> str:
 
 def test_timer_takes_ttft_from_the_first_token_chunk_and_gaps_between_chunks():
     timer = CompletionTimer(start=10.0)
-    stream = [(10.25, chunk("a")), (10.30, chunk("b")), (10.40, chunk("c")),
-              (10.41, chunk("", "length")),
-              (10.42, json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}})),
-              (10.43, "[DONE]")]  # fmt: skip
+    stream = [
+        (10.25, chunk("a")),
+        (10.30, chunk("b")),
+        (10.40, chunk("c")),
+        (10.41, chunk("", "length")),
+        (10.42, json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}})),
+        (10.43, "[DONE]"),
+    ]
     for now, data in stream:
         timer.on_event(data, now)
     r = timer.result(RequestSpec([1] * 5, 5, 3), send_time=0.0, now=11.0)
@@ -248,11 +252,17 @@ def test_load_against_a_fake_server_measures_its_pace(fake_server: str):
 
 def fake_sweep(system: str, variant: str, tpot_p99: list[float], goodputs: list[float]) -> dict:
     points = [
-        {"config": {"rate": float(i + 1)},
-         "summary": {"by_kind": {"short": {"tpot_ms": {"p99": t}}}, "goodput": g, "request_throughput": float(i + 1),
-                     "e2el_ms": {"p99": 1000.0 * (i + 1)}}}
+        {
+            "config": {"rate": float(i + 1)},
+            "summary": {
+                "by_kind": {"short": {"tpot_ms": {"p99": t}}},
+                "goodput": g,
+                "request_throughput": float(i + 1),
+                "e2el_ms": {"p99": 1000.0 * (i + 1)},
+            },
+        }
         for i, (t, g) in enumerate(zip(tpot_p99, goodputs))
-    ]  # fmt: skip
+    ]
     return {
         "label": f"{system} ({variant})",
         "system": system,

@@ -30,8 +30,9 @@ HUB_ID = "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*PDSERVE, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*PDSERVE, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -76,8 +77,14 @@ def test_the_help_says_what_pdserve_is_and_what_each_server_command_starts():
     assert "prefill and decode nodes as child processes" in serve
     assert "It starts no node" in coordinator and "child processes" not in coordinator
     # The engine flags, with vLLM's names, are serve's; nodes started by hand take their own.
-    for flag in ("--max-model-len", "--gpu-memory-utilization", "--enforce-eager", "--seed",
-                 "--enable-prefix-caching", "--no-enable-prefix-caching"):  # fmt: skip
+    for flag in (
+        "--max-model-len",
+        "--gpu-memory-utilization",
+        "--enforce-eager",
+        "--seed",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+    ):
         assert flag in serve and flag not in coordinator
     for flag in ("--served-model-name", "--chat-template", "--max-pending-requests"):
         assert flag in serve and flag in coordinator
@@ -88,10 +95,14 @@ def test_the_help_says_what_pdserve_is_and_what_each_server_command_starts():
 
 @pytest.mark.parametrize(
     "args",
-    [["serve", HUB_ID], ["serve", "--model", HUB_ID], ["coordinator", HUB_ID],
-     ["generate", "--model", HUB_ID, "--prompt", "hi"]],
+    [
+        ["serve", HUB_ID],
+        ["serve", "--model", HUB_ID],
+        ["coordinator", HUB_ID],
+        ["generate", "--model", HUB_ID, "--prompt", "hi"],
+    ],
     ids=["serve", "serve --model", "coordinator", "generate"],
-)  # fmt: skip
+)
 def test_a_hub_id_is_one_line_that_says_how_to_fetch_it(args):
     res = run(*args)
     assert res.returncode == 2 and res.stdout == ""
@@ -150,8 +161,9 @@ def test_generate_prints_the_text_then_tokens_time_and_speed_on_stderr():
 
     # On a terminal, the same text with its control characters escaped.
     main, child = pty.openpty()
-    proc = subprocess.Popen([*PDSERVE, *GENERATE], cwd=REPO, stdout=child,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [*PDSERVE, *GENERATE], cwd=REPO, stdout=child, stderr=subprocess.DEVNULL
+    )
     os.close(child)
     out = b""
     while True:
@@ -179,10 +191,22 @@ def first_session(tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [*PDSERVE, "serve", "pdserve-tiny", "--max-model-len", "1024",
-             "--served-model-name", "m", "--port", str(port)],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                *PDSERVE,
+                "serve",
+                "pdserve-tiny",
+                "--max-model-len",
+                "1024",
+                "--served-model-name",
+                "m",
+                "--port",
+                str(port),
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def serving() -> bool:
         assert proc.poll() is None, log.read_text()[-4000:]
@@ -219,8 +243,12 @@ def test_the_openai_client_sees_the_served_name_and_the_context_limit(first_sess
 def test_ctrl_c_stops_everything_with_nothing_but_info_lines(first_session):
     proc, port, log = first_session
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-    nodes = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                            text=True).stdout.split()]  # fmt: skip
+    nodes = [
+        int(p)
+        for p in subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+    ]
     assert len(nodes) == 2
     before = len(log.read_text())
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal sends

@@ -82,9 +82,10 @@ def test_short_prompts_are_prefilled_on_the_decode_node(offline):
     with Cluster(1, 1, config=config) as cluster:
         routes = []
         cluster.coordinator.listeners.append(
-            lambda name, s: routes.append((len(s.prompt_token_ids), s.phase))
-            if name == "submitted" else None
-        )  # fmt: skip
+            lambda name, s: (
+                routes.append((len(s.prompt_token_ids), s.phase)) if name == "submitted" else None
+            )
+        )
         results = asyncio.run(run_all(cluster.client_addr, prompts, GREEDY))
         assert [tokens for tokens, _ in results] == expected
         for length, phase in routes:
@@ -279,10 +280,12 @@ class TestTwoByTwo:
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     holding = [
-                        s for s in list(cluster.coordinator.requests.values())
-                        if s.decode_node == "decode-0" and s.phase is Phase.DECODING
+                        s
+                        for s in list(cluster.coordinator.requests.values())
+                        if s.decode_node == "decode-0"
+                        and s.phase is Phase.DECODING
                         and len(s.output_token_ids) >= 3
-                    ]  # fmt: skip
+                    ]
                     if holding:
                         break
                     await asyncio.sleep(0.005)

@@ -42,8 +42,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pdserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def test_keygen_writes_a_private_key_set_and_a_readable_secret_is_refused(tmp_path):
@@ -60,12 +65,26 @@ def test_keygen_writes_a_private_key_set_and_a_readable_secret_is_refused(tmp_pa
     assert again.returncode == 2 and "already holds a cluster key set" in again.stderr
     assert ClusterKeys.load(tmp_path / "keys") == keys  # untouched
     secret.chmod(0o644)
-    node = pdserve("prefill", "--coordinator", "tcp://127.0.0.1:1", "--node-id", "p",
-                   "--cluster-keys", str(tmp_path / "keys"))  # fmt: skip
+    node = pdserve(
+        "prefill",
+        "--coordinator",
+        "tcp://127.0.0.1:1",
+        "--node-id",
+        "p",
+        "--cluster-keys",
+        str(tmp_path / "keys"),
+    )
     assert node.returncode == 2 and node.stderr.count("\n") == 1, node.stderr
     assert f"chmod 600 {secret}" in node.stderr
-    missing = pdserve("decode", "--coordinator", "tcp://127.0.0.1:1", "--node-id", "d",
-                      "--cluster-keys", str(tmp_path / "none"))  # fmt: skip
+    missing = pdserve(
+        "decode",
+        "--coordinator",
+        "tcp://127.0.0.1:1",
+        "--node-id",
+        "d",
+        "--cluster-keys",
+        str(tmp_path / "none"),
+    )
     assert missing.returncode == 2 and "no cluster keys in" in missing.stderr
     assert "pdserve keygen DIR" in missing.stderr
 
@@ -79,7 +98,7 @@ def test_two_processes_making_the_default_key_set_at_once_end_up_with_one(tmp_pa
             cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for _ in range(4)
     ]
     publics = {p.communicate(timeout=60)[0].strip() for p in procs}
@@ -96,8 +115,9 @@ def test_a_keyed_coordinator_admits_only_key_holders_and_logs_each_address_once(
     keys = ClusterKeys.generate()
 
     def refused_before_zap() -> list[str]:
-        return [r.getMessage() for r in caplog.records
-                if "without the cluster keys" in r.getMessage()]  # fmt: skip
+        return [
+            r.getMessage() for r in caplog.records if "without the cluster keys" in r.getMessage()
+        ]
 
     async def run() -> tuple[set[str], int]:
         coordinator = Coordinator(CoordinatorConfig(heartbeat_timeout_s=30), keys=keys)
@@ -120,14 +140,19 @@ def test_a_keyed_coordinator_admits_only_key_holders_and_logs_each_address_once(
             # Three strangers with key pairs of their own, one without CurveZMQ: each registers.
             for i in range(3):
                 stranger = dealer(f"stranger-{i}".encode(), ClusterKeys.generate())
-                await stranger.send(reports.encode(Register(f"stranger-{i}", NodeRole.COLOCATED,
-                                                            "m", 4, 64, 1024, "none")))  # fmt: skip
+                await stranger.send(
+                    reports.encode(
+                        Register(f"stranger-{i}", NodeRole.COLOCATED, "m", 4, 64, 1024, "none")
+                    )
+                )
             plain = dealer(b"plain", None)
-            await plain.send(reports.encode(Register("plain", NodeRole.COLOCATED, "m", 4, 64,
-                                                     1024, "none")))  # fmt: skip
+            await plain.send(
+                reports.encode(Register("plain", NodeRole.COLOCATED, "m", 4, 64, 1024, "none"))
+            )
             member = dealer(b"member", keys)
-            await member.send(reports.encode(Register("member", NodeRole.COLOCATED, "m", 4, 64,
-                                                      1024, "none")))  # fmt: skip
+            await member.send(
+                reports.encode(Register("member", NodeRole.COLOCATED, "m", 4, 64, 1024, "none"))
+            )
             await coordinator.wait_for_nodes(0, 1, timeout_s=30)
             deadline = time.monotonic() + 30
             # Every stranger was turned away by the ZAP handler, and the one without CurveZMQ
@@ -214,31 +239,63 @@ def test_nodes_without_the_cluster_keys_never_join_while_one_with_them_serves(tm
     def start(name: str, *args: str) -> None:
         with open(log_dir / f"{name}.log", "w") as out:
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pdserve", *args], cwd=REPO, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                [sys.executable, "-m", "pdserve", *args],
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def log(name: str) -> str:
         return (log_dir / f"{name}.log").read_text()
 
     def prefill(node_id: str, *security: str) -> None:
-        start(node_id, "--log-level", "DEBUG", "prefill", "--coordinator", f"tcp://127.0.0.1:{node_port}", "--node-id",
-              node_id, "--num-kv-blocks", "64", "--block-size", "8", *security)  # fmt: skip
+        start(
+            node_id,
+            "--log-level",
+            "DEBUG",
+            "prefill",
+            "--coordinator",
+            f"tcp://127.0.0.1:{node_port}",
+            "--node-id",
+            node_id,
+            "--num-kv-blocks",
+            "64",
+            "--block-size",
+            "8",
+            *security,
+        )
 
     def metrics() -> str:
         return httpx.get(f"{url}/metrics", timeout=10).text
 
     try:
-        start("serve", "serve", "--port", str(port), "--node-port", str(node_port),
-              "--prefill-nodes", "0", "--decode-nodes", "1", "--num-kv-blocks", "64",
-              "--block-size", "8")  # fmt: skip
+        start(
+            "serve",
+            "serve",
+            "--port",
+            str(port),
+            "--node-port",
+            str(node_port),
+            "--prefill-nodes",
+            "0",
+            "--decode-nodes",
+            "1",
+            "--num-kv-blocks",
+            "64",
+            "--block-size",
+            "8",
+        )
         wait_until(lambda: "pdserve: serving" in log("serve"), "serve to serve", 240)
         prefill("stranger", "--cluster-keys", str(tmp_path / "other"))
         prefill("keyless", "--insecure")
         for name in ("stranger", "keyless"):
             try:
-                wait_until(lambda n=name: "refuses this node's handshake" in log(n),
-                           f"{name} to be refused", 240)  # fmt: skip
+                wait_until(
+                    lambda n=name: "refuses this node's handshake" in log(n),
+                    f"{name} to be refused",
+                    240,
+                )
             except AssertionError as exc:  # what the node was doing meanwhile
                 procs[name].send_signal(signal.SIGUSR1)
                 time.sleep(3)
@@ -251,8 +308,11 @@ def test_nodes_without_the_cluster_keys_never_join_while_one_with_them_serves(tm
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
 
         prefill("member", "--cluster-keys", str(default_key_dir()))
-        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200,
-                   "the keyed prefill node to join", 240)  # fmt: skip
+        wait_until(
+            lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200,
+            "the keyed prefill node to join",
+            240,
+        )
         done = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
         assert "] received prefill" in log("member")  # the debug line the strangers never wrote
@@ -267,8 +327,9 @@ def test_nodes_without_the_cluster_keys_never_join_while_one_with_them_serves(tm
         )
         refused = [x for x in log("serve").splitlines() if "dropped a connection" in x]
         assert len(refused) == 1 and "without the cluster keys" in refused[0], refused
-        assert " registered " not in "".join(x for x in log("serve").splitlines(True)
-                                             if "stranger" in x or "keyless" in x)  # fmt: skip
+        assert " registered " not in "".join(
+            x for x in log("serve").splitlines(True) if "stranger" in x or "keyless" in x
+        )
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -333,9 +394,11 @@ def test_raw_sockets_at_a_keyed_kv_port_change_no_block_and_keyed_senders_land_e
         frames = [
             *junk_for_a_receiver(lay),
             [control.encode(Hello("stranger", transport, lay, "host", 1))],
-            [control.encode(Pages("t-target", 1, (0, 4), 0, 1, page, True, True, [2], (0, 1))),
-             b"\xff" * page],
-        ]  # fmt: skip
+            [
+                control.encode(Pages("t-target", 1, (0, 4), 0, 1, page, True, True, [2], (0, 1))),
+                b"\xff" * page,
+            ],
+        ]
 
         def stranger(secure: str) -> None:
             sock = ctx.socket(zmq.DEALER)
@@ -368,8 +431,12 @@ def test_raw_sockets_at_a_keyed_kv_port_change_no_block_and_keyed_senders_land_e
                 with pytest.raises(ValueError, match="only holders of the cluster keys"):
                     sender.connect("decode-0", info)
             if encrypt:  # (with kv_encryption off, the password in the info is the credential)
-                other = make_sender(transport, random_pool(lay, seed=42), chunk_bytes=CHUNK,
-                                    keys=ClusterKeys.generate())  # fmt: skip
+                other = make_sender(
+                    transport,
+                    random_pool(lay, seed=42),
+                    chunk_bytes=CHUNK,
+                    keys=ClusterKeys.generate(),
+                )
                 with other:
                     other.connect("decode-0", info)
                     other.send("t-target", "decode-0", [0, 1, 3], [2, 14, 6], timeout_s=30.0)

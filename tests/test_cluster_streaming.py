@@ -19,9 +19,11 @@ from pdserve.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 STREAMING = CoordinatorConfig(
-    heartbeat_timeout_s=3.0, transfer_timeout_s=10.0, kv_streaming=True,
+    heartbeat_timeout_s=3.0,
+    transfer_timeout_s=10.0,
+    kv_streaming=True,
     kv_streaming_min_prompt_tokens=24,
-)  # fmt: skip
+)
 
 
 def make_prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:

@@ -102,9 +102,12 @@ def test_a_shape_that_fails_to_compile_runs_eagerly_from_then_on(checkpoint_dir,
     step._fn = broken
     ids, positions = torch.tensor([5, 6, 7]), torch.arange(3)
     batch = AttentionBatch(
-        torch.arange(3), torch.tensor([[1]], dtype=torch.int32), torch.tensor([3]),
-        torch.tensor([0, 3]), 3,
-    )  # fmt: skip
+        torch.arange(3),
+        torch.tensor([[1]], dtype=torch.int32),
+        torch.tensor([3]),
+        torch.tensor([0, 3]),
+        3,
+    )
     with (
         torch.inference_mode(),
         caplog.at_level(logging.WARNING, logger="pdserve.engine.compiled_step"),

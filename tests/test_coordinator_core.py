@@ -25,7 +25,7 @@ from pdserve.cluster.node_messages import (
     TokenItem,
     Tokens,
     TransferDone,
-)  # fmt: skip
+)
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.core import CoordinatorCore, Outbox, SubmitError

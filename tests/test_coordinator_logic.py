@@ -15,7 +15,7 @@ from pdserve.cluster.node_messages import (
     TokenItem,
     TokenLogprobs,
     Tokens,
-)  # fmt: skip
+)
 from pdserve.coordinator.admission import AdmissionQueue, Candidate
 from pdserve.coordinator.core import CoordinatorCore
 from pdserve.coordinator.nodes import NodeRegistry, NodeState
@@ -25,9 +25,18 @@ from pdserve.coordinator.routing import PrefixAffinity, least_loaded, most_free_
 def node(node_id: str, role: str = "decode", free: int = 100, total: int = 100, **kw) -> NodeState:
     role = NodeRole(role)
     return NodeState(
-        node_id=node_id, role=role, identity=node_id.encode(), num_blocks=total, block_size=4,
-        max_model_len=512, transport="tcp", receiver_info={}, kv_layout={}, free_blocks=free, **kw,
-    )  # fmt: skip
+        node_id=node_id,
+        role=role,
+        identity=node_id.encode(),
+        num_blocks=total,
+        block_size=4,
+        max_model_len=512,
+        transport="tcp",
+        receiver_info={},
+        kv_layout={},
+        free_blocks=free,
+        **kw,
+    )
 
 
 # --- protocol ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pdserve.cluster.node_messages import (
     TokenItem,
     Tokens,
     TransferDone,
-)  # fmt: skip
+)
 from pdserve.coordinator.request_state import Phase
 
 
@@ -35,9 +35,11 @@ def serve_one(sim: Sim, prompt: list[int], num_reused: int = 0) -> tuple[Admit, 
     returns its Admit, the decode node it went to and the SendKV."""
     state = sim.submit(max_tokens=2, prompt=prompt)
     sim.prefill_to_first_token(state)
-    (node,) = [n for n in ("d0", "d1") if sim.orders and any(
-        isinstance(m, Admit) and i == n.encode() for i, m in sim.orders
-    )]  # fmt: skip
+    (node,) = [
+        n
+        for n in ("d0", "d1")
+        if sim.orders and any(isinstance(m, Admit) and i == n.encode() for i, m in sim.orders)
+    ]
     (admit,) = sim.sent(Admit, node)
     sim.report(node, Admitted(admit.request_id, True, [1, 2, 3, 4][num_reused:], num_reused))
     (send,) = sim.sent(SendKV)
@@ -99,13 +101,16 @@ def test_an_early_admission_asks_for_reuse_goes_to_the_holder_and_skips_its_bloc
     def early(prompt: list[int], num_reused: int) -> tuple[Admit, str, SendKV]:
         state = sim.submit(max_tokens=1, prompt=prompt)
         (prefill,) = sim.sent(Prefill, "p0")
-        (node,) = [n for n in ("d0", "d1") if any(
-            isinstance(m, Admit) and i == n.encode() for i, m in sim.orders
-        )]  # fmt: skip
+        (node,) = [
+            n
+            for n in ("d0", "d1")
+            if any(isinstance(m, Admit) and i == n.encode() for i, m in sim.orders)
+        ]
         (admit,) = sim.sent(Admit, node)
         blocks = -(-len(prompt) // 4)
-        sim.report(node, Admitted(admit.request_id, True, list(range(num_reused, blocks)),
-                                  num_reused))  # fmt: skip
+        sim.report(
+            node, Admitted(admit.request_id, True, list(range(num_reused, blocks)), num_reused)
+        )
         (send,) = sim.sent(SendKV, "p0/handoff")
         sim.report("p0", FirstToken(prefill.request_id, 50, FinishReason.LENGTH, 0, blocks))
         sim.report("p0", TransferDone(send.request_id, True))

@@ -20,7 +20,7 @@ from pdserve.cluster.node_messages import (
     Register,
     orders,
     reports,
-)  # fmt: skip
+)
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator

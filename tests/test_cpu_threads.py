@@ -90,9 +90,13 @@ def test_an_engine_process_runs_on_the_cores_and_threads_it_was_given():
     last = max(os.sched_getaffinity(0))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(last)], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-c", PROBE, str(last)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["bound"] == [[last], 1, 2]
@@ -124,9 +128,13 @@ def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     last = max(os.sched_getaffinity(0))
     out = subprocess.run(
-        [sys.executable, "-c", FAILING_PROBE, str(last), str(model)], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-c", FAILING_PROBE, str(last), str(model)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["after"] == [sorted(os.sched_getaffinity(0)), 2], seen

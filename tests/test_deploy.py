@@ -44,9 +44,12 @@ def test_cpu_example_runs_everything_on_one_host():
     spec = load_cluster_file(DEPLOY / "cpu-local.toml")
     procs = by_name(plan(spec, "local"))
     assert sorted(procs) == [
-        "pdserve-coordinator", "pdserve-decode-0", "pdserve-decode-1",
-        "pdserve-prefill-0", "pdserve-prefill-1",
-    ]  # fmt: skip
+        "pdserve-coordinator",
+        "pdserve-decode-0",
+        "pdserve-decode-1",
+        "pdserve-prefill-0",
+        "pdserve-prefill-1",
+    ]
     assert procs["pdserve-coordinator"].ports == {"http": 8000, "nodes": 5555}
     for name in ("pdserve-decode-0", "pdserve-decode-1"):
         assert procs[name].transport == "tcp"
@@ -262,23 +265,44 @@ def test_the_docs_example_cluster_file_loads(tmp_path):
 
 def test_launch_dry_run_prints_the_plan_and_starts_nothing():
     res = subprocess.run(
-        [sys.executable, "-m", "pdserve", "launch", str(DEPLOY / "gpu-two-hosts.toml"),
-         "--host", "decode-host", "--dry-run"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "launch",
+            str(DEPLOY / "gpu-two-hosts.toml"),
+            "--host",
+            "decode-host",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("CUDA_VISIBLE_DEVICES=") == 8
     assert "--transport nccl" in res.stdout
     res = subprocess.run(
-        [sys.executable, "-m", "pdserve", "launch", str(DEPLOY / "llama3-70b-two-hosts.toml"),
-         "--host", "prefill-host", "--dry-run"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "launch",
+            str(DEPLOY / "llama3-70b-two-hosts.toml"),
+            "--host",
+            "prefill-host",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     lines = [line for line in res.stdout.splitlines() if "CUDA_VISIBLE_DEVICES=" in line]
     assert [line.split()[0] for line in lines] == [
-        "CUDA_VISIBLE_DEVICES=0,1,2,3", "CUDA_VISIBLE_DEVICES=4,5,6,7",
-    ]  # fmt: skip
+        "CUDA_VISIBLE_DEVICES=0,1,2,3",
+        "CUDA_VISIBLE_DEVICES=4,5,6,7",
+    ]
     assert all("--tensor-parallel-size 4" in line for line in lines)
 
 
@@ -287,8 +311,10 @@ def test_launch_of_a_bad_file_is_one_line(tmp_path):
     path.write_text(BASE.format(extra="decode_gpus = 'all'"))
     res = subprocess.run(
         [sys.executable, "-m", "pdserve", "launch", str(path), "--dry-run"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "decode_gpus" in res.stderr
 

@@ -340,8 +340,15 @@ def _model_step_data() -> dict:
 
     rows = [decode(1, 4096, 2766, 0.83), decode(64, 4096, 2100, 0.63), decode(256, 512, 2711, 0.81)]
     prefill = asdict(model_step.PrefillResult(1, 2048, 70.0, 33.0, 471.0, 0.6))
-    return {"device": "NVIDIA H100", "preset": "llama3-8b", "dtype": "bfloat16",
-            "copy_gbps": 3340.0, "matmul_tflops": 785.0, "decode": rows, "prefill": [prefill]}  # fmt: skip
+    return {
+        "device": "NVIDIA H100",
+        "preset": "llama3-8b",
+        "dtype": "bfloat16",
+        "copy_gbps": 3340.0,
+        "matmul_tflops": 785.0,
+        "decode": rows,
+        "prefill": [prefill],
+    }
 
 
 def _kernels_data() -> dict:
@@ -350,26 +357,46 @@ def _kernels_data() -> dict:
 
     decode = kernels.DecodeResult(64, 4096, 400.0, 420.0, 9000.0, 1.07, 2684.0, 0.8)
     prefill = kernels.PrefillResult(1, 2048, 0.4, None, 0.14, 350.0, 0.45)
-    return {"copy_gbps": 3340.0, "matmul_tflops": 785.0, "command": "python -m pdserve.bench.kernels",
-            "decode": [asdict(decode)], "prefill": [asdict(prefill)]}  # fmt: skip
+    return {
+        "copy_gbps": 3340.0,
+        "matmul_tflops": 785.0,
+        "command": "python -m pdserve.bench.kernels",
+        "decode": [asdict(decode)],
+        "prefill": [asdict(prefill)],
+    }
 
 
 def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
     test_id = "tests/test_gpu_engine.py::test_cuda_graph_decode_matches_cpu_reference[llama-False]"
     facts = {"devices": [{"name": "NVIDIA H100"}], "commit": "abc1234"}
-    failed = {"outcome": "failed", "seconds": 3.0, "reason": "AssertionError: lists differ",
-              "where": "tests/test_gpu_engine.py:91"}  # fmt: skip
+    failed = {
+        "outcome": "failed",
+        "seconds": 3.0,
+        "reason": "AssertionError: lists differ",
+        "where": "tests/test_gpu_engine.py:91",
+    }
     results = [
         StepResult("env", "env", "passed", summary="NVIDIA H100", data={"facts": facts}),
-        StepResult("tests", "tests", "failed", 120, summary="55 passed, 1 failed",
-                   failures=[{"where": test_id, "what": "AssertionError: lists differ"}],
-                   data={"tests": {test_id: failed}}),
+        StepResult(
+            "tests",
+            "tests",
+            "failed",
+            120,
+            summary="55 passed, 1 failed",
+            failures=[{"where": test_id, "what": "AssertionError: lists differ"}],
+            data={"tests": {test_id: failed}},
+        ),
         StepResult("kernels", "kernels", "passed", 30, data=_kernels_data()),
         StepResult("model_step", "model_step", "passed", 60, data=_model_step_data()),
         StepResult("serving", "serving", "timed out", 115, summary="stopped"),
-    ]  # fmt: skip
-    run = {"command": "python -m pdserve.deploy.gpu_check", "plan": "quick", "started": "now",
-           "seconds": 300.0, "budget_s": 540.0}  # fmt: skip
+    ]
+    run = {
+        "command": "python -m pdserve.deploy.gpu_check",
+        "plan": "quick",
+        "started": "now",
+        "seconds": 300.0,
+        "budget_s": 540.0,
+    }
     screen = report.first_screen(run, results)
     assert len(screen) <= 40
     text = "\n".join(screen)

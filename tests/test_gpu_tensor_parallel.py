@@ -42,9 +42,12 @@ def test_two_gpus_generate_what_one_does_from_graphs_captured_on_every_rank(chec
 
 
 @pytest.mark.parametrize(
-    "transport", [pytest.param("cuda_ipc", marks=gpus(4, cupy=True)),
-                  pytest.param("nccl", marks=gpus(4, cupy=True))],
-)  # fmt: skip
+    "transport",
+    [
+        pytest.param("cuda_ipc", marks=gpus(4, cupy=True)),
+        pytest.param("nccl", marks=gpus(4, cupy=True)),
+    ],
+)
 def test_gpu_groups_of_different_sizes_hand_off_kv(transport):
     # prefill-0: TP=2 on GPUs 0-1; decode-0: TP=1 on GPU 2; decode-1: TP=2 on GPUs 2-3 (shared
     # with decode-0: the nodes' communicators never pair a GPU with itself).

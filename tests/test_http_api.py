@@ -45,8 +45,10 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}[assistant] {% endif %}"
 )
-WORDS = ("the quick brown fox jumps over lazy dog hello world prefill decode worker model "
-         "token cache page paris france small time").split()  # fmt: skip
+WORDS = (
+    "the quick brown fox jumps over lazy dog hello world prefill decode worker model "
+    "token cache page paris france small time"
+).split()
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 # Deadlines for what must happen, not estimates of when: two shared cores can stall for seconds.
 WAIT_S = 60.0
@@ -137,11 +139,28 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "pdserve-tiny", "--port", str(port),
-             "--config", str(config), "--max-model-len", str(MAX_MODEL_LEN),
-             "--served-model-name", *NAMES, "--chat-template", str(template)],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(),
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "serve",
+                "pdserve-tiny",
+                "--port",
+                str(port),
+                "--config",
+                str(config),
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--served-model-name",
+                *NAMES,
+                "--chat-template",
+                str(template),
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+        )
     srv = Server(proc, port, config, log)
 
     def healthy() -> bool:
@@ -204,12 +223,22 @@ def test_version_openapi_schema_and_docs(server):
     assert httpx.get(f"{server.url}/version").json() == {"version": pdserve.__version__}
     schema = httpx.get(f"{server.url}/openapi.json").json()
     assert schema["info"]["version"] == pdserve.__version__
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                 "/detokenize", "/version", "/health", "/metrics"):  # fmt: skip
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/health",
+        "/metrics",
+    ):
         assert path in schema["paths"], path
     components = schema["components"]["schemas"]
-    for path, model, field in [("/v1/completions", "CompletionRequest", "prompt"),
-                               ("/v1/chat/completions", "ChatCompletionRequest", "messages")]:  # fmt: skip
+    for path, model, field in [
+        ("/v1/completions", "CompletionRequest", "prompt"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+    ]:
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
         assert field in components[model]["properties"]
@@ -228,8 +257,9 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, offline):
     assert out["tokens"] == ids and out["count"] == len(ids)
     assert out["max_model_len"] == MAX_MODEL_LEN
     assert out["token_strs"] == [offline.tokenizer.id_to_token(t) for t in ids]
-    plain = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": text,
-                                                "add_special_tokens": False}).json()  # fmt: skip
+    plain = httpx.post(
+        f"{url}/tokenize", json={"model": "tiny", "prompt": text, "add_special_tokens": False}
+    ).json()
     assert plain["tokens"] == offline.tokenizer.encode(text, add_special_tokens=False)
     assert plain["token_strs"] is None
     # Chat messages go through --chat-template, not the model's own template.
@@ -257,10 +287,14 @@ def test_streamed_completion_equals_the_non_streamed_one(server, offline):
     assert whole.usage.prompt_tokens == len(offline.tokenizer.encode("Hello, world"))
     chunks = list(
         client.completions.create(
-            model="pdserve-tiny", prompt="Hello, world", max_tokens=24, stream=True,
-            stream_options={"include_usage": True}, **GREEDY,
+            model="pdserve-tiny",
+            prompt="Hello, world",
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
         )
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -269,8 +303,13 @@ def test_streamed_completion_equals_the_non_streamed_one(server, offline):
 
 def test_every_streamed_chunk_is_valid_utf8_json(server):
     # Token ids as the prompt; the raw bytes of the stream, strictly decoded.
-    body = {"prompt": [5, 200, 301, 77], "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0}  # fmt: skip
+    body = {
+        "prompt": [5, 200, 301, 77],
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
     whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     tokens = whole["choices"][0]["logprobs"]["tokens"]
     # The output really has characters split across tokens (greedy, fixed weights: always).
@@ -303,9 +342,13 @@ def test_chat_streamed_and_not(server):
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 20
     stream = client.chat.completions.create(
-        model="pdserve-tiny", messages=messages, max_tokens=20, stream=True,
-        stream_options={"include_usage": True}, **GREEDY,
-    )  # fmt: skip
+        model="pdserve-tiny",
+        messages=messages,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -315,8 +358,15 @@ def test_chat_streamed_and_not(server):
 
 def test_n_choices_are_seeded_and_indexed(server):
     client = server.client()
-    kwargs = dict(model="pdserve-tiny", prompt="Once upon a time", max_tokens=12, n=3, seed=11,
-                  temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model="pdserve-tiny",
+        prompt="Once upon a time",
+        max_tokens=12,
+        n=3,
+        seed=11,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     first = client.completions.create(**kwargs)
     again = client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -329,9 +379,13 @@ def test_n_choices_are_seeded_and_indexed(server):
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[i] for i in range(3)] == [c.text for c in first.choices]
     chat = client.chat.completions.create(
-        model="pdserve-tiny", messages=[{"role": "user", "content": "hello"}], n=2,
-        max_tokens=8, seed=3, temperature=1.0,
-    )  # fmt: skip
+        model="pdserve-tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        n=2,
+        max_tokens=8,
+        seed=3,
+        temperature=1.0,
+    )
     assert [c.index for c in chat.choices] == [0, 1]
 
 
@@ -365,21 +419,34 @@ def test_logprobs_for_completions_and_chat(server):
         assert top[token] == pytest.approx(max(top.values()))  # greedy picks the top token
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     chat = client.chat.completions.create(
-        model="pdserve-tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=10,
-        logprobs=True, top_logprobs=2, **GREEDY,
-    )  # fmt: skip
+        model="pdserve-tiny",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=10,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 10 and all(len(c.top_logprobs) == 2 for c in content)
     raw = b"".join(bytes(c.bytes) for c in content)
     assert raw.decode("utf-8", errors="replace") == chat.choices[0].message.content
     streamed = list(
         client.chat.completions.create(
-            model="pdserve-tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=10,
-            logprobs=True, top_logprobs=2, stream=True, **GREEDY,
+            model="pdserve-tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=10,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            **GREEDY,
         )
-    )  # fmt: skip
-    tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs
-              for t in c.choices[0].logprobs.content]  # fmt: skip
+    )
+    tokens = [
+        t.token
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert tokens == [c.token for c in content]
 
 
@@ -510,11 +577,15 @@ def test_context_limits_are_refused_not_clamped_as_documented(server):
 
 def test_unknown_fields_are_accepted_and_ignored(server):
     extra = {"user": "u-1", "frobnicate": {"deep": [1, 2]}, "guided_json": None}
-    r = httpx.post(f"{server.url}{COMPLETIONS}",
-                   json={"prompt": "Hi", "max_tokens": 2, **extra}, timeout=WAIT_S)  # fmt: skip
+    r = httpx.post(
+        f"{server.url}{COMPLETIONS}",
+        json={"prompt": "Hi", "max_tokens": 2, **extra},
+        timeout=WAIT_S,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
-    r = httpx.post(f"{server.url}{CHAT}", json={"messages": HI, "max_tokens": 2, **extra},
-                   timeout=WAIT_S)  # fmt: skip
+    r = httpx.post(
+        f"{server.url}{CHAT}", json={"messages": HI, "max_tokens": 2, **extra}, timeout=WAIT_S
+    )
     assert r.status_code == 200
     r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi", **extra})
     assert r.status_code == 200
@@ -561,8 +632,13 @@ def test_overload_is_refused_whole_with_retry_after(server):
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
     before = server.metrics().get(ABORTED, 0)
-    body = {"prompt": list(range(10, 130)), "max_tokens": 1900, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "prompt": list(range(10, 130)),
+        "max_tokens": 1900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=WAIT_S) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
@@ -627,8 +703,15 @@ def test_the_coordinator_logs_a_stats_line_while_requests_run(server):
 
     # Every 10 s while anything runs; earlier tests kept it busy for longer than that.
     line = wait_until(stats_line, "a stats line in the coordinator's log")
-    for words in ("prompt throughput", "generation throughput", "running", "waiting",
-                  "KV cache usage prefill", "decode", "prefix cache hit rate"):  # fmt: skip
+    for words in (
+        "prompt throughput",
+        "generation throughput",
+        "running",
+        "waiting",
+        "KV cache usage prefill",
+        "decode",
+        "prefix cache hit rate",
+    ):
         assert words in line, line
 
 

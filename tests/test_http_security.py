@@ -80,9 +80,13 @@ class Server:
         m = self.metrics()
         return tuple(
             sum(v for k, v in m.items() if k.startswith(name))
-            for name in ("pdserve_prompt_tokens_total", "pdserve_requests_finished_total",
-                         "pdserve_prefix_cache_hit_blocks", "pdserve_prefix_cache_miss_blocks")
-        )  # fmt: skip
+            for name in (
+                "pdserve_prompt_tokens_total",
+                "pdserve_requests_finished_total",
+                "pdserve_prefix_cache_hit_blocks",
+                "pdserve_prefix_cache_miss_blocks",
+            )
+        )
 
     def idle(self) -> bool:
         """Every KV block free on both nodes and no request left at the coordinator."""
@@ -102,8 +106,14 @@ class Server:
 
 
 def write_config(path: Path, **limits: object) -> None:
-    values = {"body_limit": BODY_LIMIT, "max_pending": 512, "max_tokens": 1 << 20, "max_n": 4,
-              "metrics_keyed": "false", **limits}  # fmt: skip
+    values = {
+        "body_limit": BODY_LIMIT,
+        "max_pending": 512,
+        "max_tokens": 1 << 20,
+        "max_n": 4,
+        "metrics_keyed": "false",
+        **limits,
+    }
     path.write_text(CONFIG.format(**values))
 
 
@@ -117,26 +127,71 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {**os.environ, "PDSERVE_API_KEY": OTHER_KEY}  # a flag wins over the variable
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "pdserve-tiny", "--port", str(port),
-             "--node-port", str(node_port), "--config", str(config), "--prefill-nodes", "0",
-             "--max-model-len", str(MAX_MODEL_LEN), "--api-key", KEY, "--api-key", OTHER_KEY],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "serve",
+                "pdserve-tiny",
+                "--port",
+                str(port),
+                "--node-port",
+                str(node_port),
+                "--config",
+                str(config),
+                "--prefill-nodes",
+                "0",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--api-key",
+                KEY,
+                "--api-key",
+                OTHER_KEY,
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     srv = Server(proc, None, port, config, log)  # type: ignore[arg-type]
-    wait_until(lambda: "pdserve: serving" in log.read_text() or proc.poll() is not None,
-               "serve to serve", 240)  # fmt: skip
+    wait_until(
+        lambda: "pdserve: serving" in log.read_text() or proc.poll() is not None,
+        "serve to serve",
+        240,
+    )
     assert proc.poll() is None, log.read_text()[-4000:]
     with open(tmp / "prefill.log", "w") as out:
         srv.prefill = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "prefill", "--coordinator",
-             f"tcp://127.0.0.1:{node_port}", "--node-id", "prefill-0", "--num-kv-blocks", "128",
-             "--block-size", "8", "--max-model-len", str(MAX_MODEL_LEN),
-             "--heartbeat-interval-s", "0.05"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "prefill",
+                "--coordinator",
+                f"tcp://127.0.0.1:{node_port}",
+                "--node-id",
+                "prefill-0",
+                "--num-kv-blocks",
+                "128",
+                "--block-size",
+                "8",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--heartbeat-interval-s",
+                "0.05",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        wait_until(lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200,
-                   "the prefill node to join", 240)  # fmt: skip
+        wait_until(
+            lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200,
+            "the prefill node to join",
+            240,
+        )
         srv.wait_until_idle()
         yield srv
     finally:
@@ -184,16 +239,19 @@ def test_a_client_without_the_key_gets_401_and_the_model_never_runs_for_it(serve
         for key in (KEY, OTHER_KEY):  # either key of the two given
             r = http.post(COMPLETIONS, json=body, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    after = wait_until(lambda: (w := server.model_work())[2] + w[3] > before[2] + before[3] and w,
-                       "the nodes to report the keyed requests' prefix lookups")  # fmt: skip
+    after = wait_until(
+        lambda: (w := server.model_work())[2] + w[3] > before[2] + before[3] and w,
+        "the nodes to report the keyed requests' prefix lookups",
+    )
     assert after[:2] == (before[0] + 32, before[1] + 2)  # the counters do move
     server.wait_until_idle()
 
 
 def test_the_openai_client_with_api_key_is_served_and_a_wrong_key_is_its_auth_error(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-    out = client.completions.create(model="pdserve-tiny", prompt="Hi", max_tokens=2,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model="pdserve-tiny", prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 2
     chat = client.chat.completions.create(model="pdserve-tiny", messages=HI, max_tokens=2)
     assert chat.choices[0].message.role == "assistant"
@@ -208,11 +266,28 @@ def test_the_openai_client_with_api_key_is_served_and_a_wrong_key_is_its_auth_er
 def test_the_load_generator_sends_the_api_key_it_is_given(server):
     def load(*key: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "pdserve.bench.serve_load", "--base-url", server.url, *key,
-             "--num-requests", "3", "--warmup", "0", "--short-prompt-len", "8",
-             "--short-output-len", "4", "--no-progress"],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pdserve.bench.serve_load",
+                "--base-url",
+                server.url,
+                *key,
+                "--num-requests",
+                "3",
+                "--warmup",
+                "0",
+                "--short-prompt-len",
+                "8",
+                "--short-output-len",
+                "4",
+                "--no-progress",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     keyed = load("--api-key", KEY)
     assert keyed.returncode == 0 and "3/3 ok" in keyed.stdout, keyed.stdout + keyed.stderr
@@ -307,8 +382,10 @@ def test_the_coordinator_holds_at_most_max_pending_requests_and_tokens(server):
         return httpx.post(url, json=body, headers=AUTH, timeout=120)
 
     server.reload(max_pending=2, max_tokens=16)
-    wait_until(lambda: post(tokens * 2).status_code == 400,
-               "the reloaded token bound (16) to refuse a 20-token prompt")  # fmt: skip
+    wait_until(
+        lambda: post(tokens * 2).status_code == 400,
+        "the reloaded token bound (16) to refuse a 20-token prompt",
+    )
     server.wait_until_idle()  # (what ran before the reload was read)
     before = server.model_work()
     os.kill(server.prefill.pid, signal.SIGSTOP)
@@ -382,22 +459,39 @@ def test_schema_fuzzing_finds_no_server_error_and_leaves_every_block_free(server
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {f"{op.method.upper()} {op.path}" for op in operations}
     assert labels >= {
-        "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
-        "POST /detokenize", "GET /v1/models", "GET /health", "GET /metrics", "GET /version",
-    }  # fmt: skip
+        "POST /v1/completions",
+        "POST /v1/chat/completions",
+        "POST /tokenize",
+        "POST /detokenize",
+        "GET /v1/models",
+        "GET /health",
+        "GET /metrics",
+        "GET /version",
+    }
     counts = dict.fromkeys(labels, 0)
     # n = 2 at most: the generated requests that run stay cheap (more is refused, and tested).
     server.reload(max_n=2)
-    wait_until(lambda: httpx.post(f"{server.url}{COMPLETIONS}", headers=AUTH, timeout=WAIT_S,
-                                  json={"prompt": "Hi", "n": 3}).status_code == 400,
-               "the reload to lower max_n")  # fmt: skip
+    wait_until(
+        lambda: (
+            httpx.post(
+                f"{server.url}{COMPLETIONS}",
+                headers=AUTH,
+                timeout=WAIT_S,
+                json={"prompt": "Hi", "n": 3},
+            ).status_code
+            == 400
+        ),
+        "the reload to lower max_n",
+    )
     started = time.monotonic()
     with httpx.Client(base_url=server.url, timeout=WAIT_S, headers=AUTH) as http:
         for op in operations:
             modes = [(schemathesis.GenerationMode.POSITIVE, NO_INPUT_EXAMPLES)]
             if op.body:
-                modes = [(schemathesis.GenerationMode.POSITIVE, FUZZ_EXAMPLES),
-                         (schemathesis.GenerationMode.NEGATIVE, FUZZ_EXAMPLES // 2)]  # fmt: skip
+                modes = [
+                    (schemathesis.GenerationMode.POSITIVE, FUZZ_EXAMPLES),
+                    (schemathesis.GenerationMode.NEGATIVE, FUZZ_EXAMPLES // 2),
+                ]
             for mode, examples in modes:
                 fuzz(op, mode, examples, http, server.url, counts)
     print(f"fuzzed {sum(counts.values())} requests in {time.monotonic() - started:.0f} s: {counts}")
@@ -416,15 +510,24 @@ def fuzz(op, mode, examples: int, http: httpx.Client, url: str, counts: dict[str
     label = f"{op.method.upper()} {op.path}"
 
     @hypothesis.settings(
-        max_examples=examples, deadline=None, database=None, derandomize=True,
-        phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @hypothesis.given(case=op.as_strategy(generation_mode=mode).map(served_model))
     def run(case) -> None:  # noqa: ANN001
         kwargs = case.as_transport_kwargs(base_url=url)
         headers = {**kwargs.get("headers", {}), **AUTH}
-        response = http.request(kwargs["method"], kwargs["url"], headers=headers,
-                                content=_content(kwargs), params=kwargs.get("params"))  # fmt: skip
+        response = http.request(
+            kwargs["method"],
+            kwargs["url"],
+            headers=headers,
+            content=_content(kwargs),
+            params=kwargs.get("params"),
+        )
         check_answer(case.method, case.path, response)
         counts[label] += 1
 

@@ -23,8 +23,12 @@ def ranges(size: int, heads: int) -> list[tuple[int, int]]:
     return [(r.start, r.stop) for r in kv_head_ranges(size, heads)]
 
 
-SIZES = [(heads, p, d) for heads in (1, 2, 4, 8) for p, d in itertools.product((1, 2, 4, 8), repeat=2)
-         if all(heads % s == 0 or s % heads == 0 for s in (p, d))]  # fmt: skip
+SIZES = [
+    (heads, p, d)
+    for heads in (1, 2, 4, 8)
+    for p, d in itertools.product((1, 2, 4, 8), repeat=2)
+    if all(heads % s == 0 or s % heads == 0 for s in (p, d))
+]
 
 
 @pytest.mark.parametrize("heads,prefill,decode", SIZES)

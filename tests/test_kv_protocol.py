@@ -87,7 +87,7 @@ PAGES |= {"nbytes": 256, "first": True, "last": True, "dst": [3], "send_layers":
                 }
             ),
             "missing required field",
-        ),  # fmt: skip
+        ),
         (raw({"type": "go", "send_id": "1"}), "Expected `int`"),
         (raw({"type": "shutdown"}), "Invalid value 'shutdown'"),
         (raw({"type": "ping"}, version=1), f"version 1, expected {KV_PROTOCOL_VERSION}"),

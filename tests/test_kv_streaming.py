@@ -24,7 +24,7 @@ from pdserve.cluster.node_messages import (
     TokenItem,
     Tokens,
     TransferDone,
-)  # fmt: skip
+)
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.request_state import EarlyAdmission, Phase
 from pdserve.decode_node.handoff import DecodeHandoff
@@ -58,8 +58,17 @@ class RecordingSender(KVSender):
     def connect(self, peer_id: str, receiver_info: dict) -> None:
         pass
 
-    def send(self, transfer_id, peer_id, src_blocks, dst_blocks, layers=None, timeout_s=30.0,
-             heads=None, dst_heads=None) -> None:  # noqa: ANN001  # fmt: skip
+    def send(
+        self,
+        transfer_id,
+        peer_id,
+        src_blocks,
+        dst_blocks,
+        layers=None,
+        timeout_s=30.0,
+        heads=None,
+        dst_heads=None,
+    ) -> None:  # noqa: ANN001
         layers = layers or (0, self.pool.layout.num_layers if self.pool else LAYOUT.num_layers)
         self.sends.append((transfer_id, tuple(layers), list(src_blocks)))
         if self.pool is not None:
@@ -306,8 +315,9 @@ def test_the_sequence_starts_only_with_every_layer_and_its_first_token(decode, t
     time.sleep(0.2)
     assert decode.handoff.poll() == ([], [])  # layer 0 alone does not complete it
     decode.sender.send("r1", "d0", src, dst, layers=(1, LAYOUT.num_layers))
-    arrived, _ = decode.poll_until(lambda a, f: a or decode.handoff.handoffs["r1"].state
-                                   is DecodeState.ARRIVED)  # fmt: skip
+    arrived, _ = decode.poll_until(
+        lambda a, f: a or decode.handoff.handoffs["r1"].state is DecodeState.ARRIVED
+    )
     if token_first:
         assert arrived == [seq]
     else:

@@ -79,30 +79,52 @@ def node_process(parent: int, node_id: str) -> int | None:
     """The node's process from its exec on: found by its command line until it sets its title."""
     res = subprocess.run(
         ["pgrep", "-P", str(parent), "-f", f" --node-id {node_id} |^pdserve-{node_id}$"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     pids = [int(p) for p in res.stdout.split()]
     return pids[0] if len(pids) == 1 else None
 
 
 def complete(url: str, max_tokens: int = 8) -> httpx.Response:
-    body = {"model": "pdserve-tiny", "prompt": "Hello there", "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "pdserve-tiny",
+        "prompt": "Hello there",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
 @pytest.fixture
 def cpu_cluster(tmp_path):
     http_port, node_port, kv_port = free_port(), free_port(), free_port()
-    hosts = HOST.format(name="local", address="127.0.0.1", kv_port=kv_port,
-                        roles="prefill_workers = 2\ndecode_workers = 2\ntransport = \"tcp\"")  # fmt: skip
+    hosts = HOST.format(
+        name="local",
+        address="127.0.0.1",
+        kv_port=kv_port,
+        roles='prefill_workers = 2\ndecode_workers = 2\ntransport = "tcp"',
+    )
     path = tmp_path / "cluster.toml"
-    path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="local", http_port=http_port,
-                                   node_port=node_port, hosts=hosts, security=""))  # fmt: skip
+    path.write_text(
+        CLUSTER.format(
+            log_dir=tmp_path / "logs",
+            first="local",
+            http_port=http_port,
+            node_port=node_port,
+            hosts=hosts,
+            security="",
+        )
+    )
     console = tmp_path / "console.txt"
     with open(console, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "launch", str(path)],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "launch", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{http_port}"
     try:
         yield proc, url, tmp_path / "logs", console
@@ -161,8 +183,13 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     wait_until(lambda: f"pdserve: serving {url}\n" in console.read_text(), "the serving line")
     assert all(registered(url, n) for n in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
     assert complete(url).status_code == 200
-    titles = ["pdserve-coordinator", "pdserve-prefill-0", "pdserve-prefill-1",
-              "pdserve-decode-0", "pdserve-decode-1"]  # fmt: skip
+    titles = [
+        "pdserve-coordinator",
+        "pdserve-prefill-0",
+        "pdserve-prefill-1",
+        "pdserve-decode-0",
+        "pdserve-decode-1",
+    ]
     for title in titles:
         assert len(children_titled(launch.pid, title)) == 1, title
         assert (logs / f"{title}.log").is_file()
@@ -171,16 +198,20 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     # registered above: its handler is in place, so the signal cannot end its start).
     (dumped,) = children_titled(launch.pid, "pdserve-decode-0")
     os.kill(dumped, signal.SIGUSR1)
-    wait_until(lambda: "most recent call first" in (logs / "pdserve-decode-0.log").read_text(),
-               "decode-0's stacks")  # fmt: skip
+    wait_until(
+        lambda: "most recent call first" in (logs / "pdserve-decode-0.log").read_text(),
+        "decode-0's stacks",
+    )
     assert complete(url).status_code == 200
     assert children_titled(launch.pid, "pdserve-decode-0") == [dumped]
 
     # A worker killed outright is restarted by the supervisor and registers again. It is up
     # (registered, its log says it serves) before it is killed: killed in its start, it would
     # never have said so, and its log would never say it twice.
-    wait_until(lambda: registered(url, "decode-1") and "decode node decode-1 serving" in
-               log("decode-1"), "decode-1 to serve")  # fmt: skip
+    wait_until(
+        lambda: registered(url, "decode-1") and "decode node decode-1 serving" in log("decode-1"),
+        "decode-1 to serve",
+    )
     (victim,) = children_titled(launch.pid, "pdserve-decode-1")
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 300
@@ -210,8 +241,14 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
 
     def stream(i: int) -> None:
         # Long enough that the drain is still under way when the refused request is sent.
-        body = {"model": "pdserve-tiny", "prompt": f"stream {i}", "max_tokens": 800,
-                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": "pdserve-tiny",
+            "prompt": f"stream {i}",
+            "max_tokens": 800,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         count, reason, waited = 0, None, False
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
@@ -261,18 +298,36 @@ def test_a_child_that_keeps_dying_at_start_stops_everything_with_its_log(tmp_pat
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         http_port = taken.getsockname()[1]
-        hosts = HOST.format(name="local", address="127.0.0.1", kv_port=free_port(),
-                            roles="prefill_workers = 1\ndecode_workers = 1")  # fmt: skip
-        text = CLUSTER.format(log_dir="", first="local", http_port=http_port,
-                              node_port=free_port(), hosts=hosts, security="")  # fmt: skip
+        hosts = HOST.format(
+            name="local",
+            address="127.0.0.1",
+            kv_port=free_port(),
+            roles="prefill_workers = 1\ndecode_workers = 1",
+        )
+        text = CLUSTER.format(
+            log_dir="",
+            first="local",
+            http_port=http_port,
+            node_port=free_port(),
+            hosts=hosts,
+            security="",
+        )
         path = tmp_path / "doomed.toml"
         path.write_text(text.replace('log_dir = ""\n', ""))
-        dry = subprocess.run([sys.executable, "-m", "pdserve", "launch", str(path), "--dry-run"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        dry = subprocess.run(
+            [sys.executable, "-m", "pdserve", "launch", str(path), "--dry-run"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         logs = Path(os.environ["PDSERVE_CACHE"]) / "logs" / "doomed"
         assert f"logs in {logs}" in dry.stdout
-        res = subprocess.run([sys.executable, "-m", "pdserve", "launch", str(path)],
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, "-m", "pdserve", "launch", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     assert res.returncode == 1, res.stderr[-3000:]
     error = res.stderr[res.stderr.index("pdserve: error: ") :]
     assert "pdserve-coordinator exited (2) within 10 s of starting, 3 times in a row" in error
@@ -301,14 +356,18 @@ def two_hosts():
     a, b = f"pd-a-{tag}", f"pd-b-{tag}"
     addr_a, addr_b = f"10.77.{tag}.1", f"10.77.{tag}.2"
     cmds = [
-        ["ip", "netns", "add", a], ["ip", "netns", "add", b],
+        ["ip", "netns", "add", a],
+        ["ip", "netns", "add", b],
         ["ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"],
-        ["ip", "link", "set", f"va{tag}", "netns", a], ["ip", "link", "set", f"vb{tag}", "netns", b],
+        ["ip", "link", "set", f"va{tag}", "netns", a],
+        ["ip", "link", "set", f"vb{tag}", "netns", b],
         ["ip", "-n", a, "addr", "add", f"{addr_a}/24", "dev", f"va{tag}"],
         ["ip", "-n", b, "addr", "add", f"{addr_b}/24", "dev", f"vb{tag}"],
-        ["ip", "-n", a, "link", "set", f"va{tag}", "up"], ["ip", "-n", b, "link", "set", f"vb{tag}", "up"],
-        ["ip", "-n", a, "link", "set", "lo", "up"], ["ip", "-n", b, "link", "set", "lo", "up"],
-    ]  # fmt: skip
+        ["ip", "-n", a, "link", "set", f"va{tag}", "up"],
+        ["ip", "-n", b, "link", "set", f"vb{tag}", "up"],
+        ["ip", "-n", a, "link", "set", "lo", "up"],
+        ["ip", "-n", b, "link", "set", "lo", "up"],
+    ]
     try:
         for cmd in cmds:
             subprocess.run(cmd, check=True, capture_output=True)
@@ -322,21 +381,45 @@ def test_two_hosts_in_network_namespaces_serve_across_the_link(tmp_path, two_hos
     """With a key set made by `pdserve keygen` and an API key: the decode node in namespace b
     joins the coordinator in a and takes KV pages over the link; a client needs the API key."""
     (ns_a, addr_a), (ns_b, addr_b) = two_hosts
-    keygen = subprocess.run([sys.executable, "-m", "pdserve", "keygen", str(tmp_path / "keys")],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    keygen = subprocess.run(
+        [sys.executable, "-m", "pdserve", "keygen", str(tmp_path / "keys")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert keygen.returncode == 0, keygen.stderr
     http_port, node_port, kv_port = 8000, 5555, 5700  # each namespace has its own ports
     hosts = HOST.format(name="a", address=addr_a, kv_port=kv_port, roles="prefill_workers = 1")
     hosts += HOST.format(name="b", address=addr_b, kv_port=kv_port, roles="decode_workers = 1")
     path = tmp_path / "two-hosts.toml"
-    text = CLUSTER.format(log_dir=tmp_path / "logs", first="a", http_port=http_port,
-                          node_port=node_port, hosts=hosts, security='cluster_keys = "keys"')  # fmt: skip
+    text = CLUSTER.format(
+        log_dir=tmp_path / "logs",
+        first="a",
+        http_port=http_port,
+        node_port=node_port,
+        hosts=hosts,
+        security='cluster_keys = "keys"',
+    )
     path.write_text(text.replace("[coordinator]\n", '[coordinator]\napi_key = "sesame"\n'))
     launches = [
-        subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve", "launch",
-                          str(path), "--host", host], start_new_session=True)
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "pdserve",
+                "launch",
+                str(path),
+                "--host",
+                host,
+            ],
+            start_new_session=True,
+        )
         for ns, host in ((ns_a, "a"), (ns_b, "b"))
-    ]  # fmt: skip
+    ]
     client = (
         "import httpx, sys, time\n"
         f"url = 'http://{addr_a}:{http_port}'\n"
@@ -354,8 +437,12 @@ def test_two_hosts_in_network_namespaces_serve_across_the_link(tmp_path, two_hos
         "print(r.status_code, r.json()['usage']['completion_tokens'])\n"
     )
     try:
-        res = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", client],
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+        res = subprocess.run(
+            ["ip", "netns", "exec", ns_a, sys.executable, "-c", client],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert res.stdout.split() == ["401", "200", "8"], res.stderr[-2000:]
         # The decode node lives only in namespace b: the KV pages crossed the veth link.
         log_b = (tmp_path / "logs" / "pdserve-decode-0.log").read_text()
@@ -384,12 +471,22 @@ def test_hosts_off_loopback_without_keys_are_refused_naming_the_fix(tmp_path):
     path = tmp_path / "far.toml"
 
     def launch(security: str) -> subprocess.CompletedProcess:
-        path.write_text(CLUSTER.format(log_dir=tmp_path / "logs", first="a", http_port=8000,
-                                       node_port=5555, hosts=hosts, security=security))  # fmt: skip
+        path.write_text(
+            CLUSTER.format(
+                log_dir=tmp_path / "logs",
+                first="a",
+                http_port=8000,
+                node_port=5555,
+                hosts=hosts,
+                security=security,
+            )
+        )
         return subprocess.run(
             [sys.executable, "-m", "pdserve", "launch", str(path), "--host", "b", "--dry-run"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     refused = launch("")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
@@ -404,7 +501,11 @@ def test_hosts_off_loopback_without_keys_are_refused_naming_the_fix(tmp_path):
     assert keyed.returncode == 0 and f"--cluster-keys {tmp_path / 'keys'}" in keyed.stdout
     # A real start checks the key set first: here there is none.
     path.write_text(path.read_text())
-    res = subprocess.run([sys.executable, "-m", "pdserve", "launch", str(path), "--host", "b"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve", "launch", str(path), "--host", "b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "no cluster keys in" in res.stderr
     assert not (tmp_path / "logs").exists()  # nothing was started

@@ -16,11 +16,24 @@ MAX_GROWTH_MIB = 16
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_no_process_grows_over_the_second_half_of_hundreds_of_requests(transport, tmp_path):
-    args = soak.parse_args([
-        "--requests", "400", "--warmup", "300", "--sample-every", "50", "--concurrency", "16",
-        "--max-growth-mib", str(MAX_GROWTH_MIB), "--transport", transport,
-        "--work-dir", str(tmp_path),
-    ])  # fmt: skip
+    args = soak.parse_args(
+        [
+            "--requests",
+            "400",
+            "--warmup",
+            "300",
+            "--sample-every",
+            "50",
+            "--concurrency",
+            "16",
+            "--max-growth-mib",
+            str(MAX_GROWTH_MIB),
+            "--transport",
+            transport,
+            "--work-dir",
+            str(tmp_path),
+        ]
+    )
     result, samples, problems = soak.run(args)
     assert not problems, f"{problems}\n{soak.render(samples)}"
     assert set(result["processes"]) == {"coordinator", "prefill-0", "decode-0"}

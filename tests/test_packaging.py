@@ -47,9 +47,13 @@ def test_the_wheel_lists_every_package_and_maps_each_part_to_its_folder():
 def test_a_checkout_imports_every_part_under_pdserve():
     code = "import pdserve.engine, pdserve.kv_transfer.tcp as t; print(t.__file__)"
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == ROOT / "kv_transfer" / "tcp.py"
 
@@ -64,10 +68,22 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     ignore = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "docs")
     shutil.copytree(ROOT, source, ignore=ignore)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(work / "dist"), str(source)],
-        check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(work / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (wheel,) = (work / "dist").glob("pdserve-*.whl")
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -76,10 +92,22 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     runner_site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
     (site / "runner.pth").write_text(runner_site + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-         "--no-deps", "--no-index", str(wheel)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return wheel, venv
 
 
@@ -105,26 +133,51 @@ def test_an_installed_wheel_generates_and_serves_outside_the_checkout(installed,
     env = clean_env(tmp_path)
     where = subprocess.run(
         [python, "-c", "import pdserve.engine as e, pdserve.bench.soak; print(e.__file__)"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(venv)  # not the checkout's
 
     generate = subprocess.run(
-        [str(venv / "bin" / "pdserve"), "generate", "--prompt", "Once upon a time",
-         "--max-tokens", "12"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(venv / "bin" / "pdserve"),
+            "generate",
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "12",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert generate.returncode == 0, generate.stderr
     assert generate.stdout.strip()  # the story goes on (the C kernel built from the wheel's source)
 
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
     serve = subprocess.Popen(
-        [str(venv / "bin" / "pdserve"), "serve", "--port", str(port), "--insecure",
-         "--log-dir", str(tmp_path / "logs")],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(venv / "bin" / "pdserve"),
+            "serve",
+            "--port",
+            str(port),
+            "--insecure",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while b"pdserve: serving" not in (tmp_path / "serve.log").read_bytes():

@@ -74,15 +74,22 @@ def test_every_readme_example_runs_as_written(tmp_path):
     (home / "deploy").symlink_to(REPO / "deploy")
     for tool in ("pdserve", "python"):
         shim = bin_dir / tool
-        shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
-                        "from readme_shim import main\nraise SystemExit(main())\n")  # fmt: skip
+        shim.write_text(
+            f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
+            "from readme_shim import main\nraise SystemExit(main())\n"
+        )
         shim.chmod(0o755)
     ports = {port: str(free_port()) for port in PORTS}
     # The README's examples run on the default model, as a user's would (the suite's is
     # pdserve-tiny).
     inherited = {k: v for k, v in os.environ.items() if k != "PDSERVE_MODEL"}
-    env = {**inherited, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(REPO), "README_PORT": ports["8000"], "README_STATE": str(state)}  # fmt: skip
+    env = {
+        **inherited,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "README_PORT": ports["8000"],
+        "README_STATE": str(state),
+    }
     ran = 0
     try:
         for example in examples():
@@ -94,8 +101,9 @@ def test_every_readme_example_runs_as_written(tmp_path):
             command = ["bash", "-e", "-o", "pipefail", "-c", code]
             if example.lang == "python":
                 command = [sys.executable, "-c", code]
-            res = subprocess.run(command, cwd=home, env=env, capture_output=True, text=True,
-                                 timeout=300)  # fmt: skip
+            res = subprocess.run(
+                command, cwd=home, env=env, capture_output=True, text=True, timeout=300
+            )
             said = (
                 f"{example} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
             )

@@ -168,13 +168,24 @@ def test_a_node_with_default_settings_gets_no_setting_flags_but_its_keys_and_cor
     from pdserve.engine.cpu_threads import available_cores, node_bindings
 
     keys = ClusterKeys.generate().write(tmp_path / "keys")
-    (spec,) = [s for s in node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR, keys)
-               if s.role == "decode"]  # fmt: skip
+    (spec,) = [
+        s
+        for s in node_specs(ServeOptions(), CoordinatorConfig(), COORDINATOR, keys)
+        if s.role == "decode"
+    ]
     # serve's two nodes (a prefill and a decode) split this host's cores.
     cores = node_bindings(None, [1, 1], available_cores())[1]
-    assert spec.command()[3:] == ["decode", "--coordinator", COORDINATOR, "--node-id", "decode-0",
-                                  "--cluster-keys", str(keys.directory),
-                                  "--cpu-bind", cores]  # fmt: skip
+    assert spec.command()[3:] == [
+        "decode",
+        "--coordinator",
+        COORDINATOR,
+        "--node-id",
+        "decode-0",
+        "--cluster-keys",
+        str(keys.directory),
+        "--cpu-bind",
+        cores,
+    ]
     assert parse_node_command(spec.command()) == (
         NodeOptions(coordinator=COORDINATOR, node_id="decode-0", cluster_keys=str(keys.directory)),
         EngineConfig(cpu_bind=cores),
@@ -198,10 +209,22 @@ def test_flags_added_without_defaults_hold_only_what_was_given():
 
 def test_a_bad_flag_value_is_one_line():
     res = subprocess.run(
-        [sys.executable, "-m", "pdserve", "prefill", "--coordinator", COORDINATOR,
-         "--node-id", "p", "--max-num-seqs", "0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "prefill",
+            "--coordinator",
+            COORDINATOR,
+            "--node-id",
+            "p",
+            "--max-num-seqs",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert res.stderr == "pdserve: error: max_num_seqs must be >= 1, got 0\n"
 
@@ -246,9 +269,13 @@ def test_the_flat_file_loads_into_the_three_declarations(tmp_path):
     assert cfg.node_settings.engine["max_num_batched_tokens"] == 512
     # The nodes `serve` starts get the file's node settings, and serve's flags over them.
     args = build_parser().parse_args(["serve", "--model", "/m", "--dtype", "float32"])
-    options = ServeOptions(model=args.model, prefill_nodes=2, decode_nodes=1,
-                           engine=values_from_args(EngineConfig, args),
-                           node=values_from_args(NodeOptions, args))  # fmt: skip
+    options = ServeOptions(
+        model=args.model,
+        prefill_nodes=2,
+        decode_nodes=1,
+        engine=values_from_args(EngineConfig, args),
+        node=values_from_args(NodeOptions, args),
+    )
     specs = node_specs(options, cfg, COORDINATOR)
     assert [s.node_id for s in specs] == ["prefill-0", "prefill-1", "decode-0"]
     for spec in specs:
@@ -334,8 +361,10 @@ def test_serve_with_a_bad_config_is_one_line(tmp_path):
     path.write_text("max_num_seqs = 0\n")
     res = subprocess.run(
         [sys.executable, "-m", "pdserve", "serve", "--config", str(path), "--port", "0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert res.stderr.startswith("pdserve: error: ") and res.stderr.count("\n") == 1
     assert "max_num_seqs" in res.stderr
@@ -348,11 +377,12 @@ def serve_options(argv: list[str]) -> ServeOptions:
     """ServeOptions as `pdserve serve ARGV` builds them."""
     args = build_parser().parse_args(["serve", *argv])
     return ServeOptions(
-        model=args.model_arg or args.model, config_path=args.config,
+        model=args.model_arg or args.model,
+        config_path=args.config,
         engine={k: v for k, v in values_from_args(EngineConfig, args).items() if k != "model"},
         node=values_from_args(NodeOptions, args),
         coordinator=values_from_args(CoordinatorConfig, args),
-    )  # fmt: skip
+    )
 
 
 def test_every_setting_a_file_gives_the_nodes_is_a_serve_flag_of_the_same_name():
@@ -365,28 +395,71 @@ def test_every_setting_a_file_gives_the_nodes_is_a_serve_flag_of_the_same_name()
             assert name in values_from_args(cls, args), name
     # vLLM's engine flags, by vLLM's names; dtype and device are flags only.
     args = parser.parse_args(
-        ["serve", "/m", "--max-model-len", "1024", "--max-num-seqs", "8", "--block-size", "32",
-         "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.5", "--seed", "3",
-         "--no-enable-prefix-caching", "--enforce-eager", "--dtype", "float16",
-         "--kv-cache-bytes", "1000000", "--served-model-name", "a", "b", "--max-pending-requests",
-         "9", "--chat-template", "t.jinja"]
-    )  # fmt: skip
+        [
+            "serve",
+            "/m",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "8",
+            "--block-size",
+            "32",
+            "--max-num-batched-tokens",
+            "512",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--seed",
+            "3",
+            "--no-enable-prefix-caching",
+            "--enforce-eager",
+            "--dtype",
+            "float16",
+            "--kv-cache-bytes",
+            "1000000",
+            "--served-model-name",
+            "a",
+            "b",
+            "--max-pending-requests",
+            "9",
+            "--chat-template",
+            "t.jinja",
+        ]
+    )
     assert args.model_arg == "/m" and args.served_model_name == ["a", "b"]
     assert args.chat_template == "t.jinja" and args.max_pending_requests == 9
     assert values_from_args(EngineConfig, args) == {
-        "model": None, "max_model_len": 1024, "max_num_seqs": 8, "block_size": 32,
-        "max_num_batched_tokens": 512, "gpu_memory_utilization": 0.5, "seed": 3,
-        "enable_prefix_caching": False, "enforce_eager": True, "dtype": "float16",
+        "model": None,
+        "max_model_len": 1024,
+        "max_num_seqs": 8,
+        "block_size": 32,
+        "max_num_batched_tokens": 512,
+        "gpu_memory_utilization": 0.5,
+        "seed": 3,
+        "enable_prefix_caching": False,
+        "enforce_eager": True,
+        "dtype": "float16",
         "kv_cache_bytes": 1000000,
-    }  # fmt: skip
+    }
 
 
 def test_a_flag_beats_the_file_which_beats_the_default(tmp_path):
     path = tmp_path / "pdserve.toml"
-    path.write_text("max_model_len = 50\nmax_num_seqs = 8\nmax_pending_requests = 7\n"
-                    "kv_handoff = 'between-steps'\n")  # fmt: skip
-    options = serve_options(["--config", str(path), "--max-model-len", "100",
-                             "--max-pending-requests", "3", "--kv-handoff", "immediate"])  # fmt: skip
+    path.write_text(
+        "max_model_len = 50\nmax_num_seqs = 8\nmax_pending_requests = 7\n"
+        "kv_handoff = 'between-steps'\n"
+    )
+    options = serve_options(
+        [
+            "--config",
+            str(path),
+            "--max-model-len",
+            "100",
+            "--max-pending-requests",
+            "3",
+            "--kv-handoff",
+            "immediate",
+        ]
+    )
     config = load_config(options)
     engine = node_engine(options, config)
     assert (engine.max_model_len, engine.max_num_seqs, engine.block_size) == (100, 8, 16)
@@ -455,8 +528,13 @@ def test_the_cluster_files_table_in_the_docs_is_the_declarations():
 
 
 def test_the_cluster_files_table_is_what_python_m_prints():
-    res = subprocess.run([sys.executable, "-m", "pdserve.cluster_file"], capture_output=True,
-                         text=True, timeout=60, check=True)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve.cluster_file"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert res.stdout == doc_table()
 
 

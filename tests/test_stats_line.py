@@ -16,7 +16,7 @@ from pdserve.cluster.node_messages import (
     Prefill,
     TokenItem,
     Tokens,
-)  # fmt: skip
+)
 from pdserve.coordinator.stats import StatsCounter
 
 
@@ -53,8 +53,13 @@ def test_tokens_per_second_and_phases_over_one_interval():
     assert s.generation_tokens_per_s == pytest.approx(4 / 10)  # 50, 50, 51, 52
     assert (s.running, s.prefilling, s.transferring, s.waiting) == (1, 1, 1, 0)
     line = s.line()
-    for words in ("prompt throughput 2.4 tokens/s", "generation throughput 0.4 tokens/s",
-                  "running 1 reqs", "prefilling 1 reqs", "transferring 1 reqs"):  # fmt: skip
+    for words in (
+        "prompt throughput 2.4 tokens/s",
+        "generation throughput 0.4 tokens/s",
+        "running 1 reqs",
+        "prefilling 1 reqs",
+        "transferring 1 reqs",
+    ):
         assert words in line
 
     # The next interval counts only its own tokens; a finished request's last token once.

@@ -80,8 +80,15 @@ def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(t
 
     from pdserve.engine.stories.train import Recipe, Shape, train
 
-    shape = Shape(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, max_position_embeddings=128)  # fmt: skip
+    shape = Shape(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=128,
+    )
     recipe = Recipe(corpus_megabytes=0.2, steps=3, batch_size=2, seq_len=32, threads=1)
     record = train(shape, recipe, tmp_path, plot=tmp_path / "loss.png", progress=False)
     assert (tmp_path / "loss.png").stat().st_size > 1000 and len(record["losses"]) == 3

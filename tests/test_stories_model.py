@@ -51,8 +51,14 @@ OPENINGS = [
 ]
 MAX_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-CHAT_QUESTIONS = ["Where is the cat?", "What does Lily like to do?", "How does Tom feel?",
-                  "What color is the kite?", "Can you tell me a story?", "Hello!"]  # fmt: skip
+CHAT_QUESTIONS = [
+    "Where is the cat?",
+    "What does Lily like to do?",
+    "How does Tom feel?",
+    "What color is the kite?",
+    "Can you tell me a story?",
+    "Hello!",
+]
 
 
 def test_every_opening_is_how_the_grammar_could_begin_a_story():
@@ -105,22 +111,33 @@ def through_serve(tmp_path, greedy: list[SamplingParams], sampled: list[Sampling
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_MODEL"}
     port, log = free_port(), tmp_path / "serve.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", "--port", str(port)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "serve", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def serving() -> bool:
         assert proc.poll() is None, log.read_text()[-4000:]
         return f"pdserve: serving http://127.0.0.1:{port}" in log.read_text()
 
     def body(prompt: str, p: SamplingParams) -> dict:
-        return {"model": STORIES, "prompt": prompt, "max_tokens": p.max_tokens,
-                "temperature": p.temperature, "seed": p.seed}  # fmt: skip
+        return {
+            "model": STORIES,
+            "prompt": prompt,
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "seed": p.seed,
+        }
 
     async def run() -> list[str]:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as http:
-            jobs = [http.post("/v1/completions", json=body(o, p))
-                    for o, p in zip(OPENINGS * 2, greedy + sampled)]  # fmt: skip
+            jobs = [
+                http.post("/v1/completions", json=body(o, p))
+                for o, p in zip(OPENINGS * 2, greedy + sampled)
+            ]
             replies = await asyncio.gather(*jobs)
         for r in replies:
             assert r.status_code == 200, r.text
@@ -187,14 +204,21 @@ def test_chat_answers_read(llm):
 
 @pytest.mark.parametrize(
     "args",
-    [["--prompt", "Once upon a time", "--max-tokens", "120"],
-     ["--chat", "--prompt", "Where is the cat?"]],
+    [
+        ["--prompt", "Once upon a time", "--max-tokens", "120"],
+        ["--chat", "--prompt", "Where is the cat?"],
+    ],
     ids=["story", "chat"],
-)  # fmt: skip
+)
 def test_the_readme_shows_what_generate_prints(args):
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_MODEL"}
-    res = subprocess.run([sys.executable, "-m", "pdserve", "generate", *args], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve", "generate", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert f"pdserve generate {' '.join(shlex.quote(a) for a in args)}" in readme.replace('"', "'")

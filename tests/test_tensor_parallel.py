@@ -64,8 +64,9 @@ def family_run(checkpoint_dir):
 @pytest.fixture(scope="module")
 def llama_tp4(checkpoint_dir):
     """Kept for the last test of the module, which kills one of its ranks."""
-    with LLM(str(checkpoint_dir("llama")), num_kv_blocks=64, device="cpu",
-             tensor_parallel_size=4) as llm:  # fmt: skip
+    with LLM(
+        str(checkpoint_dir("llama")), num_kv_blocks=64, device="cpu", tensor_parallel_size=4
+    ) as llm:
         yield llm
 
 
@@ -167,9 +168,12 @@ sys.stdin.read()
 
 def test_the_other_ranks_exit_when_rank_0_is_killed(checkpoint_dir):
     proc = subprocess.Popen(
-        [sys.executable, "-c", RANK0, str(checkpoint_dir("qwen3"))], cwd=REPO,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", RANK0, str(checkpoint_dir("qwen3"))],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 1
     proc.kill()
@@ -178,10 +182,27 @@ def test_the_other_ranks_exit_when_rank_0_is_killed(checkpoint_dir):
 
 
 def test_pdserve_generate_runs_tensor_parallel():
-    args = ["generate", "--prompt", "Hello", "--max-tokens", "12", "--ignore-eos", "--device",
-            "cpu", "--num-kv-blocks", "32", "--tensor-parallel-size", "2"]  # fmt: skip
-    res = subprocess.run([sys.executable, "-m", "pdserve", *args], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--num-kv-blocks",
+        "32",
+        "--tensor-parallel-size",
+        "2",
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     (expected,) = LLM(num_kv_blocks=32, device="cpu").generate(["Hello"], params)

@@ -118,9 +118,13 @@ print(json.dumps({"tokens": len(out[0].token_ids), "during": during,
 def test_an_engine_follows_its_governor_and_gives_the_threads_back(load, switch, during):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, load, switch], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-c", PROBE, load, switch],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"tokens": 4, "during": during, "after": 2}

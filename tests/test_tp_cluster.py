@@ -101,10 +101,12 @@ def test_a_killed_rank_of_a_decode_node_moves_its_requests_elsewhere_unchanged(c
             holding = []
             while not holding and time.monotonic() < deadline:
                 holding = [
-                    s for s in list(cluster.coordinator.requests.values())
-                    if s.decode_node == "decode-1" and s.phase is Phase.DECODING
+                    s
+                    for s in list(cluster.coordinator.requests.values())
+                    if s.decode_node == "decode-1"
+                    and s.phase is Phase.DECODING
                     and len(s.output_token_ids) >= 3
-                ]  # fmt: skip
+                ]
                 await asyncio.sleep(0.005)
             assert holding, "decode-1 never held a running request"
             os.kill(victim, signal.SIGKILL)

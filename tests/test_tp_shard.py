@@ -27,12 +27,17 @@ CONFIG = ModelConfig.from_dict({**TINY_CONFIG, "vocab_size": 501})
 
 
 def config(heads: int, kv_heads: int, inter: int = 96, vocab: int = 501) -> ModelConfig:
-    return replace(CONFIG, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter,
-                   vocab_size=vocab)  # fmt: skip
+    return replace(
+        CONFIG, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter, vocab_size=vocab
+    )
 
 
-SHAPES = [(h, kv, size) for h, kv in [(8, 8), (8, 2), (8, 1), (4, 2), (16, 4)] for size in
-          (1, 2, 4, 8) if h % size == 0 and (kv % size == 0 or size % kv == 0)]  # fmt: skip
+SHAPES = [
+    (h, kv, size)
+    for h, kv in [(8, 8), (8, 2), (8, 1), (4, 2), (16, 4)]
+    for size in (1, 2, 4, 8)
+    if h % size == 0 and (kv % size == 0 or size % kv == 0)
+]
 
 
 @pytest.mark.parametrize("heads,kv_heads,size", SHAPES)
@@ -72,9 +77,13 @@ def test_vocabulary_rows_cover_the_vocabulary_once(vocab, size):
 
 @pytest.mark.parametrize(
     "heads,kv_heads,inter,size,field",
-    [(6, 2, 96, 4, "num_attention_heads"), (8, 8, 90, 4, "intermediate_size"),
-     (8, 6, 96, 4, "num_key_value_heads"), (8, 2, 96, 8, None)],
-)  # fmt: skip
+    [
+        (6, 2, 96, 4, "num_attention_heads"),
+        (8, 8, 90, 4, "intermediate_size"),
+        (8, 6, 96, 4, "num_key_value_heads"),
+        (8, 2, 96, 8, None),
+    ],
+)
 def test_a_model_the_group_cannot_split_is_refused_naming_the_field(
     heads, kv_heads, inter, size, field
 ):

@@ -28,55 +28,123 @@ from pdserve.tune.workload import LengthDist, synthetic
 
 def test_a_roofline_profile_says_so_and_costs_decode_by_bytes_and_prefill_by_flops(tmp_path):
     out = tmp_path / "h100.json"
-    assert main(["tune", "profile", "--model", "llama3-8b", "--roofline", "h100",
-                 "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(["tune", "profile", "--model", "llama3-8b", "--roofline", "h100", "--out", str(out)])
+        == 0
+    )
     p = Profile.load(out)
     assert p.source.startswith("roofline, not measured: NVIDIA H100")
     model = PRESETS["llama3-8b"]
     # One decode of one short sequence reads every weight: ~16 GB at 75% of 3.35 TB/s.
     decode = p.step.time(StepShape.decode(1, 100))
-    assert decode == pytest.approx(0.0005 + 5e-6 + model.step_weight_bytes("bfloat16") /
-                                   (3350e9 * 0.75), rel=1e-3)  # fmt: skip
+    assert decode == pytest.approx(
+        0.0005 + 5e-6 + model.step_weight_bytes("bfloat16") / (3350e9 * 0.75), rel=1e-3
+    )
     # A 4k-token prefill is compute-bound: its FLOPs at 60% of 989 TFLOP/s.
     prefill = StepShape.prefill(1, 4096)
-    flops = (model.flops_per_token * 4096 + model.flops_per_attention_pair * prefill.num_pairs
-             + model.flops_per_logits_row)  # fmt: skip
+    flops = (
+        model.flops_per_token * 4096
+        + model.flops_per_attention_pair * prefill.num_pairs
+        + model.flops_per_logits_row
+    )
     assert p.step.time(prefill) == pytest.approx(0.0005 + 5e-6 + flops / (989e12 * 0.6), rel=1e-6)
     assert 20_000 < p.kv_blocks < 30_000  # (80 GB x 0.9 - 4 GB - 16 GB of weights) / 2 MiB
 
 
 def test_a_model_too_big_for_one_gpu_needs_a_tensor_parallel_group(tmp_path, capsys):
     out = tmp_path / "70b.json"
-    assert main(["tune", "profile", "--model", "llama3-70b", "--roofline", "h100",
-                 "--gpus-per-node", "1", "--out", str(out)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "tune",
+                "profile",
+                "--model",
+                "llama3-70b",
+                "--roofline",
+                "h100",
+                "--gpus-per-node",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "pdserve: error: " in capsys.readouterr().err
     # By default the groups that hold 140 GB of weights with room for KV: 4 and 8 GPUs.
-    assert main(["tune", "profile", "--model", "llama3-70b", "--roofline", "h100",
-                 "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(["tune", "profile", "--model", "llama3-70b", "--roofline", "h100", "--out", str(out)])
+        == 0
+    )
     p = Profile.load(out)
     assert p.tp_sizes == [4, 8] and "(1, 2: no room for KV)" in p.source
     assert "two all-reduces a layer" in p.source and "450 GB/s" in p.source
     assert p.at_tp(8).kv_blocks > 2 * p.at_tp(4).kv_blocks  # the weights held once, not twice
-    assert main(["tune", "profile", "--model", "llama3-70b", "--roofline", "h100",
-                 "--gpus-per-node", "4", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "tune",
+                "profile",
+                "--model",
+                "llama3-70b",
+                "--roofline",
+                "h100",
+                "--gpus-per-node",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert Profile.load(out).tp_sizes == [4]
 
 
 def test_a_profile_from_bench_model_step_uses_the_rates_the_device_reached(tmp_path):
     results = {
-        "device": "NVIDIA H100 80GB HBM3", "preset": "llama3-8b", "dtype": "bfloat16",
-        "decode": [{"batch": 1, "context": 512, "graph_ms": 8.0, "eager_ms": 12.0,
-                    "bytes_gb": 15.0, "gbps": 1875.0},
-                   {"batch": 64, "context": 512, "graph_ms": 9.5, "eager_ms": 13.0,
-                    "bytes_gb": 19.3, "gbps": 2030.0}],
-        "prefill": [{"prompts": 1, "prompt_len": 2048, "ms": 60.0, "tflop": 33.0,
-                     "tflops": 550.0}],
-    }  # fmt: skip
+        "device": "NVIDIA H100 80GB HBM3",
+        "preset": "llama3-8b",
+        "dtype": "bfloat16",
+        "decode": [
+            {
+                "batch": 1,
+                "context": 512,
+                "graph_ms": 8.0,
+                "eager_ms": 12.0,
+                "bytes_gb": 15.0,
+                "gbps": 1875.0,
+            },
+            {
+                "batch": 64,
+                "context": 512,
+                "graph_ms": 9.5,
+                "eager_ms": 13.0,
+                "bytes_gb": 19.3,
+                "gbps": 2030.0,
+            },
+        ],
+        "prefill": [{"prompts": 1, "prompt_len": 2048, "ms": 60.0, "tflop": 33.0, "tflops": 550.0}],
+    }
     path = tmp_path / "steps.json"
     path.write_text(json.dumps(results))
     out = tmp_path / "p.json"
-    assert main(["tune", "profile", "--model", "llama3-8b", "--model-step", str(path),
-                 "--memory-gb", "80", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "tune",
+                "profile",
+                "--model",
+                "llama3-8b",
+                "--model-step",
+                str(path),
+                "--memory-gb",
+                "80",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     p = Profile.load(out)
     assert "2030 GB/s decode, 550 TFLOP/s prefill" in p.source
     # The smallest step's time beyond its bytes at the best rate is overhead: 8 - 15/2030 s.
@@ -84,8 +152,9 @@ def test_a_profile_from_bench_model_step_uses_the_rates_the_device_reached(tmp_p
 
 
 def test_a_measured_profile_fits_real_engine_steps():
-    p = measure_profile(None, grid=StepGrid.quick(), kv_blocks=300,
-                        transfer=TransferModel(0.001, 1e9))  # fmt: skip
+    p = measure_profile(
+        None, grid=StepGrid.quick(), kv_blocks=300, transfer=TransferModel(0.001, 1e9)
+    )
     assert p.source.startswith("measured: ") and p.kv_blocks == 300 and p.kv_blocks_setting
     assert len(p.fit) == len(StepGrid.quick().points(p.model.max_position_embeddings))
     coefficients = p.step.to_dict()
@@ -95,17 +164,24 @@ def test_a_measured_profile_fits_real_engine_steps():
 
 def profile(kv_blocks_setting: bool) -> Profile:
     return Profile(
-        PRESETS["llama3-8b"], "bfloat16" if not kv_blocks_setting else "float32",
-        StepTimeModel(base_s=0.01), TransferModel(0.001, 1e9), kv_blocks=1000,
-        kv_blocks_setting=kv_blocks_setting, source="test",
-    )  # fmt: skip
+        PRESETS["llama3-8b"],
+        "bfloat16" if not kv_blocks_setting else "float32",
+        StepTimeModel(base_s=0.01),
+        TransferModel(0.001, 1e9),
+        kv_blocks=1000,
+        kv_blocks_setting=kv_blocks_setting,
+        source="test",
+    )
 
 
 @pytest.mark.parametrize("colocated", [False, True])
 @pytest.mark.parametrize("gpus", [True, False])
 def test_the_written_configs_are_what_serve_and_launch_take(tmp_path, colocated, gpus, capsys):
-    d = (Deployment(0, 12, colocated=True) if colocated
-         else Deployment(4, 8, max_num_batched_tokens=4096, conditional_disagg_threshold=300))  # fmt: skip
+    d = (
+        Deployment(0, 12, colocated=True)
+        if colocated
+        else Deployment(4, 8, max_num_batched_tokens=4096, conditional_disagg_threshold=300)
+    )
     e = Evaluation(d, 12.5)
     p = profile(kv_blocks_setting=not gpus)
     (tmp_path / "pdserve.toml").write_text(coordinator_config(e, p, SLO(1.0, 0.05), 12))
@@ -121,8 +197,9 @@ def test_the_written_configs_are_what_serve_and_launch_take(tmp_path, colocated,
     assert sum(h.num_decode for h in spec.hosts) == d.decode
     assert len(spec.hosts) == (2 if gpus else 1)
     for host in spec.hosts:
-        assert main(["launch", str(tmp_path / "cluster.toml"), "--host", host.name,
-                     "--dry-run"]) == 0  # fmt: skip
+        assert (
+            main(["launch", str(tmp_path / "cluster.toml"), "--host", host.name, "--dry-run"]) == 0
+        )
         for node in plan(spec, host.name):
             if node.role != "coordinator" and not colocated:  # the chunk differs from default
                 flag = node.command.index("--max-num-batched-tokens")
@@ -133,18 +210,42 @@ def test_the_written_configs_are_what_serve_and_launch_take(tmp_path, colocated,
 def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path, capsys, monkeypatch):
     profile_path = tmp_path / "cpu.json"
     p = Profile(
-        PRESETS["llama3-8b"], "float32",
+        PRESETS["llama3-8b"],
+        "float32",
         StepTimeModel(base_s=0.002, per_token_s=2e-5, per_seq_s=1e-5),
-        TransferModel(0.001, 1e9), kv_blocks=4000, kv_blocks_setting=True, source="test profile",
-    )  # fmt: skip
+        TransferModel(0.001, 1e9),
+        kv_blocks=4000,
+        kv_blocks_setting=True,
+        source="test profile",
+    )
     p.save(profile_path)
     out = tmp_path / "out"
-    code = main([
-        "tune", "--profile", str(profile_path), "--devices", "3", "--slo-ttft-ms", "500",
-        "--slo-tpot-ms", "20", "--num-requests", "150", "--prompt-len", "64:256",
-        "--output-len", "8:24", "--quick", "--processes", "1", "--no-plot", "--no-progress",
-        "--out-dir", str(out),
-    ])  # fmt: skip
+    code = main(
+        [
+            "tune",
+            "--profile",
+            str(profile_path),
+            "--devices",
+            "3",
+            "--slo-ttft-ms",
+            "500",
+            "--slo-tpot-ms",
+            "20",
+            "--num-requests",
+            "150",
+            "--prompt-len",
+            "64:256",
+            "--output-len",
+            "8:24",
+            "--quick",
+            "--processes",
+            "1",
+            "--no-plot",
+            "--no-progress",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     # 150 requests arrive over a few seconds: a sustained rate would need more, and it says so.

@@ -45,9 +45,14 @@ def test_the_search_returns_the_known_optimum_of_a_prefill_bound_case():
     workload = synthetic(400, LengthDist.parse("200"), LengthDist.parse("20"), seed=1)
     slo = SLO(ttft_s=1.5, tpot_s=0.030, attainment=0.9)
     space = SearchSpace(
-        chunks=(256, 512), max_seqs=(16, 256), watermarks=(0.05,), threshold_quantiles=(0.5,),
-        screen_nodes=4, tolerance=0.08, final_tolerance=0.05,
-    )  # fmt: skip
+        chunks=(256, 512),
+        max_seqs=(16, 256),
+        watermarks=(0.05,),
+        threshold_quantiles=(0.5,),
+        screen_nodes=4,
+        tolerance=0.08,
+        final_tolerance=0.05,
+    )
     result = search(p, workload, slo, 4, space=space, processes=1)
     best = result.best
     assert (best.deployment.prefill, best.deployment.decode) == (3, 1)

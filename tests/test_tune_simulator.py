@@ -120,8 +120,10 @@ def test_admission_stays_within_reported_blocks_refusals_are_retried_and_no_bloc
     sim = Simulation(Deployment(1, 2, admission_watermark=0.05), p)
     recorder = Recorder(sim)
     result = sim.run(workload.at_rate(40.0))
-    assert all(o.success and o.output_len == r.output_len
-               for o, r in zip(result.outcomes, workload.requests))  # fmt: skip
+    assert all(
+        o.success and o.output_len == r.output_len
+        for o, r in zip(result.outcomes, workload.requests)
+    )
     assert recorder.admits >= 60 and recorder.overcommitted == 0
     # Reports are up to a heartbeat old: a node whose sequences grew since refuses, truly full,
     # and the sequence is admitted again after its next report.
@@ -213,10 +215,17 @@ def test_tpot_and_slo_attainment_follow_the_serving_benchmark_definitions():
         Outcome(True, 0.5, 5, 0.1, 0.9),
     ]
     results = [
-        RequestResult(o.success, 8, o.output_len, o.output_len, send_time=o.arrival_s,
-                      ttft=o.ttft_s, latency=o.latency_s)
+        RequestResult(
+            o.success,
+            8,
+            o.output_len,
+            o.output_len,
+            send_time=o.arrival_s,
+            ttft=o.ttft_s,
+            latency=o.latency_s,
+        )
         for o in outcomes
-    ]  # fmt: skip
+    ]
     slo = SLO(1.0, 0.1)
     ours = summarize(outcomes, slo, 2.0)
     theirs = serving_summarize(results, 2.3, ServingSLO(1.0, 0.1))  # first send to last end

@@ -52,8 +52,14 @@ def test_a_group_step_is_the_roofline_of_g_gpus_plus_its_all_reduces(gpus, shape
     p = roofline_profile(LLAMA_70B, "h100").at_tp(gpus)
     assert p.devices_per_node == gpus
     # Weights, KV and FLOPs split over G: the roofline of G times the peaks.
-    split = roofline_step(LLAMA_70B, "bfloat16", gpus * 989.0 * 0.6, gpus * 3350.0 * 0.75,
-                          a.step_overhead_s, a.per_seq_s)  # fmt: skip
+    split = roofline_step(
+        LLAMA_70B,
+        "bfloat16",
+        gpus * 989.0 * 0.6,
+        gpus * 3350.0 * 0.75,
+        a.step_overhead_s,
+        a.per_seq_s,
+    )
     allreduce = allreduce_seconds(LLAMA_70B, "bfloat16", gpus, shape.num_tokens, H100, a)
     assert p.step.time(shape) == pytest.approx(split.time(shape) + allreduce, rel=1e-9)
     # The pool: G GPUs' memory less the weights once.
@@ -88,32 +94,42 @@ def two_sizes() -> Profile:
     transfer = TransferModel(0.001, 1e9)
     tp1 = StepTimeModel(base_s=0.004, per_seq_s=0.001, per_token_s=0.001)
     tp2 = StepTimeModel(base_s=0.004, per_seq_s=0.003, per_token_s=0.0002)
-    return Profile(SHAPE, "float32", tp1, transfer, kv_blocks=512,
-                   groups=(GroupModel(2, tp2, transfer, 512),))  # fmt: skip
+    return Profile(
+        SHAPE, "float32", tp1, transfer, kv_blocks=512, groups=(GroupModel(2, tp2, transfer, 512),)
+    )
 
 
 def test_the_search_picks_the_known_best_pair_of_tensor_parallel_sizes():
     workload = synthetic(300, LengthDist.parse("200"), LengthDist.parse("20"), seed=1)
     slo = SLO(ttft_s=1.5, tpot_s=0.030, attainment=0.9)
     space = SearchSpace(
-        chunks=(256, 512), max_seqs=(16, 256), watermarks=(0.05,), threshold_quantiles=(0.5,),
-        screen_nodes=4, tolerance=0.08, final_tolerance=0.05,
-    )  # fmt: skip
+        chunks=(256, 512),
+        max_seqs=(16, 256),
+        watermarks=(0.05,),
+        threshold_quantiles=(0.5,),
+        screen_nodes=4,
+        tolerance=0.08,
+        final_tolerance=0.05,
+    )
     base = Deployment(1, 1, max_num_batched_tokens=256)
     result = search(two_sizes(), workload, slo, 4, space=space, base=base, processes=1)
     best = result.best.deployment
     assert (best.prefill, best.prefill_tp, best.decode, best.decode_tp) == (1, 2, 2, 1)
     assert 17.0 <= result.best.goodput <= 23.0
     # Screened: the two pairs of highest bound ((2, 1) and (1, 1)) and colocated workers.
-    pairs = {(e.deployment.prefill_tp, e.deployment.decode_tp) for e in result.screened
-             if not e.deployment.colocated}  # fmt: skip
+    pairs = {
+        (e.deployment.prefill_tp, e.deployment.decode_tp)
+        for e in result.screened
+        if not e.deployment.colocated
+    }
     assert pairs == {(2, 1), (1, 1)}
     assert any(e.deployment.colocated for e in result.ranked)  # the baseline
     table = candidates_table(result.ranked, 4)
     assert "| 1P x TP2 + 2D x TP1 | 2 / 1 |" in table.splitlines()[2]
     # Hosts of 3 GPUs take no group of 2: TP 1 alone, where 3P + 1D is best.
-    result = search(two_sizes(), workload, slo, 4, space=space, base=base, processes=1,
-                    gpus_per_host=3)  # fmt: skip
+    result = search(
+        two_sizes(), workload, slo, 4, space=space, base=base, processes=1, gpus_per_host=3
+    )
     assert {e.deployment.decode_tp for e in result.screened} == {1}
     assert result.best.deployment.placement == "3P + 1D"
 
@@ -130,8 +146,9 @@ def test_a_tensor_parallel_cluster_file_is_what_launch_takes(tmp_path, capsys):
     assert sum(h.num_decode for h in spec.hosts) == 3
     nodes = []
     for host in spec.hosts:
-        assert main(["launch", str(tmp_path / "cluster.toml"), "--host", host.name,
-                     "--dry-run"]) == 0  # fmt: skip
+        assert (
+            main(["launch", str(tmp_path / "cluster.toml"), "--host", host.name, "--dry-run"]) == 0
+        )
         nodes += [n for n in plan(spec, host.name) if n.role != "coordinator"]
     assert "pdserve-coordinator" in capsys.readouterr().out
     sizes = {n.name: engine(n).tensor_parallel_size for n in nodes}

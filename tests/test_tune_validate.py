@@ -14,9 +14,24 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_the_validation_command_runs_end_to_end(tmp_path):
-    cmd = [sys.executable, "-m", "pdserve.bench.tune_validate", "--quick", "--rates", "3",
-           "--duration-s", "1", "--min-requests", "3", "--transfer-gbps", "1",
-           "--work-dir", str(tmp_path), "--json", str(tmp_path / "out.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.bench.tune_validate",
+        "--quick",
+        "--rates",
+        "3",
+        "--duration-s",
+        "1",
+        "--min-requests",
+        "3",
+        "--transfer-gbps",
+        "1",
+        "--work-dir",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "out.json"),
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]

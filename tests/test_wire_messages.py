@@ -32,14 +32,23 @@ from pdserve.cluster.node_messages import (
     TransferDone,
     orders,
     reports,
-)  # fmt: skip
+)
 from pdserve.cluster.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(
-    max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=11,
-    stop_token_ids=[2, 3], ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
-    repetition_penalty=1.1, logprobs=3,
-)  # fmt: skip
+    max_tokens=7,
+    temperature=0.5,
+    top_p=0.9,
+    top_k=40,
+    min_p=0.05,
+    seed=11,
+    stop_token_ids=[2, 3],
+    ignore_eos=True,
+    presence_penalty=0.5,
+    frequency_penalty=-0.5,
+    repetition_penalty=1.1,
+    logprobs=3,
+)
 LOGPROBS = TokenLogprobs(9, -0.25, [(9, -0.25), (4, -1.5)])
 LAYOUT = {"num_layers": 2, "block_size": 8, "num_kv_heads": 2, "head_dim": 32, "dtype": "bf16"}
 RECEIVER = {"transport": "tcp", "address": "tcp://10.0.0.3:5700", "num_blocks": 512}

@@ -45,39 +45,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     slo.add_argument(
         "--slo-tpot-ms", type=float, help="time per output token target (required: no default)"
     )
-    slo.add_argument("--slo-percentile", type=float, default=90.0,
-                     help="percent of requests that must meet both targets (default: 90)")  # fmt: skip
+    slo.add_argument(
+        "--slo-percentile",
+        type=float,
+        default=90.0,
+        help="percent of requests that must meet both targets (default: 90)",
+    )
     w = parser.add_argument_group("workload (synthetic unless --trace or --sharegpt)")
-    w.add_argument("--trace", help="CSV or JSON lines: arrival_s, prompt_len, output_len[, "
-                   "prefix_group, prefix_len] (unset: synthetic)")  # fmt: skip
+    w.add_argument(
+        "--trace",
+        help="CSV or JSON lines: arrival_s, prompt_len, output_len[, "
+        "prefix_group, prefix_len] (unset: synthetic)",
+    )
     w.add_argument(
         "--sharegpt",
         help="ShareGPT-format JSON, lengths from --model's tokenizer (unset: synthetic)",
     )
     w.add_argument("--num-requests", type=int, default=10000, help="requests simulated")
-    w.add_argument("--prompt-len", default="lognormal:160:1.0:1024",
-                   help="N, LO:HI or lognormal:MEDIAN:SIGMA[:MAX] (default: %(default)s)")  # fmt: skip
+    w.add_argument(
+        "--prompt-len",
+        default="lognormal:160:1.0:1024",
+        help="N, LO:HI or lognormal:MEDIAN:SIGMA[:MAX] (default: %(default)s)",
+    )
     w.add_argument("--output-len", default="lognormal:250:0.7:1024", help="same forms")
     w.add_argument(
         "--long-fraction", type=float, default=0.0, help="of requests from the long ones"
     )
     w.add_argument("--long-prompt-len", default="1536:1900", help="same forms")
     w.add_argument("--long-output-len", default="8:16", help="same forms")
-    w.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="tokens every prompt starts with (a system prompt)")  # fmt: skip
+    w.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with (a system prompt)",
+    )
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson")
-    w.add_argument("--rate", type=float, default=None,
-                   help="also report latencies at this rate (req/s); default: at each goodput")  # fmt: skip
+    w.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="also report latencies at this rate (req/s); default: at each goodput",
+    )
     w.add_argument("--seed", type=int, default=0, help="of the synthetic lengths and arrivals")
     s = parser.add_argument_group("search")
     s.add_argument("--quick", action="store_true", help="a few values of each knob")
-    s.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
-                   help="simulations run in parallel")  # fmt: skip
+    s.add_argument(
+        "--processes",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="simulations run in parallel",
+    )
     s.add_argument("--top", type=int, default=5, help="candidates in the table")
-    s.add_argument("--out-dir", default="pdserve-tune",
-                   help="where pdserve.toml, cluster.toml, the plot and tune.json go")  # fmt: skip
-    s.add_argument("--gpus-per-host", type=int, default=8,
-                   help="GPUs a host: node sizes (TP) must divide it; the cluster file's hosts")  # fmt: skip
+    s.add_argument(
+        "--out-dir",
+        default="pdserve-tune",
+        help="where pdserve.toml, cluster.toml, the plot and tune.json go",
+    )
+    s.add_argument(
+        "--gpus-per-host",
+        type=int,
+        default=8,
+        help="GPUs a host: node sizes (TP) must divide it; the cluster file's hosts",
+    )
     s.add_argument("--no-plot", action="store_true", help="no goodput.png")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="tune_command")
@@ -89,51 +118,102 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`python -m pdserve.bench.model_step --json` (--model-step); write the profile JSON.",
         formatter_class=parser.formatter_class,
     )
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory (measured), or for --roofline / --model-step also "
-                   "a config.json or a preset: llama3-8b, llama3-70b (default: $PDSERVE_MODEL, else "
-                   "pdserve-stories, as serve)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory (measured), or for --roofline / --model-step also "
+        "a config.json or a preset: llama3-8b, llama3-70b (default: $PDSERVE_MODEL, else "
+        "pdserve-stories, as serve)",
+    )
     p.add_argument("--out", required=True, help="the profile JSON to write")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--roofline", metavar="DEVICE",
-                     help="no measurement: the model's FLOPs and bytes against a device's stated "
-                     "peaks: h100, h200, a100, l40s (unset: measured)")  # fmt: skip
-    how.add_argument("--model-step", metavar="JSON",
-                     help="the rates a GPU reached in `python -m pdserve.bench.model_step --json` (unset: measured)")  # fmt: skip
-    p.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="LIST",
-                   help="roofline: node sizes (tensor-parallel groups of GPUs) to model, of "
-                   "which those that hold the model with room for KV are kept (default: "
-                   "%(default)s)")  # fmt: skip
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="roofline: only nodes of this many GPUs (--tensor-parallel-sizes N)")  # fmt: skip
+    how.add_argument(
+        "--roofline",
+        metavar="DEVICE",
+        help="no measurement: the model's FLOPs and bytes against a device's stated "
+        "peaks: h100, h200, a100, l40s (unset: measured)",
+    )
+    how.add_argument(
+        "--model-step",
+        metavar="JSON",
+        help="the rates a GPU reached in `python -m pdserve.bench.model_step --json` (unset: measured)",
+    )
+    p.add_argument(
+        "--tensor-parallel-sizes",
+        default="1,2,4,8",
+        metavar="LIST",
+        help="roofline: node sizes (tensor-parallel groups of GPUs) to model, of "
+        "which those that hold the model with room for KV are kept (default: "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="roofline: only nodes of this many GPUs (--tensor-parallel-sizes N)",
+    )
     p.add_argument(
         "--memory-gb",
         type=float,
         default=None,
         help="--model-step: device memory (no default: required there)",
     )
-    p.add_argument("--compute-efficiency", type=float, default=None,
-                   help="roofline: share of peak FLOP/s a step reaches (default: 0.6)")  # fmt: skip
-    p.add_argument("--memory-efficiency", type=float, default=None,
-                   help="roofline: share of peak bandwidth a step reaches (default: 0.75)")  # fmt: skip
+    p.add_argument(
+        "--compute-efficiency",
+        type=float,
+        default=None,
+        help="roofline: share of peak FLOP/s a step reaches (default: 0.6)",
+    )
+    p.add_argument(
+        "--memory-efficiency",
+        type=float,
+        default=None,
+        help="roofline: share of peak bandwidth a step reaches (default: 0.75)",
+    )
     p.add_argument("--device", default="cpu", help="measured: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="measured: default float32 on CPU, else bfloat16")
-    p.add_argument("--threads", type=int, default=None,
-                   help="measured: torch threads, nodes under `bench` run with 1 (unset: torch's default)")  # fmt: skip
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="measured: a node's KV blocks (default: the engine's sizing)")  # fmt: skip
-    p.add_argument("--transport", default="tcp", choices=("tcp", "shm"),
-                   help="measured: the KV transport whose transfers are timed")  # fmt: skip
-    p.add_argument("--transfer-gbps", type=float, default=None,
-                   help="state the KV transfer bandwidth instead of measuring it (unset: measured; "
-                   "roofline: 50)")  # fmt: skip
-    p.add_argument("--transfer-latency-ms", type=float, default=None,
-                   help="with --transfer-gbps: per transfer (default: 0; roofline: 0.5)")  # fmt: skip
-    p.add_argument("--frontend-ms", type=float, default=None,
-                   help="the HTTP front end's share of TTFT (default: 0, or measured with "
-                   "--measure-frontend)")  # fmt: skip
-    p.add_argument("--measure-frontend", action="store_true",
-                   help="measured: start `pdserve serve` and time what HTTP adds to TTFT")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="measured: torch threads, nodes under `bench` run with 1 (unset: torch's default)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="measured: a node's KV blocks (default: the engine's sizing)",
+    )
+    p.add_argument(
+        "--transport",
+        default="tcp",
+        choices=("tcp", "shm"),
+        help="measured: the KV transport whose transfers are timed",
+    )
+    p.add_argument(
+        "--transfer-gbps",
+        type=float,
+        default=None,
+        help="state the KV transfer bandwidth instead of measuring it (unset: measured; "
+        "roofline: 50)",
+    )
+    p.add_argument(
+        "--transfer-latency-ms",
+        type=float,
+        default=None,
+        help="with --transfer-gbps: per transfer (default: 0; roofline: 0.5)",
+    )
+    p.add_argument(
+        "--frontend-ms",
+        type=float,
+        default=None,
+        help="the HTTP front end's share of TTFT (default: 0, or measured with --measure-frontend)",
+    )
+    p.add_argument(
+        "--measure-frontend",
+        action="store_true",
+        help="measured: start `pdserve serve` and time what HTTP adds to TTFT",
+    )
     p.add_argument("--quick", action="store_true", help="measured: a few steps only")
 
 
@@ -156,7 +236,7 @@ def run_profile(args: argparse.Namespace) -> int:
         for k, v in (
             ("compute_efficiency", args.compute_efficiency),
             ("memory_efficiency", args.memory_efficiency),
-        )  # fmt: skip
+        )
         if v is not None
     }
     if args.transfer_gbps is not None:
@@ -167,11 +247,16 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.roofline:
         if args.roofline not in DEVICES:
             raise ValueError(f"--roofline {args.roofline!r}: one of {', '.join(DEVICES)}")
-        profile = roofline_profile(model_shape(args.model), args.roofline,
-                                   tp_sizes=_sizes(args), assumptions=assumptions)  # fmt: skip
+        profile = roofline_profile(
+            model_shape(args.model), args.roofline, tp_sizes=_sizes(args), assumptions=assumptions
+        )
     elif args.model_step:
-        profile = model_step_profile(args.model_step, model_shape(args.model),
-                                     memory_gb=args.memory_gb, assumptions=assumptions)  # fmt: skip
+        profile = model_step_profile(
+            args.model_step,
+            model_shape(args.model),
+            memory_gb=args.memory_gb,
+            assumptions=assumptions,
+        )
     else:
         from pdserve.tune.measure import StepGrid, measure_frontend, measure_profile
 
@@ -198,8 +283,10 @@ def run_profile(args: argparse.Namespace) -> int:
         profile = replace(profile, frontend_s=args.frontend_ms / 1e3)
     profile.save(args.out)
     print(f"wrote {args.out}: {profile.source}")
-    print(f"  {profile.model.name}: {profile.kv_blocks} KV blocks a node, step "
-          f"{json.dumps(profile.step.to_dict())}")  # fmt: skip
+    print(
+        f"  {profile.model.name}: {profile.kv_blocks} KV blocks a node, step "
+        f"{json.dumps(profile.step.to_dict())}"
+    )
     return 0
 
 
@@ -233,8 +320,13 @@ def _workload(args: argparse.Namespace):  # noqa: ANN202
         return load_trace(args.trace)
     if args.sharegpt:
         model_dir = args.model if args.model and Path(args.model).is_dir() else None
-        return load_sharegpt(args.sharegpt, args.num_requests, token_counter(model_dir),
-                             burstiness=args.burstiness, seed=args.seed)  # fmt: skip
+        return load_sharegpt(
+            args.sharegpt,
+            args.num_requests,
+            token_counter(model_dir),
+            burstiness=args.burstiness,
+            seed=args.seed,
+        )
     return synthetic(
         args.num_requests,
         LengthDist.parse(args.prompt_len),
@@ -256,8 +348,9 @@ def run_search(args: argparse.Namespace) -> int:
     from pdserve.tune.search import CEILING, SearchSpace, curves, search
     from pdserve.tune.simulator import Simulation
 
-    missing = [f for f in ("profile", "devices", "slo_ttft_ms", "slo_tpot_ms")
-               if getattr(args, f) is None]  # fmt: skip
+    missing = [
+        f for f in ("profile", "devices", "slo_ttft_ms", "slo_tpot_ms") if getattr(args, f) is None
+    ]
     if missing:
         raise ValueError(
             "pdserve tune needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
@@ -279,12 +372,22 @@ def run_search(args: argparse.Namespace) -> int:
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if not args.no_progress else None
     print(f"profile: {profile.source}")
     print(f"workload: {len(workload)} requests, {workload.description}")
-    print(f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms for "
-          f"{slo.attainment:.0%} of requests; {args.devices} devices, nodes of "
-          f"{'/'.join(map(str, profile.tp_sizes))} ({args.gpus_per_host} a host)")  # fmt: skip
+    print(
+        f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms for "
+        f"{slo.attainment:.0%} of requests; {args.devices} devices, nodes of "
+        f"{'/'.join(map(str, profile.tp_sizes))} ({args.gpus_per_host} a host)"
+    )
     space = SearchSpace.quick() if args.quick else SearchSpace()
-    result = search(profile, workload, slo, args.devices, space=space, processes=args.processes,
-                    progress=say, gpus_per_host=args.gpus_per_host)  # fmt: skip
+    result = search(
+        profile,
+        workload,
+        slo,
+        args.devices,
+        space=space,
+        processes=args.processes,
+        progress=say,
+        gpus_per_host=args.gpus_per_host,
+    )
     top = result.ranked[: args.top]
     at = None
     if args.rate:
@@ -293,31 +396,47 @@ def run_search(args: argparse.Namespace) -> int:
             run = Simulation(e.deployment, profile).run(workload.at_rate(args.rate))
             at[e.deployment] = summarize(run.outcomes, slo, args.rate)
     where = f"at {args.rate:g} req/s" if args.rate else "at each one's goodput"
-    print(f"\nbest of {result.num_simulations} simulations in {result.seconds:.0f} s "
-          f"(latencies {where}; goodput: the highest rate with {slo.attainment:.0%} within the SLO)\n")  # fmt: skip
+    print(
+        f"\nbest of {result.num_simulations} simulations in {result.seconds:.0f} s "
+        f"(latencies {where}; goodput: the highest rate with {slo.attainment:.0%} within the SLO)\n"
+    )
     print(candidates_table(top, args.devices, at))
     if any(e.burst for e in top):
-        print(f"\nwarning: >= marks a deployment that met the SLO even at {CEILING:g} times its "
-              f"throughput bound: {len(workload)} requests arrive as one burst it absorbs; give "
-              "more requests (--num-requests) to measure a sustained rate")  # fmt: skip
+        print(
+            f"\nwarning: >= marks a deployment that met the SLO even at {CEILING:g} times its "
+            f"throughput bound: {len(workload)} requests arrive as one burst it absorbs; give "
+            "more requests (--num-requests) to measure a sustained rate"
+        )
     elif (short := _short_span(workload, slo, result.best.goodput)) is not None:
         span, typical = short
-        print(f"\nwarning: at {result.best.goodput:.3g} req/s the {len(workload)} requests arrive "
-              f"over {span:.0f} s, less than 3 times the {typical:.0f} s a request of mean length "
-              "may take within the SLO: a queue that grows slowly never reaches the target, which "
-              "favours deployments bound by a queue (prefill); give more requests "
-              "(--num-requests) for a sustained rate")  # fmt: skip
+        print(
+            f"\nwarning: at {result.best.goodput:.3g} req/s the {len(workload)} requests arrive "
+            f"over {span:.0f} s, less than 3 times the {typical:.0f} s a request of mean length "
+            "may take within the SLO: a queue that grows slowly never reaches the target, which "
+            "favours deployments bound by a queue (prefill); give more requests "
+            "(--num-requests) for a sustained rate"
+        )
     out = Path(args.out_dir)
     best = result.best
-    written = write_outputs(best, profile, slo, args.devices, out, _served_model(args.model),
-                            args.gpus_per_host)  # fmt: skip
+    written = write_outputs(
+        best, profile, slo, args.devices, out, _served_model(args.model), args.gpus_per_host
+    )
     if not args.no_plot:
         shown = result.ranked[:2]
-        runs = curves(profile, workload, slo, shown, result.devices, space.screen_nodes,
-                      processes=args.processes)  # fmt: skip
-        title = (f"{profile.model.name} on {args.devices} devices ({profile.device}); "
-                 f"{profile.source.split(':')[0]} profile; simulated on a slice of "
-                 f"{space.screen_nodes} nodes, rates scaled")  # fmt: skip
+        runs = curves(
+            profile,
+            workload,
+            slo,
+            shown,
+            result.devices,
+            space.screen_nodes,
+            processes=args.processes,
+        )
+        title = (
+            f"{profile.model.name} on {args.devices} devices ({profile.device}); "
+            f"{profile.source.split(':')[0]} profile; simulated on a slice of "
+            f"{space.screen_nodes} nodes, rates scaled"
+        )
         plot = plot_curves(runs, slo, out / "goodput.png", title)
         if plot is not None:
             written.append(plot)

@@ -92,8 +92,14 @@ class PdserveServer:
         self.command = cmd
         log = open(self.work_dir / "serve.log", "ab")  # noqa: SIM115
         # Its own session, so stopping it never signals this process.
-        self.proc = subprocess.Popen(cmd, env=self.env, cwd=SOURCE_ROOT, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            env=self.env,
+            cwd=SOURCE_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             self.wait_ready()
         except BaseException:

@@ -129,10 +129,12 @@ def measure_steps(
     shapes, seconds, labels = [], [], []
     for groups, label in grid.points(engine.max_model_len):
         shape = sum(
-            (StepShape.prefill(c, n, ctx) if n > 1 else StepShape.decode(c, ctx)
-             for c, ctx, n in groups),
+            (
+                StepShape.prefill(c, n, ctx) if n > 1 else StepShape.decode(c, ctx)
+                for c, ctx, n in groups
+            ),
             StepShape(0, 0, 0, 0, 0),
-        )  # fmt: skip
+        )
         seconds.append(time_step(engine, groups, grid.repeats))
         shapes.append(shape)
         labels.append(label)
@@ -261,12 +263,15 @@ def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int 
     config = {"num_kv_blocks": profile.kv_blocks} if profile.kv_blocks_setting else {}
     system = PdserveSystem("frontend", decode_nodes=1, colocated=True, config=config)
     with tempfile.TemporaryDirectory() as work, PdserveServer(system, Path(work), model_dir) as s:
-        cfg = LoadConfig(s.base_url, rate=math.inf, max_concurrency=1, progress=False,
-                         extra_body={"logprobs": 0})  # fmt: skip
+        cfg = LoadConfig(
+            s.base_url, rate=math.inf, max_concurrency=1, progress=False, extra_body={"logprobs": 0}
+        )
         run = asyncio.run(run_load(specs[2:], cfg, ServingSLO(1.0, 1.0), specs[:2]))
     measured = [r["ttft"] for r in run["requests"] if r["success"]]
-    lone = [SimRequest(i * 0.5, s.prompt_len, s.output_len, tuple(s.prompt))
-            for i, s in enumerate(specs[2:])]  # fmt: skip
+    lone = [
+        SimRequest(i * 0.5, s.prompt_len, s.output_len, tuple(s.prompt))
+        for i, s in enumerate(specs[2:])
+    ]
     bare = replace(profile, frontend_s=0.0)
     simulated = Simulation(Deployment(0, 1, colocated=True), bare).run(lone).outcomes
     frontend = max(

@@ -129,8 +129,9 @@ def model_shape(model: str | None) -> ModelShape:
         return ModelShape.from_model_dir(resolve_model_dir(model))
     path = Path(model)
     if path.is_file():
-        return ModelShape.from_config(ModelConfig.from_dict(json.loads(path.read_text())),
-                                      path.parent.name)  # fmt: skip
+        return ModelShape.from_config(
+            ModelConfig.from_dict(json.loads(path.read_text())), path.parent.name
+        )
     if path.is_dir():
         return ModelShape.from_model_dir(path)
     raise ValueError(f"model {model!r}: not a directory, a config.json or one of {list(PRESETS)}")

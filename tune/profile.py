@@ -26,13 +26,21 @@ class GroupModel:
     kv_blocks: int
 
     def to_dict(self) -> dict:
-        return {"size": self.size, "step": self.step.to_dict(),
-                "transfer": self.transfer.to_dict(), "kv_blocks": self.kv_blocks}  # fmt: skip
+        return {
+            "size": self.size,
+            "step": self.step.to_dict(),
+            "transfer": self.transfer.to_dict(),
+            "kv_blocks": self.kv_blocks,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> GroupModel:
-        return cls(int(d["size"]), StepTimeModel.from_dict(d["step"]),
-                   TransferModel.from_dict(d["transfer"]), int(d["kv_blocks"]))  # fmt: skip
+        return cls(
+            int(d["size"]),
+            StepTimeModel.from_dict(d["step"]),
+            TransferModel.from_dict(d["transfer"]),
+            int(d["kv_blocks"]),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +78,14 @@ class Profile:
             if g.size == size:
                 mine = GroupModel(self.devices_per_node, self.step, self.transfer, self.kv_blocks)
                 others = tuple(o for o in self.groups if o is not g) + (mine,)
-                return replace(self, step=g.step, transfer=g.transfer, kv_blocks=g.kv_blocks,
-                               devices_per_node=size, groups=others)  # fmt: skip
+                return replace(
+                    self,
+                    step=g.step,
+                    transfer=g.transfer,
+                    kv_blocks=g.kv_blocks,
+                    devices_per_node=size,
+                    groups=others,
+                )
         raise ValueError(f"the profile models nodes of {self.tp_sizes} devices, not {size}")
 
     @property

@@ -26,8 +26,10 @@ def candidates_table(
 ) -> str:
     """Best first: placement, knobs, goodput (and per device), latency percentiles at the
     goodput rate (or at the rate given, in `at`)."""
-    head = ("| # | placement | TP (P / D) | chunk | max seqs | watermark | goodput (req/s) "
-            "| per device | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |")  # fmt: skip
+    head = (
+        "| # | placement | TP (P / D) | chunk | max seqs | watermark | goodput (req/s) "
+        "| per device | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |"
+    )
     rows = [head, "|" + " --- |" * 10]
     for i, e in enumerate(ranked, 1):
         d = e.deployment

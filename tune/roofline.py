@@ -116,8 +116,14 @@ def group_model(
 ) -> GroupModel:
     """A node of `gpus` GPUs of device `d` as a tensor-parallel group: G times the peaks and the
     memory, plus its all-reduces."""
-    step = roofline_step(model, dtype, gpus * d.tflops * a.compute_efficiency,
-                         gpus * d.gbps * a.memory_efficiency, a.step_overhead_s, a.per_seq_s)  # fmt: skip
+    step = roofline_step(
+        model,
+        dtype,
+        gpus * d.tflops * a.compute_efficiency,
+        gpus * d.gbps * a.memory_efficiency,
+        a.step_overhead_s,
+        a.per_seq_s,
+    )
     allreduce_latency = allreduce_seconds(model, dtype, gpus, 0, d, a)
     per_token = allreduce_seconds(model, dtype, gpus, 1, d, a) - allreduce_latency
     step = replace(step, base_s=step.base_s + allreduce_latency, allreduce_per_token_s=per_token)

@@ -213,8 +213,15 @@ class _Task:
 
 
 def _evaluate(task: _Task) -> Evaluation:
-    found = max_rate(task.profile, task.deployment, task.workload, task.slo, task.hint,
-                     task.tolerance, task.spread)  # fmt: skip
+    found = max_rate(
+        task.profile,
+        task.deployment,
+        task.workload,
+        task.slo,
+        task.hint,
+        task.tolerance,
+        task.spread,
+    )
     found.scale = task.scale
     return found
 
@@ -264,21 +271,29 @@ def splits(devices: int, prefill_tp: int, decode_tp: int) -> list[tuple[int, int
     return out
 
 
-def placements(devices: int, base: Deployment, prefill_tp: int = 1,
-               decode_tp: int = 1) -> list[Deployment]:  # fmt: skip
+def placements(
+    devices: int, base: Deployment, prefill_tp: int = 1, decode_tp: int = 1
+) -> list[Deployment]:
     """The P:D splits of `devices` into prefill nodes of `prefill_tp` and decode nodes of
     `decode_tp` devices."""
-    return [base.with_(prefill=p, decode=q, colocated=False, prefill_tp=prefill_tp,
-                       decode_tp=decode_tp)
-            for p, q in splits(devices, prefill_tp, decode_tp)]  # fmt: skip
+    return [
+        base.with_(prefill=p, decode=q, colocated=False, prefill_tp=prefill_tp, decode_tp=decode_tp)
+        for p, q in splits(devices, prefill_tp, decode_tp)
+    ]
 
 
 def colocated(devices: int, base: Deployment, tp: int = 1) -> Deployment | None:
     """Colocated workers of `tp` devices on every one of `devices` (None if they do not divide)."""
     if devices % tp:
         return None
-    return base.with_(prefill=0, decode=devices // tp, colocated=True,
-                      conditional_disagg_threshold=0, prefill_tp=tp, decode_tp=tp)  # fmt: skip
+    return base.with_(
+        prefill=0,
+        decode=devices // tp,
+        colocated=True,
+        conditional_disagg_threshold=0,
+        prefill_tp=tp,
+        decode_tp=tp,
+    )
 
 
 def usable_tp_sizes(profile: Profile, devices: int, gpus_per_host: int) -> list[int]:
@@ -371,11 +386,16 @@ def search(
             candidates += [(c, scale) for c in on_slice[: space.screen_splits]]
         hints: dict[float, float] = {}
         for c, scale in candidates:
-            hints[scale] = max(hints.get(scale, 0.0),
-                               0.7 * throughput_bound(profile, c, sample(scale), slo))  # fmt: skip
+            hints[scale] = max(
+                hints.get(scale, 0.0), 0.7 * throughput_bound(profile, c, sample(scale), slo)
+            )
         bar.stage(f"screening {len(candidates)} placements on slices", len(candidates))
-        screened = runner.run([_Task(profile, c, sample(scale), slo, hints[scale],
-                                     space.tolerance, scale) for c, scale in candidates])  # fmt: skip
+        screened = runner.run(
+            [
+                _Task(profile, c, sample(scale), slo, hints[scale], space.tolerance, scale)
+                for c, scale in candidates
+            ]
+        )
         screened.sort(key=lambda e: -e.full_goodput)
         say(_summary_line("screened", screened[0]))
         # 2. One knob at a time for the best placements.
@@ -387,8 +407,9 @@ def search(
                 run = incumbent.at_goodput
                 if knob == "admission_watermark" and run and run.peak_kv_usage < KV_TIGHT:
                     continue  # the pools never filled: what is kept free never mattered
-                incumbent = _climb(runner, incumbent, knob, options, profile,
-                                   sample(incumbent.scale), slo, space)  # fmt: skip
+                incumbent = _climb(
+                    runner, incumbent, knob, options, profile, sample(incumbent.scale), slo, space
+                )
             refined.append(incumbent)
             say(_summary_line("refined", incumbent))
         # 3. Every device, the whole workload.
@@ -400,17 +421,22 @@ def search(
         for rank, e in enumerate(pool):
             for d in _scaled(e.deployment, devices, profile, workload, slo, rank == 0):
                 finals.setdefault(d, e.full_goodput)
-        bar.stage(f"final: {len(finals)} candidates on {devices} devices, {len(workload)} "
-                  "requests", len(finals))  # fmt: skip
+        bar.stage(
+            f"final: {len(finals)} candidates on {devices} devices, {len(workload)} requests",
+            len(finals),
+        )
         spread = 1 + space.final_tolerance  # the slice's goodput is a good hint: two probes
-        tasks = [_Task(profile, d, workload, slo, hint, space.final_tolerance, 1.0, spread)
-                 for d, hint in finals.items()]  # fmt: skip
+        tasks = [
+            _Task(profile, d, workload, slo, hint, space.final_tolerance, 1.0, spread)
+            for d, hint in finals.items()
+        ]
         ranked = sorted(runner.run(tasks), key=lambda e: -e.goodput)
     finally:
         runner.close()
         bar.close()
-    return SearchResult(ranked, screened, devices, time.monotonic() - started,
-                        runner.num_simulations)  # fmt: skip
+    return SearchResult(
+        ranked, screened, devices, time.monotonic() - started, runner.num_simulations
+    )
 
 
 def _climb(
@@ -435,10 +461,19 @@ def _climb(
         picks = [i for i in indexes if 0 <= i < len(options) and options[i] not in tried]
         tried.update(options[i] for i in picks)
         # Near the incumbent's goodput, a bracket of one tolerance: two probes when it holds.
-        tasks = [_Task(profile, incumbent.deployment.with_(**{knob: options[i]}), workload, slo,
-                       incumbent.goodput or 1.0, space.tolerance, incumbent.scale,
-                       1 + space.tolerance)
-                 for i in picks]  # fmt: skip
+        tasks = [
+            _Task(
+                profile,
+                incumbent.deployment.with_(**{knob: options[i]}),
+                workload,
+                slo,
+                incumbent.goodput or 1.0,
+                space.tolerance,
+                incumbent.scale,
+                1 + space.tolerance,
+            )
+            for i in picks
+        ]
         return runner.run(tasks)
 
     found = evaluate([index - 1, index + 1])
@@ -469,8 +504,11 @@ def _scaled(
     out = [_split_near(d, devices, d.prefill * d.prefill_tp * scale)]
     if alternatives and scale > 1:
         lo, hi = ((d.prefill + side) * d.prefill_tp * scale for side in (-0.5, 0.5))
-        options = [c for c in placements(devices, d, d.prefill_tp, d.decode_tp)
-                   if lo <= c.prefill * c.prefill_tp <= hi]  # fmt: skip
+        options = [
+            c
+            for c in placements(devices, d, d.prefill_tp, d.decode_tp)
+            if lo <= c.prefill * c.prefill_tp <= hi
+        ]
         if options:
             best = max(options, key=lambda c: throughput_bound(profile, c, workload, slo))
             if best not in out:
@@ -481,8 +519,7 @@ def _scaled(
 def _split_near(d: Deployment, devices: int, prefill_devices: float) -> Deployment:
     """`d`'s TP sizes on `devices` devices, the split whose prefill devices are nearest."""
     options = placements(devices, d, d.prefill_tp, d.decode_tp)
-    return min(options, key=lambda c: (abs(c.prefill * c.prefill_tp - prefill_devices),
-                                       c.prefill))  # fmt: skip
+    return min(options, key=lambda c: (abs(c.prefill * c.prefill_tp - prefill_devices), c.prefill))
 
 
 def _summary_line(stage: str, e: Evaluation) -> str:

@@ -95,7 +95,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> 
         "by_kind": {
             kind: latencies([r for r in ok if r.kind == kind])
             for kind in sorted({r.kind for r in ok})
-        },  # fmt: skip
+        },
     }
 
 

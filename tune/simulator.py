@@ -159,8 +159,9 @@ class Simulation:
     def _engine(self, role: str) -> Engine:
         p, d = self.prefill_profile if role == "prefill" else self.decode_profile, self.deployment
         config = EngineConfig(block_size=p.block_size, **d.engine_settings())
-        layout = KVLayout(p.model.num_layers, p.block_size, p.model.num_kv_heads,
-                          p.model.head_dim, p.dtype)  # fmt: skip
+        layout = KVLayout(
+            p.model.num_layers, p.block_size, p.model.num_kv_heads, p.model.head_dim, p.dtype
+        )
         return Engine(
             config,
             layout,
@@ -184,8 +185,12 @@ class Simulation:
                 holder[0].wake()
 
             if role == "prefill":
-                node = PrefillNode(self._engine(role), link, self.kv.model.transport,
-                                   make_sender=lambda _t, _p, w=wake: self.kv.sender(w))  # fmt: skip
+                node = PrefillNode(
+                    self._engine(role),
+                    link,
+                    self.kv.model.transport,
+                    make_sender=lambda _t, _p, w=wake: self.kv.sender(w),
+                )
             elif role == "decode":
                 node = DecodeNode(self._engine(role), link, self.kv.receiver(node_id, wake))
             else:
@@ -259,8 +264,12 @@ class Simulation:
         if self.now - self._idle_since >= settle and due > self.now + TICK_S:
             self._skipped += due - (self.now + TICK_S)
             self._arrival_generation += 1
-            self.at(self._arrival_time(self._next_arrival), self._arrive, self._next_arrival,
-                    self._arrival_generation)  # fmt: skip
+            self.at(
+                self._arrival_time(self._next_arrival),
+                self._arrive,
+                self._next_arrival,
+                self._arrival_generation,
+            )
 
     # --- requests -------------------------------------------------------------------------------
 

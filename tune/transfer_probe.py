@@ -32,8 +32,9 @@ class TransferProbe:
         rx_device = "cuda:1" if transport == "nccl" else device
         keyed, encrypt = SECURITY[security]
         keys = ClusterKeys.generate() if keyed else None
-        self.remote = RemoteEndpoint("receiver", transport, layout, max_blocks, device=rx_device,
-                                     keys=keys, encrypt=encrypt)  # fmt: skip
+        self.remote = RemoteEndpoint(
+            "receiver", transport, layout, max_blocks, device=rx_device, keys=keys, encrypt=encrypt
+        )
         self.pool = KVPool(layout, max_blocks, device)
         self.pool.kv.view(torch.int16).random_()  # touch every page, arbitrary bits
         self.sender = make_sender(transport, self.pool, chunk_bytes=chunk_bytes, keys=keys)

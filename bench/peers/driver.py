@@ -36,9 +36,14 @@ def missing_peer(peer: str, venv: Path = VLLM_VENV) -> str | None:
 
 
 def runner_command(
-    engine: str, model_dir: Path, requests_path: Path, max_num_seqs: int, block_size: int,
-    venv: Path = VLLM_VENV, variant: Variant = DEFAULT,
-) -> list[str]:  # fmt: skip
+    engine: str,
+    model_dir: Path,
+    requests_path: Path,
+    max_num_seqs: int,
+    block_size: int,
+    venv: Path = VLLM_VENV,
+    variant: Variant = DEFAULT,
+) -> list[str]:
     """A round's command: engine "pdserve" (run as `variant`) or a peer's name."""
     args = runner_argv(model_dir, requests_path, max_num_seqs, block_size)
     if engine == "pdserve":

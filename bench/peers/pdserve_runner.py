@@ -30,14 +30,24 @@ def main(argv: list[str] | None = None) -> None:
     # Threads as pdserve's engine sets them by default (torch's own default where it does not),
     # unless the variant's flags say otherwise.
     res = run_pdserve(
-        args.model, requests, "continuous", args.max_num_seqs, args.block_size, progress=False,
+        args.model,
+        requests,
+        "continuous",
+        args.max_num_seqs,
+        args.block_size,
+        progress=False,
         engine_options=engine_options(args),
-    )  # fmt: skip
+    )
     version = getattr(pdserve, "__version__", "")
     result = RoundResult(
-        args.label, res.elapsed_s, res.output_tokens, res.cpu_s, version, torch.get_num_threads(),
+        args.label,
+        res.elapsed_s,
+        res.output_tokens,
+        res.cpu_s,
+        version,
+        torch.get_num_threads(),
         res.machine_cpu_s,
-    )  # fmt: skip
+    )
     print(result_line(result), flush=True)
 
 

@@ -65,11 +65,15 @@ def read_requests(path: Path) -> list[RoundRequest]:
 def runner_argv(model_dir: Path, requests_path: Path, max_num_seqs: int, block_size: int) -> list:
     """The arguments every runner takes (after its interpreter and script)."""
     return [
-        "--model", str(model_dir),
-        "--requests", str(requests_path),
-        "--max-num-seqs", str(max_num_seqs),
-        "--block-size", str(block_size),
-    ]  # fmt: skip
+        "--model",
+        str(model_dir),
+        "--requests",
+        str(requests_path),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--block-size",
+        str(block_size),
+    ]
 
 
 def runner_parser(description: str = "") -> argparse.ArgumentParser:

@@ -41,8 +41,11 @@ def round_order(engines: list[str], rounds: int) -> list[list[str]]:
 
 
 def tokens_per_s(runs: list[Run], engine: str) -> list[float]:
-    return [r.result.tokens_per_s for r in sorted(runs, key=lambda r: r.round)
-            if r.result.engine == engine]  # fmt: skip
+    return [
+        r.result.tokens_per_s
+        for r in sorted(runs, key=lambda r: r.round)
+        if r.result.engine == engine
+    ]
 
 
 def median_tokens_per_s(runs: list[Run], engine: str) -> float:

@@ -42,8 +42,13 @@ def create_app(ttft_s: float = 0.02, tpot_s: float = 0.005, model: str = "fake")
 
             def chunk(text: str, finish: str | None) -> str:
                 choice = {"index": 0, "text": text, "finish_reason": finish}
-                obj = {"id": "cmpl-fake", "object": "text_completion", "created": created,
-                       "model": model, "choices": [choice]}  # fmt: skip
+                obj = {
+                    "id": "cmpl-fake",
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                }
                 return f"data: {json.dumps(obj)}\n\n"
 
             await asyncio.sleep(ttft_s)
@@ -53,8 +58,11 @@ def create_app(ttft_s: float = 0.02, tpot_s: float = 0.005, model: str = "fake")
                 yield chunk(f" t{i}", None)
             yield chunk("", "length")
             if usage:
-                counts = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                          "total_tokens": prompt_tokens + max_tokens}  # fmt: skip
+                counts = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": max_tokens,
+                    "total_tokens": prompt_tokens + max_tokens,
+                }
                 yield f"data: {json.dumps({'choices': [], 'usage': counts})}\n\n"
             yield "data: [DONE]\n\n"
 

@@ -97,13 +97,16 @@ async def run_session(client: CoordinatorClient, index: int, turns: list[Turn]) 
         end = time.perf_counter()
         results.append(
             TurnResult(
-                index, t, len(prompt), len(output),
+                index,
+                t,
+                len(prompt),
+                len(output),
                 ttft=stamps[0] - start,
                 first_gap=stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
                 latency=end - start,
                 output=output,
             )
-        )  # fmt: skip
+        )
         history = prompt + output
     return results
 

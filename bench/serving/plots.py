@@ -28,17 +28,41 @@ def plot_sweeps(sweeps: Sequence[dict], out: str | Path, title: str = "") -> Pat
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(2, 3, figsize=(17, 9))
     panels = (
-        (axes[0, 0], "request_throughput", "tpot_ms.p99", "request throughput (req/s)",
-         "P99 TPOT (ms)", True),
-        (axes[0, 1], "request_throughput", "ttft_ms.p99", "request throughput (req/s)",
-         "P99 TTFT (ms)", True),
-        (axes[0, 2], "request_throughput", "e2el_ms.p99", "request throughput (req/s)",
-         "P99 end-to-end latency (ms)", True),
+        (
+            axes[0, 0],
+            "request_throughput",
+            "tpot_ms.p99",
+            "request throughput (req/s)",
+            "P99 TPOT (ms)",
+            True,
+        ),
+        (
+            axes[0, 1],
+            "request_throughput",
+            "ttft_ms.p99",
+            "request throughput (req/s)",
+            "P99 TTFT (ms)",
+            True,
+        ),
+        (
+            axes[0, 2],
+            "request_throughput",
+            "e2el_ms.p99",
+            "request throughput (req/s)",
+            "P99 end-to-end latency (ms)",
+            True,
+        ),
         (axes[1, 0], "rate", "slo_attainment", "offered rate (req/s)", "SLO attainment", False),
         (axes[1, 1], "rate", "goodput", "offered rate (req/s)", "goodput (req/s)", False),
-        (axes[1, 2], "rate", "by_kind.short.tpot_ms.p99", "offered rate (req/s)",
-         "short requests' P99 TPOT (ms)", True),
-    )  # fmt: skip
+        (
+            axes[1, 2],
+            "rate",
+            "by_kind.short.tpot_ms.p99",
+            "offered rate (req/s)",
+            "short requests' P99 TPOT (ms)",
+            True,
+        ),
+    )
     for ax, x, y, xlabel, ylabel, log_y in panels:
         for sweep in sweeps:
             try:

@@ -14,8 +14,10 @@ def _find(sweeps: Sequence[dict], system: str, variant: str) -> dict | None:
 
 
 def results_table(sweeps: Sequence[dict]) -> str:
-    head = ("| system | workload | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) "
-            "| TPOT p50 / p99 (ms) | ITL p99 (ms) | E2E p99 (ms) | SLO met | goodput (req/s) |")  # fmt: skip
+    head = (
+        "| system | workload | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 (ms) "
+        "| TPOT p50 / p99 (ms) | ITL p99 (ms) | E2E p99 (ms) | SLO met | goodput (req/s) |"
+    )
     rows = [head, "|" + " --- |" * 12]
     for sweep in sweeps:
         for point in sweep["points"]:
@@ -49,8 +51,10 @@ def long_requests_table(sweeps: Sequence[dict]) -> str:
     """The long prompts' TTFT and gap from first to second token (client side), per point, and
     the coordinator's mean time from a first token to the decode node's first (over the sweep:
     every request's in a long-only sweep)."""
-    rows = ["| system | workload | rate (req/s) | long requests | TTFT P50 (ms) | first-to-second token P50 (ms) | the same, P99 (ms) | first token to decode start, mean over the sweep (ms) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = [
+        "| system | workload | rate (req/s) | long requests | TTFT P50 (ms) | first-to-second token P50 (ms) | the same, P99 (ms) | first token to decode start, mean over the sweep (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for sweep in sweeps:
         handoff = sweep.get("kv_handoff")
         decode_start = f"{handoff['mean_ms']:.1f} ({handoff['count']})" if handoff else "n/a"
@@ -68,8 +72,10 @@ def long_requests_table(sweeps: Sequence[dict]) -> str:
 
 
 def interference_table(sweeps: Sequence[dict], systems: Sequence[str]) -> str:
-    rows = ["| system | rate (req/s) | short requests' P99 TPOT, short-only (ms) | the same, mixed (ms) | mixed / short-only |",
-            "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = [
+        "| system | rate (req/s) | short requests' P99 TPOT, short-only (ms) | the same, mixed (ms) | mixed / short-only |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for system in systems:
         for rate, base, mixed in tpot_inflation(sweeps, system):
             rows.append(f"| {system} | {rate:g} | {base:.1f} | {mixed:.1f} | {mixed / base:.2f}x |")

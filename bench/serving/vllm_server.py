@@ -34,11 +34,19 @@ class VllmServer(PdserveServer):
 
     def launch_command(self) -> list[str]:
         return [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--dtype", "float32",
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        ]  # fmt: skip
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--kv-cache-memory-bytes",
+            str(KV_CACHE_BYTES),
+        ]

@@ -31,15 +31,21 @@ QUICK = {
     "prefill_grid": dict(block_m=[64, 128], block_n=[32, 64], num_warps=[4, 8], num_stages=[2, 3]),
 }
 LONG = {
-    "cases": [("decode", 64, 4096), ("prefill", 1, 2048), ("decode", 256, 512),
-              ("decode", 1, 4096), ("decode", 16, 4096), ("decode", 256, 4096),
-              ("prefill", 4, 2048)],
+    "cases": [
+        ("decode", 64, 4096),
+        ("prefill", 1, 2048),
+        ("decode", 256, 512),
+        ("decode", 1, 4096),
+        ("decode", 16, 4096),
+        ("decode", 256, 4096),
+        ("prefill", 4, 2048),
+    ],
     "decode_grid": dict(block_n=[16, 32, 64, 128], num_warps=[2, 4, 8], num_stages=[2, 3, 4]),
     "partitions": [128, 256, 512, 1024, 2048],
     "prefill_grid": dict(
         block_m=[64, 128, 256], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4]
     ),
-}  # fmt: skip
+}
 # do_bench's warm-up and repetitions, in ms: shorter than bench.kernels', many configs to time.
 WARMUP_MS, REP_MS = 10, 60
 TUNABLES = ("block_m", "block_n", "num_warps", "num_stages")
@@ -132,9 +138,17 @@ def decode_case(batch: int, context: int, copy_gbps: float) -> Case:
     def run_with(config, partition: int | None = None) -> Callable[[], torch.Tensor]:  # noqa: ANN001
         def run() -> torch.Tensor:
             out = torch.empty_like(s["query"])
-            return paged_decode_attention(s["query"], s["k_cache"], s["v_cache"],
-                                          s["block_tables"], s["seq_lens"], s["scale"], out,
-                                          partition=partition, config=config)  # fmt: skip
+            return paged_decode_attention(
+                s["query"],
+                s["k_cache"],
+                s["v_cache"],
+                s["block_tables"],
+                s["seq_lens"],
+                s["scale"],
+                out,
+                partition=partition,
+                config=config,
+            )
 
         return run
 
@@ -160,9 +174,17 @@ def prefill_case(prompts: int, prompt_len: int, matmul_tflops: float) -> Case:
     def run_with(config) -> Callable[[], torch.Tensor]:  # noqa: ANN001
         def run() -> torch.Tensor:
             out = torch.empty_like(s["query"])
-            return paged_prefill_attention(s["query"], s["k_cache"], s["v_cache"],
-                                           s["block_tables"], s["seq_lens"], s["query_start_loc"],
-                                           s["scale"], out, config=config)  # fmt: skip
+            return paged_prefill_attention(
+                s["query"],
+                s["k_cache"],
+                s["v_cache"],
+                s["block_tables"],
+                s["seq_lens"],
+                s["query_start_loc"],
+                s["scale"],
+                out,
+                config=config,
+            )
 
         return run
 

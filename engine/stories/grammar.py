@@ -218,13 +218,20 @@ def cast(rng: random.Random) -> Cast:
     kind = rng.choice(["girl" if hero in GIRLS else "boy", *WORDS["animal"][:4]])
     fkind = rng.choice(["girl" if friend in GIRLS else "boy", *kinds[2:]])
     return Cast(
-        hero=hero, kind=kind, friend=friend, fkind=fkind,
-        place=rng.choice(WORDS["place"]), water=rng.choice(WORDS["water"]),
-        thing=rng.choice(WORDS["thing"]), color=rng.choice(WORDS["color"]),
-        activity=rng.choice(WORDS["activity"]), adj=rng.choice(WORDS["adj"]),
-        glad=rng.choice(WORDS["glad"]), sad=rng.choice(WORDS["sad"]),
+        hero=hero,
+        kind=kind,
+        friend=friend,
+        fkind=fkind,
+        place=rng.choice(WORDS["place"]),
+        water=rng.choice(WORDS["water"]),
+        thing=rng.choice(WORDS["thing"]),
+        color=rng.choice(WORDS["color"]),
+        activity=rng.choice(WORDS["activity"]),
+        adj=rng.choice(WORDS["adj"]),
+        glad=rng.choice(WORDS["glad"]),
+        sad=rng.choice(WORDS["sad"]),
         animal=rng.choice(WORDS["animal"]),
-    )  # fmt: skip
+    )
 
 
 def capitalize(sentence: str) -> str:
