@@ -166,12 +166,12 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
     receiver: KVReceiver | None = None
     keys = node_keys(options.cluster_keys, options.insecure)
     size = engine_config.tensor_parallel_size
-    specs, links = [], None
+    specs, remote = [], []
     if not colocated:
         from pdserve.kv_transfer.rank_endpoint import rank_endpoints
 
         # Every rank receives the pages of its heads, on a port of its own, keyed as rank 0's.
-        specs, links = rank_endpoints(
+        specs, remote = rank_endpoints(
             "receiver",
             size,
             options.transport,
@@ -203,7 +203,7 @@ def serve(options: NodeOptions, engine_config: EngineConfig, colocated: bool = F
         from pdserve.kv_transfer.sharded import ShardedReceiver
 
         heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
-        receiver = ShardedReceiver(receiver, links, heads, engine.layout, engine.ranks.check)
+        receiver = ShardedReceiver(receiver, remote, heads, engine.layout, engine.ranks.check)
     role = NodeRole.COLOCATED if colocated else NodeRole.DECODE
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
     node = DecodeNode(engine, link, receiver, role)

@@ -1,6 +1,7 @@
 """A node's KV endpoint over all its tensor-parallel ranks, behind the one-endpoint interface
 (`KVReceiver`, `KVSender`): node code (`DecodeHandoff`, `PrefillHandoff`) never knows the node
-is a group. Rank 0's own endpoint is called directly; each other rank's through its line.
+is a group. Every rank's endpoint, rank 0's included, takes the same orders through its line
+(`pdserve.kv_transfer.rank_endpoint`).
 
 Decode side: the receiver's info carries every rank's (its address, its pool, its KV heads);
 `expect` is expected by every rank, and a transfer completes once every rank has all its heads
@@ -15,10 +16,11 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
 from pdserve.kv_transfer.head_routes import HeadRange, HeadRoute, route_heads
-from pdserve.kv_transfer.rank_endpoint import RankLinks
+from pdserve.kv_transfer.rank_endpoint import LocalRankLink, RankLink, RankLinks, RankWorker
+from pdserve.kv_transfer.rank_messages import RankCancel, RankConnect, RankExpect, RankSend
 
 logger = logging.getLogger(__name__)
 
@@ -38,21 +40,21 @@ class ShardedReceiver(KVReceiver):
     def __init__(
         self,
         local: KVReceiver,
-        links: RankLinks,
+        remote: list[RankLink],
         head_ranges: list[HeadRange],
         node_layout: KVLayout,
         check_ranks=None,  # noqa: ANN001
     ) -> None:
-        """head_ranges[r]: rank r's KV heads; check_ranks() raises if a rank died (waiting for
-        the other ranks' receivers to be up)."""
-        self.local = local
-        self.links = links
+        """local: rank 0's receiver; remote: the lines to ranks 1..N-1 (rank 0's is made here,
+        over local); head_ranges[r]: rank r's KV heads; check_ranks() raises if a rank died
+        (waiting for the other ranks' receivers to be up)."""
+        self.links = RankLinks([LocalRankLink(RankWorker(local.pool, local)), *remote])
         self.name = local.name
         self.pool = local.pool
-        infos = [link.wait_info(RANK_START_TIMEOUT_S, check_ranks) for link in links.links]
+        infos = [link.wait_info(RANK_START_TIMEOUT_S, check_ranks) for link in self.links.links]
         self._ranks = [
             {**info, "kv_heads": list(heads)}
-            for info, heads in zip([local.info(), *infos], head_ranges, strict=True)
+            for info, heads in zip(infos, head_ranges, strict=True)
         ]
         self._node_layout = node_layout.to_dict()
         self._pending: dict[str, Pieces] = {}
@@ -60,14 +62,14 @@ class ShardedReceiver(KVReceiver):
 
     @property
     def failed(self) -> str | None:
-        if self.local.failed is not None:
-            return self.local.failed
         failed = self.links.failed()
+        if 0 in failed:
+            return failed[0]
         return next((f"rank {r}: {why}" for r, why in sorted(failed.items())), None)
 
     def info(self) -> dict:
         # Rank 0's own, so a sender that knows nothing of ranks fails cleanly on its head count.
-        return {**self.local.info(), "tp_ranks": self._ranks, "node_layout": self._node_layout}
+        return {**self._ranks[0], "tp_ranks": self._ranks, "node_layout": self._node_layout}
 
     def expect(
         self,
@@ -78,10 +80,10 @@ class ShardedReceiver(KVReceiver):
     ) -> None:
         if self.failed is not None:
             raise TransportFailed(self.failed)
-        self.local.expect(transfer_id, dst_blocks, layers, timeout_s)
-        for rank in range(1, len(self._all)):
-            self.links.order(rank, "expect", transfer_id, list(dst_blocks), layers, timeout_s)
+        order = RankExpect(transfer_id, list(dst_blocks), layers, timeout_s)
         self._pending[transfer_id] = Pieces(set(self._all))
+        for rank in sorted(self._all):
+            self.links.order(rank, order)
 
     def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
         if self.failed is not None:
@@ -90,16 +92,10 @@ class ShardedReceiver(KVReceiver):
 
     def _cancel(self, transfer_id: str, reason: str, ranks: set[int]) -> None:
         for rank in ranks:
-            if rank == 0:
-                try:
-                    self.local.cancel(transfer_id, reason)
-                except TransportFailed:
-                    pass
-            else:
-                self.links.order(rank, "cancel", transfer_id, reason)
+            self.links.order(rank, RankCancel(transfer_id, reason))
 
     def poll(self) -> list[TransferResult]:
-        results = [(0, r) for r in self.local.poll()] + self.links.results(self.name)
+        results = self.links.results(self.name)
         lost = self.links.failed()
         out: list[TransferResult] = []
         for rank, result in results:
@@ -122,29 +118,26 @@ class ShardedReceiver(KVReceiver):
             out.append(TransferResult(tid, pieces.error is None, pieces.error))
 
     def stats(self) -> dict[str, int]:
-        stats = dict(self.local.stats())
-        for key, value in self.links.stats().items():
-            stats[key] = stats.get(key, 0) + value
-        return stats
+        return self.links.stats()
 
     def close(self) -> None:
-        self.local.close()
         self.links.close()
 
 
 class ShardedSender(KVSender):
     def __init__(
         self,
-        local: KVSender,
+        transport: str,
+        pool: KVPool,
         links: RankLinks,
         head_ranges: list[HeadRange],
         node_layout: KVLayout,
     ) -> None:
-        """local: rank 0's sender of this transport; head_ranges[r]: rank r's KV heads."""
-        self.local = local
+        """The node's sender of one transport over its ranks' senders; links: to every rank,
+        0 included (`rank_links`); head_ranges[r]: rank r's KV heads."""
         self.links = links
-        self.name = local.name
-        self.pool = local.pool
+        self.name = transport
+        self.pool = pool
         self.head_ranges = head_ranges
         self.node_layout = node_layout
         self._known: dict[str, dict] = {}
@@ -155,7 +148,7 @@ class ShardedSender(KVSender):
 
     @property
     def failed(self) -> str | None:
-        return self.local.failed
+        return self.links.failed().get(0)
 
     def connect(self, peer_id: str, receiver_info: dict) -> None:
         if self._known.get(peer_id) == receiver_info:
@@ -172,11 +165,8 @@ class ShardedSender(KVSender):
             )
         routes = route_heads(self.head_ranges, [tuple(r["kv_heads"]) for r in ranks])
         for src, dst in dict.fromkeys((r.src_rank, r.dst_rank) for r in routes):
-            info = ranks[dst]
-            if src == 0:
-                self.local.connect(_rank_peer(peer_id, dst), info)
-            else:
-                self.links.order(src, "connect", self.name, _rank_peer(peer_id, dst), info)
+            # Rank 0's connect raises here what the receiver's info does not satisfy.
+            self.links.order(src, RankConnect(self.name, _rank_peer(peer_id, dst), ranks[dst]))
         with self._lock:
             self._routes[peer_id] = routes
             self._known[peer_id] = receiver_info
@@ -204,47 +194,20 @@ class ShardedSender(KVSender):
             self._pending[key] = Pieces(len(routes), ranks={r.src_rank for r in routes})
         src, dst = list(src_blocks), list(dst_blocks)
         for route in routes:
-            peer = _rank_peer(peer_id, route.dst_rank)
-            if route.src_rank != 0:
-                self.links.order(
-                    route.src_rank,
-                    "send",
-                    self.name,
-                    transfer_id,
-                    peer,
-                    src,
-                    dst,
-                    key[1],
-                    timeout_s,
-                    route.src_heads,
-                    route.dst_heads,
-                )
-                continue
-            try:
-                self.local.send(
-                    transfer_id,
-                    peer,
-                    src,
-                    dst,
-                    key[1],
-                    timeout_s,
-                    heads=route.src_heads,
-                    dst_heads=route.dst_heads,
-                )
-            except Exception as exc:  # this piece fails; the send ends once the others have
-                with self._lock:
-                    self._piece_ended(key, f"send failed: {exc}")
+            order = RankSend(
+                self.name, transfer_id, _rank_peer(peer_id, route.dst_rank), src, dst, key[1],
+                timeout_s, route.src_heads, route.dst_heads,
+            )  # fmt: skip
+            self.links.order(route.src_rank, order)  # a piece that cannot start reports so
 
     def poll(self) -> list[TransferResult]:
-        results = [(0, r) for r in self.local.poll()] + self.links.results(self.name)
+        results = self.links.results(self.name)
         with self._lock:
             for rank, result in results:
                 key = (result.transfer_id, tuple(result.layers or (0, self.node_layout.num_layers)))
-                error = (
-                    None
-                    if result.ok
-                    else (result.error if rank == 0 else f"rank {rank}: {result.error}")
-                )
+                error = None
+                if not result.ok:
+                    error = result.error if rank == 0 else f"rank {rank}: {result.error}"
                 self._piece_ended(key, error)
             for rank, why in self.links.failed().items():
                 # A rank whose line died reports no more: its pieces of every send fail.
@@ -277,7 +240,15 @@ class ShardedSender(KVSender):
             return {"outstanding": len(self._pending), "peers": len(self._known)}
 
     def close(self) -> None:
-        self.local.close()
+        self.links.close()
+
+
+def rank_links(
+    pool: KVPool, remote: list[RankLink], sender_options: dict | None = None
+) -> RankLinks:
+    """A prefill node's lines to its ranks: rank 0's worker over its pool (senders made with
+    sender_options, e.g. the cluster keys), then the lines to ranks 1..N-1."""
+    return RankLinks([LocalRankLink(RankWorker(pool, None, sender_options)), *remote])
 
 
 def _rank_peer(peer_id: str, rank: int) -> str:

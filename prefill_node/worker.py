@@ -160,20 +160,20 @@ class PrefillNode(NodeLoop):
 
 def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
-    from pdserve.kv_transfer import make_sender
     from pdserve.kv_transfer.rank_endpoint import rank_endpoints
-    from pdserve.kv_transfer.sharded import ShardedSender
+    from pdserve.kv_transfer.sharded import ShardedSender, rank_links
 
     keys = node_keys(options.cluster_keys, options.insecure)
     size = engine_config.tensor_parallel_size
     # Every rank sends the pages of its heads, holding the node's keys.
-    specs, links = rank_endpoints("sender", size, options={"keys": keys})
+    specs, remote = rank_endpoints("sender", size, options={"keys": keys})
     engine = LLMEngine(engine_config, kv_endpoints=specs)
     heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
+    links = rank_links(engine.pool, remote, {"keys": keys})
 
     def sender(transport: str, pool: KVPool) -> KVSender:
         # Sharded even at one rank: it routes heads to a decode node of any TP size.
-        return ShardedSender(make_sender(transport, pool, keys=keys), links, heads, engine.layout)
+        return ShardedSender(transport, pool, links, heads, engine.layout)
 
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
     node = PrefillNode(engine, link, options.transport, sender)
