@@ -58,3 +58,10 @@ def test_compare_writes_into_the_repository_only_with_write_docs(tmp_path):
     mine = tmp_path / "r.json"
     results, _, doc = compare.outputs(parse(["--results", str(mine)]), tmp_path)
     assert results == mine and doc is None
+
+
+def test_the_plan_codec_benchmark_round_trips_every_plan_both_ways(capsys):
+    from pdserve.bench import plan_codec
+
+    assert plan_codec.main(["--calls", "3"]) == 0
+    assert capsys.readouterr().out.count(" | ") >= 4 * len(plan_codec.PLANS)
