@@ -51,7 +51,8 @@ class Codec(Generic[M]):
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds {self.max_bytes}")
         try:
             version, msg = self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # (a string that is not UTF-8 raises UnicodeDecodeError, not DecodeError)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise ProtocolError(self._explain(frame, exc)) from None
         if version != self.version:
             raise ProtocolError(f"{self.name} protocol version {version}, expected {self.version}")
@@ -68,7 +69,7 @@ class Codec(Generic[M]):
         """Name a wrong version rather than the field it trips on first."""
         try:
             envelope: Any = msgspec.msgpack.decode(frame)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             return f"undecodable frame: {exc}"
         if isinstance(envelope, list) and len(envelope) == 2 and envelope[0] != self.version:
             return f"{self.name} protocol version {envelope[0]!r}, expected {self.version}"

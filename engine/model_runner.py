@@ -3,6 +3,7 @@ into tensors, runs the model over the paged pool and returns last-position logit
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -26,9 +27,33 @@ class ModelRunner:
         self.block_size = pool.layout.block_size
         self.decode_graphs: DecodeGraphs | None = None
         self.compiled: CompiledStep | None = None  # set when the step runs compiled
-        # Called with each layer's index once its K/V is in the pool, in eager steps that are
-        # not decode-only (layer-wise KV streaming; a compiled step does not call it).
-        self.on_layer: Callable[[int], None] | None = None
+        # Called with each layer's index once its K/V is in the pool (on a GPU: its kernels
+        # queued), in eager steps that are not decode-only: layer-wise KV streaming, on every
+        # tensor-parallel rank (a compiled step or a CUDA graph calls none).
+        self.layer_hooks: list[Callable[[int], None]] = []
+        # Steps run since start, on every rank alike (they run the same plans in order): what
+        # ties a layer of one rank's step to the same layer of another's.
+        self.step_index = -1
+        self._in_layer: tuple[int, int] | None = None  # (step, layer) while the hooks run
+        self._thread: int | None = None  # the thread running the forward
+
+    def add_layer_hook(self, hook: Callable[[int], None]) -> None:
+        """hook(layer) after each layer's K/V is in the pool (see `layer_hooks`)."""
+        self.layer_hooks.append(hook)
+
+    def layer_in_progress(self) -> tuple[int, int] | None:
+        """(step, layer) when called from a layer hook of the step running now, else None."""
+        if self._in_layer is None or threading.get_ident() != self._thread:
+            return None
+        return self._in_layer
+
+    def _layer_done(self, layer: int) -> None:
+        self._in_layer = (self.step_index, layer)
+        try:
+            for hook in self.layer_hooks:
+                hook(layer)
+        finally:
+            self._in_layer = None
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs (on every
@@ -65,6 +90,8 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[int]]:
         """`run` for a plan; under tensor parallelism the logits are rank 0's alone (None on
         the other ranks, which take part in computing them)."""
+        self.step_index += 1
+        self._thread = threading.get_ident()
         ids, pos, batch = plan.inputs()
         sample_rows = plan.sample_rows
         graphs = self.decode_graphs
@@ -75,7 +102,12 @@ class ModelRunner:
         else:
             ids, pos = ids.to(self.device), pos.to(self.device)
             hidden = self.model(
-                ids, pos, self._to_device(batch), self.pool, self.ops, on_layer=self.on_layer
+                ids,
+                pos,
+                self._to_device(batch),
+                self.pool,
+                self.ops,
+                on_layer=self._layer_done if self.layer_hooks else None,
             )
         if not sample_rows:
             return torch.empty(0, device=self.device), sample_rows

@@ -120,6 +120,11 @@ class ModelShard:
             return False
         return True
 
+    def add_layer_hook(self, hook) -> None:  # noqa: ANN001
+        """hook(layer) once each layer's K/V of an eager prefill step is in this rank's pool
+        (`ModelRunner.layer_hooks`): how a rank streams its pages layer by layer."""
+        self.runner.add_layer_hook(hook)
+
     def capture_decode_graphs(self) -> None:
         """Capture when this rank can (every rank of a group decides alike)."""
         if self.uses_cuda_graphs():

@@ -42,6 +42,9 @@ class RankKVEndpoint(Protocol):
 
     def start(self, pool: Any) -> None: ...
 
+    def layer_done(self, step: int, layer: int) -> None:
+        """From the rank's forward: layer `layer` of step `step` is in the rank's pool."""
+
     def close(self) -> None: ...
 
 
@@ -108,6 +111,8 @@ def run_rank(spec: RankSpec) -> None:
     part = ModelShard(spec.model_dir, config, shard, group, pool_factory)
     if endpoint is not None:
         endpoint.start(part.pool)
+        # Pages streamed layer by layer leave once this rank's own layer is in its pool.
+        part.add_layer_hook(lambda layer: endpoint.layer_done(part.runner.step_index, layer))
     part.capture_decode_graphs()
     try:
         while True:

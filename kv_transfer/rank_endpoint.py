@@ -47,7 +47,10 @@ POLL_S = 0.002  # how often a rank's server looks at its endpoint when no order 
 class RankWorker:
     """One rank's endpoint: a receiver over its pool (decode), or a sender per transport over it
     (prefill, made on first use). `carry_out` an order; `collect` what the endpoint reported
-    since the last call."""
+    since the last call; `layer_done` from the rank's forward releases the sends that wait for
+    that layer (layer-wise streaming: rank 0 orders a layer's send as its own layer ends, and
+    another rank may not have computed it yet). Orders and collection come from one thread,
+    `layer_done` from the forward's."""
 
     def __init__(
         self,
@@ -63,19 +66,45 @@ class RankWorker:
         self._stats: dict[str, int] = {}
         self._failed: set[str] = set()
         self.closed = False
+        self._lock = threading.Lock()  # the forward's thread and the orders' one
+        self._progress: tuple[int, int] = (-1, -1)  # (step, layer) the rank's forward is past
+        self._waiting: list[RankSend] = []  # sends whose layer this rank has not computed yet
 
     def _endpoints(self) -> list[KVReceiver | KVSender]:
         return [self.receiver] if self.receiver is not None else list(self.senders.values())
 
     def _sender(self, transport: str) -> KVSender:
-        if transport not in self.senders:
-            from pdserve.kv_transfer import make_sender
+        from pdserve.kv_transfer import make_sender
 
-            self.senders[transport] = make_sender(transport, self.pool, **self.sender_options)
-        return self.senders[transport]
+        with self._lock:  # (made from the orders' thread or the forward's)
+            if transport not in self.senders:
+                self.senders[transport] = make_sender(transport, self.pool, **self.sender_options)
+            return self.senders[transport]
 
     def _failed_result(self, transport: str, result: TransferResult) -> None:
-        self._reports.append(RankResults(transport, [Result.of(result)]))
+        with self._lock:
+            self._reports.append(RankResults(transport, [Result.of(result)]))
+
+    def layer_done(self, step: int, layer: int) -> None:
+        """The rank's forward has layer `layer` of step `step` in its pool: the sends waiting
+        for it go now, from this thread (on a GPU the sender's event is recorded on the
+        forward's stream, after that layer's kernels)."""
+        with self._lock:
+            self._progress = (step, layer)
+            due = [s for s in self._waiting if tuple(s.after) <= self._progress]
+            self._waiting = [s for s in self._waiting if tuple(s.after) > self._progress]
+        for order in due:
+            self._send(order)
+
+    def _send(self, order: RankSend) -> None:
+        try:
+            self._sender(order.transport).send(
+                order.transfer_id, order.peer_id, order.src_blocks, order.dst_blocks,
+                order.layers, order.timeout_s, heads=order.heads, dst_heads=order.dst_heads,
+            )  # fmt: skip
+        except Exception as exc:
+            failed = TransferResult(order.transfer_id, False, f"send failed: {exc}", order.layers)
+            self._failed_result(order.transport, failed)
 
     def carry_out(self, order: RankOrder) -> None:
         if isinstance(order, RankClose):
@@ -98,16 +127,12 @@ class RankWorker:
             # rank's server logs it, and the sends to that peer fail).
             self._sender(order.transport).connect(order.peer_id, order.info)
         elif isinstance(order, RankSend):
-            try:
-                self._sender(order.transport).send(
-                    order.transfer_id, order.peer_id, order.src_blocks, order.dst_blocks,
-                    order.layers, order.timeout_s, heads=order.heads, dst_heads=order.dst_heads,
-                )  # fmt: skip
-            except Exception as exc:
-                failed = TransferResult(
-                    order.transfer_id, False, f"send failed: {exc}", order.layers
-                )
-                self._failed_result(order.transport, failed)
+            with self._lock:
+                wait = order.after is not None and tuple(order.after) > self._progress
+                if wait:
+                    self._waiting.append(order)
+            if not wait:
+                self._send(order)
 
     def collect(self) -> list[RankReport]:
         """Results, a failure and changed stats of the rank's endpoints since the last call."""
@@ -115,22 +140,27 @@ class RankWorker:
         for endpoint in self._endpoints():
             results = endpoint.poll()
             if results:
-                self._reports.append(RankResults(endpoint.name, [Result.of(r) for r in results]))
+                report = RankResults(endpoint.name, [Result.of(r) for r in results])
+                with self._lock:
+                    self._reports.append(report)
             for key, value in endpoint.stats().items():
                 stats[key] = stats.get(key, 0) + value
             if endpoint.failed is not None and endpoint.failed not in self._failed:
                 self._failed.add(endpoint.failed)
                 if endpoint is self.receiver:
-                    self._reports.append(RankFailed(endpoint.failed))
-        if stats != self._stats:
-            self._stats = stats
-            self._reports.append(RankStats(stats))
-        # A failed sender has failed its sends; the next send to its transport gets a new one.
-        for transport, sender in list(self.senders.items()):
-            if sender.failed is not None:
-                del self.senders[transport]
-                sender.close()
-        reports, self._reports = self._reports, []
+                    with self._lock:
+                        self._reports.append(RankFailed(endpoint.failed))
+        with self._lock:
+            if stats != self._stats:
+                self._stats = stats
+                self._reports.append(RankStats(stats))
+            # A failed sender has failed its sends; the next send to its transport gets a new
+            # one.
+            for transport, sender in list(self.senders.items()):
+                if sender.failed is not None:
+                    del self.senders[transport]
+                    sender.close()
+            reports, self._reports = self._reports, []
         return reports
 
     def close(self) -> None:
@@ -211,6 +241,9 @@ class LocalRankLink(RankLink):
         with self._lock:
             return self.worker.collect()
 
+    def layer_done(self, step: int, layer: int) -> None:
+        self.worker.layer_done(step, layer)
+
 
 class RemoteRankLink(RankLink):
     """Another rank's endpoint, over the socket pair to its process's server."""
@@ -269,6 +302,12 @@ class RankLinks:
             for name, results in link.drain():
                 self._results.setdefault(name, []).extend((rank, r) for r in results)
         return self._results.pop(transport, [])
+
+    def layer_done(self, step: int, layer: int) -> None:
+        """From rank 0's forward: its progress, for the sends its own worker holds."""
+        for link in self.links:
+            if isinstance(link, LocalRankLink):
+                link.layer_done(step, layer)
 
     def failed(self) -> dict[int, str]:
         """Ranks whose endpoint (or line) failed, and why."""
@@ -370,6 +409,9 @@ class RankEndpointServer:
         options = {} if self.receiver is not None else self.spec.options
         self.worker = RankWorker(pool, self.receiver, options)
         self._thread.start()
+
+    def layer_done(self, step: int, layer: int) -> None:
+        self.worker.layer_done(step, layer)
 
     def _serve(self) -> None:
         worker = self.worker

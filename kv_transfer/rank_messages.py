@@ -51,6 +51,9 @@ class RankSend(Message, tag="send"):
     timeout_s: float
     heads: Range | None = None
     dst_heads: Range | None = None
+    # (step, layer): sent once the rank's own forward has that layer of that step in its pool
+    # (layer-wise streaming, ordered from rank 0's forward); None: at once.
+    after: Range | None = None
 
 
 class RankClose(Message, tag="close"):

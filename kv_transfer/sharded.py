@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache import KVLayout, KVPool
@@ -132,10 +133,14 @@ class ShardedSender(KVSender):
         links: RankLinks,
         head_ranges: list[HeadRange],
         node_layout: KVLayout,
+        progress: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
         """The node's sender of one transport over its ranks' senders; links: to every rank,
-        0 included (`rank_links`); head_ranges[r]: rank r's KV heads."""
+        0 included (`rank_links`); head_ranges[r]: rank r's KV heads; progress(): the (step,
+        layer) of rank 0's forward when a send is made from its layer hook (layer-wise
+        streaming: every rank sends that layer once its own forward has it), else None."""
         self.links = links
+        self.progress = progress
         self.name = transport
         self.pool = pool
         self.head_ranges = head_ranges
@@ -193,10 +198,11 @@ class ShardedSender(KVSender):
         with self._lock:
             self._pending[key] = Pieces(len(routes), ranks={r.src_rank for r in routes})
         src, dst = list(src_blocks), list(dst_blocks)
+        after = self.progress() if self.progress is not None else None
         for route in routes:
             order = RankSend(
                 self.name, transfer_id, _rank_peer(peer_id, route.dst_rank), src, dst, key[1],
-                timeout_s, route.src_heads, route.dst_heads,
+                timeout_s, route.src_heads, route.dst_heads, after,
             )  # fmt: skip
             self.links.order(route.src_rank, order)  # a piece that cannot start reports so
 

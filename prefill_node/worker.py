@@ -33,6 +33,7 @@ from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
+from pdserve.engine.model_shard import ModelShard
 from pdserve.engine.tp_shard import kv_head_ranges
 from pdserve.kv_transfer.base import KVSender
 from pdserve.prefill_node.handoff import PrefillHandoff
@@ -81,19 +82,13 @@ class PrefillNode(NodeLoop):
             return False
         return True
 
-    def stream_layers(self) -> bool:
+    def stream_layers(self, shard: ModelShard) -> None:
         """Send streaming prefills' pages layer by layer during their last chunk's forward
-        (False: they leave in one send after the step, as without streaming)."""
-        runner = getattr(self.engine, "runner", None)
-        if runner is None or getattr(self.engine, "ranks", None) is not None:
-            # Under tensor parallelism rank 0's layer is not the other ranks' layer: their
-            # pages leave after the step, each rank's sender reading its own heads.
-            logger.info("layer-wise KV sends are off (tensor parallelism or no model runner)")
-            return False
+        (rank 0's shard: under tensor parallelism each rank sends its heads of a layer once its
+        own forward has it); without this they leave in one send after the step."""
         self.layer_stream = LayerStream(self.handoff)
         self.engine.on_schedule = self.layer_stream.begin
-        runner.on_layer = self.layer_stream.layer_done
-        return True
+        shard.add_layer_hook(self.layer_stream.layer_done)
 
     def send_kv(self, msg: SendKV) -> None:
         """Start shipping a prefilled sequence's KV; safe from the handoff socket's thread."""
@@ -170,14 +165,17 @@ def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     engine = LLMEngine(engine_config, kv_endpoints=specs)
     heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
     links = rank_links(engine.pool, remote, {"keys": keys})
+    # Rank 0's progress reaches its own worker before its layer stream sends (hooks run in turn).
+    engine.shard.add_layer_hook(lambda layer: links.layer_done(engine.runner.step_index, layer))
 
     def sender(transport: str, pool: KVPool) -> KVSender:
         # Sharded even at one rank: it routes heads to a decode node of any TP size.
-        return ShardedSender(transport, pool, links, heads, engine.layout)
+        progress = engine.runner.layer_in_progress
+        return ShardedSender(transport, pool, links, heads, engine.layout, progress)
 
     link = NodeLink(options.coordinator, options.node_id, options.heartbeat_interval_s, keys)
     node = PrefillNode(engine, link, options.transport, sender)
-    node.stream_layers()
+    node.stream_layers(engine.shard)
     if options.kv_handoff == "immediate":
         node.handoff_socket = HandoffSocket(
             options.coordinator, options.node_id, node.send_kv, keys

@@ -148,9 +148,10 @@ def test_a_prefill_node_killed_after_admission_fails_over_and_finishes_identical
         cluster.wait_until_idle()
 
 
-def test_a_tensor_parallel_prefill_node_takes_early_admissions_and_sends_after_its_step(offline):
-    # Its ranks' layers are not rank 0's: their pages leave after the prefill step, all layers
-    # at once, into the reservation made when the prefill started.
+def test_a_tensor_parallel_prefill_node_streams_its_layers_from_every_rank(offline):
+    # Every rank sends its heads of a layer once its own forward has that layer (the send is
+    # ordered as rank 0's layer ends and held by the other rank's worker until its own does),
+    # into the reservation made when the prefill started.
     prompts = make_prompts(4, seed=9, lo=24, hi=70)
     expected = [o.token_ids for o in offline.generate(prompts, GREEDY)]
     tp2 = {"prefill-0": {"tensor_parallel_size": 2}}

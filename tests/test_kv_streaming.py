@@ -113,7 +113,7 @@ def test_each_layer_leaves_during_the_last_chunks_forward_with_its_final_pages()
     handoff = PrefillHandoff(engine.block_manager, engine.pool, "fake", lambda _t, _p: sender)
     stream = LayerStream(handoff)
     engine.on_schedule = stream.begin
-    engine.runner.on_layer = stream.layer_done
+    engine.runner.add_layer_hook(stream.layer_done)
     params = SamplingParams(max_tokens=4, temperature=0)
     engine.add_request("r1", list(range(10, 50)), params, prefill_only=True)
     handoff.expect_stream("r1")

@@ -111,3 +111,12 @@ def test_a_message_is_refused_by_the_codecs_of_other_directions(codec, msg):
         if other is not codec:
             with pytest.raises(ValueError):
                 other.decode(codec.encode(msg))
+
+
+def test_a_string_that_is_not_utf8_is_refused_as_junk():
+    from pdserve.cluster.codec import ProtocolError
+    from pdserve.cluster.node_messages import Abort, orders
+
+    frame = orders.encode(Abort("req-abc")).replace(b"req-abc", b"req-\xc1bc")
+    with pytest.raises(ProtocolError):
+        orders.decode(frame)
