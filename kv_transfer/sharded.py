@@ -201,9 +201,17 @@ class ShardedSender(KVSender):
         after = self.progress() if self.progress is not None else None
         for route in routes:
             order = RankSend(
-                self.name, transfer_id, _rank_peer(peer_id, route.dst_rank), src, dst, key[1],
-                timeout_s, route.src_heads, route.dst_heads, after,
-            )  # fmt: skip
+                self.name,
+                transfer_id,
+                _rank_peer(peer_id, route.dst_rank),
+                src,
+                dst,
+                key[1],
+                timeout_s,
+                route.src_heads,
+                route.dst_heads,
+                after,
+            )
             self.links.order(route.src_rank, order)  # a piece that cannot start reports so
 
     def poll(self) -> list[TransferResult]:
