@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.cluster.structured_output import StructuredOutput
+
 # Token ids, lengths and top_k are below this: a tensor of them never overflows, whatever a client
 # sends (no vocabulary or context comes near it).
 INT32 = 2**31
@@ -23,8 +25,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    # The output's constraint (JSON schema, regex, choice, grammar), enforced on every node.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):  # (from_dict)
+            self.structured = StructuredOutput(**self.structured)
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < INT32:
             raise ValueError(
                 f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}"

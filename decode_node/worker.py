@@ -121,6 +121,10 @@ class DecodeNode(NodeLoop):
 
     def report(self, outputs: list[RequestOutput]) -> None:
         """All of the step's new tokens, in one message."""
+        for out in outputs:
+            if out.error is not None:  # its constraint could not be compiled: nothing held
+                self.link.send(RequestError(out.request_id, out.error, retryable=False))
+        outputs = [o for o in outputs if o.error is None]
         if not outputs:
             return
         items = [

@@ -59,6 +59,9 @@ class LLM:
         seqs = {rid: self.engine.seqs[rid] for rid in order}
         while self.engine.has_unfinished():
             self.engine.step()
+        for seq in seqs.values():
+            if seq.constraint is not None and seq.constraint.error is not None:
+                raise ValueError(f"prompt {order[seq.request_id]}: {seq.constraint.error}")
         for rid, seq in seqs.items():
             results[order[rid]] = CompletionOutput(
                 prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],

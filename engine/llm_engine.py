@@ -11,6 +11,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,6 +22,7 @@ from pdserve.engine import cpu_threads
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded_models import model_name, resolve_model_dir
+from pdserve.engine.grammar import Constraint, Grammars
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens, StepStats
@@ -53,6 +55,9 @@ class RequestOutput:
     # A prefill-only request's KV, left in these blocks: the engine no longer tracks them, and
     # the caller frees them (block_manager.free) once the handoff is over.
     held_blocks: list[int] | None = None
+    # Why the request ended without output (its constraint could not be compiled): the node
+    # reports it as the request's error.
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +111,10 @@ class Engine:
             )
         self.seqs: dict[str, Sequence] = {}
         self.stats = StepStats()
+        # Structured outputs: the node's compiled grammars (None: this engine takes none), and
+        # the sequences whose grammar is still compiling, with where each goes once it is ready.
+        self.grammars: Grammars | None = None
+        self._compiling: list[tuple[Sequence, str]] = []
         # Called with each step's schedule before it executes (layer-wise KV streaming).
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
 
@@ -125,8 +134,37 @@ class Engine:
         seq = self.new_sequence(request_id, prompt_token_ids, params, output_offset=output_offset)
         seq.prefill_only = prefill_only
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        self._queue(seq, "waiting")
         return seq
+
+    def _queue(self, seq: Sequence, where: str) -> None:
+        """Into the scheduler's waiting queue or running batch, once its grammar is compiled
+        (a request waits for its grammar here, never blocking a step)."""
+        if seq.constraint is not None and not seq.constraint.ready:
+            self._compiling.append((seq, where))
+        elif where == "waiting":
+            self.scheduler.add(seq)
+        else:
+            self.scheduler.add_running(seq)
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Queue the sequences whose grammar is ready; end those whose grammar failed."""
+        failed = []
+        still = []
+        for seq, where in self._compiling:
+            if not seq.constraint.ready:
+                still.append((seq, where))
+            elif seq.constraint.error is not None:
+                self.seqs.pop(seq.request_id, None)
+                if seq.block_table:  # an arrived sequence's blocks
+                    self.block_manager.free(seq.block_table)
+                    seq.block_table = []
+                failed.append(RequestOutput(seq.request_id, [], True, "abort",
+                                            error=seq.constraint.error))  # fmt: skip
+            else:
+                self._queue(seq, where)
+        self._compiling = still
+        return failed
 
     def new_sequence(
         self,
@@ -159,6 +197,10 @@ class Engine:
                 "with chunked prefill disabled"
             )
         seq = Sequence(request_id, prompt, params, self.eos_token_ids, output_offset=output_offset)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise RequestRejected("this engine takes no structured outputs")
+            seq.constraint = Constraint(params.structured, self.grammars.request(params.structured))
         if num_computed is not None:
             seq.token_ids = list(token_ids)
             seq.num_computed_tokens = num_computed
@@ -169,12 +211,19 @@ class Engine:
         if seq.request_id in self.seqs:
             raise RequestRejected(f"request id {seq.request_id!r} is already in use")
         self.seqs[seq.request_id] = seq
-        self.scheduler.add_running(seq)
+        self._queue(seq, "running")
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
+        held = [entry for entry in self._compiling if entry[0] is seq]
+        if held:
+            self._compiling.remove(held[0])
+            if seq.block_table:
+                self.block_manager.free(seq.block_table)
+                seq.block_table = []
+            return True
         self.scheduler.abort(request_id)
         return True
 
@@ -205,18 +254,21 @@ class Engine:
         with every load report, so an idle node notices too."""
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
 
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        failed = self._take_compiled() if self._compiling else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if self._compiling and not failed:  # nothing to run but a grammar being compiled
+                wait([s.constraint.future for s, _ in self._compiling], timeout=0.002)
+            return failed
         if self.on_schedule is not None:
             self.on_schedule(out)
-        outputs = self._postprocess(out, self.executor.execute(out))
+        outputs = failed + self._postprocess(out, self.executor.execute(out))
         self.stats.num_steps += 1
         self.stats.num_tokens += out.num_tokens
         self.stats.total_s += time.perf_counter() - t0
@@ -341,6 +393,7 @@ class LLMEngine(Engine):
             eos,
         )
         self.pool = self.shard.pool
+        self.grammars = Grammars(self.model_dir, mcfg.vocab_size, eos)
         self.shard.capture_decode_graphs()
         if self.ranks is None:
             self.executor = ModelExecutor(self.runner, self.stats)
@@ -377,6 +430,7 @@ class LLMEngine(Engine):
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (also done at exit)."""
         self.executor.close()
+        self.grammars.close()
         if self._placement_before is not None:
             cpu_threads.apply(self._placement_before)
             self._placement_before = None

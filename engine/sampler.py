@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import apply_constraints
 from pdserve.engine.sequence import Sequence
 
 MASK32 = 0xFFFFFFFF
@@ -207,6 +208,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     if logprob_rows:
         raw_logprobs = torch.log_softmax(_rows(logits, logprob_rows), dim=-1)
     apply_penalties(logits, seqs)
+    constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+    if constrained:
+        for i in constrained:
+            seqs[i].constraint.sync(seqs[i].request_output_ids)
+        apply_constraints(logits, constrained, [seqs[i].constraint for i in constrained])
     sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if len(sampled_rows) == len(seqs):
         tokens = _sample_rows(logits, seqs)

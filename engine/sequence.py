@@ -4,6 +4,7 @@ block table. Everything derivable from those is a property."""
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pdserve.cluster.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Sequence:
         # earlier attempt): seeded sampling goes on from there, its noise keyed by sample_index.
         self.output_offset = output_offset
         self.output_logprobs: list[dict] = []
+        # The output's constraint (`pdserve.engine.grammar.Constraint`), if the request has one.
+        self.constraint: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +65,11 @@ class Sequence:
         """The request's own prompt: every token after it is an output of the request, sampled
         here or before this sequence (earlier outputs travel to a node as part of its prompt)."""
         return self.num_prompt_tokens - self.output_offset
+
+    @property
+    def request_output_ids(self) -> list[int]:
+        """Every output of the request so far, this sequence's and those sampled before it."""
+        return self.token_ids[self.num_request_prompt_tokens :]
 
     @property
     def sample_index(self) -> int:
@@ -85,6 +93,10 @@ class Sequence:
         last = self.token_ids[-1]
         if last in self.eos_token_ids or last in self.params.stop_token_ids:
             return "stop"
+        if self.constraint is not None:  # a complete output (even with ignore_eos) ends it
+            self.constraint.sync(self.request_output_ids)
+            if self.constraint.terminated:
+                return "stop"
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None

@@ -108,6 +108,9 @@ class PrefillNode(NodeLoop):
     def report(self, outputs: list[RequestOutput]) -> None:
         """The step's first tokens, then the handoffs that ended."""
         for out in outputs:
+            if out.error is not None:  # its constraint could not be compiled: nothing held
+                self.link.send(RequestError(out.request_id, out.error, retryable=False))
+                continue
             if not out.finished:
                 continue
             if out.held_blocks is not None:

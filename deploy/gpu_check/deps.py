@@ -77,6 +77,7 @@ NOT_NEEDED_ON_HOST = {
     "openai": "tests/test_http_api.py's OpenAI-client checks run in the CPU suite only",
     "schemathesis": "tests/test_http_security.py's schema fuzzing runs in the CPU suite only",
     "kubernetes_validate": "tests/test_deploy.py's manifest checks run in the CPU suite only",
+    "jsonschema": "tests/test_structured_output.py's schema checks run in the CPU suite only",
     "vllm": "bench/peers/vllm_runner.py runs in vLLM's own CPU virtualenv (make bench-peers)",
     "protocol": "bench/peers/vllm_runner.py, run as a script there, imports its sibling by name",
 }

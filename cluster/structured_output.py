@@ -1,0 +1,62 @@
+"""A request's structured-output constraint as it travels with the request to every node that
+samples for it: a JSON schema, a regular expression, a list of choices or an EBNF grammar. Each
+node compiles it for its own tokenizer (`pdserve.engine.grammar`); what can be checked without
+the compiler is checked here, when the constraint is made or decoded off the wire."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+
+KINDS = ("json", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 20  # a schema or grammar this large is junk, not a constraint
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    kind: str  # json | regex | choice | grammar
+    spec: str = ""  # the JSON schema (as JSON text), the regex or the EBNF grammar
+    choices: list[str] = []  # kind choice: the output is exactly one of them
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise ValueError(f"a structured output spec is at most {MAX_SPEC_CHARS} characters")
+        if self.kind == "choice":
+            if not self.choices:
+                raise ValueError("a choice constraint needs at least one choice")
+            if not all(isinstance(c, str) and c for c in self.choices):
+                raise ValueError("every choice must be a non-empty string")
+        elif self.choices:
+            raise ValueError("choices are for a choice constraint only")
+        elif self.kind == "json":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as exc:
+                raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("a JSON schema is an object (or true)")
+        elif self.kind == "regex":
+            if not self.spec:
+                raise ValueError("the regex is empty")
+            try:
+                re.compile(self.spec)
+            except re.error as exc:
+                raise ValueError(f"the regex does not compile: {exc}") from None
+        elif not self.spec.strip():
+            raise ValueError("the grammar is empty")
+
+    @property
+    def key(self) -> tuple[str, str, tuple[str, ...]]:
+        """What identifies the compiled grammar: equal keys compile to the same grammar."""
+        return (self.kind, self.spec, tuple(self.choices))
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> StructuredOutput:
+        return cls(kind="json", spec=json.dumps(schema))  # (its properties' order is the output's)
+
+    @classmethod
+    def any_json_object(cls) -> StructuredOutput:
+        return cls.json_schema({"type": "object"})

@@ -1,0 +1,167 @@
+"""Structured outputs on a node: each distinct constraint (`StructuredOutput`) compiled once for
+the model's tokenizer by xgrammar, off the step loop, and kept (bounded); a sequence's `Constraint`
+matches its outputs against the compiled grammar and gives the sampler each step's allowed
+tokens as a bitmask.
+
+A constraint follows the request's outputs, wherever they were sampled: before each fill it
+accepts every output token of the sequence it has not seen yet, so a sequence that arrives from
+another node (its first token sampled there), is preempted and recomputed, or is re-prefilled
+after a failover is matched exactly as if one node had made it all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.cluster.structured_output import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept per node (the least recently used goes first).
+CACHE_SIZE = 512
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled (the message says why), or output that broke it."""
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are the choices."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class Grammars:
+    """The compiled grammars of one node's model: `request(spec)` gives a future, done once the
+    grammar is compiled (at once when cached); compilation runs on one thread of its own."""
+
+    def __init__(
+        self, model_dir: str | Path, vocab_size: int, stop_token_ids: tuple[int, ...]
+    ) -> None:
+        """vocab_size: the width of the model's logits (at least the tokenizer's)."""
+        self.model_dir = Path(model_dir)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler: Any = None
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        self.hits = 0
+        self.misses = 0
+
+    def request(self, spec: StructuredOutput) -> Future:
+        with self._lock:
+            future = self._cache.get(spec.key)
+            if future is not None:
+                self._cache.move_to_end(spec.key)
+                self.hits += 1
+                return future
+            self.misses += 1
+            future = self._pool.submit(self._compile, spec)
+            self._cache[spec.key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        try:
+            compiler = self._ensure_compiler()
+            if spec.kind == "json":
+                # No free whitespace between tokens: a small model pads with it forever.
+                return compiler.compile_json_schema(
+                    spec.spec, any_whitespace=False, strict_mode=True
+                )
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choices))
+            return compiler.compile_grammar(spec.spec)
+        except Exception as exc:  # the compiler's message names what it cannot take
+            with self._lock:
+                self._cache.pop(spec.key, None)  # a failure is not kept
+            raise ConstraintError(_compile_message(spec.kind, exc)) from None
+
+    def _ensure_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast(
+                tokenizer_file=str(self.model_dir / "tokenizer.json")
+            )
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compile_message(kind: str, exc: Exception) -> str:
+    """xgrammar's message without its source location: `[time] file.cc:123: what`."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "] " in text and ".cc:" in text:
+        text = text.split(": ", 1)[-1]
+    what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+    return f"the {what[kind]} cannot be used: {text}"
+
+
+class Constraint:
+    """One sequence's matcher over its compiled grammar (once `future` is done)."""
+
+    def __init__(self, spec: StructuredOutput, future: Future) -> None:
+        self.spec = spec
+        self.future = future
+        self._matcher: Any = None
+        self.num_accepted = 0  # output tokens matched so far
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done()
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar could not be compiled, once its compilation ended (else None)."""
+        if not self.future.done() or self.future.exception() is None:
+            return None
+        return str(self.future.exception())
+
+    def sync(self, outputs: list[int]) -> None:
+        """Accept the output tokens not accepted yet (the request's outputs so far)."""
+        if self._matcher is None:
+            import xgrammar
+
+            self._matcher = xgrammar.GrammarMatcher(self.future.result())
+        for token in outputs[self.num_accepted :]:
+            if not self._matcher.accept_token(token):
+                raise ConstraintError(f"token {token} breaks the {self.spec.kind} constraint")
+            self.num_accepted += 1
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher is not None and self._matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The allowed next tokens into row `row` of bitmask (after `sync`)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[int], constraints: list[Constraint]) -> None:
+    """In place: every token a row's constraint does not allow next gets -inf."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), logits.shape[1])
+    for j, constraint in enumerate(constraints):
+        constraint.fill(bitmask, j)
+    sub = logits[torch.tensor(rows, device=logits.device)]
+    xgrammar.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
+    logits[torch.tensor(rows, device=logits.device)] = sub
