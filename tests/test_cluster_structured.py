@@ -1,0 +1,158 @@
+"""Structured outputs through the disaggregated path: the prefill node samples the first token
+under the constraint, the decode node rebuilds its matcher from the spec over the tokens already
+accepted, and a decode node killed mid-output or a prefill node killed after admission changes
+nothing: every output is the offline engine's, and valid. A constraint no node can compile is
+refused with its reason, holding no block."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import jsonschema
+import pytest
+from local_cluster import Cluster
+
+from pdserve.cluster.structured_output import StructuredOutput
+from pdserve.coordinator.client import CoordinatorClient
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import SubmitError
+from pdserve.coordinator.request_state import Phase
+from pdserve.engine import LLM, SamplingParams
+
+MODEL = "pdserve-stories"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 1, "maximum": 99},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "bird"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+SPEC = StructuredOutput.json_schema(SCHEMA)
+PROMPTS = [
+    "Once upon a time there was a cat.",
+    "Where is the dog?",
+    "Tell me about the river.",
+    "Lily had a red ball.",
+]
+PARAMS = [
+    SamplingParams(max_tokens=80, temperature=0, structured=SPEC),
+    SamplingParams(max_tokens=80, temperature=0.9, seed=7, structured=SPEC),
+]
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(MODEL, num_kv_blocks=1024, block_size=8)
+
+
+def expected(offline: LLM) -> list[list[int]]:
+    return [o.token_ids for p in PARAMS for o in offline.generate(PROMPTS, p)]
+
+
+def check_valid(offline: LLM, outputs: list[list[int]]) -> None:
+    for tokens in outputs:
+        jsonschema.validate(json.loads(offline.tokenizer.decode(tokens)), SCHEMA)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_constrained_outputs_through_a_handoff_equal_the_offline_engines(transport, offline):
+    want = expected(offline)
+    with Cluster(1, 1, transport=transport, model=MODEL) as cluster:
+        prompt_ids = [offline.tokenizer.encode(p) for p in PROMPTS]
+        got = asyncio.run(run_all_ids(cluster.client_addr, prompt_ids))
+        assert got == want
+        check_valid(offline, got)
+        cluster.wait_until_idle()
+
+
+async def run_all_ids(addr: str, prompt_ids: list[list[int]]) -> list[list[int]]:
+    async with CoordinatorClient(addr) as client:
+        jobs = [client.complete(ids, p) for p in PARAMS for ids in prompt_ids]
+        return [tokens for tokens, _ in await asyncio.gather(*jobs)]
+
+
+def test_a_decode_node_killed_mid_output_changes_nothing(offline):
+    prompt_ids = [offline.tokenizer.encode(p) for p in PROMPTS]
+    want = expected(offline)
+    with Cluster(1, 2, model=MODEL) as cluster:
+
+        async def run_with_kill() -> list[list[int]]:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                jobs = [client.complete(ids, p) for p in PARAMS for ids in prompt_ids]
+                tasks = [asyncio.create_task(job) for job in jobs]
+                deadline = time.monotonic() + 60
+                holding = []
+                while not holding and time.monotonic() < deadline:
+                    holding = [
+                        s
+                        for s in list(cluster.coordinator.requests.values())
+                        if s.decode_node == "decode-0"
+                        and s.phase is Phase.DECODING
+                        and len(s.output_token_ids) >= 3
+                    ]
+                    await asyncio.sleep(0.002)
+                assert holding, "decode-0 never held a running request"
+                cluster.kill("decode-0")
+                return [tokens for tokens, _ in await asyncio.gather(*tasks)]
+
+        got = asyncio.run(run_with_kill())
+        assert got == want
+        check_valid(offline, got)
+        cluster.wait_until_idle()
+
+
+def test_a_prefill_node_killed_after_admission_changes_nothing(offline):
+    # Streamed (admitted when its prefill starts) and chunked, so the kill lands mid-prefill.
+    prompt = offline.tokenizer.encode("Once upon a time there was a little cat. " * 30)
+    params = SamplingParams(max_tokens=80, temperature=0.7, seed=3, structured=SPEC)
+    (want,) = [o.token_ids for o in offline.generate([prompt], params)]
+    config = CoordinatorConfig(
+        heartbeat_timeout_s=3.0, transfer_timeout_s=10.0, kv_streaming_min_prompt_tokens=64
+    )
+    with Cluster(2, 1, config=config, model=MODEL, max_num_batched_tokens=16) as cluster:
+
+        async def run_with_kill() -> list[int]:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                tokens: list[int] = []
+                stream = client.generate(prompt, params, request_id="long")
+                first = asyncio.ensure_future(stream.__anext__())
+                deadline = time.monotonic() + 60
+                state = None
+                while state is None and time.monotonic() < deadline:
+                    s = cluster.coordinator.core.requests.get("long")
+                    if s is not None and s.prefill_node is not None and s.phase is Phase.PREFILLING:
+                        state = s
+                    await asyncio.sleep(0.002)
+                assert state is not None, "the prefill never started"
+                await asyncio.to_thread(cluster.kill, state.prefill_node)
+                tokens += (await first).token_ids
+                async for event in stream:
+                    tokens += event.token_ids
+                return tokens
+
+        got = asyncio.run(run_with_kill())
+        assert got == want
+        check_valid(offline, [got])
+        cluster.wait_until_idle()
+
+
+def test_a_constraint_no_node_can_compile_is_refused_with_its_reason(offline):
+    bad = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}})
+    with Cluster(1, 1, model=MODEL) as cluster:
+
+        async def submit() -> str:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                with pytest.raises(SubmitError) as caught:
+                    await client.complete([5, 6, 7], SamplingParams(max_tokens=8, structured=bad))
+                return str(caught.value)
+
+        assert "strin" in asyncio.run(submit())
+        cluster.wait_until_idle()
+        # And it serves on.
+        ids = offline.tokenizer.encode(PROMPTS[0])
+        assert asyncio.run(run_all_ids(cluster.client_addr, [ids]))
