@@ -61,8 +61,13 @@ class ChoiceStream:
         handle: RequestHandle,
         stop: list[str],
         logprobs: bool,
+        constraint_param: str | None = None,
     ) -> None:
+        """constraint_param: the request field of its constraint, which an error names."""
         self.coordinator = coordinator
+        self.constraint_param = constraint_param
+        self._events = aiter(handle)
+        self._first: Event | None = None  # read by `started`, not yet turned into a delta
         self.index = index
         self.request_id = handle.request_id
         self.handle = handle
@@ -76,10 +81,9 @@ class ChoiceStream:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Until the finish; raises APIError when the request fails."""
-        events = aiter(self.handle)
         while self.finish_reason is None:
             try:
-                event = await anext(events)
+                event = await self._next_event()
             except StopAsyncIteration:
                 raise APIError(
                     500,
@@ -91,6 +95,27 @@ class ChoiceStream:
             if self.stop.stopped:
                 await self._stop_early()
             yield delta
+
+    async def _next_event(self) -> Event:
+        if self._first is not None:
+            event, self._first = self._first, None
+            return event
+        return await anext(self._events)
+
+    async def started(self) -> None:
+        """Until its first event (a node took the request): raises APIError if that is an error
+        (a constraint no node could compile)."""
+        event = await anext(self._events)
+        if event.error is not None:
+            self.finish_reason = "error"
+            raise self._error(event)
+        self._first = event
+
+    def _error(self, event: Event) -> APIError:
+        error = coordinator_error(event.error_code or "internal", event.error or "error")
+        if event.error_code == "invalid" and self.constraint_param is not None:
+            error.param = self.constraint_param
+        return error
 
     async def result(self) -> ChoiceResult:
         """The whole output; raises APIError when the request fails."""
@@ -116,7 +141,7 @@ class ChoiceStream:
     def _on_event(self, event: Event) -> ChoiceDelta:
         if event.error is not None:
             self.finish_reason = "error"
-            raise coordinator_error(event.error_code or "internal", event.error or "error")
+            raise self._error(event)
         self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
         pieces: list[str] = []
         logprobs: list[TokenLogprob] = []

@@ -10,6 +10,13 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdserve.cluster.structured_output import StructuredOutput
+from pdserve.coordinator.structured_request import (
+    GUIDED,
+    ConstraintRequestError,
+    requested_constraint,
+)
+
 logger = logging.getLogger(__name__)
 
 INT64 = 2**63
@@ -159,6 +166,22 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    # Constraints (`pdserve.coordinator.structured_request`): at most one.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> tuple[StructuredOutput | None, str | None]:
+        """The constraint the body asks for and the field it is in (400 naming the field if it
+        cannot be taken)."""
+        guided = {name: getattr(self, name) for name in GUIDED}
+        try:
+            return requested_constraint(self.response_format, self.structured_outputs, guided)
+        except ConstraintRequestError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -196,6 +219,7 @@ class _Sampling(_Body):
             )
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        self.constraint()
 
 
 class CompletionRequest(_Sampling):
@@ -245,7 +269,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     def check(self, limits: Limits) -> None:
         super().check(limits)
@@ -256,8 +279,6 @@ class ChatCompletionRequest(_Sampling):
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only the text response_format is supported", "response_format")
 
 
 class TokenizeCompletionRequest(_Body):

@@ -45,6 +45,9 @@ class Submission:
     n: int
     stop: list[str]
     logprobs: bool
+    # The field a constraint came from: a constrained request is answered once its nodes have
+    # compiled the constraint, so what they cannot compile is a 400 naming that field.
+    constraint_param: str | None = None
 
 
 class OpenAIServing:
@@ -159,6 +162,7 @@ class OpenAIServing:
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
         params: list[SamplingParams] = []
+        structured, constraint_param = body.constraint()
         for ids in prompts:
             max_tokens = self.max_tokens(requested_max, len(ids), default_max, prompt_param)
             for i in range(n):
@@ -175,6 +179,7 @@ class OpenAIServing:
                     frequency_penalty=body.frequency_penalty,
                     repetition_penalty=body.repetition_penalty,
                     logprobs=num_logprobs,
+                    structured=structured,
                 )
                 try:
                     params.append(
@@ -184,7 +189,9 @@ class OpenAIServing:
                     )
                 except ValueError as exc:
                     raise bad_request(str(exc), str(exc).split()[0]) from None
-        return Submission(prompts, params, n, body.stop_strings, num_logprobs is not None)
+        return Submission(
+            prompts, params, n, body.stop_strings, num_logprobs is not None, constraint_param
+        )
 
     # --- running requests ----------------------------------------------------------------------
 
@@ -207,12 +214,19 @@ class OpenAIServing:
                         handle,
                         sub.stop,
                         sub.logprobs,
+                        sub.constraint_param,
                     )
                 )
         except SubmitError as exc:
             logger.info("refused (%s): %s", exc.code, exc)
             await self.abort(choices)
             raise coordinator_error(exc.code, str(exc)) from None
+        if sub.constraint_param is not None:
+            try:  # answered (even streamed) once every node took the constraint
+                await asyncio.gather(*(c.started() for c in choices))
+            except APIError:
+                await self.abort(choices)
+                raise
         logger.info(
             "submitted %d choice(s), prompt tokens %s, max_tokens %d",
             len(choices),
