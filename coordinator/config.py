@@ -23,6 +23,7 @@ from pdserve.cluster.schema import (
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # (pdserve.coordinator.tool_parsers)
 # Node settings the file does not hold, and where they come from instead.
 NOT_IN_FILE = {
     **{name: f"give pdserve serve --{name}" for name in ("model", "dtype", "device", "transport")},
@@ -161,6 +162,19 @@ class CoordinatorConfig:
     max_stop_string_chars: int = setting(512, "characters of one stop string", live=True, minimum=1)
     max_logit_bias: int = setting(
         300, "logit_bias entries a request may give", live=True, minimum=0
+    )
+    enable_auto_tool_choice: bool = setting(
+        False,
+        "tool_choice auto: the model decides whether to call a tool, its calls parsed from its "
+        "output by tool_call_parser (also the default choice of a request with tools)",
+        live=True,
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "the format of the model's own tool calls: hermes (<tool_call> tags, as Qwen's models "
+        "write them), llama3_json or mistral (unset: tool_choice auto is refused)",
+        live=True,
+        choices=TOOL_CALL_PARSERS,
     )
     metrics_require_api_key: bool = setting(
         False, "with API keys, /metrics needs one too (else it is open, as /health is)", live=True

@@ -8,7 +8,7 @@ import json
 import logging
 from typing import Any, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pdserve.cluster.structured_output import StructuredOutput
 from pdserve.coordinator.structured_request import (
@@ -16,6 +16,7 @@ from pdserve.coordinator.structured_request import (
     ConstraintRequestError,
     requested_constraint,
 )
+from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +260,14 @@ class ChatMessage(BaseModel):
             d["content"] = "".join(part.text for part in self.content)
         else:
             d["content"] = self.content or ""
+        # Templates read a call's arguments as a mapping; OpenAI sends them as JSON text.
+        for call in d.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # the template gets the text as sent
         return d
 
 
@@ -269,16 +278,41 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: ToolPlan = PrivateAttr(default_factory=lambda: ToolPlan("none"))
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        """What the tools mean for the output (set when the body is checked)."""
+        return self._tool_plan
+
+    def constraint(self) -> tuple[StructuredOutput | None, str | None]:
+        spec, param = super().constraint()
+        tool_spec = self._tool_plan.constraint
+        if tool_spec is None:
+            return spec, param
+        if spec is not None:
+            raise bad_request(
+                f"{param} cannot be given with a required or named tool_choice", param
+            )
+        return tool_spec, "tools"
 
     def check(self, limits: Limits) -> None:
+        try:
+            self._tool_plan = plan_tools(
+                self.tools, self.tool_choice, self.parallel_tool_calls,
+                getattr(limits, "enable_auto_tool_choice", False),
+                getattr(limits, "tool_call_parser", None),
+            )  # fmt: skip
+        except ConstraintRequestError as exc:
+            raise bad_request(str(exc), exc.param) from None
         super().check(limits)
         at_most(self.top_logprobs, limits.max_logprobs, "top_logprobs")
         if not self.messages:
             raise bad_request("messages must be a non-empty array", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
 
 
 class TokenizeCompletionRequest(_Body):

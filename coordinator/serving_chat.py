@@ -13,6 +13,7 @@ from pdserve.coordinator.access_log import name_request
 from pdserve.coordinator.choice_stream import ChoiceDelta, TokenLogprob
 from pdserve.coordinator.openai_protocol import ChatCompletionRequest, bad_request
 from pdserve.coordinator.serving import OpenAIServing
+from pdserve.coordinator.tool_call_stream import ToolCallStream, call_delta
 
 
 class OpenAIServingChat:
@@ -55,8 +56,17 @@ class OpenAIServingChat:
                 for c in choices
             ]
 
+            plan = body.tool_plan
+            tool_streams = {c.index: ToolCallStream(plan) for c in choices}
+
             def render(d: ChoiceDelta) -> dict:
-                delta = {"content": d.text} if d.text else {}
+                finish_reason = d.finish_reason
+                if plan.calls_tools:
+                    stream = tool_streams[d.index]
+                    delta = stream.delta(d.text, d.finish_reason is not None)
+                    finish_reason = stream.finish_reason(finish_reason)
+                else:
+                    delta = {"content": d.text} if d.text else {}
                 return {
                     **chunk,
                     "choices": [
@@ -64,7 +74,7 @@ class OpenAIServingChat:
                             "index": d.index,
                             "delta": delta,
                             "logprobs": logprobs(d.logprobs),
-                            "finish_reason": d.finish_reason,
+                            "finish_reason": finish_reason,
                         }
                     ],
                 }
@@ -77,9 +87,8 @@ class OpenAIServingChat:
                 "choices": [
                     {
                         "index": r.index,
-                        "message": {"role": "assistant", "content": r.text},
+                        **self.message(body, r.text, r.finish_reason),
                         "logprobs": logprobs(r.logprobs),
-                        "finish_reason": r.finish_reason,
                     }
                     for r in results
                 ],
@@ -87,11 +96,31 @@ class OpenAIServingChat:
             }
         )
 
+    @staticmethod
+    def message(body: ChatCompletionRequest, text: str, finish_reason: str) -> dict:
+        """A choice's message and finish reason: with tools, its calls as `tool_calls`."""
+        if not body.tool_plan.calls_tools:
+            return {
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+            }
+        content, calls = body.tool_plan.calls(text)
+        message: dict = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call_delta(i, c) for i, c in enumerate(calls)]
+            for call in message["tool_calls"]:
+                call.pop("index")
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return {"message": message, "finish_reason": finish_reason}
+
     def prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The messages through the chat template, as token ids."""
         messages = [m.template_dict() for m in body.messages]
         try:
-            ids = self.serving.tokenizer.encode_chat(messages, body.add_generation_prompt)
+            ids = self.serving.tokenizer.encode_chat(
+                messages, body.add_generation_prompt, tools=body.tools
+            )
         except (jinja2.TemplateError, ValueError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages") from None
         return self.serving.check_token_ids(ids, "messages")

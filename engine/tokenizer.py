@@ -81,7 +81,10 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
+        """tools: the request's tools (OpenAI's format, as Hugging Face templates take them)."""
         # The rendered template usually carries its special tokens already.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        extra = {"tools": tools} if tools else {}
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=add_special_tokens)

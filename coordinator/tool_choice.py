@@ -1,0 +1,152 @@
+"""What a chat request's `tools`, `tool_choice` and `parallel_tool_calls` mean for its output,
+decided before it runs, and how its output becomes `tool_calls`:
+
+- `none`: the model writes text (the tools still reach the chat template);
+- `auto`: the model decides; its calls are parsed from its own format (the server's
+  `tool_call_parser`, with `enable_auto_tool_choice`);
+- `required`: at least one call, enforced by a constraint: a JSON array of
+  `{"name": ..., "parameters": {...}}` over the tools' parameter schemas;
+- a named function: that call, its arguments enforced by the function's parameter schema.
+
+A request with tools and no tool_choice is `auto` where the server enables it, else `none`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from pdserve.cluster.structured_output import StructuredOutput
+from pdserve.coordinator.structured_request import ConstraintRequestError
+from pdserve.coordinator.tool_parsers import PARSERS, ToolCall, ToolParser
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    mode: str  # none | auto | required | named
+    constraint: StructuredOutput | None = None
+    function: str | None = None  # named: the function called
+    parser: ToolParser | None = None  # auto: the model's format
+    parallel: bool = True
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.mode != "none"
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The output as (its text, its tool calls); text None when it is all calls."""
+        if self.mode == "named":
+            return None, [ToolCall(self.function, _compact(text))]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return text, []
+            calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
+                     for i in items]  # fmt: skip
+            return None, calls
+        if self.mode == "auto":
+            content, calls = self.parser.parse(text)
+            if not self.parallel:
+                calls = calls[:1]
+            return (content or None) if calls else text, calls
+        return text, []
+
+
+def _compact(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        return text  # cut short (finish_reason length): as written
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def plan_tools(
+    tools: list[dict] | None,
+    tool_choice: str | dict | None,
+    parallel_tool_calls: bool | None,
+    auto_enabled: bool,
+    parser_name: str | None,
+) -> ToolPlan:
+    """The request's plan; ConstraintRequestError naming the field for what cannot be taken."""
+    functions = _functions(tools or [])
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None:
+        tool_choice = "auto" if functions and auto_enabled and parser_name else "none"
+    if not functions:
+        if tool_choice not in ("none", None):
+            raise ConstraintRequestError("tool_choice needs tools", "tool_choice")
+        return ToolPlan("none")
+    if tool_choice == "none":
+        return ToolPlan("none")
+    if tool_choice == "auto":
+        if not (auto_enabled and parser_name):
+            raise ConstraintRequestError(
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+                "--tool-call-parser",
+                "tool_choice",
+            )
+        return ToolPlan("auto", parser=PARSERS[parser_name](), parallel=parallel)
+    if tool_choice == "required":
+        items = {"anyOf": [_call_schema(name, schema) for name, schema in functions.items()]}
+        array = {"type": "array", "items": items, "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        return ToolPlan("required", StructuredOutput.json_schema(array), parallel=parallel)
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise ConstraintRequestError(
+                'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in functions:
+            raise ConstraintRequestError(
+                f"tool_choice names the function {name!r}, which is not in tools", "tool_choice"
+            )
+        spec = StructuredOutput.json_schema(functions[name])
+        return ToolPlan("named", spec, function=name, parallel=parallel)
+    raise ConstraintRequestError(
+        'tool_choice is "none", "auto", "required" or a named function', "tool_choice"
+    )
+
+
+def _functions(tools: list[dict]) -> dict[str, dict]:
+    """Each function's name and parameter schema; ConstraintRequestError for a bad tool."""
+    out: dict[str, dict] = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise ConstraintRequestError(
+                'every tool is {"type": "function", "function": {"name": ..., "parameters": '
+                "{...}}}",
+                "tools",
+            )
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise ConstraintRequestError(
+                f"the parameters of {function['name']!r} are not a JSON schema", "tools"
+            )
+        if function["name"] in out:
+            raise ConstraintRequestError(f"two tools are named {function['name']!r}", "tools")
+        out[function["name"]] = parameters
+    return out
+
+
+def _call_schema(name: str, parameters: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "parameters": parameters},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }

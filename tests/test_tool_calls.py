@@ -1,0 +1,284 @@
+"""Tool calling: a request's tools and tool_choice planned before it runs (a required or named
+choice enforced by a constraint over the functions' schemas), the model's own call formats parsed
+(hermes, llama3_json, mistral), streamed as OpenAI's tool-call deltas; and, over HTTP with the
+official client, named and required calls, streamed and not, a conversation that carries a tool's
+result, and every bad input a 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from pdserve.coordinator.structured_request import ConstraintRequestError
+from pdserve.coordinator.tool_call_stream import ToolCallStream
+from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
+from pdserve.coordinator.tool_parsers import PARSERS, ToolCall
+from pdserve.tune.local_server import free_port
+
+WHERE_IS = {
+    "type": "object",
+    "properties": {"character": {"enum": ["cat", "dog", "bird"]}},
+    "required": ["character"],
+    "additionalProperties": False,
+}
+FIND = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}},
+    "required": ["name"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "where_is", "parameters": WHERE_IS}},
+    {"type": "function", "function": {"name": "find_animal", "parameters": FIND}},
+]
+SCHEMAS = {"where_is": WHERE_IS, "find_animal": FIND}
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+def test_required_and_named_choices_are_constraints_over_the_functions_schemas():
+    plan = plan_tools(TOOLS, "required", False, False, None)
+    schema = json.loads(plan.constraint.spec)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    assert "maxItems" not in json.loads(
+        plan_tools(TOOLS, "required", None, False, None).constraint.spec
+    )
+    named = plan_tools(
+        TOOLS, {"type": "function", "function": {"name": "find_animal"}}, None, False, None
+    )
+    assert json.loads(named.constraint.spec) == FIND and named.function == "find_animal"
+    text = '[{"name": "where_is", "parameters": {"character": "cat"}}, {"name": "find_animal", "parameters": {"name": "Finn"}}]'
+    assert plan.calls(text) == (
+        None,
+        [ToolCall("where_is", '{"character": "cat"}'), ToolCall("find_animal", '{"name": "Finn"}')],
+    )
+
+
+def test_without_tool_choice_a_request_is_auto_where_the_server_enables_it():
+    assert plan_tools(TOOLS, None, None, True, "hermes").mode == "auto"
+    assert plan_tools(TOOLS, None, None, False, None).mode == "none"
+    assert plan_tools(None, None, None, True, "hermes").mode == "none"
+
+
+@pytest.mark.parametrize(
+    "tools,choice,auto,param,named",
+    [
+        (TOOLS, {"type": "function", "function": {"name": "fly"}}, False, "tool_choice", "fly"),
+        (TOOLS, "auto", False, "tool_choice", "--enable-auto-tool-choice"),
+        (TOOLS, "sometimes", False, "tool_choice", "required"),
+        ([{"type": "function"}], "required", False, "tools", "every tool"),
+        ([TOOLS[0], TOOLS[0]], "required", False, "tools", "two tools"),
+        (None, "required", False, "tool_choice", "needs tools"),
+    ],
+)
+def test_a_tool_request_that_cannot_be_taken_names_its_field(tools, choice, auto, param, named):
+    with pytest.raises(ConstraintRequestError, match=named) as caught:
+        plan_tools(tools, choice, None, auto, "hermes" if auto else None)
+    assert caught.value.param == param
+
+
+# --- the model's own formats -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "parser,text,content",
+    [
+        (
+            "hermes",
+            'Let me look.\n<tool_call>\n{"name": "where_is", "arguments": {"character": "cat"}}\n</tool_call>\n<tool_call>\n{"name": "find_animal", "arguments": {"name": "Finn"}}\n</tool_call>',
+            "Let me look.",
+        ),
+        (
+            "llama3_json",
+            '<|python_tag|>{"name": "where_is", "parameters": {"character": "cat"}}; {"name": "find_animal", "parameters": {"name": "Finn"}}',
+            "",
+        ),
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "where_is", "arguments": {"character": "cat"}}, {"name": "find_animal", "arguments": {"name": "Finn"}}]',
+            "",
+        ),
+    ],
+)
+def test_each_parser_reads_parallel_calls_and_streams_the_text_before_them(parser, text, content):
+    calls = [
+        ToolCall("where_is", '{"character": "cat"}'),
+        ToolCall("find_animal", '{"name": "Finn"}'),
+    ]
+    assert PARSERS[parser]().parse(text) == (content, calls)
+    stream = ToolCallStream(ToolPlan("auto", parser=PARSERS[parser]()))
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    deltas = [stream.delta(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert "".join(d.get("content", "") for d in deltas) == content
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
+        (0, "where_is", '{"character": "cat"}'),
+        (1, "find_animal", '{"name": "Finn"}'),
+    ]
+    assert all(c["id"].startswith("call_") for c in streamed)
+    assert stream.finish_reason("stop") == "tool_calls"
+
+
+def test_text_that_only_looks_like_a_call_stays_text():
+    for parser in PARSERS.values():
+        assert parser().parse("The cat is near the river.") == ("The cat is near the river.", [])
+    stream = ToolCallStream(ToolPlan("auto", parser=PARSERS["hermes"]()))
+    deltas = [stream.delta("I see <tool", False), stream.delta("box> here.", True)]
+    assert "".join(d.get("content", "") for d in deltas) == "I see <toolbox> here."
+    assert stream.finish_reason("stop") == "stop"
+
+
+# --- over HTTP ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("tools")
+    port = free_port()
+    log = tmp / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "serve",
+                "--model",
+                "pdserve-stories",
+                "--port",
+                str(port),
+                "--insecure",
+                "--enable-auto-tool-choice",
+                "--tool-call-parser",
+                "hermes",
+                "--log-dir",
+                str(tmp / "logs"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "pdserve: serving" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+
+
+def assemble(stream) -> tuple[str | None, str, dict[int, dict]]:
+    """(finish reason, content, calls by index) of a streamed chat completion."""
+    finish, content, calls = None, "", {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                entry["name"] = (call.function.name or "") or entry["name"]
+                entry["arguments"] += call.function.arguments or ""
+    return finish, content, calls
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        "required",
+        {"type": "function", "function": {"name": "where_is"}},
+        {"type": "function", "function": {"name": "find_animal"}},
+    ],
+)
+def test_named_and_required_calls_whole_and_streamed(client, choice):
+    model = client.models.list().data[0].id
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Where is the cat?"}],
+        tools=TOOLS,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == "tool_calls"
+    (call,) = out.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    if isinstance(choice, dict):
+        assert call.function.name == choice["function"]["name"]
+    finish, content, calls = assemble(client.chat.completions.create(stream=True, **kwargs))
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (call.function.name, json.loads(call.function.arguments))
+    ]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_a_conversation_carries_a_tools_result_and_tool_choice_none_writes_text(client):
+    model = client.models.list().data[0].id
+    messages = [
+        {"role": "user", "content": "Where is the cat?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "where_is", "arguments": '{"character": "cat"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "The cat is near the river."},
+    ]
+    out = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=30,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
+def test_a_bad_tool_request_is_a_400_naming_its_field(client, extra, param):
+    base = str(client.base_url).rstrip("/")
+    body = {
+        "model": client.models.list().data[0].id,
+        "max_tokens": 8,
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": "Hi"}],
+        **extra,
+    }
+    response = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
