@@ -11,6 +11,24 @@ import re
 import msgspec
 
 KINDS = ("json", "regex", "choice", "grammar")
+# JSON Schema keywords the compiler (xgrammar 0.2.8) accepts but does not enforce: a schema that
+# uses one is refused, naming it, rather than served output that may break it.
+UNENFORCED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "propertyNames",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar this large is junk, not a constraint
 
 
@@ -38,6 +56,9 @@ class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
                 raise ValueError(f"the JSON schema is not JSON: {exc}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema is an object (or true)")
+            unenforced = _unenforced(schema)
+            if unenforced:
+                raise ValueError(f"the JSON schema uses {unenforced}, which is not supported")
         elif self.kind == "regex":
             if not self.spec:
                 raise ValueError("the regex is empty")
@@ -60,3 +81,27 @@ class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     @classmethod
     def any_json_object(cls) -> StructuredOutput:
         return cls.json_schema({"type": "object"})
+
+
+def _unenforced(schema: object) -> str | None:
+    """The first keyword of the schema (at any depth) that would not be enforced, or None."""
+    if isinstance(schema, list):
+        return next((found for item in schema if (found := _unenforced(item))), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties"):
+            if isinstance(value, dict):  # (names of properties are not keywords)
+                found = next((f for v in value.values() if (f := _unenforced(v))), None)
+                if found:
+                    return found
+            continue
+        if key in UNENFORCED_KEYWORDS:
+            return f"'{key}'"
+        if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+            return f"a remote $ref ({value})"
+        if key not in ("enum", "const", "default", "examples"):
+            found = _unenforced(value)
+            if found:
+                return found
+    return None

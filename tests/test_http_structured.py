@@ -178,6 +178,7 @@ def kv_blocks(url: str) -> dict[str, tuple[float, float]]:
             "exactly one",
         ),
         ({"guided_grammar": "root ::= oops"}, "guided_grammar", "oops"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
         ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "at most one"),
     ],
 )

@@ -126,6 +126,13 @@ def test_an_output_the_constraint_cannot_finish_in_max_tokens_ends_with_length(l
         (lambda: StructuredOutput(kind="json", spec="{not json"), "not JSON"),
         (lambda: StructuredOutput(kind="json", spec="[1]"), "is an object"),
         (lambda: StructuredOutput(kind="yaml", spec="x"), "must be one of"),
+        # Keywords the compiler takes without enforcing them: refused, named.
+        (
+            lambda: StructuredOutput.json_schema({"type": "array", "uniqueItems": True}),
+            "uniqueItems",
+        ),
+        (lambda: StructuredOutput.json_schema({"properties": {"a": {"not": {}}}}), "'not'"),
+        (lambda: StructuredOutput.json_schema({"$ref": "http://example.com/s"}), "remote"),
     ],
 )
 def test_a_bad_spec_is_refused_when_made(make, message):
