@@ -155,13 +155,28 @@ class Constraint:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+_BITMASKS: dict[int, torch.Tensor] = {}  # by vocabulary size: rows reused step after step
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
 def apply_constraints(logits: torch.Tensor, rows: list[int], constraints: list[Constraint]) -> None:
-    """In place: every token a row's constraint does not allow next gets -inf."""
+    """In place: every token a row's constraint does not allow next gets -inf (rows `rows` of
+    logits only)."""
     import xgrammar
 
-    bitmask = xgrammar.allocate_token_bitmask(len(rows), logits.shape[1])
-    for j, constraint in enumerate(constraints):
-        constraint.fill(bitmask, j)
-    sub = logits[torch.tensor(rows, device=logits.device)]
-    xgrammar.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
-    logits[torch.tensor(rows, device=logits.device)] = sub
+    batch, vocab = logits.shape
+    bitmask = _BITMASKS.get(vocab)
+    if bitmask is None or bitmask.shape[0] < batch:
+        bitmask = xgrammar.allocate_token_bitmask(max(batch, 64), vocab)
+        _BITMASKS[vocab] = bitmask
+    for row, constraint in zip(rows, constraints):
+        constraint.fill(bitmask, row)
+    if logits.device.type != "cpu":  # xgrammar's kernel for the device
+        mask = bitmask[:batch].to(logits.device, non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(logits, mask, indices=rows)
+        return
+    # On a CPU, unpacking the bits with torch is several times faster than xgrammar's kernel.
+    index = torch.tensor(rows)
+    words = bitmask[index]  # [R, ceil(vocab / 32)] int32, bit j of word w: token 32 * w + j
+    allowed = (words.unsqueeze(-1) >> _BITS).bitwise_and_(1).view(len(rows), -1)[:, :vocab]
+    logits[index] = logits[index].masked_fill_(allowed == 0, float("-inf"))

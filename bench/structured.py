@@ -1,0 +1,162 @@
+"""What a structured-output constraint costs, side by side in one run on the offline engine:
+
+- throughput of the same requests with and without a JSON-schema constraint of the kind
+  applications send (a title, a story of at most 300 characters, a few tags), rounds
+  alternating; each unconstrained request writes exactly as many tokens as its constrained twin
+  (its max_tokens set to that, ignoring end-of-sequence), so both do the same work;
+- the compile time of small and large schemas (the first compile of a node builds its tokenizer
+  information as well), and of a cached one.
+
+    python -m pdserve.bench.structured
+    python -m pdserve.bench.structured --requests 64 --max-tokens 128 --rounds 3 --json-out s.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pdserve.bench.compare import machine
+from pdserve.bench.peers import models as bench_models
+from pdserve.cluster.structured_output import StructuredOutput
+from pdserve.engine import LLM, SamplingParams
+
+APP_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "story": {"type": "string", "maxLength": 300},
+        "tags": {
+            "type": "array",
+            "items": {"enum": ["cat", "dog", "bird", "river", "ball"]},
+            "maxItems": 3,
+        },
+    },
+    "required": ["title", "story", "tags"],
+    "additionalProperties": False,
+}
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def large_schema(fields: int = 60) -> dict:
+    """An object of many typed fields, nested arrays of objects among them."""
+    kinds = [
+        {"type": "string", "maxLength": 40},
+        {"type": "integer", "minimum": 0},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"enum": ["red", "green", "blue"]},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "tag": {"type": "string"}},
+                "required": ["id"],
+            },
+        },
+    ]
+    props = {f"field_{i}": kinds[i % len(kinds)] for i in range(fields)}
+    return {"type": "object", "properties": props, "required": list(props)[: fields // 2]}
+
+
+def throughput(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[float, int]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return tokens / (time.perf_counter() - start), tokens
+
+
+def compile_ms(llm: LLM, schema: dict) -> float:
+    spec = StructuredOutput.json_schema(schema)
+    start = time.perf_counter()
+    llm.engine.grammars.request(spec).result()
+    return round((time.perf_counter() - start) * 1e3, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.bench.structured",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--model",
+        default="pdserve-stories",
+        help="pdserve-stories, a bench model (llama-9m, llama-50m, qwen3-25m) or a "
+        "checkpoint directory",
+    )
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    results: dict = {
+        "command": "python -m pdserve.bench.structured "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "settings": {k: str(v) for k, v in vars(args).items()},
+    }
+    model = (
+        args.model if args.model.startswith("pdserve-") else str(bench_models.resolve(args.model))
+    )
+    llm = LLM(model, num_kv_blocks=4096, block_size=16)
+    first = compile_ms(llm, {"type": "object"})  # the tokenizer information, built once
+    compiles = {
+        "first (builds the tokenizer information)": first,
+        "small schema": compile_ms(llm, SMALL_SCHEMA),
+        "large schema (60 fields)": compile_ms(llm, large_schema()),
+        "small schema again (cached)": compile_ms(llm, SMALL_SCHEMA),
+    }
+    prompts = [f"Once upon a time there was a cat number {i}." for i in range(args.requests)]
+    spec = StructuredOutput.json_schema(APP_SCHEMA)
+    constrained = [
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, structured=spec)
+        for i in range(len(prompts))
+    ]
+    lengths = [len(o.token_ids) for o in llm.generate(prompts, constrained)]  # (warms up too)
+    free = [
+        SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True)
+        for i, n in enumerate(lengths)
+    ]
+    throughput(llm, prompts, free)  # warm too: the row counts its steps meet
+    rounds = []
+    for r in range(args.rounds):
+        order = [("without", free), ("with", constrained)]
+        row = {}
+        for name, params in order if r % 2 == 0 else order[::-1]:
+            rate, tokens = throughput(llm, prompts, params)
+            row[name] = {"tokens_per_s": round(rate, 1), "tokens": tokens}
+        rounds.append(row)
+        print(
+            f"round {r + 1}: without {row['without']['tokens_per_s']} tok/s "
+            f"({row['without']['tokens']} tokens), with {row['with']['tokens_per_s']} tok/s "
+            f"({row['with']['tokens']} tokens)"
+        )
+    ratio = statistics.median(
+        r["with"]["tokens_per_s"] / r["without"]["tokens_per_s"] for r in rounds
+    )
+    results.update(compile_ms=compiles, rounds=rounds, ratio_with_over_without=round(ratio, 3))
+    results["machine"]["uptime_after"] = machine()["uptime_before"]
+    print("\n| compile | ms |\n| --- | ---: |")
+    for name, ms in compiles.items():
+        print(f"| {name} | {ms} |")
+    print(
+        f"\nthroughput with / without the constraint (median of {args.rounds} rounds): {ratio:.3f}"
+    )
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
