@@ -113,6 +113,9 @@ IMPORT_NAMES = {
     "python-dateutil": ("dateutil",),
     "huggingface-hub": ("huggingface_hub",),
     "typing-extensions": ("typing_extensions",),
+    "apache-tvm-ffi": ("tvm_ffi",),
+    "rpds-py": ("rpds",),
+    "attrs": ("attr", "attrs"),
 }
 
 
