@@ -257,7 +257,9 @@ def check(wheel_dir: Path = WHEEL_DIR, python312: str | None = None) -> CheckRes
             + ", ".join(probe["from_host_list"])
         )
         if torch_side:
-            result.note(f"not imported here (they import torch; the host's env step does): {torch_side}")
+            result.note(
+                f"not imported here (they import torch; the host's env step does): {torch_side}"
+            )
     return result
 
 
