@@ -5,7 +5,10 @@
   alternating; each unconstrained request writes exactly as many tokens as its constrained twin
   (its max_tokens set to that, ignoring end-of-sequence), so both do the same work;
 - the compile time of small and large schemas (the first compile of a node builds its tokenizer
-  information as well), and of a cached one.
+  information as well), and of a cached one;
+- forced tokens (`forced_tokens`) off and on, for a strict schema (fixed keys, enums, a bounded
+  name): output tokens per forward of a sequence (each sampled token takes one; a forced one
+  none), steps, throughput, rounds alternating, and whether the outputs are the same.
 
     python -m pdserve.bench.structured
     python -m pdserve.bench.structured --requests 64 --max-tokens 128 --rounds 3 --json-out s.json
@@ -38,6 +41,18 @@ APP_SCHEMA = {
         },
     },
     "required": ["title", "story", "tags"],
+    "additionalProperties": False,
+}
+STRICT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["girl", "boy", "cat", "dog", "bird"]},
+        "home": {"enum": ["park", "garden", "forest", "house", "school"]},
+        "happy": {"type": "boolean"},
+        "friends": {"type": "array", "items": {"enum": ["Tom", "Lily", "Sam"]}, "maxItems": 2},
+    },
+    "required": ["name", "kind", "home", "happy", "friends"],
     "additionalProperties": False,
 }
 SMALL_SCHEMA = {
@@ -73,6 +88,52 @@ def throughput(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tu
     outs = llm.generate(prompts, params)
     tokens = sum(len(o.token_ids) for o in outs)
     return tokens / (time.perf_counter() - start), tokens
+
+
+def forced_tokens(model: str, prompts: list[str], max_tokens: int, rounds: int) -> dict:
+    """STRICT_SCHEMA with forced tokens off and on: an engine each, the same requests."""
+    spec = StructuredOutput.json_schema(STRICT_SCHEMA)
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, structured=spec)
+        for i in range(len(prompts))
+    ]
+    engines = {
+        name: LLM(model, num_kv_blocks=4096, block_size=16, forced_tokens=on)
+        for name, on in (("off", False), ("on", True))
+    }
+    outputs = {}
+    for name, llm in engines.items():  # warm up; the outputs to compare
+        outputs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    table: dict = {name: [] for name in engines}
+    for r in range(rounds):
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            stats = engines[name].engine.stats
+            before = (stats.num_steps, stats.num_forced_tokens)
+            rate, tokens = throughput(engines[name], prompts, params)
+            steps, forced = stats.num_steps - before[0], stats.num_forced_tokens - before[1]
+            table[name].append(
+                {
+                    "tokens_per_s": round(rate, 1),
+                    "tokens": tokens,
+                    "steps": steps,
+                    "forced": forced,
+                    "tokens_per_forward": round(tokens / (tokens - forced), 3),
+                }
+            )
+    for llm in engines.values():
+        llm.close()
+    return {
+        "schema": STRICT_SCHEMA,
+        "same_outputs": outputs["off"] == outputs["on"],
+        "rounds": table,
+        "speedup": round(
+            statistics.median(
+                on["tokens_per_s"] / off["tokens_per_s"]
+                for on, off in zip(table["on"], table["off"])
+            ),
+            3,
+        ),
+    }
 
 
 def compile_ms(llm: LLM, schema: dict) -> float:
@@ -146,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         r["with"]["tokens_per_s"] / r["without"]["tokens_per_s"] for r in rounds
     )
     results.update(compile_ms=compiles, rounds=rounds, ratio_with_over_without=round(ratio, 3))
+    forced = forced_tokens(model, prompts, args.max_tokens, args.rounds)
+    results["forced_tokens"] = forced
     results["machine"]["uptime_after"] = machine()["uptime_before"]
     print("\n| compile | ms |\n| --- | ---: |")
     for name, ms in compiles.items():
@@ -153,9 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nthroughput with / without the constraint (median of {args.rounds} rounds): {ratio:.3f}"
     )
+    print("\n| forced tokens | tokens per forward | steps | tok/s |\n| --- | ---: | ---: | ---: |")
+    for name, rows in forced["rounds"].items():
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(
+            f"| {name} | {med['tokens_per_forward']:.2f} | {med['steps']:.0f} "
+            f"| {med['tokens_per_s']:.1f} |"
+        )
+    print(
+        f"forced tokens on / off, throughput (median of {args.rounds} rounds): "
+        f"{forced['speedup']:.3f}; outputs the same: {forced['same_outputs']}"
+    )
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    return 0 if forced["same_outputs"] else 1
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ class Heartbeat(Message, tag="heartbeat"):
     kv_error: str | None = None  # the node's KV transport failed: route no handoffs to it
     kv_blocks_received: int = 0  # decode nodes: blocks whose pages arrived (since start)
     kv_blocks_reused: int = 0  # decode nodes: blocks of admitted prompts found already cached
+    forced_tokens: int = 0  # output tokens its constraints forced, appended without a step
 
 
 class HandoffReady(Message, tag="handoff_ready"):

@@ -49,6 +49,7 @@ def engine_heartbeat(
         queued_prefill_tokens=load.queued_prefill_tokens,
         prefix_hits=load.prefix_hits,
         prefix_misses=load.prefix_misses,
+        forced_tokens=load.forced_tokens,
         pending_transfers=pending_transfers,
         kv_error=kv_error,
     )

@@ -110,6 +110,12 @@ class ClusterCollector:
             "cache, so they were not sent (since it started)",
             labels=["node"],
         )
+        forced = CounterMetricFamily(
+            "pdserve_forced_tokens",
+            "Output tokens a node appended where a request's constraint allowed one token alone, "
+            "without a step of their own (--forced-tokens; since it started)",
+            labels=["node"],
+        )
         for node in list(c.nodes.nodes.values()):
             alive.add_metric([node.node_id, node.role.value], 1.0 if node.alive else 0.0)
             if not node.alive:
@@ -120,6 +126,7 @@ class ClusterCollector:
             node_waiting.add_metric([node.node_id], node.waiting)
             hits.add_metric([node.node_id], node.prefix_hits)
             misses.add_metric([node.node_id], node.prefix_misses)
+            forced.add_metric([node.node_id], node.forced_tokens)
             if node.role is NodeRole.DECODE:
                 received.add_metric([node.node_id], node.kv_blocks_received)
                 reused.add_metric([node.node_id], node.kv_blocks_reused)
@@ -143,6 +150,7 @@ class ClusterCollector:
         yield misses
         yield received
         yield reused
+        yield forced
         yield phases
         yield GaugeMetricFamily(
             "pdserve_requests_running", "Requests generating tokens on a decode node", decoding

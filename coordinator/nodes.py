@@ -35,6 +35,7 @@ class NodeState:
     kv_error: str | None = None  # its KV receiver failed: admit no handoffs to it
     kv_blocks_received: int = 0  # blocks whose pages arrived at it (since it started)
     kv_blocks_reused: int = 0  # blocks of prompts admitted to it found already cached there
+    forced_tokens: int = 0  # output tokens its constraints forced (since it started)
 
     @property
     def decodes(self) -> bool:
@@ -89,6 +90,7 @@ class NodeRegistry:
         node.prefix_misses = msg.prefix_misses
         node.kv_blocks_received = msg.kv_blocks_received
         node.kv_blocks_reused = msg.kv_blocks_reused
+        node.forced_tokens = msg.forced_tokens
         node.reserved_blocks = 0
         node.assigned_prefill_tokens = 0
         return node

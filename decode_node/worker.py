@@ -127,15 +127,14 @@ class DecodeNode(NodeLoop):
         outputs = [o for o in outputs if o.error is None]
         if not outputs:
             return
-        items = [
-            TokenItem(
-                o.request_id,
-                o.new_token_ids[0],
-                FinishReason(o.finish_reason) if o.finished else None,
-                wire_logprobs(o.logprobs),
-            )
-            for o in outputs
-        ]
+        items = []
+        for o in outputs:
+            # Several tokens when a constraint forced some after the sampled one: an item each,
+            # the finish reason on the last (forced tokens come without logprobs).
+            *before, last = o.new_token_ids
+            items += [TokenItem(o.request_id, token, None, None) for token in before]
+            reason = FinishReason(o.finish_reason) if o.finished else None
+            items.append(TokenItem(o.request_id, last, reason, wire_logprobs(o.logprobs)))
         self.link.send(Tokens(self.link.node_id, items))
 
     @property

@@ -61,6 +61,12 @@ class EngineConfig:
         "prefill a prompt longer than max_num_batched_tokens over several steps (off: refuse it)",
     )
     enable_prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
+    forced_tokens: bool = setting(
+        False,
+        "structured outputs: where a request's grammar allows exactly one next token, append it "
+        "without a step of its own (its KV is computed with the next step's token); the output "
+        "is the same token for token; not for requests that ask for logprobs",
+    )
     scheduling_policy: str = setting(
         "continuous",
         "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)",

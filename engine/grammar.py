@@ -123,6 +123,7 @@ class Constraint:
         self.future = future
         self._matcher: Any = None
         self.num_accepted = 0  # output tokens matched so far
+        self._row: torch.Tensor | None = None  # for forced_token
 
     @property
     def ready(self) -> bool:
@@ -153,6 +154,26 @@ class Constraint:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """The allowed next tokens into row `row` of bitmask (after `sync`)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def forced_token(self, vocab_size: int) -> int | None:
+        """The next token where the grammar allows that one alone (after `sync`), else None. A
+        grammar that forces no text forces no token, so most calls end at that cheap test."""
+        matcher = self._matcher
+        if matcher is None or matcher.is_terminated() or not matcher.find_jump_forward_string():
+            return None
+        if self._row is None:
+            import xgrammar
+
+            self._row = xgrammar.allocate_token_bitmask(1, vocab_size)
+        matcher.fill_next_token_bitmask(self._row)
+        words = self._row[0].nonzero()
+        if words.numel() != 1:
+            return None
+        word = int(words[0])
+        bits = int(self._row[0, word]) & 0xFFFFFFFF
+        if bits & (bits - 1):  # more than one token in that word
+            return None
+        return 32 * word + bits.bit_length() - 1
 
 
 _BITMASKS: dict[int, torch.Tensor] = {}  # by vocabulary size: rows reused step after step

@@ -36,6 +36,9 @@ from pdserve.engine.tp_group import TPGroup
 from pdserve.engine.tp_ranks import RankProcesses, TPGroupFailed
 from pdserve.engine.tp_shard import TPShard
 
+# Forced tokens appended after one sampled token, at most (bounds a step's host time).
+MAX_FORCED_TOKENS = 64
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,6 +72,7 @@ class EngineLoad:
     queued_prefill_tokens: int
     prefix_hits: int
     prefix_misses: int
+    forced_tokens: int = 0  # appended by constraints without a step (since start)
 
 
 class Engine:
@@ -247,6 +251,7 @@ class Engine:
             queued_prefill_tokens=queued,
             prefix_hits=bm.prefix_hits,
             prefix_misses=bm.prefix_misses,
+            forced_tokens=self.stats.num_forced_tokens,
         )
 
     def check_alive(self) -> None:
@@ -283,11 +288,12 @@ class Engine:
             seq = out.scheduled[index].seq
             if lp is not None:
                 seq.output_logprobs.append(lp)
+            num_forced = self._append_forced(seq) if self.config.forced_tokens else 0
             prefilled = seq.status is SequenceStatus.PREFILLED
             outputs.append(
                 RequestOutput(
                     seq.request_id,
-                    [seq.token_ids[-1]],
+                    seq.token_ids[-1 - num_forced :],
                     seq.is_finished or prefilled,
                     seq.finish_reason,
                     [lp] if lp is not None else [],
@@ -299,6 +305,24 @@ class Engine:
             if seq.is_finished or prefilled:
                 self.seqs.pop(seq.request_id, None)
         return outputs
+
+    def _append_forced(self, seq: Sequence) -> int:
+        """Tokens the sequence's grammar forces after its sampled one, appended (how many)."""
+        if (
+            seq.constraint is None
+            or seq.status is not SequenceStatus.RUNNING
+            or seq.params.logprobs is not None
+        ):
+            return 0
+        num_forced = 0
+        while num_forced < MAX_FORCED_TOKENS and seq.status is SequenceStatus.RUNNING:
+            token = seq.constraint.forced_token(self.vocab_size)
+            if token is None:
+                break
+            self.scheduler.append_forced(seq, token, self.max_model_len)
+            num_forced += 1
+        self.stats.num_forced_tokens += num_forced
+        return num_forced
 
 
 class LLMEngine(Engine):

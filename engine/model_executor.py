@@ -21,6 +21,7 @@ class StepStats:
     num_tokens: int = 0
     forward_s: float = 0.0
     total_s: float = 0.0
+    num_forced_tokens: int = 0  # appended without a step of their own (forced_tokens)
 
 
 @dataclass(slots=True)

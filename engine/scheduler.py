@@ -179,3 +179,12 @@ class Scheduler:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.PREFILLED
                 self.static_batch.discard(seq.request_id)
+
+    def append_forced(self, seq: Sequence, token_id: int, max_model_len: int) -> None:
+        """Append a token the sequence's constraint forces (no step sampled it: its KV is
+        computed with the next step's), and finish the sequence if that ends it."""
+        seq.append_token(token_id)
+        reason = seq.check_stop(max_model_len)
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)

@@ -119,12 +119,15 @@ class Cluster:
         return self.coordinator.nodes.nodes[node_id]
 
     def wait_until_idle(self, timeout_s: float = 30.0) -> None:
-        """Until every live node reports all its KV blocks free and nothing running."""
+        """Until every live node reports all its KV blocks free and nothing running, in a load
+        snapshot taken after this call (an older one may predate the work being waited for)."""
         deadline = time.monotonic() + timeout_s
+        seen = {n.node_id: n.load_seq for n in self.coordinator.nodes.alive()}
         while time.monotonic() < deadline:
             nodes = self.coordinator.nodes.alive()
             if nodes and all(
-                n.free_blocks == n.num_blocks
+                n.load_seq > seen.get(n.node_id, -1) + 1  # a snapshot taken after the call
+                and n.free_blocks == n.num_blocks
                 and n.running == 0
                 and n.waiting == 0
                 and time.monotonic() - n.last_seen < 1.0

@@ -18,6 +18,7 @@ from pdserve.cluster.structured_output import StructuredOutput
 from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import SubmitError
+from pdserve.coordinator.metrics import Metrics
 from pdserve.coordinator.request_state import Phase
 from pdserve.engine import LLM, SamplingParams
 
@@ -68,6 +69,32 @@ def test_constrained_outputs_through_a_handoff_equal_the_offline_engines(transpo
         assert got == want
         check_valid(offline, got)
         cluster.wait_until_idle()
+
+
+def test_forced_tokens_through_a_handoff_and_colocated_give_the_offline_engines_outputs(offline):
+    """A decode node appending forced tokens reports each as a token of its own: the streams are
+    the offline engine's (forced tokens off), disaggregated over tcp and colocated, and the
+    nodes' counts of forced tokens reach /metrics (colocated: the offline engine's count; after a
+    handoff fewer, as the prefill node forces none)."""
+    want = expected(offline)
+    forcing = LLM(MODEL, num_kv_blocks=1024, block_size=8, forced_tokens=True)
+    assert [o.token_ids for p in PARAMS for o in forcing.generate(PROMPTS, p)] == want
+    offline_forced = forcing.engine.stats.num_forced_tokens
+    assert offline_forced > 0
+    prompt_ids = [offline.tokenizer.encode(p) for p in PROMPTS]
+    for colocated in (False, True):
+        with Cluster(1, 1, colocated=colocated, model=MODEL, forced_tokens=True) as cluster:
+            got = asyncio.run(run_all_ids(cluster.client_addr, prompt_ids))
+            assert got == want
+            cluster.wait_until_idle()
+            (node,) = [n for n in cluster.coordinator.nodes.alive() if n.decodes]
+            if colocated:
+                assert node.forced_tokens == offline_forced
+            else:
+                assert 0 < node.forced_tokens <= offline_forced
+            text = Metrics(cluster.coordinator).render().decode()
+            line = f'pdserve_forced_tokens_total{{node="{node.node_id}"}} {node.forced_tokens}.0'
+            assert line in text.splitlines()
 
 
 async def run_all_ids(addr: str, prompt_ids: list[list[int]]) -> list[list[int]]:

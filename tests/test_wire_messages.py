@@ -57,7 +57,7 @@ EXAMPLES: list[tuple[Codec, Message]] = [
     (reports, Register("d0", NodeRole.DECODE, "llama", 8, 512, 4096, "tcp", LAYOUT, RECEIVER, 42)),
     (
         reports,
-        Heartbeat("d0", 100, 512, 3, 4, 900, 12, 5, 2, 77, "receiver thread failed", 40, 24),
+        Heartbeat("d0", 100, 512, 3, 4, 900, 12, 5, 2, 77, "receiver thread failed", 40, 24, 9),
     ),
     (reports, HandoffReady("p0")),
     (reports, FirstToken("r#1", 9, FinishReason.LENGTH, 16, 3, LOGPROBS)),
