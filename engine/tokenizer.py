@@ -23,6 +23,28 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # As Hugging Face's templates expect it: plain JSON, not jinja2's HTML-escaped kind.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """Where chat templates render: sandboxed, with the whitespace rules, the `tojson` filter and
+    the `raise_exception` function that Hugging Face's templates are written for."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
         """chat_template: a Jinja template to use instead of tokenizer_config.json's."""
@@ -46,8 +68,7 @@ class Tokenizer:
             if eos_id is not None:
                 eos.append(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
-        self._template_env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template_env.globals["raise_exception"] = _raise_exception
+        self._template_env = chat_template_environment()
 
     @property
     def vocab_size(self) -> int:

@@ -11,14 +11,31 @@ import pytest
 import torch
 
 from pdserve.engine.stories import grammar
-from pdserve.engine.stories.corpus import corpus
-from pdserve.engine.stories.recognizer import accepts, read, split_sentences
+from pdserve.engine.stories.corpus import CHAT_TEMPLATE, corpus, render
+from pdserve.engine.stories.recognizer import (
+    accepts,
+    accepts_call,
+    read,
+    split_sentences,
+    tool_calls,
+)
+
+
+def conversation_text(rng: random.Random) -> str:
+    """The sentences of a conversation: its messages' text, not calls, results or JSON."""
+    messages, _ = grammar.conversation(rng)
+    return " ".join(
+        m["content"]
+        for m in messages
+        if m["role"] in ("user", "assistant") and not m["content"].startswith(("{", "<"))
+    )
 
 
 def test_every_sentence_the_grammar_generates_is_accepted():
     rng = random.Random(5)
     texts = [grammar.story(rng) for _ in range(400)]
     texts += [" ".join(grammar.chat_turn(rng)) for _ in range(400)]
+    texts += [conversation_text(rng) for _ in range(400)]
     rejected = [s for t in texts for s in read(t).rejected]
     assert not rejected, rejected[:5]
     assert sum(read(t).num_sentences for t in texts) > 5000
@@ -29,6 +46,7 @@ def test_every_template_is_generated():
     seen = set()
     for _ in range(3000):
         text = grammar.story(rng) + " " + " ".join(grammar.chat_turn(rng))
+        text += " " + conversation_text(rng)
         seen.update(split_sentences(text)[0])
     for template in grammar.TEMPLATES:
         pattern = template.split("{")[0].lstrip('"')[:12]
@@ -67,12 +85,64 @@ def test_sentences_split_at_their_ends_not_inside_quotes():
     assert reading.share == 2 / 3
 
 
+def test_the_tool_calls_the_grammar_makes_are_accepted_and_near_misses_are_not():
+    rng = random.Random(7)
+    calls = []
+    for _ in range(200):
+        messages, tools = grammar.conversation(rng)
+        for m in messages:
+            for call in m.get("tool_calls", []):
+                calls.append(call["function"])
+                assert tools == grammar.TOOLS
+    assert len(calls) > 30 and all(accepts_call(c) for c in calls)
+    text = '<tool_call>\n{"name": "where_is", "arguments": {"character": "fox"}}\n</tool_call>'
+    assert tool_calls(text) == [{"name": "where_is", "arguments": {"character": "fox"}}]
+    assert accepts_call(tool_calls(text)[0])
+    for near_miss in [
+        {"name": "where_is", "arguments": {"character": "moon"}},  # not of the story world
+        {"name": "where_is", "arguments": {"who": "fox"}},  # not its parameter
+        {"name": "where_is", "arguments": {"character": "fox", "when": "now"}},
+        {"name": "find", "arguments": {"character": "fox"}},  # no such tool
+        {"name": "where_is"},
+        None,  # a block that is not JSON
+    ]:
+        assert not accepts_call(near_miss), near_miss
+    assert tool_calls("<tool_call>\n{not json}\n</tool_call>") == [None]
+
+
+def test_the_server_renders_a_tool_conversation_as_the_corpus_wrote_it():
+    """What a client sends (arguments as JSON text, the tool offered) reaches the chat template
+    as the training corpus rendered it: the model sees at serving what it learned from."""
+    from pdserve.coordinator.openai_protocol import ChatMessage
+    from pdserve.engine.embedded_models import STORIES_DIR
+    from pdserve.engine.tokenizer import Tokenizer
+
+    rng = random.Random(8)
+    messages = grammar.tool_turn(rng)
+    wire = json.loads(json.dumps(messages))
+    for m in wire:
+        for call in m.get("tool_calls", []):
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    sent = [ChatMessage.model_validate(m).template_dict() for m in wire]
+    tok = Tokenizer(STORIES_DIR, chat_template=CHAT_TEMPLATE)
+    served = tok.apply_chat_template(sent, add_generation_prompt=False, tools=list(grammar.TOOLS))
+    assert served == render(messages, grammar.TOOLS)
+    assert "Tools: where_is(character)" in served and "<tool_call>" in served
+    # The prompt of its first turn ends where the assistant's call begins.
+    prompt = tok.apply_chat_template(sent[:1], tools=list(grammar.TOOLS))
+    assert served.startswith(prompt) and served[len(prompt) :].startswith("<tool_call>")
+
+
 def test_the_corpus_is_a_function_of_its_seed():
     a, b, c = corpus(0, 200_000), corpus(0, 200_000), corpus(1, 200_000)
     assert a == b and a != c
     assert 200_000 <= sum(len(d) + 1 for d in a) < 202_000
     chats = [d for d in a if d.startswith("<|im_start|>user\n")]
     assert 0.2 < len(chats) / len(a) < 0.4  # stories and chat turns both
+    tools = corpus(0, 200_000, "stories+tools")
+    assert tools == corpus(0, 200_000, "stories+tools") and tools != a
+    called = [d for d in tools if "<tool_call>" in d]
+    assert 0.15 < len(called) / len(tools) < 0.35 and not any("<tool_call>" in d for d in a)
 
 
 def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(tmp_path):

@@ -81,13 +81,20 @@ def test_random_json_schemas_give_valid_json_greedy_and_sampled(llm, seed):
 
 
 def test_json_mode_gives_a_json_object(llm):
-    out = llm.generate(
-        "Tell me about the cat.",
-        SamplingParams(
-            max_tokens=120, temperature=0, structured=StructuredOutput.any_json_object()
-        ),
-    )[0]
-    assert isinstance(json.loads(out.text), dict)
+    """Asked in chat for JSON (which pdserve-stories learned to write), and at a plain story
+    prompt, where the constraint alone makes the output JSON (a prefix of an object if it runs
+    out of tokens)."""
+    chat = llm.tokenizer.encode_chat([{"role": "user", "content": "Describe Tom in JSON."}])
+    params = SamplingParams(
+        max_tokens=120, temperature=0, structured=StructuredOutput.any_json_object()
+    )
+    out = llm.generate([chat], params)[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+    out = llm.generate("Tell me about the cat.", params)[0]
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+    else:
+        assert out.finish_reason == "length" and out.text.startswith("{")
 
 
 def test_regex_choice_and_grammar_outputs_match_their_constraints(llm):
@@ -190,3 +197,48 @@ def test_a_preempted_constrained_sequence_gives_what_it_gives_alone():
     for out in outs:
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_forced_tokens_give_the_same_outputs_in_fewer_steps():
+    """Where the grammar allows one token alone (a strict schema's keys and punctuation), the
+    engine appends it without a step: the same tokens, greedy and seeded, in fewer steps."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "character": {"enum": ["the little cat", "the big brown dog"]},
+            "things": {"type": "array", "items": {"enum": WORDS}, "maxItems": 3},
+            "happy": {"type": "boolean"},
+        },
+        "required": ["character", "things", "happy"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutput.json_schema(schema)
+    prompts = ["Once upon a time", "Where is the cat?", "Tom and Lily"]
+    params = [
+        SamplingParams(max_tokens=80, temperature=0, structured=spec),
+        SamplingParams(max_tokens=80, temperature=0.9, seed=4, structured=spec),
+    ]
+    runs = {}
+    for forced in (False, True):
+        llm = LLM("pdserve-stories", num_kv_blocks=256, block_size=16, forced_tokens=forced)
+        outs = [o for p in params for o in llm.generate(prompts, p)]
+        runs[forced] = ([o.token_ids for o in outs], llm.engine.stats)
+        for out in outs:
+            assert out.finish_reason == "stop"
+            jsonschema.validate(json.loads(out.text), schema)
+    (tokens_off, off), (tokens_on, on) = runs[False], runs[True]
+    assert tokens_on == tokens_off
+    assert off.num_forced_tokens == 0 and on.num_forced_tokens > 0
+    assert on.num_steps < off.num_steps
+
+
+def test_forced_tokens_are_not_appended_for_a_request_with_logprobs():
+    spec = StructuredOutput(kind="choice", choices=["the little cat", "the big brown dog"])
+    llm = LLM("pdserve-stories", num_kv_blocks=64, block_size=16, forced_tokens=True)
+    out = llm.generate(
+        "Once upon a time",
+        SamplingParams(max_tokens=20, temperature=0, logprobs=0, structured=spec),
+    )[0]
+    assert out.text in spec.choices
+    assert llm.engine.stats.num_forced_tokens == 0
+    assert len(out.logprobs) == len(out.token_ids)

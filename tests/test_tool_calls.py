@@ -1,8 +1,9 @@
 """Tool calling: a request's tools and tool_choice planned before it runs (a required or named
 choice enforced by a constraint over the functions' schemas), the model's own call formats parsed
 (hermes, llama3_json, mistral), streamed as OpenAI's tool-call deltas; and, over HTTP with the
-official client, named and required calls, streamed and not, a conversation that carries a tool's
-result, and every bad input a 400 naming its field."""
+official client, named and required calls, streamed and not, `auto` calls the embedded model makes
+and answers from, a conversation that carries a tool's result, and every bad input a 400 naming
+its field."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from pdserve.coordinator.structured_request import ConstraintRequestError
 from pdserve.coordinator.tool_call_stream import ToolCallStream
 from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
 from pdserve.coordinator.tool_parsers import PARSERS, ToolCall
+from pdserve.engine.stories import grammar
+from pdserve.engine.stories.recognizer import accepts_call, read
 from pdserve.tune.local_server import free_port
 
 WHERE_IS = {
@@ -227,6 +230,54 @@ def test_named_and_required_calls_whole_and_streamed(client, choice):
         (call.function.name, json.loads(call.function.arguments))
     ]
     assert calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("character", ["cat", "fox", "Tom"])
+def test_auto_the_embedded_model_calls_its_tool_and_answers_from_the_result(client, character):
+    """pdserve-stories learned to call `where_is` when a request offers it: under `auto` it makes
+    the call the story grammar's recognizer accepts, for the character asked about, whole and
+    streamed; given the tool's result it answers in a sentence of its grammar from that result."""
+    model = client.models.list().data[0].id
+    question = f"Where is {character}?" if character[0].isupper() else f"Where is the {character}?"
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        tools=list(grammar.TOOLS),
+        max_tokens=60,
+        temperature=0,
+    )
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == "tool_calls" and not out.message.content
+    (call,) = out.message.tool_calls
+    made = {"name": call.function.name, "arguments": json.loads(call.function.arguments)}
+    assert accepts_call(made) and made["arguments"] == {"character": character}
+    finish, content, calls = assemble(client.chat.completions.create(stream=True, **kwargs))
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (made["name"], made["arguments"])
+    ]
+    result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"place": "garden"})}
+    kwargs["messages"] += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        result,
+    ]
+    answer = client.chat.completions.create(**kwargs).choices[0]
+    assert answer.finish_reason == "stop" and answer.message.tool_calls is None
+    reading = read(answer.message.content)
+    assert reading.rejected == [] and reading.accepted and "garden" in answer.message.content
+
+
+def test_auto_a_question_the_tool_does_not_answer_gets_text(client):
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What does Mia like to do?"}],
+        tools=list(grammar.TOOLS),
+        max_tokens=40,
+        temperature=0,
+    ).choices[0]
+    assert out.finish_reason == "stop" and out.message.tool_calls is None
+    reading = read(out.message.content)
+    assert reading.rejected == [] and reading.accepted
 
 
 def test_a_conversation_carries_a_tools_result_and_tool_choice_none_writes_text(client):

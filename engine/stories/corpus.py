@@ -1,5 +1,6 @@
 """The training corpus of `pdserve-stories`, generated from the story grammar by a seed: stories,
-and chat turns written in the model's chat template, in a fixed order.
+and conversations rendered by the model's own chat template (tool calls and tool results
+included), in a fixed order.
 
     python -m pdserve.engine.stories.corpus --out stories.txt --megabytes 8   # look at it
 """
@@ -9,38 +10,78 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
-from pdserve.engine.stories.grammar import chat_turn, story
+from pdserve.engine.stories.grammar import chat_turn, conversation, story
+from pdserve.engine.tokenizer import chat_template_environment
 
 BOS, EOS = "<s>", "</s>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
+# Offered tools open the text as a system turn naming each function and its parameters (a model
+# of this size needs no more); an assistant's tool calls are hermes blocks (`--tool-call-parser
+# hermes` reads them back); a tool's result is a turn of role "tool".
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools:' }}"
+    "{% for tool in tools %}{% set f = tool.function or tool %}"
+    "{{ ' ' + f.name + '(' + (f.parameters.properties or {}) | join(', ') + ')' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}{{ message['content'] or '' }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{{ '<tool_call>\n' }}"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "{{ '\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 CHAT_SHARE = 0.3  # of documents
+TOOLS_CHAT_SHARE = 0.5  # of documents, in the corpus with tools
+
+
+@cache
+def _template():  # noqa: ANN202
+    return chat_template_environment().from_string(CHAT_TEMPLATE)
+
+
+def render(messages: list[dict], tools: tuple[dict, ...] = ()) -> str:
+    """A conversation as the chat template renders it, its last turn closed by <|im_end|>."""
+    return _template().render(messages=messages, tools=list(tools), add_generation_prompt=False)
 
 
 def chat(question: str, answer: str) -> str:
-    """A chat turn as the chat template renders it, the answer closed by <|im_end|>."""
-    return f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n"
+    """One question and its answer, rendered."""
+    return render([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
 
 
-def documents(seed: int) -> Iterator[str]:
-    """Endless documents (a story, or a chat turn), the same ones for the same seed."""
+# The corpora: stories and chat turns (what pdserve-stories first learned), and the same with
+# conversations that offer the tool, call it and answer from its result, and JSON answers.
+CORPORA = ("stories", "stories+tools")
+
+
+def documents(seed: int, kind: str = "stories") -> Iterator[str]:
+    """Endless documents (a story, or a conversation), the same ones for the same seed."""
     rng = random.Random(seed)
+    share = CHAT_SHARE if kind == "stories" else TOOLS_CHAT_SHARE
     while True:
-        yield chat(*chat_turn(rng)) if rng.random() < CHAT_SHARE else story(rng)
+        if rng.random() >= share:
+            yield story(rng)
+        elif kind == "stories":
+            yield chat(*chat_turn(rng))
+        else:
+            yield render(*conversation(rng))
 
 
-def corpus(seed: int, num_bytes: int) -> list[str]:
+def corpus(seed: int, num_bytes: int, kind: str = "stories") -> list[str]:
     """The first documents of the seed's stream, about num_bytes of text."""
+    if kind not in CORPORA:
+        raise ValueError(f"corpus must be one of {CORPORA}, got {kind!r}")
     out, size = [], 0
-    for doc in documents(seed):
+    for doc in documents(seed, kind):
         out.append(doc)
         size += len(doc) + 1
         if size >= num_bytes:
@@ -53,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--megabytes", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", choices=CORPORA, default="stories")
     args = p.parse_args(argv)
-    docs = corpus(args.seed, int(args.megabytes * 1e6))
+    docs = corpus(args.seed, int(args.megabytes * 1e6), args.corpus)
     args.out.write_text("\n".join(docs) + "\n")
     print(f"{len(docs)} documents, {args.out.stat().st_size / 1e6:.1f} MB -> {args.out}")
 

@@ -9,6 +9,7 @@ the generator capitalizes the first letter (after an opening quote). Slots: the 
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -171,8 +172,14 @@ CHATS = (
     (1, "hello!", ("hello, how can I help you today?",)),
     (1, "can you tell me a story?", ()),  # answered by a short story
 )
-QUESTIONS = tuple(q for _, q, _ in CHATS)
-ANSWERS = tuple(a for _, _, answers in CHATS for a in answers)
+# Asked for JSON, the assistant answers with one object about the character (not a sentence).
+JSON_QUESTION = "describe {hero} in JSON."
+# Where-questions the assistant answers with the tool `where_is` when it is offered (below), and
+# the sentence it then writes from the tool's result.
+WHERE_QUESTIONS = ("where is the {animal}?", "where is {hero}?")
+WHERE_ANSWERS = ("the {animal} is in the {place}.", "{hero} is in the {place}.")
+QUESTIONS = tuple(q for _, q, _ in CHATS) + (JSON_QUESTION,) + WHERE_QUESTIONS
+ANSWERS = tuple(a for _, _, answers in CHATS for a in answers) + WHERE_ANSWERS
 STORY_PARTS = (OPEN, HABIT, EVENT, GLAD, MEET, TALK, PROBLEM, SAD, FIX, END)
 TEMPLATES: tuple[str, ...] = tuple(
     dict.fromkeys(t for part in STORY_PARTS for _, t in part)
@@ -292,3 +299,72 @@ def chat_turn(rng: random.Random) -> tuple[str, str]:
     if rng.random() < 0.3:  # a second sentence about the same character
         answer += " " + fill(_pick(rng, HABIT), who)
     return fill(question, who), answer
+
+
+def json_answer(who: Cast) -> str:
+    """The assistant's answer to JSON_QUESTION."""
+    return json.dumps({"name": who.hero, "kind": who.kind, "home": who.place})
+
+
+# The tool the assistant learned to call, as a request offers it (OpenAI's function format), and
+# the questions it calls it for: where an animal ("the cat") or a named character is.
+WHERE_IS = {
+    "type": "function",
+    "function": {
+        "name": "where_is",
+        "description": "where a character of the story world is",
+        "parameters": {
+            "type": "object",
+            "properties": {"character": {"type": "string", "description": "an animal or a name"}},
+            "required": ["character"],
+        },
+    },
+}
+TOOLS = (WHERE_IS,)
+
+
+def tool_turn(rng: random.Random) -> list[dict]:
+    """A conversation that calls `where_is`: the user's question, the assistant's call, the tool's
+    answer (a JSON object) and the assistant's sentence built from it."""
+    who = cast(rng)
+    which = rng.randrange(len(WHERE_QUESTIONS))
+    question, answer = WHERE_QUESTIONS[which], WHERE_ANSWERS[which]
+    character = who.animal if "{animal}" in question else who.hero
+    call = {
+        "id": f"call_{rng.randrange(16**8):08x}",
+        "type": "function",
+        "function": {"name": "where_is", "arguments": {"character": character}},
+    }
+    return [
+        {"role": "user", "content": fill(question, who)},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"place": who.place})},
+        {"role": "assistant", "content": fill(answer, who)},
+    ]
+
+
+def conversation(rng: random.Random) -> tuple[list[dict], tuple[dict, ...]]:
+    """One chat document: its messages and the tools the request offered (none for most).
+
+    With the tool offered, a question about where someone is gets a call and any other question
+    a plain answer; without it, the same where-questions get sentences: so the assistant learns
+    when to call. Asked for JSON, it writes JSON."""
+    draw = rng.random()
+    if draw < 0.35:
+        return tool_turn(rng), TOOLS
+    who = cast(rng)
+    if draw < 0.45:
+        question, answer = fill(JSON_QUESTION, who), json_answer(who)
+    elif draw < 0.7:  # where-questions, no tool: answered from the story world
+        which = rng.randrange(len(WHERE_QUESTIONS))
+        question, answer = fill(WHERE_QUESTIONS[which], who), fill(WHERE_ANSWERS[which], who)
+    else:
+        while True:
+            question, answer = chat_turn(rng)
+            if not question.startswith("Where is"):
+                break
+    tools = TOOLS if 0.7 <= draw < 0.85 else ()
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+    ], tools

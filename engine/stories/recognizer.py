@@ -6,11 +6,12 @@ It judges sentences one by one: whether a story's characters stay consistent is 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from functools import cache
 
-from pdserve.engine.stories.grammar import NAMES, TEMPLATES, WORDS
+from pdserve.engine.stories.grammar import NAMES, TEMPLATES, TOOLS, WORDS
 
 SLOT_WORDS = {**WORDS, "hero": NAMES, "friend": NAMES, "fkind": WORDS["kind"]}
 _SLOT = re.compile(r"\{(\w+)\}")
@@ -102,3 +103,32 @@ def read(text: str) -> Reading:
     for sentence in sentences:
         (reading.accepted if accepts(sentence) else reading.rejected).append(sentence)
     return reading
+
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_CHARACTERS = frozenset(WORDS["animal"]) | frozenset(NAMES)
+
+
+def tool_calls(text: str) -> list[object]:
+    """The bodies of a text's `<tool_call>` blocks, parsed as JSON (None where one does not)."""
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            calls.append(json.loads(body))
+        except ValueError:
+            calls.append(None)
+    return calls
+
+
+def accepts_call(call: object) -> bool:
+    """Whether a tool call is one the grammar makes: a tool it offers, with exactly its parameters,
+    naming a character of the story world ({"name": "where_is", "arguments": {"character": "cat"}})."""
+    if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+        return False
+    tool = next((t["function"] for t in TOOLS if t["function"]["name"] == call["name"]), None)
+    args = call["arguments"]
+    if tool is None or not isinstance(args, dict):
+        return False
+    return set(args) == set(tool["parameters"]["properties"]) and all(
+        v in _CHARACTERS for v in args.values()
+    )

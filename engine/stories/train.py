@@ -5,6 +5,8 @@ checkpoint (bfloat16 safetensors, tokenizer, chat template) that pdserve and `tr
     # the committed checkpoint, by its seed (83 min on two shared cores):
     python -m pdserve.engine.stories.train --out engine/stories/pdserve-stories --plot docs/stories_training.png
     python -m pdserve.engine.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
+    # go on training a checkpoint (its tokenizer and shape kept) on today's corpus:
+    python -m pdserve.engine.stories.train --init-from engine/stories/pdserve-stories --out /tmp/s2
 
 Same seed, same corpus, same tokenizer, same batches: the loss curve repeats within the noise of
 floating-point summation order.
@@ -25,8 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.stories.corpus import BOS, CHAT_TEMPLATE, EOS, IM_END, SPECIAL_TOKENS, corpus
-from pdserve.engine.stories.recognizer import read
+from pdserve.engine.stories.corpus import (
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    IM_END,
+    IM_START,
+    SPECIAL_TOKENS,
+    corpus,
+    render,
+)
+from pdserve.engine.stories.grammar import TOOLS
+from pdserve.engine.stories.recognizer import accepts_call, read, tool_calls
 
 
 @dataclass(slots=True)
@@ -200,6 +212,12 @@ class Recipe:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     threads: int = 0  # 0: every core this process may use
+    corpus: str = "stories"  # or "stories+tools" (corpus.CORPORA)
+    # Where a training window starts: "anywhere" in the token stream, or at a document's start
+    # ("documents"), so that a conversation's offered tools are never cut off from its call.
+    windows: str = "anywhere"
+    # A checkpoint to go on training (its tokenizer, shape and weights) instead of starting anew.
+    init_from: str = ""
 
 
 def learning_rate(r: Recipe, step: int) -> float:
@@ -210,14 +228,23 @@ def learning_rate(r: Recipe, step: int) -> float:
 
 
 def train(shape: Shape, recipe: Recipe, out_dir: Path, plot: Path | None, progress: bool) -> dict:
+    if recipe.windows not in ("anywhere", "documents"):
+        raise ValueError(f"windows must be anywhere or documents, got {recipe.windows!r}")
     torch.set_num_threads(recipe.threads or len(os.sched_getaffinity(0)))
     torch.manual_seed(recipe.seed)
     started = time.monotonic()
-    docs = corpus(recipe.seed, int(recipe.corpus_megabytes * 1e6))
-    tok = train_tokenizer(docs, shape.vocab_size)
-    shape.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    docs = corpus(recipe.seed, int(recipe.corpus_megabytes * 1e6), recipe.corpus)
+    if recipe.init_from:
+        tok, shape, model = load_checkpoint(Path(recipe.init_from))
+    else:
+        tok = train_tokenizer(docs, shape.vocab_size)
+        shape.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        model = StoryModel(shape)
     data = token_stream(tok, docs)
-    model = StoryModel(shape)
+    bos = tok.token_to_id(BOS)
+    doc_starts = [
+        i for i in (data == bos).nonzero().flatten().tolist() if i + recipe.seq_len + 1 <= len(data)
+    ]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -236,9 +263,14 @@ def train(shape: Shape, recipe: Recipe, out_dir: Path, plot: Path | None, progre
 
         steps = tqdm(steps, desc="training pdserve-stories", unit="step")
     for step in steps:
-        starts = [
-            batches.randrange(len(data) - recipe.seq_len - 1) for _ in range(recipe.batch_size)
-        ]
+        if recipe.windows == "documents":  # each window opens a document, its first turn seen
+            starts = [
+                doc_starts[batches.randrange(len(doc_starts))] for _ in range(recipe.batch_size)
+            ]
+        else:
+            starts = [
+                batches.randrange(len(data) - recipe.seq_len - 1) for _ in range(recipe.batch_size)
+            ]
         window = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts])
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step)
@@ -264,10 +296,36 @@ def train(shape: Shape, recipe: Recipe, out_dir: Path, plot: Path | None, progre
         "losses": [round(x, 4) for x in losses],
         "samples": samples(model, tok),
     }
+    if recipe.init_from:  # the record of the run it went on from, so the chain stays readable
+        start = Path(recipe.init_from) / "training.json"
+        record["init"] = json.loads(start.read_text()) if start.is_file() else None
     save(model, tok, out_dir, record)
     if plot is not None:
         plot_losses(losses, plot, record)
     return record
+
+
+def load_checkpoint(path: Path) -> tuple[object, Shape, StoryModel]:
+    """A checkpoint this script saved: its tokenizer, its shape and its weights (in float32)."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    shape = Shape(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        max_position_embeddings=config["max_position_embeddings"],
+        rope_theta=config["rope_theta"],
+        rms_norm_eps=config["rms_norm_eps"],
+    )
+    model = StoryModel(shape)
+    weights = load_file(str(path / "model.safetensors"))
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    return Tokenizer.from_file(str(path / "tokenizer.json")), shape, model
 
 
 def samples(model: StoryModel, tok) -> dict:  # noqa: ANN001
@@ -280,6 +338,17 @@ def samples(model: StoryModel, tok) -> dict:  # noqa: ANN001
         ids = model.greedy(tok.encode(opening).ids, 120, stop)
         text = opening + tok.decode(ids, skip_special_tokens=True)
         out[opening] = {"text": text, "grammatical": read(text).share}
+    # Questions with the tool offered: a where-question should call it, another should not.
+    for question in ("Where is the cat?", "Where is Tom?", "What does Mia like to do?"):
+        prompt = render([{"role": "user", "content": question}], TOOLS) + IM_START + "assistant\n"
+        ids = model.greedy(tok.encode(prompt).ids, 60, stop)
+        text = tok.decode(ids, skip_special_tokens=True)
+        calls = tool_calls(text)
+        out[f"tools: {question}"] = {
+            "text": text,
+            "calls": len(calls),
+            "calls_accepted": sum(map(accepts_call, calls)),
+        }
     model.train()
     return out
 
@@ -367,8 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"final loss {record['final_loss']:.4f} after {recipe.steps} steps, {record['seconds']:.0f} s"
     )
-    for sample in record["samples"].values():
-        print(f"[{sample['grammatical']:.0%} grammatical] {sample['text']}")
+    for name, sample in record["samples"].items():
+        if "grammatical" in sample:
+            print(f"[{sample['grammatical']:.0%} grammatical] {sample['text']}")
+        else:
+            print(
+                f"[{name}: {sample['calls_accepted']}/{sample['calls']} calls accepted] {sample['text']!r}"
+            )
     print(f"checkpoint -> {args['out']}, loss curve -> {plot}")
 
 
