@@ -344,7 +344,7 @@ def tool_turn(rng: random.Random) -> list[dict]:
 
 
 def conversation(rng: random.Random) -> tuple[list[dict], tuple[dict, ...]]:
-    """One chat document: its messages and the tools the request offered (none for most).
+    """One chat document: its messages and the tools the request offered (the tool, for half).
 
     With the tool offered, a question about where someone is gets a call and any other question
     a plain answer; without it, the same where-questions get sentences: so the assistant learns
