@@ -2,11 +2,13 @@
 and a small Llama-architecture model on the story grammar's corpus, saved as a Hugging Face-format
 checkpoint (bfloat16 safetensors, tokenizer, chat template) that pdserve and `transformers` load.
 
-    # the committed checkpoint, by its seed (83 min on two shared cores):
-    python -m pdserve.engine.stories.train --out engine/stories/pdserve-stories --plot docs/stories_training.png
+    # the committed checkpoint, in two runs (docs/models.md): stories and chat turns from scratch,
+    # then on from there with the tool conversations
+    python -m pdserve.engine.stories.train --out /tmp/stories-base --plot docs/stories_training.png
+    python -m pdserve.engine.stories.train --init-from /tmp/stories-base --corpus stories+tools \
+        --windows documents --steps 800 --lr 2e-3 --warmup-steps 30 \
+        --out engine/stories/pdserve-stories --plot docs/stories_tools_training.png
     python -m pdserve.engine.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
-    # go on training a checkpoint (its tokenizer and shape kept) on today's corpus:
-    python -m pdserve.engine.stories.train --init-from engine/stories/pdserve-stories --out /tmp/s2
 
 Same seed, same corpus, same tokenizer, same batches: the loss curve repeats within the noise of
 floating-point summation order.
