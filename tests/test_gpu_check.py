@@ -290,6 +290,7 @@ def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tm
 
     text = (out / "report.md").read_text()
     assert text.startswith("# pdserve GPU check: NOTHING RAN ON A GPU")
+    assert "\nCUDA tests: none proven here (no CUDA device" in text
     assert "| serving | skipped | 0 | no CUDA device" in text
     assert "not measured (model_step skipped: no CUDA device" in text
     assert done.stdout.rstrip().splitlines()[-1].startswith("wrote ")  # the first screen is last
@@ -412,3 +413,48 @@ def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
     assert "| 64 | 4096 | 400.0 | 420.0 | 9000.0 | 2684 | 80% |" in full  # kernels' table
     assert "| 1 | 2048 | 0.40 | - | 350 | 45% |" in full
     assert "(details incomplete" not in full
+
+
+def test_the_first_screen_counts_what_the_cuda_tests_proved_and_what_one_gpu_cannot():
+    """A skip is not a pass and a selected test that never reported is a failure: the report's
+    second line says how many tests proved their path, failed, or could not run on this host
+    and why; the tests step fails on a test that never reported."""
+    nccl, two = "nccl needs CUDA with 2 device(s) and CuPy", "needs 2 CUDA devices"
+    tests = {
+        "t::a": {"outcome": "passed", "seconds": 1.0},
+        "t::b": {"outcome": "passed", "seconds": 1.0},
+        "t::c": {"outcome": "skipped", "seconds": 0.0, "reason": nccl},
+        "t::d": {"outcome": "skipped", "seconds": 0.0, "reason": nccl},
+        "t::e": {"outcome": "skipped", "seconds": 0.0, "reason": two},
+        "t::f": {"outcome": "not run", "seconds": 0.0},
+        "t::g": {"outcome": "failed", "seconds": 2.0, "reason": "AssertionError", "where": "t:9"},
+    }
+    assert gpu_tests.failures(tests) == [
+        {"where": "t::f", "what": "selected but did not run"},
+        {"where": "t::g", "what": "AssertionError (t:9)"},
+    ]
+    results = [StepResult("tests", "tests", "failed", 60, data={"tests": tests})]
+    run = {"command": "c", "plan": "quick", "started": "now", "seconds": 60.0, "budget_s": 540.0}
+    screen = report.first_screen(run, results)
+    assert screen[4] == (
+        f"CUDA tests: 2 proven, 2 failed or not run, 3 not proven here (2: {nccl}; 1: {two})"
+    )
+    skipped = [StepResult("tests", "tests", "skipped", summary="no CUDA device: hidden")]
+    assert report.proof(skipped) == "CUDA tests: none proven here (no CUDA device: hidden)"
+
+
+def test_a_gpu_that_nvidia_smi_lists_and_torch_cannot_use_fails_the_check(monkeypatch):
+    from pdserve.deploy.gpu_check.env import gpu_unusable, gpus_listed
+
+    smi = "NVIDIA H200, 580.159.04, 143771 MiB, 345 MHz, 3201 MHz"
+    assert gpus_listed(smi + "\n" + smi) == 2
+    assert gpus_listed("unavailable: [Errno 2] No such file or directory: 'nvidia-smi'") == 0
+    facts = {"nvidia_smi": smi, "cuda": False, "cuda_why": "torch.cuda.is_available() is False"}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_unusable(facts) == (
+        "nvidia-smi lists 1 GPU(s) but torch cannot use them: torch.cuda.is_available() is False"
+    )
+    assert gpu_unusable({**facts, "cuda": True}) is None
+    assert gpu_unusable({**facts, "nvidia_smi": "unavailable: no driver"}) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose
+    assert gpu_unusable(facts) is None

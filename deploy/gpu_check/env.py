@@ -107,6 +107,22 @@ def cuda_facts() -> dict:
     return facts
 
 
+def gpus_listed(nvidia_smi: str) -> int:
+    """GPUs in `nvidia-smi --query-gpu=<5 fields> --format=csv,noheader` output (0 where it
+    failed or is absent)."""
+    return sum(1 for line in nvidia_smi.splitlines() if line.count(",") >= 4)
+
+
+def gpu_unusable(facts: dict) -> str | None:
+    """Why the check must fail when nvidia-smi lists GPUs that torch cannot use (a driver or
+    CUDA mismatch would otherwise skip every GPU step and pass); None when not so, or when
+    CUDA_VISIBLE_DEVICES hides them on purpose."""
+    listed = gpus_listed(facts.get("nvidia_smi", ""))
+    if not listed or facts.get("cuda") or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return None
+    return f"nvidia-smi lists {listed} GPU(s) but torch cannot use them: {facts.get('cuda_why')}"
+
+
 def visible_distributions() -> dict[str, str | None]:
     """Every distribution importable here, first on sys.path winning (as imports resolve)."""
     found: dict[str, str | None] = {}
@@ -132,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     record.data["facts"] = facts
     record.save()
+    unusable = gpu_unusable(facts)
+    if unusable is not None:
+        record.fail("cuda", unusable)
     # Requirements, at the versions installed here: the wheels' own and pdserve's.
     available = visible_distributions()
     site = Path(args.site) if args.site else None

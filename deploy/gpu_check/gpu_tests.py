@@ -72,6 +72,18 @@ def outcomes(events_path: Path) -> dict[str, dict]:
     return tests
 
 
+def failures(tests: dict[str, dict]) -> list[dict[str, str]]:
+    """The tests that failed, errored, or were selected and never reported (not a pass)."""
+    out = []
+    for nodeid, test in sorted(tests.items()):
+        if test["outcome"] in ("failed", "error"):
+            where = f" ({test['where']})" if test.get("where") else ""
+            out.append({"where": nodeid, "what": test.get("reason", "") + where})
+        elif test["outcome"] == "not run":
+            out.append({"where": nodeid, "what": "selected but did not run"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = step_args(__doc__.split("\n\n")[0], argv, **{"--workers": dict(type=int, default=6)})
     record = StepRecord(args.json)
@@ -119,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = Counter(t["outcome"] for t in tests.values())
     record.figures = dict(sorted(counts.items()))
     record.data["tests"] = tests
-    for nodeid, test in sorted(tests.items()):
-        if test["outcome"] in ("failed", "error"):
-            where = f" ({test['where']})" if test.get("where") else ""
-            record.failures.append({"where": nodeid, "what": test.get("reason", "") + where})
+    record.failures += failures(tests)
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
     if stopped:
         record.note(f"pytest was stopped at the step's time box; {counts['not run']} not run")

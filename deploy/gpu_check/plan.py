@@ -1,5 +1,5 @@
 """The steps of a GPU check, in order, each with its time box: the quick plan (`make gpu-check`)
-proves every CUDA path and takes the headline figures; the long plan (`make gpu-check-long`)
+runs every CUDA path the host's GPUs allow and takes the headline figures; the long plan (`make gpu-check-long`)
 runs the full benchmark sweeps for the docs. Each fits one 10-minute run of the device tool."""
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,24 @@ def headline(results: list[StepResult]) -> str:
     return "PASSED"
 
 
+def proof(results: list[StepResult]) -> str:
+    """What the CUDA tests proved on this host: how many passed, how many failed or never
+    reported, and how many it could not prove here, grouped by why (a skip is not a pass)."""
+    step = next((r for r in results if r.name == "tests"), None)
+    if step is None or step.status == "skipped" or "tests" not in step.data:
+        why = step.summary if step is not None else "the tests step was not in the plan"
+        return f"CUDA tests: none proven here ({why or step.status})"
+    tests = step.data["tests"].values()
+    outcomes = Counter(t["outcome"] for t in tests)
+    bad = outcomes["failed"] + outcomes["error"] + outcomes["not run"]
+    line = f"CUDA tests: {outcomes['passed']} proven, {bad} failed or not run"
+    unproven = Counter(t.get("reason", "") for t in tests if t["outcome"] == "skipped")
+    if unproven:
+        whys = "; ".join(f"{n}: {why}" for why, n in sorted(unproven.items(), key=lambda x: -x[1]))
+        line += f", {sum(unproven.values())} not proven here ({whys})"
+    return line
+
+
 def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -95,6 +114,8 @@ def first_screen(run: dict[str, Any], results: list[StepResult]) -> list[str]:
         "",
         f"`{run['command']}` · {run['plan']} plan · {device} · commit {facts.get('commit', '?')}"
         f" · {run['started']} · {run['seconds']:.0f} s of a {run['budget_s']:.0f} s budget",
+        "",
+        proof(results),
         "",
     ]
     lines += table(
