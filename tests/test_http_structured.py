@@ -7,11 +7,7 @@ every KV block free."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,7 +16,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from pdserve.tune.local_server import free_port
+from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 SCHEMA = {
     "type": "object",
@@ -40,38 +36,9 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("structured")
-    port = free_port()
-    log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve",
-                "serve",
-                "--model",
-                "pdserve-stories",
-                "--port",
-                str(port),
-                "--insecure",
-                "--log-dir",
-                str(tmp / "logs"),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 180
-        while "pdserve: serving" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "pdserve serve did not come up"
-            time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(30)
+    system = PdserveSystem("structured", flags=("--insecure",))
+    with PdserveServer(system, tmp_path_factory.mktemp("structured"), "pdserve-stories") as server:
+        yield server.base_url
 
 
 @pytest.fixture(scope="module")

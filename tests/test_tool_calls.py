@@ -8,11 +8,6 @@ its field."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import jsonschema
@@ -25,7 +20,7 @@ from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
 from pdserve.coordinator.tool_parsers import PARSERS, ToolCall
 from pdserve.engine.stories import grammar
 from pdserve.engine.stories.recognizer import accepts_call, read
-from pdserve.tune.local_server import free_port
+from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 WHERE_IS = {
     "type": "object",
@@ -146,41 +141,11 @@ def test_text_that_only_looks_like_a_call_stays_text():
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("tools")
-    port = free_port()
-    log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve",
-                "serve",
-                "--model",
-                "pdserve-stories",
-                "--port",
-                str(port),
-                "--insecure",
-                "--enable-auto-tool-choice",
-                "--tool-call-parser",
-                "hermes",
-                "--log-dir",
-                str(tmp / "logs"),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 180
-        while "pdserve: serving" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
-        yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(30)
+    system = PdserveSystem(
+        "tools", flags=("--insecure", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    )
+    with PdserveServer(system, tmp_path_factory.mktemp("tools"), "pdserve-stories") as server:
+        yield OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
 
 
 def assemble(stream) -> tuple[str | None, str, dict[int, dict]]:

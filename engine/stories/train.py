@@ -243,10 +243,10 @@ def train(shape: Shape, recipe: Recipe, out_dir: Path, plot: Path | None, progre
         shape.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         model = StoryModel(shape)
     data = token_stream(tok, docs)
-    bos = tok.token_to_id(BOS)
-    doc_starts = [
-        i for i in (data == bos).nonzero().flatten().tolist() if i + recipe.seq_len + 1 <= len(data)
-    ]
+    if recipe.windows == "documents":
+        bos = tok.token_to_id(BOS)
+        starts = (data == bos).nonzero().flatten().tolist()
+        doc_starts = [i for i in starts if i + recipe.seq_len + 1 <= len(data)]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
