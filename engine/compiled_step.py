@@ -60,8 +60,26 @@ def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, b
     return torch.empty_like(query)
 
 
+@torch.library.custom_op("pdserve::fused_moe", mutates_args=())
+def _fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    return _BACKENDS[backend].fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids, backend):
+    return torch.empty_like(hidden)
+
+
 def _opaque_ops(ops: Ops) -> Ops:
-    """`ops` with its KV write and attention behind the custom ops."""
+    """`ops` with its KV write, attention and experts behind the custom ops (the reference MoE
+    groups tokens by expert with counts read on the host)."""
     from dataclasses import replace
 
     _BACKENDS[ops.name] = ops
@@ -74,7 +92,10 @@ def _opaque_ops(ops: Ops) -> Ops:
             query, k_cache, v_cache, block_tables, seq_lens, qsl, scale, ops.name
         )
 
-    return replace(ops, store_kv=store_kv, paged_attention=paged_attention)
+    def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+        return torch.ops.pdserve.fused_moe(hidden, w13, w2, topk_weights, topk_ids, ops.name)
+
+    return replace(ops, store_kv=store_kv, paged_attention=paged_attention, fused_moe=fused_moe)
 
 
 class _PoolView:

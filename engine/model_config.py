@@ -1,4 +1,5 @@
-"""Model architecture read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3 families).
+"""Model architecture read from a Hugging Face `config.json`: the dense Llama, Mistral, Qwen2 and
+Qwen3 families and their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Anything this engine cannot run exactly is refused here, with the offending field named.
 """
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -41,6 +43,20 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (all zero / empty for a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert; 0: none
+    norm_topk_prob: bool = False  # renormalise the k routing weights to sum to one
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts'; the rest dense
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.sparse_layers)
+
+    def is_sparse_layer(self, index: int) -> bool:
+        return index in self.sparse_layers
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
@@ -55,7 +71,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json field 'hidden_act' = {act!r} is not supported"
             )
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+        mistral_like = model_type in ("mistral", "mixtral")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", mistral_like):
             window = cfg["sliding_window"]
             if window < cfg.get("max_position_embeddings", window):
                 raise UnsupportedModelError(
@@ -80,6 +97,11 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        qwen2_like = model_type in ("qwen2", "qwen2_moe")
+        if model_type == "qwen2_moe":
+            attention_bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
+        else:
+            attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -94,12 +116,13 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            o_proj_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            attention_bias=attention_bias,
+            o_proj_bias=not qwen2_like and bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(model_type, cfg),
         )
 
     @classmethod
@@ -132,3 +155,40 @@ class ModelConfig:
         smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_llama)
+
+
+def _moe_fields(model_type: str, cfg: dict) -> dict:
+    """The mixture-of-experts fields of a config, as each family's config names them."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    num_layers = cfg["num_hidden_layers"]
+    if model_type == "mixtral":
+        num_experts = cfg.get("num_local_experts", 8)
+        width, shared, renormalize = cfg["intermediate_size"], 0, True
+        sparse = tuple(range(num_layers))
+    else:
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+        width = cfg["moe_intermediate_size"]
+        shared = cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(
+            i
+            for i in range(num_layers)
+            if i not in dense and num_experts > 0 and (i + 1) % step == 0
+        )
+    top_k = cfg.get("num_experts_per_tok", 2)
+    if sparse and not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(
+            f"config.json field 'num_experts_per_tok' = {top_k} must be between 1 and the "
+            f"number of experts ({num_experts})"
+        )
+    return {
+        "num_experts": num_experts if sparse else 0,
+        "num_experts_per_tok": top_k if sparse else 0,
+        "moe_intermediate_size": width if sparse else 0,
+        "shared_expert_intermediate_size": shared if sparse else 0,
+        "norm_topk_prob": renormalize,
+        "sparse_layers": sparse,
+    }

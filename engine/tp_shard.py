@@ -1,5 +1,5 @@
 """Which part of a model one tensor-parallel rank owns: its attention heads, its KV heads, its
-columns of the MLP and its rows of the vocabulary. Pure arithmetic, the same on every rank.
+columns of the MLP (of every expert's, in a mixture of experts) and its rows of the vocabulary. Pure arithmetic, the same on every rank.
 
 Query heads and MLP columns split evenly. KV heads split evenly when there are at least as many
 as ranks; with fewer, each KV head is replicated on size / num_kv_heads consecutive ranks, so
@@ -26,10 +26,15 @@ class TPShard:
     def check(self, cfg: ModelConfig) -> None:
         """Raise ValueError naming the config field that this group size cannot split."""
         size = self.size
-        for field, value in (
-            ("num_attention_heads", cfg.num_heads),
-            ("intermediate_size", cfg.intermediate_size),
-        ):
+        fields = [("num_attention_heads", cfg.num_heads)]
+        if len(cfg.sparse_layers) < cfg.num_layers:  # a dense MLP somewhere
+            fields.append(("intermediate_size", cfg.intermediate_size))
+        if cfg.is_moe:
+            name = "intermediate_size" if cfg.model_type == "mixtral" else "moe_intermediate_size"
+            fields.append((name, cfg.moe_intermediate_size))
+        if cfg.shared_expert_intermediate_size:
+            fields.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
+        for field, value in fields:
             if value % size:
                 raise ValueError(
                     f"config.json field '{field}' = {value} is not divisible by "

@@ -15,3 +15,4 @@ class Ops:
     rms_norm: Callable
     fused_add_rms_norm: Callable
     apply_rotary: Callable
+    fused_moe: Callable  # a mixture-of-experts MLP over stacked expert weights

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdserve.kernels import attention_ref, norm_ref, rotary_ref
+from pdserve.kernels import attention_ref, moe_ref, norm_ref, rotary_ref
 from pdserve.kernels.op_table import Ops
 
 REFERENCE = Ops(
@@ -18,6 +18,7 @@ REFERENCE = Ops(
     rms_norm=norm_ref.rms_norm,
     fused_add_rms_norm=norm_ref.fused_add_rms_norm,
     apply_rotary=rotary_ref.apply_rotary,
+    fused_moe=moe_ref.fused_moe,
 )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pdserve.kernels.op_table import Ops
 from pdserve.kernels.triton_attention import paged_attention
 from pdserve.kernels.triton_kv import store_kv
+from pdserve.kernels.triton_moe import fused_moe
 from pdserve.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.triton_rotary import apply_rotary
 
@@ -16,4 +17,5 @@ TRITON = Ops(
     rms_norm=rms_norm,
     fused_add_rms_norm=fused_add_rms_norm,
     apply_rotary=apply_rotary,
+    fused_moe=fused_moe,
 )

@@ -40,7 +40,51 @@ FAMILIES: dict[str, dict] = {
         head_dim=32,
         tie_word_embeddings=False,
     ),
+    # Mistral: Llama's layers under its own name; no sliding window.
+    "mistral": dict(
+        model_type="mistral",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    # Mixtures of experts (4 experts, top-2): every token's two experts, renormalised.
+    "mixtral": dict(
+        model_type="mixtral",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    # A shared expert with its sigmoid gate, qkv bias, the top-2 weights not renormalised.
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
+    # q/k norm, renormalised top-2, and a dense layer between two sparse ones (mlp_only_layers).
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build_checkpoint(
@@ -54,7 +98,7 @@ def build_checkpoint(
     model_type = opts.pop("model_type")
     config_cls = transformers.AutoConfig.for_model(model_type).__class__
     vocab = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tiny / "tokenizer.json"))
-    config = config_cls(
+    sizes = dict(
         vocab_size=len(vocab),
         hidden_size=64,
         intermediate_size=128,
@@ -63,8 +107,8 @@ def build_checkpoint(
         bos_token_id=0,
         eos_token_id=1,
         initializer_range=0.2,
-        **opts,
     )
+    config = config_cls(**{**sizes, **opts})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     # Norm weights away from one so their use is tested too.

@@ -32,8 +32,11 @@ def _greedy(model_dir, **options) -> tuple[list[list[int]], LLM]:
 
 
 @pytest.mark.skipif(compile_unavailable("cpu") is not None, reason="no C++ compiler")
-def test_compiled_greedy_equals_eager_and_transformers(checkpoint_dir, caplog):
-    model_dir = checkpoint_dir("qwen3")  # q/k norms besides Llama's parts
+@pytest.mark.parametrize("family", ["qwen3", "qwen2_moe"])
+def test_compiled_greedy_equals_eager_and_transformers(checkpoint_dir, caplog, family):
+    # qwen3: q/k norms besides Llama's parts; qwen2_moe: routed experts behind their custom op
+    # and a shared expert
+    model_dir = checkpoint_dir(family)
     expected = hf_greedy(model_dir, PROMPTS, NEW_TOKENS)
     eager, _ = _greedy(model_dir)
     with caplog.at_level(logging.INFO, logger="pdserve.engine.model_shard"):

@@ -46,7 +46,7 @@ def test_each_plan_fits_one_device_run_with_room_for_start_and_report():
 
 
 def test_quick_plan_runs_the_steps_in_the_issues_order_and_gpu_steps_need_cuda():
-    order = "install env tests kernels tiles model_step serving parity".split()
+    order = "install env tests kernels tiles model_step moe serving parity".split()
     assert [s.name for s in QUICK] == order
     assert all("cuda" in s.needs for s in QUICK[2:])
     assert not QUICK[0].needs and not QUICK[1].needs

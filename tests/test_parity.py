@@ -26,7 +26,7 @@ def reference(checkpoint_dir):
     return get
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_batched_greedy_matches_transformers(reference, family):
     model_dir, prompts, expected = reference(family)
     # float32, as transformers runs

@@ -18,7 +18,8 @@ import pytest
 import torch
 from paged_inputs import paged_inputs
 
-from pdserve.kernels import attention_ref, norm_ref, rotary_ref
+from pdserve.kernels import attention_ref, moe_ref, norm_ref, rotary_ref
+from pdserve.kernels.moe_align import align_pairs_to_blocks, max_padded_rows
 
 pytest.importorskip("triton")
 
@@ -69,10 +70,10 @@ def interpreted(test):
 
 @pytest.fixture(scope="module")
 def tk() -> SimpleNamespace:
-    from pdserve.kernels import triton_attention
+    from pdserve.kernels import triton_attention, triton_moe
     from pdserve.kernels.triton_ops import TRITON
 
-    return SimpleNamespace(ops=TRITON, attention=triton_attention)
+    return SimpleNamespace(ops=TRITON, attention=triton_attention, moe=triton_moe)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child process")
@@ -304,6 +305,118 @@ def test_rotary_rotates_qkv_views_in_place(tk, dtype, head_dim):
     assert torch.equal(qkv[:, num_heads + num_kv_heads :], v_before)
 
 
+# --- mixture of experts -------------------------------------------------------------------------
+
+# The fused MoE against the reference in the same dtype, on outputs of magnitude up to ~4 (worst
+# seen below over these inputs and 32 more routings). float32 differs only in summation order
+# (1.2e-6). In half precision both round at the same five points (gate, up, silu, their product,
+# the expert's output): float16 agrees to a unit in the last place (4.9e-4); the interpreter
+# truncates to bfloat16 where the reference rounds to nearest, so bfloat16 drifts by a few units
+# (7.8e-2, five units near 4; a torch model of the reference that truncates at those five points
+# matches the kernel bit for bit).
+MOE_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+# 8 experts, 2 per token; hidden 48 and intermediate 40 are not multiples of any tile size.
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 8, 2, 48, 40
+# Routes over experts {0, 3, 4, 7} only, each in either slot: at 40 tokens experts 0 and 4 get
+# exactly one 16-row block of pairs, 3 and 7 a block and a half, the rest nothing.
+MOE_ROUTES = [(3, 0), (7, 4), (0, 3), (4, 7), (3, 7)]
+
+
+def _moe_inputs(num_tokens: int, dtype: torch.dtype, seed: int, routed: bool) -> dict:
+    """Fused MoE arguments: the routes above, or (routed) a softmax router's top-k over all."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, MOE_HIDDEN, generator=gen)
+    w13 = torch.randn(MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN, generator=gen) / MOE_HIDDEN**0.5
+    w2 = torch.randn(MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, generator=gen) / MOE_INTER**0.5
+    if routed:
+        probs = torch.softmax(torch.randn(num_tokens, MOE_EXPERTS, generator=gen), dim=-1)
+        weights, ids = torch.topk(probs, MOE_TOP_K, dim=-1)
+    else:
+        ids = torch.tensor([MOE_ROUTES[t % len(MOE_ROUTES)] for t in range(num_tokens)])
+        weights = torch.rand(num_tokens, MOE_TOP_K, generator=gen).add(0.1)
+        ids = ids.reshape(num_tokens, MOE_TOP_K)  # [0, k] too when there are no tokens
+    return dict(
+        hidden=hidden.to(dtype),
+        w13=w13.to(dtype),
+        w2=w2.to(dtype),
+        topk_weights=weights / weights.sum(dim=-1, keepdim=True),
+        topk_ids=ids,
+    )
+
+
+def _assert_moe_close(actual: torch.Tensor, args: dict) -> None:
+    expected = moe_ref.fused_moe(**args)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **MOE_TOL[actual.dtype])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_fused_moe_matches_reference_when_experts_are_skipped_or_shared(tk, dtype, num_tokens):
+    args = _moe_inputs(num_tokens, dtype, seed=10, routed=False)
+    _assert_moe_close(tk.moe.fused_moe(**args), args)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_moe_matches_reference_on_router_choices(tk, dtype):
+    args = _moe_inputs(33, dtype, seed=11, routed=True)
+    _assert_moe_close(tk.moe.fused_moe(**args), args)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_moe_with_small_tiles_steps_over_columns_and_reduction(tk, dtype):
+    # 16-wide tiles: three column blocks and three reduction steps per GEMM, the last masked.
+    args = _moe_inputs(40, dtype, seed=12, routed=True)
+    config = tk.moe.MoeTileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    _assert_moe_close(tk.moe.fused_moe(**args, config=config), args)
+
+
+@interpreted
+def test_fused_moe_of_no_tokens_is_empty(tk):
+    args = _moe_inputs(0, torch.bfloat16, seed=13, routed=True)
+    out = tk.moe.fused_moe(**args)
+    assert out.shape == (0, MOE_HIDDEN) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checked in the parent process")
+@pytest.mark.parametrize("block_m", [4, 16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 40])
+def test_expert_blocks_hold_each_pair_once_and_one_expert_each(num_tokens, block_m):
+    gen = torch.Generator().manual_seed(14)
+    topk_ids = torch.randint(0, MOE_EXPERTS, (num_tokens, 3), generator=gen)
+    topk_ids[topk_ids == 5] = 2  # expert 5 receives nothing
+    blocks = align_pairs_to_blocks(topk_ids, MOE_EXPERTS, block_m)
+    flat, sentinel = topk_ids.reshape(-1), blocks.num_pairs
+    assert sentinel == flat.numel()
+    # Sized by shapes alone, so a CUDA graph replays it for any routes.
+    max_padded = max_padded_rows(flat.numel(), MOE_EXPERTS, block_m)
+    assert blocks.sorted_pair_ids.shape == (max_padded,)
+    assert blocks.block_expert.shape == (max_padded // block_m,)
+    ids = blocks.sorted_pair_ids.tolist()
+    assert sorted(i for i in ids if i != sentinel) == list(range(flat.numel()))
+    counts = torch.bincount(flat, minlength=MOE_EXPERTS).tolist()
+    used = sum(-(-c // block_m) for c in counts)
+    assert blocks.num_padded.tolist() == [used * block_m]
+    assert int(blocks.num_used_blocks) == used
+    for b, expert in enumerate(blocks.block_expert.tolist()):
+        rows = ids[b * block_m : (b + 1) * block_m]
+        pairs = [i for i in rows if i != sentinel]
+        if b >= used:
+            assert expert == -1 and not pairs
+            continue
+        # The block's pairs first, in their original order, then the sentinel.
+        assert pairs and rows == pairs + [sentinel] * (block_m - len(pairs))
+        assert pairs == sorted(pairs) and all(flat[p] == expert for p in pairs)
+    assert blocks.block_expert[:used].diff().ge(0).all()  # experts in order
+
+
 # --- the op table in the engine -----------------------------------------------------------------
 
 
@@ -363,8 +476,8 @@ def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
     values = dict(zip(kernel.arg_names, args), **kwargs)
     if "UPCAST_DOT" in values:  # the launches were recorded off-GPU; compile the GPU variant
         values["UPCAST_DOT"] = False
-        exact = values["k_cache_ptr"].dtype == torch.float32
-        values["DOT_PRECISION"] = "ieee" if exact else None
+        operand = values.get("k_cache_ptr", values.get("hidden_ptr", values.get("act_ptr")))
+        values["DOT_PRECISION"] = "ieee" if operand.dtype == torch.float32 else None
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
         value = values[name]
@@ -399,7 +512,7 @@ def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
 def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
     # The interpreter runs kernels as Python; this catches what only the compiler rejects.
     dtype = torch.bfloat16
-    from pdserve.kernels import triton_attention, triton_kv, triton_norm, triton_rotary
+    from pdserve.kernels import triton_attention, triton_kv, triton_moe, triton_norm, triton_rotary
     from pdserve.kernels.triton_ops import TRITON
 
     pytest.importorskip("triton.backends.nvidia")
@@ -411,7 +524,7 @@ def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
 
         return record
 
-    for module in (triton_attention, triton_kv, triton_norm, triton_rotary):
+    for module in (triton_attention, triton_kv, triton_moe, triton_norm, triton_rotary):
         for name in dir(module):
             if name.endswith("_kernel"):
                 kernel = getattr(module, name)
@@ -429,8 +542,15 @@ def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
     x, weight = torch.zeros(4, hidden, dtype=dtype), torch.ones(hidden, dtype=dtype)
     TRITON.rms_norm(x, weight, 1e-5)
     TRITON.fused_add_rms_norm(x, x, weight, 1e-5)
-    # Split decode + its reduce, single-split decode, prefill, store_kv, rotary, the two norms.
-    assert len(launches) == 8
+    # Qwen3-30B-A3B's experts (hidden 2048, intermediate 768, 8 per token), 8 of its 128 here:
+    # token counts that give each tile tier (4, 64, 128 and 512 pairs per expert).
+    w13, w2 = torch.empty(8, 2 * 768, 2048, dtype=dtype), torch.empty(8, 2048, 768, dtype=dtype)
+    for tokens in (4, 64, 128, 512):
+        weights, ids = torch.ones(tokens, 8) / 8, torch.arange(8).repeat(tokens, 1)
+        triton_moe.fused_moe(torch.zeros(tokens, 2048, dtype=dtype), w13, w2, weights, ids)
+    # Split decode + its reduce, single-split decode, prefill, store_kv, rotary, the two norms,
+    # and each MoE's two GEMMs.
+    assert len(launches) == 16
     for kernel, args, kwargs in launches:
         _compile_for_sm90(kernel, args, kwargs, tmp_path)
 

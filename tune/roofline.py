@@ -98,6 +98,9 @@ def roofline_step(
         per_context_s=model.kv_bytes_per_token(dtype) * byte_s,
         weights_s=model.step_weight_bytes(dtype) * byte_s,
         overlap=True,
+        expert_weights_s=model.expert_weight_bytes(dtype) * byte_s,
+        num_experts=model.num_experts,
+        experts_per_token=model.experts_per_token,
     )
 
 

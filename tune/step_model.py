@@ -6,12 +6,16 @@ rows) and costs
 
     time = base + per_seq * seqs + combine(compute, memory)
     compute = per_token * tokens + per_pair * pairs + per_row * sampled rows
-    memory = weights + per_context * KV tokens read
+    memory = weights + routed experts' weights * touched(tokens) + per_context * KV tokens read
 
 where `combine` is a sum (`overlap = False`, a CPU, fitted from measured steps) or a max
 (`overlap = True`, a roofline: compute and memory traffic overlap on a GPU). A tensor-parallel
 node adds its all-reduces after that, `allreduce_per_token * tokens` (their bytes; their
 latencies are in `base`): a layer waits for its all-reduce, which overlaps nothing.
+
+In a mixture of experts a step reads only the experts its tokens are routed to: with E experts,
+k per token and routing taken as uniform, the expected fraction touched by n tokens is
+1 - (1 - k/E)^n, a few experts for one decode token and all of them for a prefill.
 """
 
 from __future__ import annotations
@@ -80,6 +84,15 @@ class StepTimeModel:
     weights_s: float = 0.0  # reading the weights once per step
     overlap: bool = False  # compute and memory overlap (max) instead of adding up
     allreduce_per_token_s: float = 0.0  # a tensor-parallel group's all-reduces, per new token
+    expert_weights_s: float = 0.0  # reading every routed expert once (a mixture of experts)
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """The expected fraction of the routed experts that `num_tokens` tokens use."""
+        if not self.num_experts:
+            return 0.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** num_tokens
 
     def time(self, shape: StepShape) -> float:
         compute = (
@@ -88,6 +101,8 @@ class StepTimeModel:
             + self.per_row_s * shape.num_rows
         )
         memory = self.weights_s + self.per_context_s * shape.num_context
+        if self.expert_weights_s:
+            memory += self.expert_weights_s * self.experts_touched(shape.num_tokens)
         both = max(compute, memory) if self.overlap else compute + memory
         allreduce = self.allreduce_per_token_s * shape.num_tokens
         return self.base_s + self.per_seq_s * shape.num_seqs + both + allreduce

@@ -1,4 +1,4 @@
-"""The checkpoints pdserve and its peers are compared on: random-weight Llama and Qwen3 models
+"""The checkpoints pdserve and its peers are compared on: random-weight Llama, Qwen3 and Mixtral models
 built with `transformers` (no model hub), with the pdserve-tiny tokenizer files, written once into
 the cache folder. Random weights cost what trained ones do; prompts are token ids, so the
 tokenizer is only ever loaded. Every head_dim is at least 32 (vLLM's CPU attention refuses 16)."""
@@ -65,6 +65,21 @@ MODELS: dict[str, dict] = {
         tie_word_embeddings=True,
         rope_theta=1000000.0,
     ),
+    # A mixture of experts: Mixtral's shape, 8 experts of 512 and 2 per token; 55.3M parameters,
+    # 24.6M of them in the embeddings and lm_head, 28.3M in the experts (7.1M active per token).
+    "mixtral-55m": dict(
+        model_type="mixtral",
+        vocab_size=32000,
+        hidden_size=384,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -79,7 +94,12 @@ def num_parameters(cfg: dict) -> int:
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if experts:  # every expert and the router (the bench models' MoE is Mixtral's)
+        mlp = experts * 3 * h * inter + experts * h
+    else:
+        mlp = 3 * h * inter
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
     if cfg.get("model_type") == "qwen3":
         per_layer += 2 * head_dim  # q_norm, k_norm
     embeddings = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)

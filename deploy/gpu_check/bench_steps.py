@@ -1,4 +1,4 @@
-"""Steps `kernels`, `model_step` and `kv_transfer`: the benchmarks of bench/ run as they run for
+"""Steps `kernels`, `model_step`, `moe` and `kv_transfer`: the benchmarks of bench/ run as they run for
 the docs (their tables go to the step's log, their JSON into the record), with the headline
 figures the report compares with the aims.
 
@@ -52,6 +52,29 @@ def model_step(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
     return "; ".join(parts)
 
 
+def moe(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
+    from pdserve.bench import moe as bench
+
+    data = bench.main(["--json", str(out)] + ([] if args.long else ["--quick"]))
+    record.data = data
+    record.figures = {"copy_gbps": data["copy_gbps"], "matmul_tflops": data["matmul_tflops"]}
+    rows = data["rows"]
+    parts = [f"{data['device']}, {data['dtype']}"]
+    if rows:
+        big, one = rows[-1], rows[0]
+        parts.append(
+            f"fused MoE at {big['tokens']} tokens: {big['fraction_of_matmul']['triton']:.0%} of "
+            f"matmul, {big['moe_ms']['triton'] / big['dense_ms']:.2f}x a dense MLP of its active "
+            f"width; at {one['tokens']} token {one['fraction_of_copy']['triton']:.0%} of copy"
+        )
+        parts.append(
+            f"Triton {one['moe_ms']['torch'] / one['moe_ms']['triton']:.1f}x the reference at "
+            f"{one['tokens']} token, {big['moe_ms']['torch'] / big['moe_ms']['triton']:.1f}x at "
+            f"{big['tokens']}"
+        )
+    return "; ".join(parts)
+
+
 def kv_transfer(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
     from pdserve.bench import kv_transfer as bench
 
@@ -71,7 +94,12 @@ def kv_transfer(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
     return "cuda_ipc measured"
 
 
-BENCHES = {"kernels": kernels, "model_step": model_step, "kv_transfer": kv_transfer}
+BENCHES = {
+    "kernels": kernels,
+    "model_step": model_step,
+    "moe": moe,
+    "kv_transfer": kv_transfer,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,15 +39,16 @@ QUICK = (
     INSTALL,
     ENV,
     gpu_step(
-        "tests", "every test that skips without CUDA", "pdserve.deploy.gpu_check.gpu_tests", 160
+        "tests", "every test that skips without CUDA", "pdserve.deploy.gpu_check.gpu_tests", 145
     ),
     gpu_step(
         "kernels", "pdserve.bench.kernels --quick (Llama-3-8B attention)", BENCH, 50, "kernels"
     ),
-    gpu_step("tiles", "Triton attention tile sweep", "pdserve.deploy.gpu_check.tiles", 55),
+    gpu_step("tiles", "Triton attention tile sweep", "pdserve.deploy.gpu_check.tiles", 45),
     gpu_step(
         "model_step", "pdserve.bench.model_step --quick (Llama-3-8B)", BENCH, 70, "model_step"
     ),
+    gpu_step("moe", "pdserve.bench.moe --quick (a Qwen3-30B-A3B MoE layer)", BENCH, 25, "moe"),
     gpu_step(
         "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.deploy.gpu_check.serving", 115
     ),

@@ -1,8 +1,11 @@
-"""The decoder of the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm),
-running attention over the paged KV pool through the kernel op table."""
+"""The decoder of the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) and
+of its mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: the same attention, an MoE MLP in
+the layers their config makes sparse), running attention over the paged KV pool and the experts
+through the kernel op table."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -12,6 +15,7 @@ from pdserve.engine.cpu_linear import Linear
 from pdserve.engine.forward_batch import AttentionBatch
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.models.parallel_layers import (
     ParallelLMHead,
     RowParallelLinear,
@@ -21,6 +25,17 @@ from pdserve.engine.tp_group import TPGroup
 from pdserve.engine.tp_shard import TPShard
 from pdserve.engine.weights import CheckpointTensor
 from pdserve.kernels.op_table import Ops
+
+# An expert's projection, by its checkpoint name (Mixtral's block_sparse_moe read as mlp).
+EXPERT_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_PROJECTIONS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",  # Mixtral
+    "w3": "up",
+    "w2": "down",
+}
 
 
 class RMSNorm(nn.Module):
@@ -88,13 +103,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shard: TPShard,
+        group: TPGroup | None,
+        width: int | None = None,
+    ) -> None:
+        """width: this rank's columns (by default its share of the config's intermediate_size);
+        without a group the down projection's output is this rank's partial sum."""
         super().__init__()
-        self.intermediate_size = len(shard.columns(cfg.intermediate_size))
+        self.intermediate_size = width or len(shard.columns(cfg.intermediate_size))
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -105,7 +128,10 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_index, shard, group)
-        self.mlp = MLP(cfg, shard, group)
+        if cfg.is_sparse_layer(layer_index):
+            self.mlp = SparseMoE(cfg, shard, group, MLP)
+        else:
+            self.mlp = MLP(cfg, shard, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -174,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.post_attention_layernorm.weight,
                 layer.post_attention_layernorm.eps,
             )
-            hidden = layer.mlp(normed)
+            hidden = layer.mlp(normed, ops)
         normed, _ = ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         return normed
 
@@ -184,10 +210,11 @@ class LlamaForCausalLM(nn.Module):
 
     # --- loading -------------------------------------------------------------------------------
 
-    def _slices(self) -> dict[str, tuple[str, int, range, int, int]]:
+    def _slices(self, mlp_width: int) -> dict[str, tuple[str, int, range, int, int]]:
         """Per split checkpoint weight (by the name's part before `weight` / `bias`): our
         parameter's name part, the split dimension (0: rows, 1: columns), the range of it this
-        rank reads, the whole dimension's size, and where the rows go in our fused parameter."""
+        rank reads, the whole dimension's size, and where the rows go in our fused parameter.
+        mlp_width: the whole intermediate size of the MLP the name belongs to."""
         cfg, shard = self.config, self.shard
         hd = cfg.head_dim
         q = shard.q_heads(cfg.num_heads)
@@ -195,8 +222,8 @@ class LlamaForCausalLM(nn.Module):
         q_rows = range(q.start * hd, q.stop * hd)
         kv_rows = range(kv.start * hd, kv.stop * hd)
         q_all, kv_all = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        mlp = shard.columns(cfg.intermediate_size)
-        inter = cfg.intermediate_size
+        mlp = shard.columns(mlp_width)
+        inter = mlp_width
         vocab = shard.vocab_rows(cfg.vocab_size)
         return {
             "q_proj": ("qkv_proj", 0, q_rows, q_all, 0),
@@ -215,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
         from the file); raise naming the first missing, unexpected or misshapen weight."""
         cfg = self.config
         params = dict(self.named_parameters())
-        slices = self._slices()
+        dense_slices = self._slices(cfg.intermediate_size)
+        shared_slices = self._slices(cfg.shared_expert_intermediate_size)
         expected = set(self._checkpoint_names())
         seen: set[str] = set()
         for tensor in weights:
@@ -227,7 +255,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in expected:
                 raise ValueError(f"unexpected weight '{name}' in checkpoint")
+            local = local.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            expert = EXPERT_WEIGHT.fullmatch(local)
+            if expert is not None:
+                self._load_expert(tensor, *expert.groups())
+                seen.add(name)
+                continue
             parts = local.split(".")
+            slices = shared_slices if "shared_expert" in parts else dense_slices
             split = slices.get(parts[-2]) if len(parts) >= 2 else None
             if split is not None and split[1] == 1 and parts[-1] == "bias":
                 split = None  # a row-parallel layer's bias is whole on every rank
@@ -261,6 +296,28 @@ class LlamaForCausalLM(nn.Module):
                 f"missing weight '{missing[0]}' in checkpoint ({len(missing)} missing)"
             )
 
+    def _load_expert(self, tensor: CheckpointTensor, layer: str, expert: str, proj: str) -> None:
+        """Read this rank's columns of one expert's projection into the stacked weights."""
+        cfg = self.config
+        experts = self.layers[int(layer)].mlp.experts
+        cols = self.shard.columns(cfg.moe_intermediate_size)
+        role = EXPERT_PROJECTIONS[proj]
+        if role == "down":
+            full = (cfg.hidden_size, cfg.moe_intermediate_size)
+        else:
+            full = (cfg.moe_intermediate_size, cfg.hidden_size)
+        if tuple(tensor.shape) != full:
+            raise ValueError(
+                f"weight '{tensor.name}' has shape {tuple(tensor.shape)}, expected {full}"
+            )
+        with torch.no_grad():
+            if role == "down":
+                experts.w2.data[int(expert)].copy_(tensor.read(columns=cols))
+            else:
+                offset = 0 if role == "gate" else len(cols)
+                rows = experts.w13.data[int(expert)].narrow(0, offset, len(cols))
+                rows.copy_(tensor.read(rows=cols))
+
     def _checkpoint_names(self) -> list[str]:
         cfg = self.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -278,5 +335,26 @@ class LlamaForCausalLM(nn.Module):
                 names.append(p + "self_attn.o_proj.bias")
             if cfg.qk_norm:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-            names += [p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+            if cfg.is_sparse_layer(i):
+                names += self._sparse_mlp_names(p)
+            else:
+                names += [p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+        return names
+
+    def _sparse_mlp_names(self, prefix: str) -> list[str]:
+        """A sparse layer's weights as the family's checkpoints name them."""
+        cfg = self.config
+        if cfg.model_type == "mixtral":
+            moe, projections = prefix + "block_sparse_moe.", ("w1", "w2", "w3")
+        else:
+            moe, projections = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        names = [moe + "gate.weight"]
+        for e in range(cfg.num_experts):
+            names += [moe + f"experts.{e}.{proj}.weight" for proj in projections]
+        if cfg.shared_expert_intermediate_size:
+            names += [
+                moe + f"shared_expert.{proj}.weight"
+                for proj in ("gate_proj", "up_proj", "down_proj")
+            ]
+            names.append(moe + "shared_expert_gate.weight")
         return names

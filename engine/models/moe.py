@@ -1,0 +1,63 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a router picks each token's k
+experts, the op table's `fused_moe` runs them (the torch reference on CPU, the fused Triton
+kernel on CUDA), and Qwen2-MoE adds a shared expert scaled by its sigmoid gate.
+
+Tensor parallelism splits every expert like a dense MLP: each rank holds its columns of every
+expert's gate and up projections and the matching rows of its down projection, and the shared
+expert alike; the router (experts x hidden, small) is whole on every rank, so each rank routes
+identically without talking. The experts' and the shared expert's partial sums are added before
+the layer's one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.cpu_linear import Linear
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.moe_router import route
+from pdserve.engine.tp_group import TPGroup
+from pdserve.engine.tp_shard import TPShard
+from pdserve.kernels.op_table import Ops
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked (this rank's columns of each): `w13[e]` is expert e's gate
+    projection above its up projection, `w2[e]` its down projection."""
+
+    def __init__(self, num_experts: int, width: int, hidden_size: int) -> None:
+        super().__init__()
+        self.width = width
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, width))
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None, dense_mlp: type
+    ) -> None:
+        """dense_mlp: the gated MLP class (its down projection's partial sums left unreduced
+        when built without a group), for the shared expert."""
+        super().__init__()
+        self.group = group
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        width = len(shard.columns(cfg.moe_intermediate_size))
+        self.experts = Experts(cfg.num_experts, width, cfg.hidden_size)
+        if cfg.shared_expert_intermediate_size:
+            shared = len(shard.columns(cfg.shared_expert_intermediate_size))
+            self.shared_expert = dense_mlp(cfg, shard, None, shared)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.group is not None:
+            out = self.group.all_reduce(out)
+        return out
