@@ -106,7 +106,8 @@ class Linear(nn.Linear):
 def pack(model: nn.Module) -> int:
     """Pack the weight of every layer of `model` that runs through `linear` (those with a
     `packed` attribute) and drop its plain weight, unless another layer shares it (a tied
-    embedding); the number packed."""
+    embedding), and every expert's two matrices of a mixture of experts (modules with a
+    `packed_experts` attribute: `w13[e]`, `w2[e]`); the number of matrices packed."""
     ours = [m for m in model.modules() if hasattr(m, "packed")]
     shared = {
         id(p)
@@ -120,4 +121,18 @@ def pack(model: nn.Module) -> int:
         if id(module.weight) not in shared:
             empty = torch.empty(0, dtype=weight.dtype, device=weight.device)
             module.weight = nn.Parameter(empty, requires_grad=False)
-    return len(ours)
+    # Mixtures of experts: each expert's gate+up and down matrices, from the stacked weights.
+    experts = [m for m in model.modules() if hasattr(m, "packed_experts")]
+    for module in experts:
+        w13, w2 = module.w13.detach(), module.w2.detach()
+        module.packed_experts = [
+            (
+                torch.ops.mkldnn._reorder_linear_weight(w13[e], BATCH_HINT),
+                torch.ops.mkldnn._reorder_linear_weight(w2[e], BATCH_HINT),
+            )
+            for e in range(w13.shape[0])
+        ]
+        empty = torch.empty(0, dtype=w13.dtype, device=w13.device)
+        module.w13 = nn.Parameter(empty, requires_grad=False)
+        module.w2 = nn.Parameter(empty.clone(), requires_grad=False)
+    return len(ours) + 2 * sum(len(m.packed_experts) for m in experts)

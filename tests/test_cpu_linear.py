@@ -158,3 +158,40 @@ def test_a_packed_model_generates_the_same_greedy_tokens_as_f_linear():
         tokens[backend] = [out.token_ids for out in llm.generate(prompts, params)]
         llm.close()
     assert tokens["onednn"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40, 300])
+def test_packed_experts_give_the_reference_moe(rows):
+    # A Qwen2-MoE layer (shared expert and its gate beside 4 routed experts, top-2): packing
+    # makes each expert's two matrices oneDNN's and drops the stacked ones.
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.llama import MLP
+    from pdserve.engine.models.moe import SparseMoE
+    from pdserve.engine.tp_shard import TPShard
+    from pdserve.kernels.ops import REFERENCE
+
+    cfg = ModelConfig.from_dict(
+        {
+            "model_type": "qwen2_moe",
+            "vocab_size": 8,
+            "hidden_size": 40,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 32,
+        }
+    )
+    torch.manual_seed(rows)
+    moe = SparseMoE(cfg, TPShard(), None, MLP)
+    for p in moe.parameters():
+        nn.init.normal_(p, std=0.2)
+    x = torch.randn(rows, 40)
+    with torch.no_grad():
+        before = moe(x, REFERENCE)
+        # gate_up, down of the shared expert, the router, the shared gate; 2 per routed expert
+        assert cpu_linear.pack(moe) == 4 + 2 * 4
+        assert moe.experts.w13.numel() == moe.experts.w2.numel() == 0
+        torch.testing.assert_close(moe(x, REFERENCE), before, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
 """Mixtral, Qwen2-MoE and Qwen3-MoE from tiny transformers checkpoints (4 experts, top-2, every
-expert used): greedy tokens equal transformers' in float32 at two block sizes; tensor-parallel
+expert used): greedy tokens equal transformers' in float32 at two block sizes, with the experts on
+weights packed for oneDNN and through the reference op; tensor-parallel
 groups of 2 and 4 ranks (gloo) equal one rank; preemption, chunked prefill and prefix-cache hits
 change nothing; a checkpoint missing an expert, or with one misshapen, is refused by name."""
 
@@ -62,11 +63,22 @@ def test_a_dense_layer_sits_between_sparse_ones_in_the_qwen3_moe_checkpoint(fami
     assert kinds == ["SparseMoE", "MLP", "SparseMoE"]
 
 
-@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize(
+    ("block_size", "cpu_linear"), [(16, "onednn"), (7, "onednn"), (16, "torch")]
+)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_greedy_tokens_equal_transformers(family_run, family, block_size):
+def test_greedy_tokens_equal_transformers(family_run, family, block_size, cpu_linear):
+    # onednn: the experts on packed weights (a CPU node's default); torch: the reference op
     model_dir, prompts, expected = family_run(family)
-    llm = LLM(str(model_dir), block_size=block_size, num_kv_blocks=1024 // block_size, device="cpu")
+    llm = LLM(
+        str(model_dir),
+        block_size=block_size,
+        num_kv_blocks=1024 // block_size,
+        device="cpu",
+        cpu_linear=cpu_linear,
+    )
+    experts = llm.engine.model.layers[0].mlp.experts
+    assert (experts.packed_experts is not None) == (cpu_linear == "onednn")
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 

@@ -14,23 +14,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.cpu_linear import Linear
+from pdserve.engine.cpu_linear import Linear, linear
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.moe_router import route
 from pdserve.engine.tp_group import TPGroup
 from pdserve.engine.tp_shard import TPShard
+from pdserve.kernels.moe_ref import grouped_experts
 from pdserve.kernels.op_table import Ops
 
 
 class Experts(nn.Module):
     """Every expert's weights stacked (this rank's columns of each): `w13[e]` is expert e's gate
-    projection above its up projection, `w2[e]` its down projection."""
+    projection above its up projection, `w2[e]` its down projection. On a CPU node that packs its
+    linear layers (`engine.cpu_linear.pack`), each expert's two matrices are packed for oneDNN
+    instead (`packed_experts`) and the stacked ones dropped."""
 
     def __init__(self, num_experts: int, width: int, hidden_size: int) -> None:
         super().__init__()
+        self.num_experts = num_experts
         self.width = width
+        self.hidden_size = hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, width))
+        self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def run_packed(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s gated MLP on x, on its packed weights."""
+        packed13, packed2 = self.packed_experts[expert]
+        gate, up = linear(x, None, None, packed13).split(self.width, dim=-1)
+        return linear(nn.functional.silu(gate) * up, None, None, packed2)
 
 
 class SparseMoE(nn.Module):
@@ -55,7 +67,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        experts = self.experts
+        if experts.packed_experts is not None:
+            out = grouped_experts(
+                x, weights, ids, experts.num_experts, experts.hidden_size, experts.run_packed
+            )
+        else:
+            out = ops.fused_moe(x, experts.w13, experts.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.group is not None:
