@@ -81,6 +81,11 @@ class Heartbeat(Message, tag="heartbeat"):
     kv_blocks_received: int = 0  # decode nodes: blocks whose pages arrived (since start)
     kv_blocks_reused: int = 0  # decode nodes: blocks of admitted prompts found already cached
     forced_tokens: int = 0  # output tokens its constraints forced, appended without a step
+    # Speculative decoding (since start): draft tokens verified, accepted, and accepted by
+    # position (index j: the j+1-th draft of a step)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class HandoffReady(Message, tag="handoff_ready"):

@@ -50,6 +50,9 @@ def engine_heartbeat(
         prefix_hits=load.prefix_hits,
         prefix_misses=load.prefix_misses,
         forced_tokens=load.forced_tokens,
+        spec_draft_tokens=load.spec_draft_tokens,
+        spec_accepted_tokens=load.spec_accepted_tokens,
+        spec_accepted_per_position=load.spec_accepted_per_position,
         pending_transfers=pending_transfers,
         kv_error=kv_error,
     )

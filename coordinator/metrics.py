@@ -116,6 +116,21 @@ class ClusterCollector:
             "without a step of their own (--forced-tokens; since it started)",
             labels=["node"],
         )
+        drafts = CounterMetricFamily(
+            "pdserve_spec_decode_num_draft_tokens",
+            "Draft tokens a node's speculative decoding proposed and verified (since it started)",
+            labels=["node"],
+        )
+        accepted = CounterMetricFamily(
+            "pdserve_spec_decode_num_accepted_tokens",
+            "Of a node's verified draft tokens, those accepted (since it started)",
+            labels=["node"],
+        )
+        per_position = CounterMetricFamily(
+            "pdserve_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by their position among a step's drafts (0: the first)",
+            labels=["node", "position"],
+        )
         for node in list(c.nodes.nodes.values()):
             alive.add_metric([node.node_id, node.role.value], 1.0 if node.alive else 0.0)
             if not node.alive:
@@ -127,6 +142,11 @@ class ClusterCollector:
             hits.add_metric([node.node_id], node.prefix_hits)
             misses.add_metric([node.node_id], node.prefix_misses)
             forced.add_metric([node.node_id], node.forced_tokens)
+            if node.spec_draft_tokens:
+                drafts.add_metric([node.node_id], node.spec_draft_tokens)
+                accepted.add_metric([node.node_id], node.spec_accepted_tokens)
+                for position, count in enumerate(node.spec_accepted_per_position):
+                    per_position.add_metric([node.node_id, str(position)], count)
             if node.role is NodeRole.DECODE:
                 received.add_metric([node.node_id], node.kv_blocks_received)
                 reused.add_metric([node.node_id], node.kv_blocks_reused)
@@ -151,6 +171,9 @@ class ClusterCollector:
         yield received
         yield reused
         yield forced
+        yield drafts
+        yield accepted
+        yield per_position
         yield phases
         yield GaugeMetricFamily(
             "pdserve_requests_running", "Requests generating tokens on a decode node", decoding

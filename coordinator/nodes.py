@@ -4,7 +4,7 @@ read: the registry runs under a real or a simulated clock alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.cluster.node_messages import Heartbeat, NodeRole, Register
 
@@ -36,6 +36,9 @@ class NodeState:
     kv_blocks_received: int = 0  # blocks whose pages arrived at it (since it started)
     kv_blocks_reused: int = 0  # blocks of prompts admitted to it found already cached there
     forced_tokens: int = 0  # output tokens its constraints forced (since it started)
+    spec_draft_tokens: int = 0  # speculative decoding's verified drafts (since it started)
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # by draft position
 
     @property
     def decodes(self) -> bool:
@@ -91,6 +94,9 @@ class NodeRegistry:
         node.kv_blocks_received = msg.kv_blocks_received
         node.kv_blocks_reused = msg.kv_blocks_reused
         node.forced_tokens = msg.forced_tokens
+        node.spec_draft_tokens = msg.spec_draft_tokens
+        node.spec_accepted_tokens = msg.spec_accepted_tokens
+        node.spec_accepted_per_position = list(msg.spec_accepted_per_position)
         node.reserved_blocks = 0
         node.assigned_prefill_tokens = 0
         return node

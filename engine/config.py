@@ -111,13 +111,29 @@ class EngineConfig:
         "`pdserve launch` start together on a host get disjoint shares of its cores)",
     )
     seed: int = setting(0, "seed of the engine's own random state (requests carry their own seeds)")
+    speculative_config: str | None = setting(
+        None,
+        'speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "verifies up to 4 tokens a step that follow an earlier occurrence of a sequence's last "
+        "2-4 tokens in its context (unset: off)",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
+        self.speculation()  # a malformed speculative_config fails here, naming what is wrong
         if self.cpu_bind is not None and self.cpu_bind != "auto":
             from pdserve.engine.cpu_threads import parse_cores
 
             parse_cores(self.cpu_bind)
+
+    def speculation(self):  # noqa: ANN201 - SpeculativeConfig | None
+        """The parsed speculative_config, or None when speculation is off."""
+        if self.speculative_config is None:
+            return None
+        from pdserve.engine.speculation import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -29,6 +29,7 @@ from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens
 from pdserve.engine.model_shard import ModelShard, PoolFactory
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.speculation import NgramProposer, can_speculate, draft_limit
 from pdserve.engine.thread_governor import CpuTimes, ThreadGovernor
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp_executor import TPExecutor
@@ -73,6 +74,9 @@ class EngineLoad:
     prefix_hits: int
     prefix_misses: int
     forced_tokens: int = 0  # appended by constraints without a step (since start)
+    spec_draft_tokens: int = 0  # speculative decoding's verified drafts (since start)
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -97,15 +101,21 @@ class Engine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        capacity = num_blocks * config.block_size
+        self.max_model_len = config.context_limit(max_position_embeddings, num_blocks)
+        speculation = config.speculation()
+        self.speculation = speculation
+        self.proposer = NgramProposer(speculation) if speculation is not None else None
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
             config.scheduling_policy,
+            propose=self._propose if speculation is not None else None,
+            num_speculative_tokens=speculation.num_speculative_tokens if speculation else 0,
+            max_model_len=self.max_model_len,
         )
-        capacity = num_blocks * config.block_size
-        self.max_model_len = config.context_limit(max_position_embeddings, num_blocks)
         if config.max_model_len and config.max_model_len > capacity:
             logger.warning(
                 "max_model_len %d exceeds the KV pool's %d tokens; using %d",
@@ -252,6 +262,9 @@ class Engine:
             prefix_hits=bm.prefix_hits,
             prefix_misses=bm.prefix_misses,
             forced_tokens=self.stats.num_forced_tokens,
+            spec_draft_tokens=self.stats.num_draft_tokens,
+            spec_accepted_tokens=self.stats.num_accepted_tokens,
+            spec_accepted_per_position=list(self.stats.accepted_per_position),
         )
 
     def check_alive(self) -> None:
@@ -279,10 +292,27 @@ class Engine:
         self.stats.total_s += time.perf_counter() - t0
         return outputs
 
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        """Draft tokens for a decoding sequence that may speculate (`engine.speculation`)."""
+        if not can_speculate(seq.params, seq.prefill_only, seq.constraint is not None):
+            return []
+        if self.speculation.adaptive:
+            k = min(
+                k,
+                draft_limit(
+                    k, seq.num_drafts_verified, seq.num_drafts_accepted, seq.num_output_tokens
+                ),
+            )
+        if k <= 0:
+            return []
+        if seq.ngram_index is None:
+            seq.ngram_index = self.proposer.new_index()
+        return self.proposer.propose(seq.token_ids, k, seq.ngram_index)
+
     def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
-        self.scheduler.postprocess(
-            out, dict(zip(sampled.rows, sampled.token_ids)), self.max_model_len
-        )
+        appended = self.scheduler.postprocess(out, sampled.tokens(), self.max_model_len)
+        if sampled.num_drafts:
+            self.stats.count_speculation(sampled)
         outputs = []
         for index, lp in zip(sampled.rows, sampled.logprobs):
             seq = out.scheduled[index].seq
@@ -293,7 +323,7 @@ class Engine:
             outputs.append(
                 RequestOutput(
                     seq.request_id,
-                    seq.token_ids[-1 - num_forced :],
+                    seq.token_ids[-appended[index] - num_forced :],
                     seq.is_finished or prefilled,
                     seq.finish_reason,
                     [lp] if lp is not None else [],

@@ -1,5 +1,6 @@
 """Execution of one scheduled step: turns its plan (token ids, positions, slots, block tables)
-into tensors, runs the model over the paged pool and returns last-position logits."""
+into tensors, runs the model over the paged pool and returns the logits of each sampling
+sequence's last position (and of a speculating sequence's drafts)."""
 
 from __future__ import annotations
 
@@ -111,10 +112,18 @@ class ModelRunner:
             )
         if not sample_rows:
             return torch.empty(0, device=self.device), sample_rows
-        if len(sample_rows) == hidden.shape[0]:  # all decodes: row i is sequence i's last token
+        if plan.num_logit_rows == hidden.shape[0]:  # every token is scored: all decodes, say
             logits = self.model.compute_logits(hidden)
-        else:
+        elif not plan.sample_counts:
             last = batch.query_start_loc[1:] - 1
             rows = last[torch.tensor(sample_rows)].to(self.device)
             logits = self.model.compute_logits(hidden[rows])
+        else:  # speculating sequences score their last 1 + drafts positions
+            ends = plan.query_start[1:]
+            rows = [
+                p
+                for index, count in zip(sample_rows, plan.sample_counts)
+                for p in range(ends[index] - count, ends[index])
+            ]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return logits, sample_rows

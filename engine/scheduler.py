@@ -9,6 +9,7 @@ whenever there is room; `static` forms a batch and admits nothing new until all 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
@@ -18,7 +19,13 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # a chunk reaching the end of the sequence samples a token after it
+    # A chunk reaching the end of the sequence samples a token after it. A speculating decode's
+    # count includes its draft tokens (seq.draft_token_ids), each verified in the same step.
+    num_new_tokens: int
+
+
+# propose(seq, k): up to k tokens to verify after a decoding sequence's next one
+Proposer = Callable[[Sequence, int], list[int]]
 
 
 @dataclass(slots=True)
@@ -43,8 +50,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: str = "continuous",
+        propose: Proposer | None = None,
+        num_speculative_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
+        """propose: speculative decoding's proposer (with num_speculative_tokens, the most a
+        step verifies per sequence, and max_model_len, which drafts stay within)."""
         self.block_manager = block_manager
+        self.propose = propose
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -95,6 +110,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if self.propose is not None and seq.num_uncomputed_tokens == 1:
+                seq.draft_token_ids = self._drafts(seq, budget - 1)
+                num_new += len(seq.draft_token_ids)
             allocated = self._allocate(seq, num_new)
             while not allocated:
                 victim = self.running[-1]
@@ -138,6 +156,17 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """Draft tokens for a decoding sequence: at most num_speculative_tokens, the step's
+        room, and what its max_tokens and the context leave after the token it samples anyway."""
+        left = seq.params.max_tokens - seq.num_output_tokens - 1
+        k = min(self.num_speculative_tokens, room, left)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - seq.num_tokens - 1)
+        if k <= 0 or seq.prefill_only:
+            return []
+        return self.propose(seq, k)[:k]
+
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
         return self.block_manager.allocate_slots(
             seq.block_table, seq.num_computed_tokens + num_new, seq.num_computed_tokens
@@ -148,6 +177,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -155,22 +185,43 @@ class Scheduler:
         out.preempted.append(seq.request_id)
 
     def postprocess(
-        self, out: SchedulerOutput, sampled: dict[int, int], max_model_len: int
-    ) -> None:
-        """Advance computed counts, append sampled tokens (keyed by index in out.scheduled),
-        register full blocks in the prefix cache, and finish what is done."""
+        self, out: SchedulerOutput, sampled: dict[int, list[int]], max_model_len: int
+    ) -> dict[int, int]:
+        """Advance computed counts, append sampled tokens (keyed by index in out.scheduled: one,
+        or a speculating sequence's accepted drafts and the token after them), register full
+        blocks in the prefix cache, and finish what is done. Returns how many tokens each
+        sampling sequence appended (fewer than sampled where a stop ends it)."""
+        appended: dict[int, int] = {}
         for index, item in enumerate(out.scheduled):
             seq = item.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prefill_tokens_computed += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(
-                seq.block_table, seq.token_ids, seq.num_computed_tokens
-            )
-            if index not in sampled:
+            tokens = sampled.get(index)
+            num_drafts = len(seq.draft_token_ids)
+            if num_drafts:
+                # The rejected drafts' KV is dropped: the tokens it holds are not the sequence's.
+                seq.draft_token_ids = []
+                accepted = len(tokens) - 1 if tokens else 0
+                seq.num_drafts_verified += num_drafts
+                seq.num_drafts_accepted += accepted
+                seq.num_computed_tokens += item.num_new_tokens - num_drafts + accepted
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
+            if tokens is None:
+                self._cache(seq, num_drafts)
                 continue
-            seq.append_token(sampled[index])
-            reason = seq.check_stop(max_model_len)
+            reason = None
+            count = 0
+            for token in tokens:
+                seq.append_token(token)
+                count += 1
+                reason = seq.check_stop(max_model_len)
+                if reason is not None:
+                    break
+            appended[index] = count
+            # A stop among the accepted drafts leaves KV past the sequence's last token.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            self._cache(seq, num_drafts)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -179,6 +230,19 @@ class Scheduler:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.PREFILLED
                 self.static_batch.discard(seq.request_id)
+        return appended
+
+    def _cache(self, seq: Sequence, num_drafts: int) -> None:
+        """Register the sequence's filled blocks; after verifying drafts, first give back the
+        blocks that only rejected drafts reached (the table holds what its KV needs, no more)."""
+        bm = self.block_manager
+        if num_drafts:
+            keep = -(-seq.num_computed_tokens // bm.block_size)
+            if len(seq.block_table) > keep:
+                tail = seq.block_table[keep:]
+                del seq.block_table[keep:]
+                bm.free(tail)
+        bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
 
     def append_forced(self, seq: Sequence, token_id: int, max_model_len: int) -> None:
         """Append a token the sequence's constraint forces (no step sampled it: its KV is

@@ -47,6 +47,12 @@ class Sequence:
         self.output_logprobs: list[dict] = []
         # The output's constraint (`pdserve.engine.grammar.Constraint`), if the request has one.
         self.constraint: Any = None
+        # Tokens proposed to follow token_ids, verified by the step they are scheduled in
+        # (`pdserve.engine.speculation`); not part of the sequence until accepted.
+        self.draft_token_ids: list[int] = []
+        self.num_drafts_verified = 0  # of this sequence, since it started decoding here
+        self.num_drafts_accepted = 0
+        self.ngram_index: Any = None  # the n-gram proposer's index of token_ids
 
     @property
     def num_tokens(self) -> int:

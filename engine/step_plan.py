@@ -7,7 +7,7 @@ it, so all ranks run the same forward over their own shards.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class StepPlan:
     width: int
     sample_rows: list[int]  # indices of sequences whose chunk ends their tokens: they sample
     max_query_len: int
+    # Positions whose logits each sampling sequence needs, by sample row: its last one, or a
+    # speculating sequence's next token and every draft (1 + drafts); empty: one each.
+    sample_counts: list[int] = field(default_factory=list)
 
     @classmethod
     def from_scheduled(cls, out: SchedulerOutput, block_size: int) -> StepPlan:
@@ -39,32 +42,38 @@ class StepPlan:
         query_start = array("q", [0])
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        sample_counts: list[int] = []
         max_query_len = 1
         for index, item in enumerate(out.scheduled):
             seq = item.seq
             start, n = seq.num_computed_tokens, item.num_new_tokens
             end = start + n
             table = seq.block_table
+            drafts = seq.draft_token_ids
             if n == 1:  # a decode: the common case at large batch, kept to a few appends
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 input_ids.extend(seq.token_ids[start:end])
+                if drafts:
+                    input_ids.extend(drafts)
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 max_query_len = max(max_query_len, n)
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
             tables.append(table)
-            if end == seq.num_tokens:  # the chunk reaches the end: a token is sampled
+            if end == seq.num_tokens + len(drafts):  # the chunk reaches the end: it samples
                 sample_rows.append(index)
+                sample_counts.append(1 + len(drafts))
         width = max(map(len, tables))
         padding = array("i", bytes(4 * width))
         flat = array("i")
         for table in tables:
             flat.extend(table)
             flat.extend(padding[: width - len(table)])
+        speculating = len(sample_counts) != sum(sample_counts)
         return cls(
             input_ids,
             positions,
@@ -75,7 +84,12 @@ class StepPlan:
             width,
             sample_rows,
             max_query_len,
+            sample_counts if speculating else [],
         )
+
+    @property
+    def num_logit_rows(self) -> int:
+        return sum(self.sample_counts) if self.sample_counts else len(self.sample_rows)
 
     @property
     def num_seqs(self) -> int:

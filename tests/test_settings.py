@@ -115,7 +115,16 @@ def test_decode_routing_is_gone():
 
 
 # Text settings with a format of their own (checked when the object is made).
-FORMATTED = {"cpu_bind": st.sampled_from(["auto", "0", "1-3", "0,2", "0-1,4"])}
+FORMATTED = {
+    "cpu_bind": st.sampled_from(["auto", "0", "1-3", "0,2", "0-1,4"]),
+    "speculative_config": st.sampled_from(
+        [
+            '{"num_speculative_tokens": 3}',
+            '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, '
+            '"prompt_lookup_min": 1, "adaptive": false}',
+        ]
+    ),
+}
 
 
 def values(d: Declared) -> st.SearchStrategy:
@@ -574,6 +583,8 @@ def other_value(d: Declared) -> object:
         return d.default / 2
     if d.name == "cpu_bind":
         return "0,2"
+    if d.name == "speculative_config":
+        return '{"method": "ngram", "num_speculative_tokens": 3}'
     return (d.default or 0) + 7
 
 

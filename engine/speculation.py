@@ -1,0 +1,168 @@
+"""Speculative decoding by n-gram lookup: a decoding sequence proposes the tokens that followed the
+latest earlier occurrence of its last n tokens in its own context (prompt lookup), the target
+model scores the sequence's next token and every proposed one in one forward (a short chunk over
+the paged KV), and the sequence keeps the proposals up to the first that the target would not
+have produced, plus the target's own token after them.
+
+Verification samples each of the k+1 positions exactly as plain decoding samples its next token
+(greedy: argmax; otherwise the exponential race, seeded rows with the noise keyed by the request's
+seed and the output's index), and a proposal is kept only while it equals that sample. So the
+tokens are the ones plain decoding gives: the same tokens for greedy and seeded requests, the same
+distribution for the rest. For proposals that are one token each (a lookup proposes no
+distribution) this accepts a proposal with the target's probability of it, as rejection sampling
+would.
+
+Sequences that speculate: running decodes (one token to compute), not a prefill node's, and
+without logprobs, penalties or a structured output (each of those reads the sequence's tokens up to
+the sampled position); the others decode as always, in the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pdserve.cluster.sampling_params import SamplingParams
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` JSON, the n-gram method's keys."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    method: str = "ngram"
+    # pdserve's own key: each sequence's draft limit follows its acceptance (`draft_limit`)
+    adaptive: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """From the flag's JSON; ValueError naming what is wrong."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        method = raw.get("method", "ngram")
+        if method not in METHODS:
+            raise ValueError(
+                f"speculative_config method {method!r} is not supported (supported: "
+                f"{', '.join(METHODS)})"
+            )
+        unknown = sorted(set(raw) - {"method", *cls.__dataclass_fields__})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key {unknown[0]!r}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        values = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        for key, value in values.items():
+            if key == "adaptive":
+                if not isinstance(value, bool):
+                    raise ValueError("speculative_config adaptive must be true or false")
+            elif key != "method" and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"speculative_config {key} must be a positive integer")
+        config = cls(**values)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError("speculative_config prompt_lookup_min exceeds prompt_lookup_max")
+        return config
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence's tokens last ended, for the n the proposer looks up,
+    brought up to date with the tokens appended since (the tokens only ever grow: drafts never
+    enter them), so a lookup costs the same at any length."""
+
+    def __init__(self, sizes: range) -> None:
+        self.sizes = sizes
+        self.last_end: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self.indexed = 0  # n-grams ending before this position are in
+
+    def update(self, token_ids: list[int]) -> None:
+        """Index every n-gram that ends before the last token (so a match has a continuation)."""
+        stop = len(token_ids) - 1
+        for end in range(self.indexed, stop):
+            for n in self.sizes:
+                if end >= n - 1:
+                    self.last_end[n][tuple(token_ids[end - n + 1 : end + 1])] = end
+        self.indexed = max(self.indexed, stop)
+
+
+class NgramProposer:
+    """Proposals from the sequence's own context: for n from `prompt_lookup_max` down to
+    `prompt_lookup_min`, the latest earlier occurrence of its last n tokens, and up to k tokens
+    that followed it."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
+
+    def new_index(self) -> NgramIndex:
+        return NgramIndex(self.sizes)
+
+    def propose(self, token_ids: list[int], k: int, index: NgramIndex | None = None) -> list[int]:
+        """index: the sequence's own, kept between calls (a fresh one is built otherwise)."""
+        if k <= 0:
+            return []
+        index = index or self.new_index()
+        index.update(token_ids)
+        length = len(token_ids)
+        for n in reversed(self.sizes):
+            if n >= length:
+                continue
+            end = index.last_end[n].get(tuple(token_ids[length - n :]))
+            if end is not None:
+                return token_ids[end + 1 : end + 1 + k]
+        return []
+
+
+# A sequence's draft limit follows its own acceptance once this many of its drafts were verified.
+ADAPT_AFTER = 8
+# Below this acceptance a sequence proposes nothing, but for one draft every PROBE_EVERY steps.
+MIN_ACCEPTANCE = 0.1
+PROBE_EVERY = 8
+
+
+def draft_limit(k: int, proposed: int, accepted: int, steps: int) -> int:
+    """How many drafts a sequence may propose this step, given its drafts verified so far and
+    how many of them were accepted: k at first; then about the run of drafts its acceptance rate
+    r predicts (r / (1 - r) accepted in a row, on average) plus one, so that a sequence whose
+    drafts mostly fail stops paying to verify them (a verified draft costs a row of the step's
+    forward whether it is kept or not); below MIN_ACCEPTANCE, one probe every PROBE_EVERY steps."""
+    if proposed < ADAPT_AFTER:
+        return k
+    rate = accepted / proposed
+    if rate < MIN_ACCEPTANCE:
+        return 1 if steps % PROBE_EVERY == 0 else 0
+    if rate >= 1.0:
+        return k
+    return min(k, int(rate / (1.0 - rate)) + 1)
+
+
+def can_speculate(params: SamplingParams, prefill_only: bool, constrained: bool) -> bool:
+    """Whether a decoding sequence's next tokens may be verified several at a time."""
+    return not (prefill_only or constrained or params.logprobs is not None or params.has_penalties)
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a speculating sequence keeps: the drafts up to the first that differs from the
+    target's sample at its position, then the target's sample there (or after the last draft).
+    sampled has one token per verified position: len(drafts) + 1."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == sampled[kept]:
+        kept += 1
+    return sampled[: kept + 1]
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedRow:
+    """One verified position of a speculating sequence, as the sampler sees a sequence: its
+    parameters and which output of the request a token sampled there is."""
+
+    params: SamplingParams
+    sample_index: int
+    constraint: None = None

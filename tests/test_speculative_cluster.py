@@ -1,0 +1,99 @@
+"""Speculative decoding on decode nodes, disaggregated for real: a prefill node hands each prompt
+to a decode node that speculates (n-gram), over tcp and shm, and every stream equals the offline
+engine's without speculation, greedy and seeded; the decode node's draft and acceptance counts
+reach /metrics; a decode node killed mid-speculation changes no token (the request resumes, and
+speculates, on the other)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from local_cluster import Cluster
+
+from pdserve.coordinator.client import CoordinatorClient
+from pdserve.coordinator.metrics import Metrics
+from pdserve.coordinator.request_state import Phase
+from pdserve.engine import LLM, SamplingParams
+
+MODEL = "pdserve-stories"
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+STORIES = [
+    "Once upon a time, there was a little cat named Tom. Tom liked to play in the garden. ",
+    "One day, Lily saw a big red ball in the park. Lily liked the ball. One day, Lily ",
+    "Tom the dog was happy. Tom the dog ran to the river. Tom the dog ",
+]
+PARAMS = [
+    SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=48, temperature=0.7, seed=11, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(MODEL, num_kv_blocks=1024, block_size=8, device="cpu")
+
+
+def expected(offline: LLM) -> list[list[int]]:
+    return [o.token_ids for p in PARAMS for o in offline.generate(STORIES, p)]
+
+
+async def run_all(addr: str, prompt_ids: list[list[int]]) -> list[list[int]]:
+    async with CoordinatorClient(addr) as client:
+        jobs = [client.complete(ids, p) for p in PARAMS for ids in prompt_ids]
+        return [tokens for tokens, _ in await asyncio.gather(*jobs)]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_speculating_decode_node_streams_the_tokens_of_plain_decoding(offline, transport):
+    want = expected(offline)
+    prompt_ids = [offline.tokenizer.encode(s) for s in STORIES]
+    engines = {"decode-0": {"speculative_config": NGRAM}}
+    with Cluster(1, 1, transport=transport, model=MODEL, node_engines=engines) as cluster:
+        assert asyncio.run(run_all(cluster.client_addr, prompt_ids)) == want
+        cluster.wait_until_idle()  # every block back, and a load report after the run
+        node = cluster.coordinator.nodes.nodes["decode-0"]
+        assert 0 < node.spec_accepted_tokens < node.spec_draft_tokens
+        assert sum(node.spec_accepted_per_position) == node.spec_accepted_tokens
+        prefill = cluster.coordinator.nodes.nodes["prefill-0"]
+        assert prefill.spec_draft_tokens == 0  # prefill nodes sample one token: no drafts
+        lines = Metrics(cluster.coordinator).render().decode().splitlines()
+        for name, value in (
+            ("pdserve_spec_decode_num_draft_tokens_total", node.spec_draft_tokens),
+            ("pdserve_spec_decode_num_accepted_tokens_total", node.spec_accepted_tokens),
+        ):
+            assert f'{name}{{node="decode-0"}} {value}.0' in lines
+        first = node.spec_accepted_per_position[0]
+        line = 'pdserve_spec_decode_num_accepted_tokens_per_pos_total{node="decode-0",position="0"}'
+        assert f"{line} {first}.0" in lines
+
+
+def test_a_decode_node_killed_mid_speculation_changes_no_token(offline):
+    want = expected(offline)
+    prompt_ids = [offline.tokenizer.encode(s) for s in STORIES]
+    engines = {d: {"speculative_config": NGRAM} for d in ("decode-0", "decode-1")}
+    with Cluster(1, 2, model=MODEL, node_engines=engines) as cluster:
+
+        async def run_with_kill() -> list[list[int]]:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                jobs = [client.complete(ids, p) for p in PARAMS for ids in prompt_ids]
+                tasks = [asyncio.create_task(job) for job in jobs]
+                deadline = time.monotonic() + 60
+                holding = []
+                while not holding and time.monotonic() < deadline:
+                    holding = [
+                        s
+                        for s in list(cluster.coordinator.requests.values())
+                        if s.decode_node == "decode-0"
+                        and s.phase is Phase.DECODING
+                        and len(s.output_token_ids) >= 3
+                    ]
+                    await asyncio.sleep(0.002)
+                assert holding, "decode-0 never held a running request"
+                cluster.kill("decode-0")
+                return [tokens for tokens, _ in await asyncio.gather(*tasks)]
+
+        assert asyncio.run(run_with_kill()) == want
+        cluster.wait_until_idle()
+        assert cluster.coordinator.nodes.nodes["decode-1"].spec_accepted_tokens > 0
