@@ -28,6 +28,7 @@ import torch
 
 from pdserve.bench.model_step import copy_gbps, matmul_tflops, median_ms
 from pdserve.bench.offline_throughput import machine
+from pdserve.engine import cpu_linear
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.llama import MLP
 from pdserve.engine.models.moe import SparseMoE
@@ -45,7 +46,8 @@ SHAPES = {
 class Row:
     tokens: int
     dense_ms: float  # a gated MLP of k x width columns: the same active parameters
-    moe_ms: dict[str, float]  # by kernel backend (and triton_eager on CUDA)
+    dense_onednn_ms: float | None  # CPU: that MLP on weights packed for oneDNN
+    moe_ms: dict[str, float]  # by kernel backend (triton_eager on CUDA; onednn: packed experts)
     experts_touched: int  # distinct experts the tokens were routed to
     active_tflop: float  # the active matmuls' FLOPs (router included)
     fraction_of_matmul: dict[str, float]  # CUDA only
@@ -128,6 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         backends["triton"] = select_ops(args.device, "triton")
     moe, dense = layer(shape, args.device, dtype, seed=0)
+    packed = None  # a CPU node's layers: every matrix packed for oneDNN (float32)
+    if not cuda and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        packed = layer(shape, args.device, dtype, seed=0)
+        for module in packed:
+            cpu_linear.pack(module)
     hidden, width, num_experts, top_k = shape
     expert_bytes = 3 * hidden * width * dtype.itemsize
     copy = matmul = None
@@ -151,10 +158,17 @@ def main(argv: list[str] | None = None) -> dict:
                 dense_ms = graph_ms(lambda x=x: dense(x))
             else:
                 dense_ms = median_ms(lambda x=x: dense(x), args.device, repeats)
+            dense_onednn_ms = None
+            if packed is not None:
+                times["onednn"] = median_ms(
+                    lambda x=x: packed[0](x, REFERENCE), args.device, repeats
+                )
+                dense_onednn_ms = median_ms(lambda x=x: packed[1](x), args.device, repeats)
             rows.append(
                 Row(
                     tokens=n,
                     dense_ms=dense_ms,
+                    dense_onednn_ms=dense_onednn_ms,
                     moe_ms=times,
                     experts_touched=touched,
                     active_tflop=flop / 1e12,
@@ -197,16 +211,24 @@ def render(result: dict) -> str:
         lines.append(
             f"copy {result['copy_gbps']:.0f} GB/s, matmul {result['matmul_tflops']:.0f} TFLOP/s"
         )
-    backends = list(result["rows"][0]["moe_ms"]) if result["rows"] else []
-    head = ["tokens", "experts hit", "dense ms"] + [f"moe {b} ms" for b in backends]
-    head += [f"{b} / dense" for b in backends]
+    rows = result["rows"]
+    backends = list(rows[0]["moe_ms"]) if rows else []
+    packed = bool(rows) and rows[0].get("dense_onednn_ms") is not None
+
+    def dense(row: dict, backend: str) -> float:  # the dense MLP run the backend's way
+        return row["dense_onednn_ms"] if backend == "onednn" else row["dense_ms"]
+
+    head = ["tokens", "experts hit", "dense ms"] + (["dense onednn ms"] if packed else [])
+    head += [f"moe {b} ms" for b in backends] + [f"{b} / dense" for b in backends]
     if result["copy_gbps"]:
         head += [f"{b} of matmul" for b in backends] + [f"{b} of copy" for b in backends]
     lines += ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
-    for r in result["rows"]:
+    for r in rows:
         cells = [str(r["tokens"]), str(r["experts_touched"]), f"{r['dense_ms']:.3f}"]
+        if packed:
+            cells.append(f"{r['dense_onednn_ms']:.3f}")
         cells += [f"{r['moe_ms'][b]:.3f}" for b in backends]
-        cells += [f"{r['moe_ms'][b] / r['dense_ms']:.2f}" for b in backends]
+        cells += [f"{r['moe_ms'][b] / dense(r, b):.2f}" for b in backends]
         if result["copy_gbps"]:
             cells += [f"{r['fraction_of_matmul'][b]:.0%}" for b in backends]
             cells += [f"{r['fraction_of_copy'][b]:.0%}" for b in backends]

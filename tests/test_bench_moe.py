@@ -23,7 +23,7 @@ def test_the_moe_bench_counts_the_active_flops_of_each_token_count(tmp_path):
     for row, n in zip(result["rows"], (1, 8), strict=True):
         assert row["tokens"] == n
         assert shape["top_k"] <= row["experts_touched"] <= min(shape["experts"], n * shape["top_k"])
-        assert set(row["moe_ms"]) == {"torch"} and row["dense_ms"] > 0
+        assert set(row["moe_ms"]) <= {"torch", "onednn"} and row["dense_ms"] > 0
         x = torch.randn(n, shape["hidden"])
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             dense(x)
