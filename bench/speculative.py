@@ -89,7 +89,11 @@ def measure(args: argparse.Namespace, workload: str, batch: int) -> list[Run]:
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
     llms = {
         on: LLM(
-            path, device="cpu", max_num_seqs=max(batch, 1), speculative_config=spec if on else None
+            path,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=max(batch, 1),
+            speculative_config=spec if on else None,
         )
         for on in (False, True)
     }
@@ -144,6 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="the engines' dtype (auto: the device's)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
