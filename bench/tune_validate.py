@@ -7,11 +7,18 @@ each prediction beside its measurement.
     .venv/bin/python -m pdserve.bench.tune_validate                    # ~5 min on 2 cores
     .venv/bin/python -m pdserve.bench.tune_validate --rates 2 --duration-s 3 --min-requests 6 --quick
 
-The last line: `tune validation: goodput error max X%, TTFT p50 error max Y%, TPOT p50 error max
-Z%, ranking same|different`. Errors are |predicted - measured| / measured; the ranking orders the
-configurations by their goodput summed over the rates, predicted and measured. The table's last
-column is the CPU the machine's other processes took during each measurement, in cores: the
-simulator models the deployment alone, so on a shared machine that is load it cannot foresee.
+The last lines: `tune validation: goodput error max X%, TTFT p50 error max Y%, TPOT p50 error max
+Z%, ranking same|different|tied` and the verdict. Errors are |predicted - measured| / measured; the
+ranking orders the configurations by their goodput summed over the rates, predicted and measured,
+and only pairs whose predicted totals differ by more than the aim are ranked (closer ones are a
+tie the prediction does not decide). The table's last column is the CPU the machine's other
+processes took during each measurement, in cores: the simulator models the deployment alone, so
+on a shared machine that is load it cannot foresee.
+
+Exit status: 0 when every error is within `--aim` (20 %) and every ranked pair is in the measured
+order; 1 when an error exceeds the aim or a ranked pair is reversed; 3 when other processes took
+more than `--max-other-cores` (0.25) during a measurement, so the comparison says nothing (the
+verdict is refused, the figures still printed).
 """
 
 from __future__ import annotations
@@ -189,11 +196,66 @@ async def measure(
     return out
 
 
-def ranking(points: list[Point], which: str) -> list[str]:
-    totals: dict[str, float] = {}
+ERRORS = ("goodput", "ttft_ms.p50", "tpot_ms.p50")
+PASSED, MISSED, REFUSED = 0, 1, 3
+
+
+def totals(points: list[Point], which: str) -> dict[str, float]:
+    """Each configuration's goodput summed over the rates, predicted or measured."""
+    out: dict[str, float] = {}
     for p in points:
-        totals[p.system] = totals.get(p.system, 0.0) + getattr(p, which)["goodput"]
-    return sorted(totals, key=lambda s: -totals[s])
+        out[p.system] = out.get(p.system, 0.0) + getattr(p, which)["goodput"]
+    return out
+
+
+def ranking(points: list[Point], which: str) -> list[str]:
+    summed = totals(points, which)
+    return sorted(summed, key=lambda s: -summed[s])
+
+
+def reversed_pairs(points: list[Point], aim: float) -> tuple[list[tuple[str, str]], int]:
+    """Pairs of configurations the prediction ranks (predicted totals more than `aim` apart)
+    that the measurements order the other way, and how many pairs were ranked."""
+    predicted, measured = totals(points, "predicted"), totals(points, "measured")
+    names = sorted(predicted)
+    wrong, ranked = [], 0
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            high, low = (a, b) if predicted[a] >= predicted[b] else (b, a)
+            if predicted[high] - predicted[low] <= aim * max(predicted[high], 1e-12):
+                continue  # a tie within the prediction's error: not ranked
+            ranked += 1
+            if measured[low] > measured[high]:
+                wrong.append((high, low))
+    return wrong, ranked
+
+
+def verdict(points: list[Point], aim: float, max_other_cores: float) -> tuple[int, str]:
+    """(exit status, the line that says why): refused when other load spoiled a measurement,
+    missed when an error exceeds the aim or a ranked pair is reversed, else passed."""
+    loaded = [
+        p
+        for p in points
+        if p.measured.get("other_cores") is not None and p.measured["other_cores"] > max_other_cores
+    ]
+    if loaded:
+        worst = max(loaded, key=lambda p: p.measured["other_cores"])
+        return REFUSED, (
+            f"verdict refused: other processes took {worst.measured['other_cores']:.2f} cores "
+            f"while {worst.system} @ {worst.rate:g} req/s was measured (at most "
+            f"{max_other_cores:g} for a fair comparison)"
+        )
+    misses = [
+        f"{p.system} @ {p.rate:g} {key} {p.error(key):.0%}"
+        for p in points
+        for key in ERRORS
+        if p.error(key) > aim
+    ]
+    wrong, _ = reversed_pairs(points, aim)
+    misses += [f"{high} predicted above {low}, measured below" for high, low in wrong]
+    if misses:
+        return MISSED, f"verdict: aim of {aim:.0%} missed: " + "; ".join(misses)
+    return PASSED, f"verdict: every error within {aim:.0%} and the ranking holds"
 
 
 def table(points: list[Point]) -> str:
@@ -256,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="state the KV transfer's bandwidth instead of measuring it",
     )
     p.add_argument("--transfer-latency-ms", type=float, default=1.0)
+    p.add_argument("--aim", type=float, default=0.2, help="largest error that passes")
+    p.add_argument(
+        "--max-other-cores",
+        type=float,
+        default=0.25,
+        help="other processes' CPU during a measurement beyond which no verdict is given",
+    )
     p.add_argument("--json", default=None, help="also write every figure here")
     p.add_argument("--work-dir", default=None, help="configs and logs (default: a temp dir)")
     return p
@@ -331,6 +400,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"# load after: {uptime()}; {(time.monotonic() - started) / 60:.1f} min")
     print(table(points))
+    wrong, ranked = reversed_pairs(points, args.aim)
+    order = "tied" if not ranked else "different" if wrong else "same"
+    worst = {k: max(p.error(k) for p in points) for k in ERRORS}
+    print(
+        f"tune validation: goodput error max {worst['goodput']:.0%}, TTFT p50 error max "
+        f"{worst['ttft_ms.p50']:.0%}, TPOT p50 error max {worst['tpot_ms.p50']:.0%}, "
+        f"ranking {order}"
+    )
+    status, line = verdict(points, args.aim, args.max_other_cores)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -339,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                     + " ".join(argv or sys.argv[1:]),
                     "profile": profile.to_dict(),
                     "picked": picked.label,
+                    "aim": args.aim,
+                    "verdict": {"status": status, "line": line},
                     "points": [
                         {
                             "system": p.system,
@@ -352,14 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                 indent=1,
             )
         )
-    same = ranking(points, "predicted") == ranking(points, "measured")
-    worst = {k: max(p.error(k) for p in points) for k in ("goodput", "ttft_ms.p50", "tpot_ms.p50")}
-    print(
-        f"tune validation: goodput error max {worst['goodput']:.0%}, TTFT p50 error max "
-        f"{worst['ttft_ms.p50']:.0%}, TPOT p50 error max {worst['tpot_ms.p50']:.0%}, "
-        f"ranking {'same' if same else 'different'}"
-    )
-    return 0
+    print(line)
+    return status
 
 
 if __name__ == "__main__":

@@ -274,8 +274,10 @@ def test_the_competing_load_runs_only_inside_its_block():
 
 
 def test_pdserve_round_runner_end_to_end(tmp_path):
-    """The real runner process on pdserve-tiny: every requested token, one result line."""
-    requests = [RoundRequest([5, 6, 7, 8], 6), RoundRequest([9, 10], 3)]
+    """The real runner process on pdserve-tiny: every requested token, one result line. Enough
+    tokens that the run outlasts /proc/stat's 10 ms ticks many times over: 9 tokens took 8 ms
+    once, and the machine's CPU time read 0."""
+    requests = [RoundRequest([5, 6, 7, 8], 240), RoundRequest([9, 10], 120)]
     write_requests(tmp_path / "r.json", requests)
     cmd = driver.runner_command("pdserve", ensure_tiny_model(), tmp_path / "r.json", 8, 16)
     env = {**driver.runner_env("pdserve"), "OMP_NUM_THREADS": "1"}
@@ -283,7 +285,7 @@ def test_pdserve_round_runner_end_to_end(tmp_path):
     assert res.returncode == 0, res.stderr
     assert sum(ln.startswith(RESULT_PREFIX) for ln in res.stdout.splitlines()) == 1
     got = parse_result(res.stdout)
-    assert (got.engine, got.output_tokens) == ("pdserve", 9)
+    assert (got.engine, got.output_tokens) == ("pdserve", 360)
     assert got.elapsed_s > 0 and got.machine_cpu_s > 0
 
 

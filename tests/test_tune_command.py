@@ -160,6 +160,36 @@ def test_a_measured_profile_fits_real_engine_steps():
     coefficients = p.step.to_dict()
     assert all(coefficients[k] >= 0 for k in ("base_s", "per_token_s", "per_pair_s"))
     assert all(row["measured_ms"] > 0 and row["model_ms"] > 0 for row in p.fit)
+    # The fit describes the steps it was fitted to: half of them within 25% (a loose bound: a
+    # few timed steps on a machine other tests share), not a constant that ignores their size.
+    errors = sorted(abs(r["model_ms"] - r["measured_ms"]) / r["measured_ms"] for r in p.fit)
+    assert errors[len(errors) // 2] < 0.25, p.fit
+
+
+def test_the_step_fit_recovers_a_known_step_model_within_the_noise():
+    import random
+
+    from pdserve.tune.step_model import fit
+
+    truth = StepTimeModel(
+        base_s=2e-3,
+        per_seq_s=5e-5,
+        per_token_s=4e-5,
+        per_pair_s=2e-8,
+        per_row_s=1e-5,
+        per_context_s=1e-7,
+    )
+    shapes = [StepShape.decode(b, c) for b in (1, 4, 16, 64, 128) for c in (64, 512, 2048)]
+    shapes += [
+        StepShape.prefill(p, n, c) for p in (1, 4) for n in (16, 256, 1024) for c in (0, 1024)
+    ]
+    rng = random.Random(0)
+    seconds = [truth.time(s) * (1 + rng.uniform(-0.03, 0.03)) for s in shapes]
+    fitted = fit(shapes, seconds)
+    for shape in shapes:  # every step predicted within 5% (its noise is 3%)
+        assert abs(fitted.time(shape) - truth.time(shape)) <= 0.05 * truth.time(shape)
+    for shape in (StepShape.decode(32, 1024), StepShape.prefill(2, 512, 512)):  # and between
+        assert abs(fitted.time(shape) - truth.time(shape)) <= 0.05 * truth.time(shape)
 
 
 def profile(kv_blocks_setting: bool) -> Profile:
