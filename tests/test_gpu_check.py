@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.gpu_check import deps, gpu_tests, report
+from pdserve.deploy.gpu_check import deps, env, gpu_tests, report
 from pdserve.deploy.gpu_check.plan import BUDGET_S, LONG, MIN_STEP_S, QUICK, Step
 from pdserve.deploy.gpu_check.runner import RunSettings, StepResult, run_step
 
@@ -458,3 +458,27 @@ def test_a_gpu_that_nvidia_smi_lists_and_torch_cannot_use_fails_the_check(monkey
     assert gpu_unusable({**facts, "nvidia_smi": "unavailable: no driver"}) is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose
     assert gpu_unusable(facts) is None
+
+
+def test_the_commit_says_how_many_files_differ_from_it(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / ".gitignore").write_text("out/\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(
+        ["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert env.commit(tmp_path) == head  # the checkout is the commit
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.md").write_text("ignored\n")
+    assert env.commit(tmp_path) == f"{head} + 2 uncommitted files"  # modified and new, not ignored
+    assert env.commit(tmp_path / "nowhere") == "unknown (no git checkout)"

@@ -47,9 +47,17 @@ def run_text(cmd: list[str]) -> str:
     return (out.stdout or out.stderr).strip()
 
 
-def commit() -> str:
-    text = run_text(["git", "-C", str(deps.REPO), "rev-parse", "--short", "HEAD"])
-    return text if text and " " not in text else "unknown (no git checkout)"
+def commit(repo: Path = deps.REPO) -> str:
+    """The checkout's commit, and how many files differ from it (modified or new, not ignored):
+    the code that ran is that commit only when none do."""
+    text = run_text(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])
+    if not text or " " in text:
+        return "unknown (no git checkout)"
+    status = run_text(["git", "-C", str(repo), "status", "--porcelain"])
+    changed = [line for line in status.splitlines() if line.strip()]
+    if changed:
+        return f"{text} + {len(changed)} uncommitted file{'s' if len(changed) != 1 else ''}"
+    return text
 
 
 def cuda_facts() -> dict:
