@@ -14,7 +14,8 @@ would.
 
 Sequences that speculate: running decodes (one token to compute), not a prefill node's, and
 without logprobs, penalties or a structured output (each of those reads the sequence's tokens up to
-the sampled position); the others decode as always, in the same batch.
+the sampled position); the others decode as always, in the same batch. How many drafts a sequence
+proposes follows its own acceptance so far (`draft_limit`), unless the config's `adaptive` is off.
 """
 
 from __future__ import annotations
