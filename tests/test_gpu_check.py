@@ -441,6 +441,19 @@ def test_the_first_screen_counts_what_the_cuda_tests_proved_and_what_one_gpu_can
     )
     skipped = [StepResult("tests", "tests", "skipped", summary="no CUDA device: hidden")]
     assert report.proof(skipped) == "CUDA tests: none proven here (no CUDA device: hidden)"
+    # A serving transport the host cannot run (no CuPy for cuda_ipc) is named as not proven,
+    # not passed over.
+    serving = StepResult(
+        "serving",
+        "serving",
+        "passed",
+        60,
+        data={"not_proven": {"cuda_ipc": "CuPy is not importable"}},
+    )
+    assert report.proof(results + [serving]).endswith(
+        "). Serving not proven here: cuda_ipc (CuPy is not importable)"
+    )
+    assert "Serving" not in report.proof(results + [StepResult("serving", "serving", "passed")])
 
 
 def test_a_gpu_that_nvidia_smi_lists_and_torch_cannot_use_fails_the_check(monkeypatch):

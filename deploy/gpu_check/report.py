@@ -77,7 +77,18 @@ def headline(results: list[StepResult]) -> str:
 
 def proof(results: list[StepResult]) -> str:
     """What the CUDA tests proved on this host: how many passed, how many failed or never
-    reported, and how many it could not prove here, grouped by why (a skip is not a pass)."""
+    reported, and how many it could not prove here, grouped by why (a skip is not a pass); then
+    the paths other steps could not prove here (a serving transport without CuPy)."""
+    line = _tests_proof(results)
+    serving = next((r for r in results if r.name == "serving"), None)
+    unproven = serving.data.get("not_proven", {}) if serving is not None else {}
+    if unproven:
+        whys = "; ".join(f"{path} ({why})" for path, why in sorted(unproven.items()))
+        line += f". Serving not proven here: {whys}"
+    return line
+
+
+def _tests_proof(results: list[StepResult]) -> str:
     step = next((r for r in results if r.name == "tests"), None)
     if step is None or step.status == "skipped" or "tests" not in step.data:
         why = step.summary if step is not None else "the tests step was not in the plan"
