@@ -495,3 +495,29 @@ def test_the_commit_says_how_many_files_differ_from_it(tmp_path):
     (tmp_path / "out" / "report.md").write_text("ignored\n")
     assert env.commit(tmp_path) == f"{head} + 2 uncommitted files"  # modified and new, not ignored
     assert env.commit(tmp_path / "nowhere") == "unknown (no git checkout)"
+
+
+def test_the_parity_step_runs_on_cpu_up_to_its_first_cuda_call(tmp_path, monkeypatch):
+    """The step's own code on this machine: with the device boundary faked (torch believes a GPU
+    is there), it builds the first checkpoint and transformers' greedy reference, and stops at
+    the first CUDA call, the engine's load onto the GPU."""
+    import torch
+
+    from pdserve.deploy.gpu_check import parity
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU: the check itself runs this step")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = []
+    real = parity.generate
+
+    def generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(args[1:3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parity, "generate", generate)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        parity.main(["--json", str(tmp_path / "parity.json"), "--work", str(tmp_path)])
+    assert calls == [("triton", parity.CASES[0][1])]  # the first engine, on the GPU
+    family = parity.CASES[0][0]
+    assert (tmp_path / family / "config.json").is_file()  # its checkpoint was built
