@@ -449,6 +449,12 @@ class LLMEngine(Engine):
         self.pool = self.shard.pool
         self.grammars = Grammars(self.model_dir, mcfg.vocab_size, eos)
         self.shard.capture_decode_graphs()
+        if self.speculation is not None and self.runner.decode_graphs is not None:
+            logger.warning(
+                "speculative decoding: steps that verify drafts run eagerly, beside decode steps "
+                "replayed from CUDA graphs (no graphs for verification yet); on GPUs it has "
+                "measured slower than plain decoding (docs/benchmarks.md)"
+            )
         if self.ranks is None:
             self.executor = ModelExecutor(self.runner, self.stats)
         else:
