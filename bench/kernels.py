@@ -58,7 +58,7 @@ def _time_ms(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def _graph_time_ms(fns: list[Callable[[], object]], replays: int = 20) -> float:
+def graph_time_ms(fns: list[Callable[[], object]], replays: int = 20) -> float:
     """Time per call of fns captured back to back in one CUDA graph (no launch overhead)."""
     for fn in fns:
         fn()  # compile outside the capture
@@ -137,7 +137,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, with_reference: boo
         paged_inputs([context] * batch, [1] * batch, seed)
         for seed in range(1, min(64, -(-ROTATE_BYTES // kv_bytes)))
     ]
-    graph_ms = _graph_time_ms([lambda s=s: TRITON.paged_attention(**s) for s in sets])
+    graph_ms = graph_time_ms([lambda s=s: TRITON.paged_attention(**s) for s in sets])
     del sets[1:]
     eager_ms = _time_ms(lambda: TRITON.paged_attention(**inputs))
     reference_ms = (

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.kernels import graph_time_ms
 from pdserve.bench.model_step import copy_gbps, matmul_tflops, median_ms
 from pdserve.bench.offline_throughput import machine
 from pdserve.engine import cpu_linear
@@ -82,24 +83,6 @@ def layer(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype, see
     return moe.eval(), dense.eval()
 
 
-def graph_ms(fn, calls: int = 4, replays: int = 10) -> float:  # noqa: ANN001
-    """Milliseconds per call of fn, `calls` of it captured back to back in one CUDA graph."""
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (replays * calls)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pdserve.bench.moe", description=__doc__.split("\n")[0]
@@ -154,8 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
             }
             if cuda:  # as decode steps run it: replayed from a CUDA graph, no launch overhead
                 times["triton_eager"] = times.pop("triton")
-                times["triton"] = graph_ms(lambda x=x: moe(x, backends["triton"]))
-                dense_ms = graph_ms(lambda x=x: dense(x))
+                times["triton"] = graph_time_ms([lambda x=x: moe(x, backends["triton"])] * 4, 10)
+                dense_ms = graph_time_ms([lambda x=x: dense(x)] * 4, 10)
             else:
                 dense_ms = median_ms(lambda x=x: dense(x), args.device, repeats)
             dense_onednn_ms = None

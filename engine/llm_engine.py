@@ -297,11 +297,8 @@ class Engine:
         if not can_speculate(seq.params, seq.prefill_only, seq.constraint is not None):
             return []
         if self.speculation.adaptive:
-            k = min(
-                k,
-                draft_limit(
-                    k, seq.num_drafts_verified, seq.num_drafts_accepted, seq.num_output_tokens
-                ),
+            k = draft_limit(
+                k, seq.num_drafts_verified, seq.num_drafts_accepted, seq.num_output_tokens
             )
         if k <= 0:
             return []
@@ -310,7 +307,9 @@ class Engine:
         return self.proposer.propose(seq.token_ids, k, seq.ngram_index)
 
     def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
-        appended = self.scheduler.postprocess(out, sampled.tokens(), self.max_model_len)
+        appended = self.scheduler.postprocess(
+            out, dict(zip(sampled.rows, sampled.token_ids)), self.max_model_len, sampled.more_tokens
+        )
         if sampled.num_drafts:
             self.stats.count_speculation(sampled)
         outputs = []

@@ -53,13 +53,6 @@ class SampledTokens:
     num_drafts: int = 0  # draft tokens verified in the step
     num_accepted: int = 0  # of those, accepted
 
-    def tokens(self) -> dict[int, list[int]]:
-        """Every row's tokens, by row."""
-        return {
-            row: [token, *self.more_tokens.get(row, ())]
-            for row, token in zip(self.rows, self.token_ids)
-        }
-
 
 class Executor(Protocol):
     """Runs one scheduled step: the model forward over its tokens, then sampling."""

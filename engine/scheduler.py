@@ -185,39 +185,46 @@ class Scheduler:
         out.preempted.append(seq.request_id)
 
     def postprocess(
-        self, out: SchedulerOutput, sampled: dict[int, list[int]], max_model_len: int
+        self,
+        out: SchedulerOutput,
+        sampled: dict[int, int],
+        max_model_len: int,
+        more: dict[int, list[int]] | None = None,
     ) -> dict[int, int]:
-        """Advance computed counts, append sampled tokens (keyed by index in out.scheduled: one,
-        or a speculating sequence's accepted drafts and the token after them), register full
-        blocks in the prefix cache, and finish what is done. Returns how many tokens each
-        sampling sequence appended (fewer than sampled where a stop ends it)."""
+        """Advance computed counts, append sampled tokens (keyed by index in out.scheduled; a
+        speculating sequence's tokens after its first, its accepted drafts and the token after
+        them, in `more`), register full blocks in the prefix cache, and finish what is done.
+        Returns how many tokens each sampling sequence appended (fewer where a stop ends it)."""
+        more = more or {}
         appended: dict[int, int] = {}
         for index, item in enumerate(out.scheduled):
             seq = item.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prefill_tokens_computed += item.num_new_tokens
-            tokens = sampled.get(index)
+            first = sampled.get(index)
+            extra = more.get(index, ())  # as many as the drafts it accepted
             num_drafts = len(seq.draft_token_ids)
             if num_drafts:
                 # The rejected drafts' KV is dropped: the tokens it holds are not the sequence's.
                 seq.draft_token_ids = []
-                accepted = len(tokens) - 1 if tokens else 0
+                accepted = len(extra)
                 seq.num_drafts_verified += num_drafts
                 seq.num_drafts_accepted += accepted
                 seq.num_computed_tokens += item.num_new_tokens - num_drafts + accepted
             else:
                 seq.num_computed_tokens += item.num_new_tokens
-            if tokens is None:
+            if first is None:
                 self._cache(seq, num_drafts)
                 continue
-            reason = None
-            count = 0
-            for token in tokens:
-                seq.append_token(token)
-                count += 1
-                reason = seq.check_stop(max_model_len)
+            seq.append_token(first)
+            reason = seq.check_stop(max_model_len)
+            count = 1
+            for token in extra:
                 if reason is not None:
                     break
+                seq.append_token(token)
+                reason = seq.check_stop(max_model_len)
+                count += 1
             appended[index] = count
             # A stop among the accepted drafts leaves KV past the sequence's last token.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)

@@ -142,3 +142,23 @@ class Cluster:
         proc = self.group.procs[node_id]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+    async def kill_mid_output(
+        self, node_id: str, min_outputs: int = 3, timeout_s: float = 60.0
+    ) -> None:
+        """SIGKILL a decode node once it holds a decoding request with at least `min_outputs`
+        tokens streamed (run it beside the requests' own tasks)."""
+        from pdserve.coordinator.request_state import Phase
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(
+                s.decode_node == node_id
+                and s.phase is Phase.DECODING
+                and len(s.output_token_ids) >= min_outputs
+                for s in list(self.coordinator.requests.values())
+            ):
+                self.kill(node_id)
+                return
+            await asyncio.sleep(0.002)
+        raise AssertionError(f"{node_id} never held a running request")
