@@ -105,7 +105,9 @@ class _PoolView:
     def __init__(self, kv: torch.Tensor) -> None:
         self.kv = kv
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        if self.kv.shape[1] == 1:
+            return (self.kv[index, 0],)
         return self.kv[index, 0], self.kv[index, 1]
 
 

@@ -1,7 +1,9 @@
 """The paged KV pool of one node: one preallocated tensor holding every layer's K and V pages.
 
-Layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], so one layer's
-pages are contiguous (layer-by-layer transfer) and `pool.layer(l)` gives the (K, V) caches.
+Layout: [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], so one layer's
+pages are contiguous (layer-by-layer transfer) and `pool.layer(l)` gives that layer's caches:
+(K, V) with two planes, or (latent,) with one, as multi-head latent attention keeps a single
+"head" of width kv_lora_rank + qk_rope_head_dim per token and no separate value.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +24,17 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # "float32" | "bfloat16" | "float16"
+    planes: int = 2  # K and V; 1: MLA's latent alone
+
+    @classmethod
+    def for_model(
+        cls, cfg: ModelConfig, block_size: int, dtype: str, num_kv_heads: int | None = None
+    ) -> KVLayout:
+        """The layout of a model's cache (num_kv_heads: a tensor-parallel rank's share)."""
+        heads = cfg.cache_heads if num_kv_heads is None else num_kv_heads
+        return cls(
+            cfg.num_layers, block_size, heads, cfg.cache_head_dim, dtype, cfg.cache_planes
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -27,9 +42,16 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers and planes."""
         elem = torch.tensor([], dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return (
+            self.num_layers
+            * self.planes
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * elem
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -38,11 +60,12 @@ class KVLayout:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
+            "planes": self.planes,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> KVLayout:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def check_compatible(self, other: KVLayout, ignore: tuple[str, ...] = ()) -> None:
         """Raise ValueError naming the first field (not in `ignore`) where two layouts differ.
@@ -69,7 +92,7 @@ class KVPool:
         self.num_blocks = num_blocks
         shape = (
             layout.num_layers,
-            2,
+            layout.planes,
             num_blocks,
             layout.block_size,
             layout.num_kv_heads,
@@ -81,7 +104,10 @@ class KVPool:
             raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match {shape}")
         self.kv = kv
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """(K, V) pages of one layer, or (latent,) with one plane."""
+        if self.layout.planes == 1:
+            return (self.kv[index, 0],)
         return self.kv[index, 0], self.kv[index, 1]
 
     @staticmethod

@@ -429,13 +429,7 @@ class LLMEngine(Engine):
         self.model = self.shard.model
         self.ops = self.shard.ops
         self.runner = self.shard.runner
-        layout = KVLayout(
-            mcfg.num_layers,
-            config.block_size,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            config.resolved_dtype(),
-        )
+        layout = KVLayout.for_model(mcfg, config.block_size, config.resolved_dtype())
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
         super().__init__(
             config,

@@ -1,5 +1,6 @@
 """Model architecture read from a Hugging Face `config.json`: the dense Llama, Mistral, Qwen2 and
-Qwen3 families and their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE.
+Qwen3 families, their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, and DeepSeek-V2 and
+V3 (multi-head latent attention, group-limited routing over many small experts).
 
 Anything this engine cannot run exactly is refused here, with the offending field named.
 """
@@ -13,9 +14,20 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", *DEEPSEEK_MODEL_TYPES)
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -50,10 +62,80 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert; 0: none
     norm_topk_prob: bool = False  # renormalise the k routing weights to sum to one
     sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts'; the rest dense
+    shared_expert_gated: bool = False  # the shared expert's output scaled by sigmoid(gate(x))
+    # DeepSeek's routing: softmax (V2) or sigmoid (V3) scores; the experts fall in n_group groups
+    # of which each token may use topk_group, ranked by their best score (V2) or the sum of their
+    # two best corrected scores (V3); the k weights are scaled by routed_scaling_factor.
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False  # V3's e_score_correction_bias, added for choosing only
+    # Multi-head latent attention (DeepSeek; kv_lora_rank 0: none). head_dim is then the rotary
+    # part's width, qk_rope_head_dim, as transformers has it.
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state (V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs are (2i, 2i+1), not (i, i + d/2)
 
     @property
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_heads(self) -> int:
+        """KV heads the paged cache holds per token and layer: MLA's latent is one, shared by
+        every query head."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Width of one cached head: MLA's latent c_kv beside its rotary key k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def cache_planes(self) -> int:
+        """Tensors the cache keeps per head: K and V, or MLA's latent alone."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: 1/sqrt(query-key width), times YaRN's mscale squared for MLA with
+        `mscale_all_dim`, as DeepSeek's attention has it."""
+        if not self.is_mla:
+            return self.head_dim**-0.5
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        scaling = self.rope_scaling
+        if scaling and scaling["rope_type"] != "default" and scaling.get("mscale_all_dim"):
+            mscale = _yarn_mscale(self._rope_factor(), float(scaling["mscale_all_dim"]))
+            scale *= mscale * mscale
+        return scale
+
+    def rotary_attention_factor(self) -> float:
+        """What YaRN scales cos and sin by (1.0 for every other rotary type)."""
+        scaling = self.rope_scaling
+        if not scaling or scaling["rope_type"] != "yarn":
+            return 1.0
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = self._rope_factor()
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        return _yarn_mscale(factor)
+
+    def _rope_factor(self) -> float:
+        scaling = self.rope_scaling
+        if scaling.get("factor") is not None:
+            return float(scaling["factor"])
+        old_context = scaling.get("original_max_position_embeddings")
+        return self.max_position_embeddings / float(old_context or self.max_position_embeddings)
 
     def is_sparse_layer(self, index: int) -> bool:
         return index in self.sparse_layers
@@ -80,6 +162,12 @@ class ModelConfig:
                 )
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("config.json field 'mlp_bias' = true is not supported")
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise UnsupportedModelError(
+                f"config.json field 'quantization_config' ({method}) is not supported: "
+                "pdserve loads float32, bfloat16 and float16 weights"
+            )
         # transformers 5 writes `rope_parameters` (theta inside); 4.x `rope_theta` + `rope_scaling`.
         rope_parameters = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
@@ -95,6 +183,9 @@ class ModelConfig:
             scaling = {**scaling, "rope_type": rope_type}
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        mla = _mla_fields(model_type, cfg)
+        if mla:
+            head_dim = mla["qk_rope_head_dim"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         qwen2_like = model_type in ("qwen2", "qwen2_moe")
@@ -102,6 +193,10 @@ class ModelConfig:
             attention_bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
         else:
             attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        if mla and attention_bias:
+            raise UnsupportedModelError(
+                f"config.json field 'attention_bias' = true is not supported for {model_type}"
+            )
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -123,6 +218,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **_moe_fields(model_type, cfg),
+            **mla,
         )
 
     @classmethod
@@ -133,13 +229,15 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     def inv_freq(self) -> torch.Tensor:
-        """Rotary inverse frequencies, with Llama-3 or linear scaling applied as transformers does."""
-
+        """Rotary inverse frequencies, with Llama-3, linear or YaRN scaling applied as
+        transformers does."""
         dim = self.head_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = self.rope_scaling
         if not scaling or scaling["rope_type"] == "default":
             return inv
+        if scaling["rope_type"] == "yarn":
+            return self._yarn_inv_freq(inv)
         factor = float(scaling["factor"])
         if scaling["rope_type"] == "linear":
             return inv / factor
@@ -156,16 +254,74 @@ class ModelConfig:
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_llama)
 
+    def _yarn_inv_freq(self, inv: torch.Tensor) -> torch.Tensor:
+        """YaRN: extrapolate the fast dimensions, interpolate (divide by factor) the slow ones,
+        ramp linearly between the dimensions where beta_fast and beta_slow rotations fit the
+        original context."""
+        scaling, dim, base = self.rope_scaling, self.head_dim, self.rope_theta
+        factor = self._rope_factor()
+        old_context = float(
+            scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        )
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        interpolated = 1.0 / (factor * pos_freqs)
+        return interpolated * (1 - extrapolate) + inv * extrapolate
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _mla_fields(model_type: str, cfg: dict) -> dict:
+    """The multi-head latent attention fields of a DeepSeek config ({} for every other family)."""
+    if model_type not in DEEPSEEK_MODEL_TYPES:
+        return {}
+    return {
+        "q_lora_rank": cfg.get("q_lora_rank") or 0,
+        "kv_lora_rank": cfg["kv_lora_rank"],
+        "qk_nope_head_dim": cfg["qk_nope_head_dim"],
+        "qk_rope_head_dim": cfg["qk_rope_head_dim"],
+        "v_head_dim": cfg["v_head_dim"],
+        # transformers rotates V2's pairs as complex numbers: always interleaved.
+        "rope_interleave": model_type == "deepseek_v2" or bool(cfg.get("rope_interleave", True)),
+    }
+
 
 def _moe_fields(model_type: str, cfg: dict) -> dict:
     """The mixture-of-experts fields of a config, as each family's config names them."""
     if model_type not in MOE_MODEL_TYPES:
         return {}
     num_layers = cfg["num_hidden_layers"]
+    routing: dict = {}
     if model_type == "mixtral":
         num_experts = cfg.get("num_local_experts", 8)
         width, shared, renormalize = cfg["intermediate_size"], 0, True
         sparse = tuple(range(num_layers))
+    elif model_type in DEEPSEEK_MODEL_TYPES:
+        num_experts = cfg.get("n_routed_experts") or 0
+        width = cfg["moe_intermediate_size"]
+        shared = width * (cfg.get("n_shared_experts") or 0)
+        renormalize = bool(cfg.get("norm_topk_prob", model_type == "deepseek_v3"))
+        first_dense = cfg.get("first_k_dense_replace") or 0
+        step = cfg.get("moe_layer_freq", 1) or 1
+        sparse = tuple(
+            i for i in range(num_layers) if num_experts and i >= first_dense and i % step == 0
+        )
+        routing = _deepseek_routing(model_type, cfg, num_experts, renormalize)
     else:
         num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
         width = cfg["moe_intermediate_size"]
@@ -184,11 +340,62 @@ def _moe_fields(model_type: str, cfg: dict) -> dict:
             f"config.json field 'num_experts_per_tok' = {top_k} must be between 1 and the "
             f"number of experts ({num_experts})"
         )
+    if sparse and routing:
+        allowed = routing["topk_group"] * (num_experts // routing["n_group"])
+        if top_k > allowed:
+            raise UnsupportedModelError(
+                f"config.json field 'num_experts_per_tok' = {top_k} exceeds the {allowed} "
+                f"experts of 'topk_group' = {routing['topk_group']} groups"
+            )
     return {
         "num_experts": num_experts if sparse else 0,
         "num_experts_per_tok": top_k if sparse else 0,
         "moe_intermediate_size": width if sparse else 0,
         "shared_expert_intermediate_size": shared if sparse else 0,
+        "shared_expert_gated": model_type == "qwen2_moe",
         "norm_topk_prob": renormalize,
         "sparse_layers": sparse,
+        **(routing if sparse else {}),
+    }
+
+
+def _deepseek_routing(model_type: str, cfg: dict, num_experts: int, renormalize: bool) -> dict:
+    """DeepSeek's scoring, expert groups and scaling, checked against what its router can do."""
+    v3 = model_type == "deepseek_v3"
+    scoring = "sigmoid" if v3 else "softmax"
+    if cfg.get("scoring_func", scoring) != scoring:
+        raise UnsupportedModelError(
+            f"config.json field 'scoring_func' = {cfg['scoring_func']!r} is not supported for "
+            f"{model_type} (its router scores with {scoring})"
+        )
+    if v3 or cfg.get("topk_method", "greedy") == "group_limited_greedy":
+        n_group, topk_group = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    elif cfg.get("topk_method", "greedy") == "greedy":
+        n_group = topk_group = 1
+    else:
+        raise UnsupportedModelError(
+            f"config.json field 'topk_method' = {cfg['topk_method']!r} is not supported for "
+            f"{model_type} (supported: greedy, group_limited_greedy)"
+        )
+    if not v3 and renormalize:
+        raise UnsupportedModelError(
+            "config.json field 'norm_topk_prob' = true is not supported for deepseek_v2 "
+            "(transformers' DeepSeek-V2 router does not renormalise)"
+        )
+    if num_experts and (num_experts % n_group or not 1 <= topk_group <= n_group):
+        raise UnsupportedModelError(
+            f"config.json fields 'n_group' = {n_group} and 'topk_group' = {topk_group} do not "
+            f"split {num_experts} experts into groups"
+        )
+    if v3 and num_experts and num_experts // n_group < 2:
+        raise UnsupportedModelError(
+            f"config.json field 'n_group' = {n_group} leaves fewer than two experts a group "
+            "(DeepSeek-V3 ranks a group by its two best experts)"
+        )
+    return {
+        "scoring_func": scoring,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "score_correction_bias": v3,
     }

@@ -48,12 +48,8 @@ class ModelShard:
             n = cpu_linear.pack(self.model)
             logger.info("cpu_linear: %d linear layers packed for oneDNN", n)
         mcfg = self.model.config
-        self.layout = KVLayout(
-            mcfg.num_layers,
-            config.block_size,
-            len(shard.kv_heads(mcfg.num_kv_heads)),
-            mcfg.head_dim,
-            dtype,
+        self.layout = KVLayout.for_model(
+            mcfg, config.block_size, dtype, len(shard.kv_heads(mcfg.cache_heads))
         )
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         if group is not None:

@@ -40,7 +40,7 @@ class TPShard:
                     f"config.json field '{field}' = {value} is not divisible by "
                     f"tensor_parallel_size={size}"
                 )
-        kv = cfg.num_kv_heads
+        kv = cfg.cache_heads  # MLA's one latent is whole on every rank
         if (kv >= size and kv % size) or (kv < size and size % kv):
             raise ValueError(
                 f"config.json field 'num_key_value_heads' = {kv} and tensor_parallel_size="

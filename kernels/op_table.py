@@ -16,3 +16,5 @@ class Ops:
     fused_add_rms_norm: Callable
     apply_rotary: Callable
     fused_moe: Callable  # a mixture-of-experts MLP over stacked expert weights
+    store_latent: Callable  # MLA: write tokens' latents into one layer's latent pages
+    latent_attention: Callable  # MLA: absorbed attention, MQA over the latent pages

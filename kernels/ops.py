@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdserve.kernels import attention_ref, moe_ref, norm_ref, rotary_ref
+from pdserve.kernels import attention_ref, mla_ref, moe_ref, norm_ref, rotary_ref
 from pdserve.kernels.op_table import Ops
 
 REFERENCE = Ops(
@@ -19,6 +19,8 @@ REFERENCE = Ops(
     fused_add_rms_norm=norm_ref.fused_add_rms_norm,
     apply_rotary=rotary_ref.apply_rotary,
     fused_moe=moe_ref.fused_moe,
+    store_latent=mla_ref.store_latent,
+    latent_attention=mla_ref.latent_attention,
 )
 
 
@@ -29,7 +31,12 @@ def cpu_ops() -> Ops | None:
 
     if not paged_attention_cpu.available():
         return None
-    return replace(REFERENCE, name="cpu", paged_attention=paged_attention_cpu.paged_attention)
+    return replace(
+        REFERENCE,
+        name="cpu",
+        paged_attention=paged_attention_cpu.paged_attention,
+        latent_attention=mla_ref.latent_attention_via(paged_attention_cpu.paged_attention),
+    )
 
 
 def select_ops(device: str, backend: str = "auto") -> Ops:

@@ -55,9 +55,9 @@ def test_unsupported_model_type_is_named(tmp_path, checkpoint_dir):
 
 def test_unsupported_rope_scaling_is_named(tmp_path, checkpoint_dir):
     model_dir = _with_config(
-        tmp_path, checkpoint_dir, rope_scaling={"rope_type": "yarn", "factor": 4.0}
+        tmp_path, checkpoint_dir, rope_scaling={"rope_type": "longrope", "factor": 4.0}
     )
-    with pytest.raises(UnsupportedModelError, match="rope_scaling.rope_type.*yarn"):
+    with pytest.raises(UnsupportedModelError, match="rope_scaling.rope_type.*longrope"):
         LLM(str(model_dir), num_kv_blocks=8)
 
 
