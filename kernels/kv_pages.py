@@ -1,7 +1,8 @@
 """Torch reference for moving KV pages: gather blocks into a contiguous buffer, scatter them back.
 
-A pool is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; a buffer of n blocks is
-[l1 - l0, 2, n, block_size, num_kv_heads, head_dim]. Every function moves bits, never converts.
+A pool is [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim] (planes: 2 for K
+and V, 1 for multi-head latent attention's latent); a buffer of n blocks is [l1 - l0, planes, n,
+block_size, num_kv_heads, head_dim]. Every function moves bits, never converts.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def layer_range(kv: torch.Tensor, layers: tuple[int, int] | None) -> tuple[int, 
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """View [L, 2, N, *block] as [L * 2 * N, block_numel] rows (one row = one K or V page)."""
-    return t.view(t.shape[0] * 2 * t.shape[2], -1)
+    """View [L, P, N, *block] as [L * P * N, block_numel] rows (one row = one page of a plane)."""
+    return t.view(t.shape[0] * t.shape[1] * t.shape[2], -1)
 
 
 def _row_ids(ids: torch.Tensor, num_rows: int, num_blocks: int) -> torch.Tensor:
@@ -56,8 +57,8 @@ def _np_rows(rows: torch.Tensor):
 def gather_buffer(
     kv: torch.Tensor, ids: torch.Tensor, l0: int, l1: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """The [l1-l0, 2, n, ...] buffer a gather fills: `out` once checked, or a new one."""
-    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
+    """The [l1-l0, planes, n, ...] buffer a gather fills: `out` once checked, or a new one."""
+    shape = (l1 - l0, kv.shape[1], ids.numel(), *kv.shape[3:])
     if out is None:
         return torch.empty(shape, dtype=kv.dtype, device=kv.device)
     if tuple(out.shape) != shape or out.dtype != kv.dtype or not out.is_contiguous():
@@ -68,7 +69,7 @@ def gather_buffer(
 def check_scatter_buffer(
     kv: torch.Tensor, buffer: torch.Tensor, ids: torch.Tensor, l0: int, l1: int
 ) -> None:
-    shape = (l1 - l0, 2, ids.numel(), *kv.shape[3:])
+    shape = (l1 - l0, kv.shape[1], ids.numel(), *kv.shape[3:])
     if tuple(buffer.shape) != shape or buffer.dtype != kv.dtype:
         raise ValueError(f"buffer {tuple(buffer.shape)} {buffer.dtype} is not {shape} {kv.dtype}")
 
@@ -79,12 +80,13 @@ def gather_blocks(
     layers: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Copy blocks `block_ids` of layers [l0, l1) into a contiguous [l1-l0, 2, n, ...] buffer."""
+    """Copy blocks `block_ids` of layers [l0, l1) into a contiguous [l1-l0, planes, n, ...]
+    buffer."""
     l0, l1 = layer_range(kv, layers)
     ids = as_block_ids(block_ids, kv.device)
     out = gather_buffer(kv, ids, l0, l1, out)
     src = kv[l0:l1]
-    row_ids = _row_ids(ids, (l1 - l0) * 2, kv.shape[2])
+    row_ids = _row_ids(ids, (l1 - l0) * kv.shape[1], kv.shape[2])
     if kv.device.type == "cpu":
         # mode="clip": ids are checked by the caller; the default "raise" buffers a copy.
         np.take(_np_rows(_rows(src)), row_ids.numpy(), out=_np_rows(_rows(out)), mode="clip")
@@ -99,14 +101,15 @@ def scatter_blocks(
     block_ids: torch.Tensor | list[int],
     layers: tuple[int, int] | None = None,
 ) -> None:
-    """Write a [l1-l0, 2, n, ...] buffer into blocks `block_ids` of layers [l0, l1) of `kv`."""
+    """Write a [l1-l0, planes, n, ...] buffer into blocks `block_ids` of layers [l0, l1) of
+    `kv`."""
     l0, l1 = layer_range(kv, layers)
     ids = as_block_ids(block_ids, kv.device)
     check_scatter_buffer(kv, buffer, ids, l0, l1)
     if ids.numel() == 0:
         return
     dst = _rows(kv[l0:l1])
-    row_ids = _row_ids(ids, (l1 - l0) * 2, kv.shape[2])
+    row_ids = _row_ids(ids, (l1 - l0) * kv.shape[1], kv.shape[2])
     src = _rows(buffer.contiguous())
     if kv.device.type == "cpu":
         _np_rows(dst)[row_ids.numpy()] = _np_rows(src)
@@ -117,7 +120,8 @@ def scatter_blocks(
 def write_pages(
     pages: torch.Tensor, block_ids: torch.Tensor | list[int], data: torch.Tensor
 ) -> None:
-    """Write data [n, *page] into blocks block_ids of one layer's K (or V) pages [N, *page]."""
+    """Write data [n, *page] into blocks block_ids of one plane of one layer's pages [N, *page]
+    (its K, its V, or MLA's latent)."""
     ids = as_block_ids(block_ids, pages.device)
     if tuple(data.shape) != (ids.numel(), *pages.shape[1:]) or data.dtype != pages.dtype:
         raise ValueError(f"data {tuple(data.shape)} {data.dtype} does not fit {ids.numel()} pages")
@@ -126,6 +130,14 @@ def write_pages(
         _np_rows(rows)[ids.numpy()] = _np_rows(src)
     else:
         rows.index_copy_(0, ids, src)
+
+
+def check_pools(src_kv: torch.Tensor, dst_kv: torch.Tensor) -> None:
+    """Two pools blocks are copied between: alike in all but their block counts."""
+    if src_kv.shape[:2] != dst_kv.shape[:2] or src_kv.shape[3:] != dst_kv.shape[3:]:
+        raise ValueError(f"pools differ: {tuple(src_kv.shape)} vs {tuple(dst_kv.shape)}")
+    if src_kv.dtype != dst_kv.dtype:
+        raise ValueError(f"pools differ in dtype: {src_kv.dtype} vs {dst_kv.dtype}")
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -152,10 +164,7 @@ def copy_blocks(
     through a small scratch buffer a few rows at a time, so each byte crosses main memory about
     once, not three times as a whole-range gather then scatter would.
     """
-    if src_kv.shape[0] != dst_kv.shape[0] or src_kv.shape[3:] != dst_kv.shape[3:]:
-        raise ValueError(f"pools differ: {tuple(src_kv.shape)} vs {tuple(dst_kv.shape)}")
-    if src_kv.dtype != dst_kv.dtype:
-        raise ValueError(f"pools differ in dtype: {src_kv.dtype} vs {dst_kv.dtype}")
+    check_pools(src_kv, dst_kv)
     l0, l1 = layer_range(src_kv, layers)
     s_list = src_ids.tolist() if isinstance(src_ids, torch.Tensor) else list(src_ids)
     d_list = dst_ids.tolist() if isinstance(dst_ids, torch.Tensor) else list(dst_ids)
@@ -163,8 +172,9 @@ def copy_blocks(
         raise ValueError(f"{len(s_list)} source blocks but {len(d_list)} destination blocks")
     if not s_list:
         return
-    src = src_kv[l0:l1].view((l1 - l0) * 2, src_kv.shape[2], -1)
-    dst = dst_kv[l0:l1].view((l1 - l0) * 2, dst_kv.shape[2], -1)
+    planes = src_kv.shape[1]
+    src = src_kv[l0:l1].view((l1 - l0) * planes, src_kv.shape[2], -1)
+    dst = dst_kv[l0:l1].view((l1 - l0) * planes, dst_kv.shape[2], -1)
     runs = block_runs(s_list, d_list)
     if len(runs) * _MIN_RUN <= len(s_list):
         for s, d, n in runs:

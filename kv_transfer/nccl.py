@@ -40,7 +40,7 @@ def unique_id_from_wire(wire):
 
 
 def _layer_pieces(nbytes: int, num_layers: int) -> list[tuple[int, int]]:
-    """(offset, size) of each layer's pages in a chunk buffer [layers, 2, n, ...]."""
+    """(offset, size) of each layer's pages in a chunk buffer [layers, planes, n, ...]."""
     per = nbytes // num_layers
     return [(i * per, per) for i in range(num_layers)]
 

@@ -71,15 +71,15 @@ def copy(
 
 
 def write(
-    kv: torch.Tensor, layer: int, kind: int, ids: torch.Tensor, data: torch.Tensor, heads=None
+    kv: torch.Tensor, layer: int, plane: int, ids: torch.Tensor, data: torch.Tensor, heads=None
 ) -> None:
-    """Write data [n, *page] into blocks ids of the K (kind 0) or V (1) pages of one layer (only
-    heads [h0, h1) of each page: data's pages hold that many)."""
+    """Write data [n, *page] into blocks ids of one plane's pages of one layer (plane 0: K, or
+    MLA's latent; 1: V), only heads [h0, h1) of each page: data's pages hold that many."""
     if _whole(kv, heads):
-        kv_pages.write_pages(kv[layer, kind], ids, data)
+        kv_pages.write_pages(kv[layer, plane], ids, data)
         return
     h0, h1 = heads
-    kv[layer, kind, :, :, h0:h1].index_copy_(0, ids.to(kv.device), data)
+    kv[layer, plane, :, :, h0:h1].index_copy_(0, ids.to(kv.device), data)
 
 
 def sliced(layout: KVLayout, heads: Heads) -> KVLayout:
@@ -99,10 +99,10 @@ def source_runs(ids: list[int]) -> list[tuple[int, int]]:
 
 
 def pool_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
-    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], as in KVPool."""
+    """[num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], as in KVPool."""
     return (
         layout.num_layers,
-        2,
+        layout.planes,
         num_blocks,
         layout.block_size,
         layout.num_kv_heads,
@@ -111,8 +111,13 @@ def pool_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
 
 
 def page_bytes(layout: KVLayout) -> int:
-    """Bytes of one block of one layer, K and V."""
+    """Bytes of one block of one layer, all its planes (K and V, or the latent)."""
     return layout.bytes_per_block // layout.num_layers
+
+
+def plane_bytes(layout: KVLayout) -> int:
+    """Bytes of one block of one layer of one plane: a K, a V or a latent page."""
+    return page_bytes(layout) // layout.planes
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +132,7 @@ class Chunk:
     def shape(self, layout: KVLayout) -> tuple[int, ...]:
         return (
             self.layers[1] - self.layers[0],
-            2,
+            layout.planes,
             self.hi - self.lo,
             layout.block_size,
             layout.num_kv_heads,

@@ -48,13 +48,14 @@ class Refuse(Message, tag="refuse"):
 
 
 class Pages(Message, tag="pages"):
-    """One chunk of a send: layers [layers) x dst[lo:hi] of that send, K and V.
+    """One chunk of a send: layers [layers) x dst[lo:hi] of that send, every plane of the layout
+    (K and V, or MLA's latent alone).
 
     The first chunk of a send opens it (dst, send_layers, timeout_s set); the last one closes it.
-    Its pages come as one gathered [layers, 2, n, ...] buffer, or, when `runs` is set (lengths of
-    runs of consecutive source blocks), as one buffer per (layer, K/V, run) in that order, sent
-    straight from the sender's pool. `heads`: the KV heads [h0, h1) of the receiver's pages they
-    fill (None: all; pages then hold h1 - h0 heads each).
+    Its pages come as one gathered [layers, planes, n, ...] buffer, or, when `runs` is set
+    (lengths of runs of consecutive source blocks), as one buffer per (layer, plane, run) in that
+    order, sent straight from the sender's pool. `heads`: the KV heads [h0, h1) of the receiver's
+    pages they fill (None: all; pages then hold h1 - h0 heads each).
     """
 
     transfer_id: str

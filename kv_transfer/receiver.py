@@ -59,7 +59,7 @@ class Draining:
 
 
 class Payload:
-    """The bytes of one pushed chunk (one buffer, or one per (layer, K/V, run) when the header
+    """The bytes of one pushed chunk (one buffer, or one per (layer, plane, run) when the header
     has runs), ready now (tcp) or once a device transfer ends (nccl)."""
 
     def __init__(self, parts: list[torch.Tensor], event: Any = None) -> None:
@@ -460,11 +460,11 @@ class ZmqReceiver(CommandThread, KVReceiver):
         parts = iter(payload.parts)
         page = (layout.block_size, layout.num_kv_heads, layout.head_dim)
         for layer in range(*layers):
-            for kind in (0, 1):
+            for plane in range(layout.planes):
                 start = 0
                 for length in msg.runs:
                     data = self._to_device(next(parts).view(dtype).view(length, *page))
-                    pages.write(kv, layer, kind, ids[start : start + length], data, heads)
+                    pages.write(kv, layer, plane, ids[start : start + length], data, heads)
                     start += length
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,14 @@ class TcpReceiver(ZmqReceiver):
         if msg.runs is None:
             sizes = [msg.nbytes]
         else:
-            half_page = pages.page_bytes(pages.sliced(self.layout, msg.heads)) // 2  # K or V
-            sizes = [n * half_page for _ in range(*msg.layers) for _ in (0, 1) for n in msg.runs]
+            layout = pages.sliced(self.layout, msg.heads)
+            plane_bytes = pages.plane_bytes(layout)
+            sizes = [
+                n * plane_bytes
+                for _ in range(*msg.layers)
+                for _ in range(layout.planes)
+                for n in msg.runs
+            ]
         got = [len(f) for f in frames]
         if got != sizes:
             raise ProtocolError(f"pages chunk of frames {sizes[:8]} came as {got[:8]}")
@@ -163,17 +169,17 @@ class TcpSender(ZmqSender):
         if self.pool.kv.is_cuda:
             return False
         runs = pages.source_runs(src.tolist())
-        page_bytes = pages.page_bytes(self.layout) // 2
+        plane_bytes = pages.plane_bytes(self.layout)
         if (
             len(runs) > self.max_pool_runs
-            or min(n for _, n in runs) * page_bytes < self.min_pool_frame
+            or min(n for _, n in runs) * plane_bytes < self.min_pool_frame
         ):
             return False
         kv = self.pool.kv
         frames = [
-            kv[layer, kind, start : start + n].view(torch.uint8).numpy()
+            kv[layer, plane, start : start + n].view(torch.uint8).numpy()
             for layer in range(*chunk.layers)
-            for kind in (0, 1)
+            for plane in range(self.layout.planes)
             for start, n in runs
         ]
         header.runs = [n for _, n in runs]

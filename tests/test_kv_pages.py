@@ -118,9 +118,10 @@ def test_triton_kernels_match_torch_under_the_interpreter() -> None:
     or importlib.util.find_spec("triton.backends.nvidia") is None,
     reason="triton's CUDA backend not installed",
 )
-@pytest.mark.parametrize("width", ["i16", "i32"])  # bf16 / fp16 pages, and fp32 pages
+# bf16 / fp16 pages, fp32 pages (K and V), and MLA's bf16 latent (one plane)
+@pytest.mark.parametrize("width, planes", [("i16", 2), ("i32", 2), ("i16", 1)])
 def test_triton_page_kernel_compiles_for_h100_without_spills(
-    width: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    width: str, planes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No GPU here: the interpreter checks the semantics, this catches what only the compiler
     # rejects (as Triton's launcher would specialize a Llama-3-8B pool launch).
@@ -144,9 +145,11 @@ def test_triton_page_kernel_compiles_for_h100_without_spills(
         "dst_stride_block": "i32",
         "page_numel": "i32",
         "TILE": "constexpr",
+        "PLANES": "constexpr",
     }
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(signature) - 1)}
-    source = ASTSource(_copy_pages_kernel, signature, {"TILE": _TILE}, aligned)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(signature) - 2)}
+    constants = {"TILE": _TILE, "PLANES": planes}
+    source = ASTSource(_copy_pages_kernel, signature, constants, aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.exists():
