@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.forward_batch import AttentionBatch
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.kernels import mla_ref
 from pdserve.kernels.op_table import Ops
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,13 @@ def _store_kv(
     backend: str,
 ) -> None:
     _BACKENDS[backend].store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+@torch.library.custom_op("pdserve::store_latent", mutates_args=("cache",))
+def _store_latent(
+    latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str
+) -> None:
+    _BACKENDS[backend].store_latent(latent, cache, slot_mapping)
 
 
 @torch.library.custom_op("pdserve::paged_attention", mutates_args=())
@@ -95,7 +103,17 @@ def _opaque_ops(ops: Ops) -> Ops:
     def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
         return torch.ops.pdserve.fused_moe(hidden, w13, w2, topk_weights, topk_ids, ops.name)
 
-    return replace(ops, store_kv=store_kv, paged_attention=paged_attention, fused_moe=fused_moe)
+    def store_latent(latent, cache, slot_mapping):
+        torch.ops.pdserve.store_latent(latent, cache, slot_mapping, ops.name)
+
+    return replace(
+        ops,
+        store_kv=store_kv,
+        paged_attention=paged_attention,
+        fused_moe=fused_moe,
+        store_latent=store_latent,
+        latent_attention=mla_ref.latent_attention_via(paged_attention),
+    )
 
 
 class _PoolView:

@@ -30,6 +30,7 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.to(torch_dtype)
+    model.float32_router_biases()
     model.cos_sin = LlamaForCausalLM._rotary_table(cfg).to(device)
     return model.eval()
 

@@ -57,6 +57,8 @@ class ModelShard:
         if num_blocks < 1:
             raise ValueError(f"the KV budget holds no block of {self.layout}")
         self.num_blocks = num_blocks
+        if shard.is_first:
+            logger.info("%s", kv_capacity_line(self.layout, num_blocks))
         if pool_factory is None:
             self.pool = KVPool(self.layout, num_blocks, self.device)
         else:
@@ -128,3 +130,17 @@ class ModelShard:
             self.runner.capture_decode_graphs(
                 min(config.cuda_graph_max_batch_size, config.max_num_seqs), self.context_limit
             )
+
+
+def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:
+    """The start-up log's KV capacity: blocks, tokens, and what one token costs per layer."""
+    tokens = num_blocks * layout.block_size
+    per_token = layout.bytes_per_block // layout.block_size
+    if layout.planes == 1:
+        what = f"a latent of {layout.head_dim} per layer"
+    else:
+        what = f"K and V of {layout.num_kv_heads} heads x {layout.head_dim} per layer"
+    return (
+        f"KV cache: {num_blocks} blocks of {layout.block_size} = {tokens} tokens, "
+        f"{per_token} bytes per token ({what}, {layout.dtype})"
+    )

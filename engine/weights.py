@@ -43,8 +43,14 @@ class CheckpointTensor:
     def shape(self) -> tuple[int, ...]:
         return tuple(self._slice.get_shape())
 
-    def read(self, rows: range | None = None, columns: range | None = None) -> torch.Tensor:
-        """The tensor, or only its rows (dim 0) / columns (dim 1) in these ranges, cast."""
+    def read(
+        self,
+        rows: range | None = None,
+        columns: range | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The tensor, or only its rows (dim 0) / columns (dim 1) in these ranges, cast (to
+        `dtype` where given, else to the model's)."""
         if rows is None and columns is None:
             tensor = self._slice[:]
         elif columns is None:
@@ -52,7 +58,7 @@ class CheckpointTensor:
         else:
             rows = rows or range(self.shape[0])
             tensor = self._slice[rows.start : rows.stop, columns.start : columns.stop]
-        return tensor.to(self.dtype)
+        return tensor.to(dtype or self.dtype)
 
 
 def iter_checkpoint(model_dir: str | Path, dtype: torch.dtype) -> Iterator[CheckpointTensor]:

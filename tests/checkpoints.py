@@ -83,8 +83,67 @@ FAMILIES: dict[str, dict] = {
         mlp_only_layers=[1],
         tie_word_embeddings=False,
     ),
+    # DeepSeek-V2-Lite's shape: multi-head latent attention without q_lora_rank, YaRN with
+    # mscale unequal to mscale_all_dim (cos/sin and the softmax scale both change), a dense first
+    # layer, softmax routing limited to 2 of 4 expert groups, two shared experts, scaled weights.
+    "deepseek_v2": dict(
+        model_type="deepseek_v2",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=3,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        tie_word_embeddings=False,
+    ),
+    # DeepSeek-V3's shape: q through q_lora_rank, sigmoid scores with a correction bias (set
+    # random, see build_checkpoint), groups ranked by their two best, renormalised and scaled.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=3,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_interleave=True,
+        tie_word_embeddings=False,
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 def build_checkpoint(
@@ -116,6 +175,9 @@ def build_checkpoint(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros would test nothing
+                buffer.uniform_(-0.2, 0.2)
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
@@ -130,6 +192,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     model.eval()
+    # No end-of-sequence token: the engine's side ignores EOS, so the EOS token may be the
+    # greedy choice here too (min_new_tokens would forbid it instead).
+    model.generation_config.eos_token_id = None
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -139,7 +204,6 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
                 pad_token_id=0,
             )
             outs.append(gen[0, len(prompt) :].tolist())

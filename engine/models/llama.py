@@ -1,7 +1,8 @@
-"""The decoder of the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) and
-of its mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: the same attention, an MoE MLP in
-the layers their config makes sparse), running attention over the paged KV pool and the experts
-through the kernel op table."""
+"""The decoder of the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), of
+its mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: the same attention, an MoE MLP in the
+layers their config makes sparse) and of DeepSeek-V2 and V3 (multi-head latent attention,
+`pdserve.engine.models.mla`, and DeepSeek's experts), running attention over the paged KV pool
+and the experts through the kernel op table."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from pdserve.engine.cpu_linear import Linear
 from pdserve.engine.forward_batch import AttentionBatch
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.mla import LatentAttention
 from pdserve.engine.models.moe import SparseMoE
+from pdserve.engine.models.norm import RMSNorm
 from pdserve.engine.models.parallel_layers import (
     ParallelLMHead,
     RowParallelLinear,
@@ -36,13 +39,6 @@ EXPERT_PROJECTIONS = {
     "w3": "up",
     "w2": "down",
 }
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
 
 
 class Attention(nn.Module):
@@ -127,7 +123,8 @@ class DecoderLayer(nn.Module):
         self, cfg: ModelConfig, layer_index: int, shard: TPShard, group: TPGroup | None
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_index, shard, group)
+        attention = LatentAttention if cfg.is_mla else Attention
+        self.self_attn = attention(cfg, layer_index, shard, group)
         if cfg.is_sparse_layer(layer_index):
             self.mlp = SparseMoE(cfg, shard, group, MLP)
         else:
@@ -165,7 +162,9 @@ class LlamaForCausalLM(nn.Module):
         inv_freq = cfg.inv_freq().float()
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        factor = cfg.rotary_attention_factor()  # YaRN's; 1.0 for every other rotary type
+        return table if factor == 1.0 else table * factor
 
     def forward(
         self,
@@ -253,9 +252,21 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if "rotary_emb" in local:
                 continue
+            if _extra_layer(local, cfg.num_layers):
+                continue  # DeepSeek-V3's multi-token-prediction layers: not loaded
             if name not in expected:
                 raise ValueError(f"unexpected weight '{name}' in checkpoint")
             local = local.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            local = local.replace(".shared_experts.", ".shared_expert.")  # DeepSeek's
+            if cfg.is_mla and ".self_attn." in local:
+                layer, part = local.split(".self_attn.")
+                self.layers[int(layer.split(".")[1])].self_attn.load(part, tensor)
+                seen.add(name)
+                continue
+            if local.endswith(".mlp.gate.e_score_correction_bias"):
+                self._load_correction_bias(tensor, int(local.split(".")[1]))
+                seen.add(name)
+                continue
             expert = EXPERT_WEIGHT.fullmatch(local)
             if expert is not None:
                 self._load_expert(tensor, *expert.groups())
@@ -318,6 +329,24 @@ class LlamaForCausalLM(nn.Module):
                 rows = experts.w13.data[int(expert)].narrow(0, offset, len(cols))
                 rows.copy_(tensor.read(rows=cols))
 
+    def _load_correction_bias(self, tensor: CheckpointTensor, layer: int) -> None:
+        """V3's e_score_correction_bias, read in float32 whatever the model's dtype: a
+        bfloat16 copy would route some tokens to other experts."""
+        moe = self.layers[layer].mlp
+        if tuple(tensor.shape) != (self.config.num_experts,):
+            raise ValueError(
+                f"weight '{tensor.name}' has shape {tuple(tensor.shape)}, "
+                f"expected {(self.config.num_experts,)}"
+            )
+        moe.e_score_correction_bias = tensor.read(dtype=torch.float32).to(moe.gate.weight.device)
+
+    def float32_router_biases(self) -> None:
+        """Put the routers' correction biases back in float32 after a cast of the model."""
+        for layer in self.layers:
+            bias = getattr(layer.mlp, "e_score_correction_bias", None)
+            if bias is not None:
+                layer.mlp.e_score_correction_bias = bias.float()
+
     def _checkpoint_names(self) -> list[str]:
         cfg = self.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -326,6 +355,13 @@ class LlamaForCausalLM(nn.Module):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            if cfg.is_sparse_layer(i):
+                names += self._sparse_mlp_names(p)
+            else:
+                names += [p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+            if cfg.is_mla:
+                names += self.layers[i].self_attn.checkpoint_names(p)
+                continue
             for proj in ("q_proj", "k_proj", "v_proj"):
                 names.append(p + f"self_attn.{proj}.weight")
                 if cfg.attention_bias:
@@ -335,10 +371,6 @@ class LlamaForCausalLM(nn.Module):
                 names.append(p + "self_attn.o_proj.bias")
             if cfg.qk_norm:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-            if cfg.is_sparse_layer(i):
-                names += self._sparse_mlp_names(p)
-            else:
-                names += [p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
         return names
 
     def _sparse_mlp_names(self, prefix: str) -> list[str]:
@@ -349,12 +381,23 @@ class LlamaForCausalLM(nn.Module):
         else:
             moe, projections = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
         names = [moe + "gate.weight"]
+        if cfg.score_correction_bias:
+            names.append(moe + "gate.e_score_correction_bias")
         for e in range(cfg.num_experts):
             names += [moe + f"experts.{e}.{proj}.weight" for proj in projections]
         if cfg.shared_expert_intermediate_size:
+            shared = "shared_expert" if cfg.shared_expert_gated else "shared_experts"
             names += [
-                moe + f"shared_expert.{proj}.weight"
-                for proj in ("gate_proj", "up_proj", "down_proj")
+                moe + f"{shared}.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")
             ]
-            names.append(moe + "shared_expert_gate.weight")
+            if cfg.shared_expert_gated:
+                names.append(moe + "shared_expert_gate.weight")
         return names
+
+
+def _extra_layer(local: str, num_layers: int) -> bool:
+    """A weight of a layer past the decoder's own (`layers.N.` with N >= num_layers)."""
+    if not local.startswith("layers."):
+        return False
+    index = local.split(".", 2)[1]
+    return index.isdigit() and int(index) >= num_layers

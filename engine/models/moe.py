@@ -1,6 +1,7 @@
-"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a router picks each token's k
-experts, the op table's `fused_moe` runs them (the torch reference on CPU, the fused Triton
-kernel on CUDA), and Qwen2-MoE adds a shared expert scaled by its sigmoid gate.
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek: a router picks each
+token's k experts, the op table's `fused_moe` runs them (the torch reference on CPU, the fused
+Triton kernel on CUDA), and Qwen2-MoE adds a shared expert scaled by its sigmoid gate, DeepSeek
+its shared experts (one MLP n_shared_experts times an expert's width) unscaled.
 
 Tensor parallelism splits every expert like a dense MLP: each rank holds its columns of every
 expert's gate and up projections and the matching rows of its down projection, and the shared
@@ -15,8 +16,8 @@ import torch
 from torch import nn
 
 from pdserve.engine.cpu_linear import Linear, linear
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models.moe_router import route
+from pdserve.engine.model_config import DEEPSEEK_MODEL_TYPES, ModelConfig
+from pdserve.engine.models.moe_router import GroupedRouting, route, route_grouped
 from pdserve.engine.tp_group import TPGroup
 from pdserve.engine.tp_shard import TPShard
 from pdserve.kernels.moe_ref import grouped_experts
@@ -56,17 +57,24 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.grouped = GroupedRouting.of(cfg) if cfg.model_type in DEEPSEEK_MODEL_TYPES else None
+        # V3's correction bias stays float32 whatever the model's dtype (loading reads it so).
+        bias = torch.zeros(cfg.num_experts) if cfg.score_correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias, persistent=False)
         width = len(shard.columns(cfg.moe_intermediate_size))
         self.experts = Experts(cfg.num_experts, width, cfg.hidden_size)
+        self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = len(shard.columns(cfg.shared_expert_intermediate_size))
             self.shared_expert = dense_mlp(cfg, shard, None, shared)
-            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.grouped is not None:
+            weights, ids = route_grouped(self.gate(x), self.grouped, self.e_score_correction_bias)
+        else:
+            weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts = self.experts
         if experts.packed_experts is not None:
             out = grouped_experts(
@@ -74,8 +82,10 @@ class SparseMoE(nn.Module):
             )
         else:
             out = ops.fused_moe(x, experts.w13, experts.w2, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         if self.group is not None:
             out = self.group.all_reduce(out)
         return out
