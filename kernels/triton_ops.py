@@ -3,10 +3,10 @@ references in `pdserve.kernels.ops.REFERENCE`, which stay the ground truth in te
 
 from __future__ import annotations
 
-from pdserve.kernels import mla_ref
 from pdserve.kernels.op_table import Ops
 from pdserve.kernels.triton_attention import paged_attention
 from pdserve.kernels.triton_kv import store_kv
+from pdserve.kernels.triton_mla import latent_attention, store_latent
 from pdserve.kernels.triton_moe import fused_moe
 from pdserve.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from pdserve.kernels.triton_rotary import apply_rotary
@@ -19,6 +19,6 @@ TRITON = Ops(
     fused_add_rms_norm=fused_add_rms_norm,
     apply_rotary=apply_rotary,
     fused_moe=fused_moe,
-    store_latent=mla_ref.store_latent,
-    latent_attention=mla_ref.latent_attention_via(paged_attention),
+    store_latent=store_latent,
+    latent_attention=latent_attention,
 )
