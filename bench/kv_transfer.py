@@ -12,6 +12,16 @@ segment (shm), a device-to-device copy (cuda_ipc).
 --insecure), curve (the default: the cluster keys, pages encrypted with CurveZMQ) and auth-only
 (kv_encryption = false: senders authenticated, pages in clear).
 
+--mla-compare measures instead what the handoff of one prompt moves with multi-head latent
+attention (one latent "head" of 576 per token and layer, no V) beside grouped-query KV of a model
+of similar size (DeepSeek-V3 beside Llama-3.1-405B, DeepSeek-V2-Lite beside Qwen2.5-14B; bf16,
+16-token blocks): the bytes per prompt token (arithmetic from the layouts) and the time of an
+8192-token prompt's KV (--tokens), the two layouts of a pair timed in the same rounds. A pair whose
+pools (sender and receiver, both layouts) do not fit this host's available memory is measured at
+the longest prompt that fits, and the output says so.
+
+    .venv/bin/python -m pdserve.bench.kv_transfer --mla-compare --out bench/results/kv_transfer_mla.json
+
 A transfer is timed from send() to the sender seeing the receiver's ack (all pages landed);
 each point is the median of --repeats runs after one warm-up run.
 """
@@ -19,6 +29,7 @@ each point is the median of --repeats runs after one warm-up run.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import importlib.util
 import json
 import multiprocessing as mp
@@ -27,6 +38,7 @@ import platform
 import random
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +54,26 @@ from pdserve.tune.transfer_probe import SECURITY, TransferProbe
 
 LLAMA3_8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 SWEEP = (1, 4, 16, 64, 256, 1024)
+
+
+def _latent(num_layers: int) -> KVLayout:
+    """DeepSeek's MLA cache: one latent of kv_lora_rank 512 + qk_rope_head_dim 64 per token."""
+    return KVLayout(num_layers, 16, 1, 512 + 64, "bfloat16", planes=1)
+
+
+def _gqa(num_layers: int) -> KVLayout:
+    """K and V of 8 KV heads of 128 per token."""
+    return KVLayout(num_layers, 16, 8, 128, "bfloat16")
+
+
+# (latent model, its layout, a grouped-query model of similar size, its layout)
+MLA_PAIRS: tuple[tuple[str, KVLayout, str, KVLayout], ...] = (
+    ("DeepSeek-V3", _latent(61), "Llama-3.1-405B", _gqa(126)),
+    ("DeepSeek-V2-Lite", _latent(27), "Qwen2.5-14B", _gqa(48)),
+)
+PROMPT_TOKENS = 8192
+# Host memory the comparison leaves to everything else (staging buffers, the interpreter, others).
+MEMORY_MARGIN = 4 << 30
 
 
 def _raw_sink(address_pipe) -> None:
@@ -167,7 +199,155 @@ def available_transports() -> list[str]:
     return names
 
 
-def main() -> None:
+def bytes_per_token(layout: KVLayout) -> int:
+    """What the handoff moves per prompt token: every layer's planes x heads x width."""
+    return layout.bytes_per_block // layout.block_size
+
+
+def available_bytes() -> int:
+    """Host memory available now, less the margin the comparison leaves (/proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        kib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // 1024
+    return max(0, kib * 1024 - MEMORY_MARGIN)
+
+
+def fitting_tokens(layouts: list[KVLayout], tokens: int, budget: int) -> int:
+    """The longest prompt up to `tokens` (whole blocks) whose pools fit in `budget` bytes: one
+    sender pool here and one receiver pool in the child for each layout, alive together."""
+    per_token = 2 * sum(bytes_per_token(lay) for lay in layouts)
+    block = max(lay.block_size for lay in layouts)
+    return min(tokens, budget // per_token // block * block)
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "zmq": f"{zmq.pyzmq_version()} / libzmq {zmq.zmq_version()}",
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip()
+
+
+def mla_compare(
+    transports: list[str],
+    tokens: int,
+    patterns: list[str],
+    repeats: int,
+    chunk_bytes: int,
+    pairs: tuple[tuple[str, KVLayout, str, KVLayout], ...] = MLA_PAIRS,
+    budget: int | None = None,
+) -> dict:
+    """Bytes per token of each layout, and each pair's prompt KV moved over each transport, the
+    latent and the grouped-query layout timed in the same rounds. Prints the two tables."""
+    print(
+        "| model | attention | layers | per token and layer | bytes / token | KiB / token | "
+        f"{tokens}-token KV MiB |"
+    )
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
+    layouts = []
+    for mla_name, mla, gqa_name, gqa in pairs:
+        for name, lay in ((mla_name, mla), (gqa_name, gqa)):
+            what = "latent" if lay.planes == 1 else "K and V"
+            shape = f"{lay.planes} x {lay.num_kv_heads} x {lay.head_dim} ({what})"
+            row = {
+                "model": name,
+                "attention": "MLA" if lay.planes == 1 else "GQA",
+                "layout": lay.to_dict(),
+                "bytes_per_token": bytes_per_token(lay),
+            }
+            layouts.append(row)
+            print(
+                f"| {name} | {row['attention']} | {lay.num_layers} | {shape} | "
+                f"{row['bytes_per_token']:,} | {row['bytes_per_token'] / 1024:.1f} | "
+                f"{tokens * row['bytes_per_token'] / 2**20:,.0f} |"
+            )
+    print()
+    print(
+        "| transport | pattern | tokens | MLA model | MLA MiB | MLA ms | GQA model | GQA MiB | "
+        "GQA ms | GQA / MLA bytes | GQA / MLA time |"
+    )
+    print("| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    rng = random.Random(0)
+    transfers, shortened = [], []
+    for mla_name, mla, gqa_name, gqa in pairs:
+        room = available_bytes() if budget is None else budget
+        n_tokens = fitting_tokens([mla, gqa], tokens, room)
+        if n_tokens < tokens:
+            need = 2 * tokens * (bytes_per_token(mla) + bytes_per_token(gqa))
+            note = (
+                f"{mla_name} / {gqa_name}: {tokens} tokens need {need / 2**30:.1f} GiB of pools "
+                f"(sender and receiver, both layouts) and {room / 2**30:.1f} GiB are available: "
+                f"measured at {n_tokens} tokens"
+            )
+            print(f"# {note}", flush=True)
+            shortened.append(note)
+        if n_tokens <= 0:
+            continue
+        blocks = n_tokens // mla.block_size
+        for transport in transports:
+            device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
+            probes = {}
+            try:
+                for name, lay in ((mla_name, mla), (gqa_name, gqa)):
+                    probes[name] = TransferProbe(transport, lay, blocks, device, chunk_bytes)
+                for pattern in patterns:
+                    src, dst = _block_ids(blocks, blocks, pattern, rng)
+                    fns = {name: partial(probe.run, src, dst) for name, probe in probes.items()}
+                    times = measure(fns, repeats)
+                    row = {"transport": transport, "pattern": pattern, "tokens": n_tokens}
+                    for side, name, lay in (("mla", mla_name, mla), ("gqa", gqa_name, gqa)):
+                        nbytes = n_tokens * bytes_per_token(lay)
+                        row[side] = {
+                            "model": name,
+                            "bytes": nbytes,
+                            "seconds": statistics.median(times[name]),
+                            "GB/s": nbytes / statistics.median(times[name]) / 1e9,
+                            "times_s": times[name],
+                        }
+                    row["gqa_over_mla_bytes"] = row["gqa"]["bytes"] / row["mla"]["bytes"]
+                    # median over rounds of the GQA transfer's time over the latent one's
+                    row["gqa_over_mla_time"] = per_round(times, mla_name, gqa_name)
+                    transfers.append(row)
+                    m, g = row["mla"], row["gqa"]
+                    print(
+                        f"| {transport} | {pattern} | {n_tokens} | {mla_name} | "
+                        f"{m['bytes'] / 2**20:.0f} | {m['seconds'] * 1e3:.0f} | {gqa_name} | "
+                        f"{g['bytes'] / 2**20:.0f} | {g['seconds'] * 1e3:.0f} | "
+                        f"{row['gqa_over_mla_bytes']:.2f}x | {row['gqa_over_mla_time']:.2f}x |",
+                        flush=True,
+                    )
+            finally:
+                for probe in probes.values():
+                    probe.close()
+    return {"layouts": layouts, "transfers": transfers, "shortened": shortened}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--transports", nargs="*", default=None, help="default: all available")
     ap.add_argument("--max-blocks", type=int, default=256, help="largest point of the sweep")
@@ -182,10 +362,26 @@ def main() -> None:
         default=["none"],
         help="how receivers admit senders; several: measured side by side",
     )
-    ap.add_argument("--json", default=None, help="also write the results here")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--mla-compare",
+        action="store_true",
+        help="bytes per token and a prompt's transfer time, latent (MLA) beside GQA layouts",
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=PROMPT_TOKENS, help="--mla-compare: the prompt's tokens"
+    )
+    ap.add_argument(
+        "--json", "--out", dest="json", default=None, help="also write the results here"
+    )
+    args = ap.parse_args(argv)
 
     transports = args.transports or available_transports()
+    command = shlex.join(
+        [os.path.basename(sys.executable), "-m", "pdserve.bench.kv_transfer", *argv]
+    )
+    if args.mla_compare:
+        _run_mla_compare(args, transports, command)
+        return
     sweep = args.blocks or [n for n in SWEEP if n <= args.max_blocks]
     max_blocks = max(sweep)
     block = LLAMA3_8B.bytes_per_block
@@ -194,9 +390,7 @@ def main() -> None:
     torch.manual_seed(0)
     securities = list(dict.fromkeys(args.security))
     side_by_side = len(securities) > 1
-    print(
-        f"# {shlex.join([os.path.basename(sys.executable), '-m', 'pdserve.bench.kv_transfer', *sys.argv[1:]])}"
-    )
+    print(f"# {command}")
     print(
         f"# {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"zmq {zmq.pyzmq_version()} / libzmq {zmq.zmq_version()}, "
@@ -302,6 +496,49 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _run_mla_compare(args: argparse.Namespace, transports: list[str], command: str) -> None:
+    machine = _machine()
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load_before = os.getloadavg()
+    print(f"# {command}")
+    print(f"# {machine['cpu']}, {machine['cores']} CPUs, {machine['memory_gib']} GiB, {date}")
+    here = available_transports()
+    not_run = {
+        t: "not asked (--transports)" if t in here else "needs CUDA and CuPy (nccl: 2 GPUs)"
+        for t in ("tcp", "shm", "cuda_ipc", "nccl")
+        if t not in transports
+    }
+    results = mla_compare(
+        transports,
+        args.tokens,
+        args.patterns,
+        args.repeats,
+        int(args.chunk_mib * 2**20),
+    )
+    if not_run:
+        print(f"# not measured: {'; '.join(f'{t}: {why}' for t, why in not_run.items())}")
+    if args.json:
+        out = {
+            "command": command,
+            "commit": _commit(),
+            "date": date,
+            "machine": machine,
+            "load_average": {"before": load_before, "after": os.getloadavg()},
+            "settings": {
+                "transports": transports,
+                "tokens": args.tokens,
+                "patterns": args.patterns,
+                "repeats": args.repeats,
+                "chunk_mib": args.chunk_mib,
+                "memory_margin_gib": MEMORY_MARGIN / 2**30,
+            },
+            "not_measured": not_run,
+            **results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
