@@ -5,6 +5,7 @@ both layouts of a pair are timed in the same rounds, and nothing is written unle
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,24 @@ def test_the_command_writes_its_results_only_where_told(tmp_path, monkeypatch, c
         ("DeepSeek-V3", 32),
         ("DeepSeek-V2-Lite", 32),
     ]
+
+
+def test_the_docs_table_is_the_saved_run():
+    repo = Path(__file__).resolve().parents[1]
+    saved = json.loads((repo / "bench/results/kv_transfer_mla.json").read_text())
+    doc = (repo / "docs/benchmarks.md").read_text()
+    section = doc.split("## KV handoff: latent vs GQA bytes per token")[1].split("\n## ")[0]
+    assert saved["commit"] in section and saved["date"] in section
+    assert saved["command"].removeprefix("python ") in section
+    for row in saved["layouts"]:
+        lay = KVLayout.from_dict(row["layout"])
+        assert row["bytes_per_token"] == bench.bytes_per_token(lay)
+        assert f"| {row['model']} | {row['attention']} | {lay.num_layers} |" in section
+        assert f"| {row['bytes_per_token']:,} |" in section
+    for row in saved["transfers"]:
+        m, g = row["mla"], row["gqa"]
+        cells = [row["transport"], row["pattern"], m["model"], f"{m['bytes'] / 2**20:,.0f}"]
+        cells += [f"{m['seconds'] * 1e3:,.0f}", g["model"], f"{g['bytes'] / 2**20:,.0f}"]
+        cells += [f"{g['seconds'] * 1e3:,.0f}", f"{row['gqa_over_mla_bytes']:.2f}x"]
+        cells += [f"{row['gqa_over_mla_time']:.2f}x"]
+        assert f"| {' | '.join(cells)} |" in section
