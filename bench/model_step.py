@@ -194,8 +194,8 @@ def kv_pool(
     cfg: ModelConfig, dtype: str, num_blocks: int, device: str, shard: TPShard | None = None
 ) -> KVPool:
     """A pool of random pages, of a rank's KV heads with a shard."""
-    heads = len((shard or TPShard()).kv_heads(cfg.num_kv_heads))
-    layout = KVLayout(cfg.num_layers, BLOCK_SIZE, heads, cfg.head_dim, dtype)
+    heads = len((shard or TPShard()).kv_heads(cfg.cache_heads))
+    layout = KVLayout.for_model(cfg, BLOCK_SIZE, dtype, heads)
     pool = KVPool(layout, num_blocks, device)
     pool.kv.normal_()
     return pool

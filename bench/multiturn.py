@@ -115,11 +115,9 @@ def summarize(
 
 
 def kv_block_bytes(model: str, block_size: int) -> int:
-    """Bytes of one KV block of the model on CPU (float32), all layers, K and V."""
+    """Bytes of one KV block of the model on CPU (float32), all layers and planes."""
     cfg = ModelConfig.from_pretrained(resolve_model_dir(model))
-    return KVLayout(
-        cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, "float32"
-    ).bytes_per_block
+    return KVLayout.for_model(cfg, block_size, "float32").bytes_per_block
 
 
 def format_table(runs: list[dict]) -> str:

@@ -32,9 +32,7 @@ class KVLayout:
     ) -> KVLayout:
         """The layout of a model's cache (num_kv_heads: a tensor-parallel rank's share)."""
         heads = cfg.cache_heads if num_kv_heads is None else num_kv_heads
-        return cls(
-            cfg.num_layers, block_size, heads, cfg.cache_head_dim, dtype, cfg.cache_planes
-        )
+        return cls(cfg.num_layers, block_size, heads, cfg.cache_head_dim, dtype, cfg.cache_planes)
 
     @property
     def torch_dtype(self) -> torch.dtype:

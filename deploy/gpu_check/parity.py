@@ -13,9 +13,10 @@ from pdserve.deploy.gpu_check.record import StepRecord, step_args
 
 # (family, block size): every family at the default block, Llama at 1 and 32 too (Triton takes
 # powers of two only; the CPU test's 7 is the reference path's). The mixtures of experts run the
-# fused Triton MoE, in the decode graphs too.
+# fused Triton MoE, in the decode graphs too; DeepSeek's the latent attention kernels.
 CASES = [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("llama", 1), ("llama", 32)]
 CASES += [("mixtral", 16), ("qwen2_moe", 16), ("qwen3_moe", 16)]
+CASES += [("deepseek_v2", 16), ("deepseek_v3", 16)]
 TOP = 5
 
 
