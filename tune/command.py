@@ -122,8 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="checkpoint directory (measured), or for --roofline / --model-step also "
-        "a config.json or a preset: llama3-8b, llama3-70b (default: $PDSERVE_MODEL, else "
-        "pdserve-stories, as serve)",
+        "a config.json or a preset: llama3-8b, llama3-70b, mixtral-8x7b, qwen3-30b-a3b, "
+        "deepseek-v2-lite, deepseek-v3 (default: $PDSERVE_MODEL, else pdserve-stories, as serve)",
     )
     p.add_argument("--out", required=True, help="the profile JSON to write")
     how = p.add_mutually_exclusive_group()
@@ -368,7 +368,7 @@ def run_search(args: argparse.Namespace) -> int:
     workload = _workload(args)
     # The simulated nodes and coordinator log as the real ones do: registrations, and so on.
     for name in ("coordinator", "prefill_node", "decode_node", "engine", "kv_transfer"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(f"pdserve.{name}").setLevel(logging.WARNING)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if not args.no_progress else None
     print(f"profile: {profile.source}")
     print(f"workload: {len(workload)} requests, {workload.description}")

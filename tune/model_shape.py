@@ -3,7 +3,15 @@ in FLOPs and bytes (weights, KV) at a dtype, for rooflines and for the KV a hand
 
 A mixture of experts holds every expert's weights (memory: `num_params`) and runs k of them per
 token (compute: `flops_per_token` counts the active parameters); a step reads the routed experts
-its tokens touch (`expert_weight_bytes`, scaled by the step model) besides the rest."""
+its tokens touch (`expert_weight_bytes`, scaled by the step model) besides the rest.
+
+Multi-head latent attention (DeepSeek) caches one latent per token and layer, kv_lora_rank +
+qk_rope_head_dim wide, shared by every head; its FLOPs are those of the absorbed form, which
+pdserve runs for prefill chunks and decodes alike (`pdserve.engine.models.mla`): each query's
+no-rotary part is multiplied into latent space and its output back out (kv_b_proj's two halves,
+once per query token), and attention is multi-query attention over the latent. A tensor-parallel
+group splits the query heads and holds the latent, and the down-projections that make it, whole
+on every rank (`kv_replicas`, `replicated_params`)."""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.engine.embedded_models import EMBEDDED, resolve_model_dir
+from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -37,6 +46,13 @@ class ModelShape:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False  # a gate of one output scales the shared expert (Qwen2-MoE)
+    # Multi-head latent attention (kv_lora_rank 0: none). head_dim is then the rotary part's
+    # width, qk_rope_head_dim, as in ModelConfig.
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
@@ -46,6 +62,11 @@ class ModelShape:
             experts_per_token=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.moe_intermediate_size,
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            shared_expert_gated=cfg.shared_expert_gated and cfg.shared_expert_intermediate_size > 0,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            v_head_dim=cfg.v_head_dim,
             name=name,
             num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size,
@@ -76,17 +97,79 @@ class ModelShape:
         mine.pop("name"), theirs.pop("name")
         return mine == theirs
 
+    # --- the cache ------------------------------------------------------------------------------
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_heads(self) -> int:
+        """KV heads cached per token and layer: MLA's latent is one, shared by every head."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Width of one cached head: MLA's latent c_kv beside its rotary key k_pe."""
+        return self.kv_lora_rank + self.head_dim if self.is_mla else self.head_dim
+
+    @property
+    def cache_planes(self) -> int:
+        """K and V, or MLA's latent alone."""
+        return 1 if self.is_mla else 2
+
+    def kv_layout(self, block_size: int, dtype: str) -> KVLayout:
+        """The layout of a whole node's pool (every KV head) for this shape."""
+        return KVLayout(
+            self.num_layers,
+            block_size,
+            self.cache_heads,
+            self.cache_head_dim,
+            dtype,
+            self.cache_planes,
+        )
+
+    def kv_replicas(self, gpus: int) -> int:
+        """Copies of every cached head a tensor-parallel group of `gpus` holds: 1 where the KV
+        heads split over the ranks, gpus / heads where ranks share a head (MLA's latent is on
+        every rank). Each copy is stored, read by its rank's attention and sent by it."""
+        return max(1, gpus // self.cache_heads)
+
     # --- sizes ----------------------------------------------------------------------------------
 
     @property
+    def q_head_dim(self) -> int:
+        """Width of one query head: MLA's no-rotary and rotary parts, else head_dim."""
+        return self.qk_nope_head_dim + self.head_dim if self.is_mla else self.head_dim
+
+    @property
     def attention_params(self) -> int:
-        """Matmul weights of one layer's attention: q, k, v and o projections."""
-        h, q, kv = (
-            self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        )
-        return h * (q + 2 * kv) + q * h
+        """Matmul weights of one layer's attention: q, k, v and o projections; for MLA q_a_proj
+        and q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj."""
+        h, heads = self.hidden_size, self.num_heads
+        if not self.is_mla:
+            q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return h * (q + 2 * kv) + q * h
+        q_out = heads * self.q_head_dim
+        q = h * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank else h * q_out
+        kv_a = h * self.cache_head_dim
+        kv_b = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv_a + kv_b + heads * self.v_head_dim * h
+
+    def replicated_params(self, gpus: int) -> int:
+        """Matmul weights a tensor-parallel group of `gpus` holds beyond one copy of the model:
+        what every rank holds whole (MLA's q_a_proj and kv_a_proj_with_mqa, which make codes
+        that have no heads to split; a mixture of experts' router) and the K and V projections
+        of KV heads that ranks share. Each extra copy is stored, read and computed by its rank."""
+        if gpus <= 1:
+            return 0
+        h = self.hidden_size
+        if self.is_mla:
+            attention = (gpus - 1) * h * (self.q_lora_rank + self.cache_head_dim)
+        else:
+            attention = (self.kv_replicas(gpus) - 1) * 2 * h * self.num_kv_heads * self.head_dim
+        router = h * (self.num_experts + (1 if self.shared_expert_gated else 0))
+        return self.num_layers * attention + self.num_sparse_layers * (gpus - 1) * router
 
     @property
     def layer_params(self) -> int:
@@ -102,7 +185,7 @@ class ModelShape:
     def sparse_layer_fixed_params(self) -> int:
         """What every token of a sparse layer uses: attention, the router, the shared expert."""
         shared = self.shared_expert_intermediate_size
-        router = self.hidden_size * (self.num_experts + (1 if shared else 0))
+        router = self.hidden_size * (self.num_experts + (1 if self.shared_expert_gated else 0))
         return self.attention_params + router + 3 * self.hidden_size * shared
 
     @property
@@ -132,8 +215,10 @@ class ModelShape:
         return self.num_params * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        """K and V of one token across all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        """One token's cache across all layers, one copy (what a handoff moves): K and V of
+        every KV head, or MLA's latent (kv_lora_rank + qk_rope_head_dim)."""
+        width = self.cache_planes * self.cache_heads * self.cache_head_dim
+        return self.num_layers * width * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_block(self, block_size: int, dtype: str) -> int:
         return block_size * self.kv_bytes_per_token(dtype)
@@ -143,12 +228,18 @@ class ModelShape:
     @property
     def flops_per_token(self) -> float:
         """Matmul FLOPs of every layer for one new token (attention over the context aside): its
-        active parameters, in a mixture of experts."""
+        active parameters, in a mixture of experts. MLA's absorbed form uses kv_b_proj's weights
+        once a query token (the query into latent space, the output out of it) and never on a
+        key, so its count is the parameters' too."""
         return 2.0 * self.active_layers_params
 
     @property
     def flops_per_attention_pair(self) -> float:
-        """QK^T and PV for one (query token, key token) pair, across layers and heads."""
+        """QK^T and PV for one (query token, key token) pair, across layers and heads; for MLA
+        in the absorbed form, each head's scores over the whole latent (kv_lora_rank +
+        qk_rope_head_dim) and its values over c_kv (kv_lora_rank)."""
+        if self.is_mla:
+            return 2.0 * self.num_layers * self.num_heads * (2 * self.kv_lora_rank + self.head_dim)
         return 4.0 * self.num_layers * self.num_heads * self.head_dim
 
     @property
@@ -202,6 +293,48 @@ PRESETS = {
         num_experts=128,
         experts_per_token=8,
         moe_intermediate_size=768,
+    ),
+    # DeepSeek: latent attention (head_dim is qk_rope_head_dim), first_k_dense_replace dense
+    # layers, then routed experts beside always-on shared ones. V3's multi-token prediction
+    # layer (num_nextn_predict_layers, 14 B more) is not counted: pdserve does not run it.
+    "deepseek-v3": ModelShape(
+        "DeepSeek-V3",
+        61,
+        7168,
+        18432,
+        128,
+        128,
+        64,
+        129280,
+        163840,
+        num_sparse_layers=58,
+        num_experts=256,
+        experts_per_token=8,
+        moe_intermediate_size=2048,
+        shared_expert_intermediate_size=2048,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    ),
+    "deepseek-v2-lite": ModelShape(
+        "DeepSeek-V2-Lite",
+        27,
+        2048,
+        10944,
+        16,
+        16,
+        64,
+        102400,
+        163840,
+        num_sparse_layers=26,
+        num_experts=64,
+        experts_per_token=6,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=2816,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
     ),
 }
 

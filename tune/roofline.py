@@ -84,19 +84,28 @@ def allreduce_seconds(
 
 
 def roofline_step(
-    model: ModelShape, dtype: str, tflops: float, gbps: float, overhead_s: float, per_seq_s: float
+    model: ModelShape,
+    dtype: str,
+    tflops: float,
+    gbps: float,
+    overhead_s: float,
+    per_seq_s: float,
+    gpus: int = 1,
 ) -> StepTimeModel:
     """A step's time as the larger of its FLOPs over `tflops` and its bytes over `gbps` (the rates
-    reached, not the peaks), plus overheads."""
+    reached, not the peaks, of all `gpus` of a tensor-parallel group together), plus overheads.
+    The group splits the work but for what every rank holds whole, which each one reads and
+    computes: MLA's latent KV and down-projections, KV heads that ranks share, the router."""
     flop_s, byte_s = 1.0 / (tflops * 1e12), 1.0 / (gbps * 1e9)
+    replicated = model.replicated_params(gpus)
     return StepTimeModel(
         base_s=overhead_s,
         per_seq_s=per_seq_s,
-        per_token_s=model.flops_per_token * flop_s,
+        per_token_s=(model.flops_per_token + 2.0 * replicated) * flop_s,
         per_pair_s=model.flops_per_attention_pair * flop_s,
         per_row_s=model.flops_per_logits_row * flop_s,
-        per_context_s=model.kv_bytes_per_token(dtype) * byte_s,
-        weights_s=model.step_weight_bytes(dtype) * byte_s,
+        per_context_s=model.kv_bytes_per_token(dtype) * model.kv_replicas(gpus) * byte_s,
+        weights_s=(model.step_weight_bytes(dtype) + replicated * DTYPE_BYTES[dtype]) * byte_s,
         overlap=True,
         expert_weights_s=model.expert_weight_bytes(dtype) * byte_s,
         num_experts=model.num_experts,
@@ -107,11 +116,14 @@ def roofline_step(
 def kv_blocks(
     model: ModelShape, dtype: str, block_size: int, memory_gb: float, a: Assumptions, gpus: int
 ) -> int:
-    """A node's KV pool: what its GPUs' memory holds beyond the weights (split over them) and the
-    activations; 0 or less where nothing is left."""
+    """A node's KV pool: what its GPUs' memory holds beyond the weights (split over them, but for
+    what every rank holds whole) and the activations; 0 or less where nothing is left. A block
+    costs its KV once per copy the group keeps: MLA's latent is on every GPU, so its pool does
+    not grow with the group's size beyond the room the split weights leave."""
     budget = gpus * (memory_gb * a.memory_utilization - a.activation_reserve_gb) * 1e9
-    free = budget - model.weight_bytes(dtype)
-    return int(free // model.kv_bytes_per_block(block_size, dtype))
+    weights = model.weight_bytes(dtype) + model.replicated_params(gpus) * DTYPE_BYTES[dtype]
+    per_block = model.kv_bytes_per_block(block_size, dtype) * model.kv_replicas(gpus)
+    return int((budget - weights) // per_block)
 
 
 def group_model(
@@ -126,14 +138,18 @@ def group_model(
         gpus * d.gbps * a.memory_efficiency,
         a.step_overhead_s,
         a.per_seq_s,
+        gpus,
     )
     allreduce_latency = allreduce_seconds(model, dtype, gpus, 0, d, a)
     per_token = allreduce_seconds(model, dtype, gpus, 1, d, a) - allreduce_latency
     step = replace(step, base_s=step.base_s + allreduce_latency, allreduce_per_token_s=per_token)
+    # Each rank sends its own heads' pages; ranks that share a head send a whole copy of it each
+    # (to their peers), so a group sends one copy of the KV at the rate of its distinct shards.
+    shards = gpus // model.kv_replicas(gpus)
     return GroupModel(
         gpus,
         step,
-        TransferModel(a.transfer_latency_s, gpus * a.transfer_gbps * 1e9, a.transport),
+        TransferModel(a.transfer_latency_s, shards * a.transfer_gbps * 1e9, a.transport),
         kv_blocks(model, dtype, block_size, d.memory_gb, a, gpus),
     )
 
@@ -176,6 +192,11 @@ def roofline_profile(
             source += f" ({', '.join(map(str, left_out))}: no room for KV)"
         if max(sizes) > 1:
             source += "; " + a.describe_allreduce(d)
+            if model.is_mla:
+                source += (
+                    "; MLA's latent KV and down-projections are not split: every GPU "
+                    "stores, reads and sends its own copy"
+                )
     base, rest = groups[0], tuple(groups[1:])
     return Profile(
         model=model,

@@ -36,7 +36,6 @@ from pdserve.coordinator.core import CoordinatorCore, Outbox, SubmitError
 from pdserve.coordinator.request_state import RequestState
 from pdserve.decode_node.worker import DecodeNode
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.llm_engine import Engine
 from pdserve.engine.model_executor import SampledTokens
 from pdserve.engine.scheduler import SchedulerOutput
@@ -159,12 +158,9 @@ class Simulation:
     def _engine(self, role: str) -> Engine:
         p, d = self.prefill_profile if role == "prefill" else self.decode_profile, self.deployment
         config = EngineConfig(block_size=p.block_size, **d.engine_settings())
-        layout = KVLayout(
-            p.model.num_layers, p.block_size, p.model.num_kv_heads, p.model.head_dim, p.dtype
-        )
         return Engine(
             config,
-            layout,
+            p.model.kv_layout(p.block_size, p.dtype),
             p.kv_blocks,
             p.model.vocab_size,
             p.model.max_position_embeddings,
