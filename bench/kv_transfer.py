@@ -363,6 +363,14 @@ def main(argv: list[str] | None = None) -> None:
         help="how receivers admit senders; several: measured side by side",
     )
     ap.add_argument(
+        "--integrity",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="senders digest their pages and receivers check them (on: every node's default); "
+        "both: measured side by side",
+    )
+    ap.add_argument(
         "--mla-compare",
         action="store_true",
         help="bytes per token and a prompt's transfer time, latent (MLA) beside GQA layouts",
@@ -388,7 +396,14 @@ def main(argv: list[str] | None = None) -> None:
     nbytes_list = [n * block for n in sweep]
     rng = random.Random(0)
     torch.manual_seed(0)
-    securities = list(dict.fromkeys(args.security))
+    integrities = list(dict.fromkeys(args.integrity))
+    # Each variant a sender and receiver pair: a security, with integrity on or off.
+    variants = {
+        (s if len(integrities) == 1 else f"{s}, integrity {i}"): (s, i == "on")
+        for s in dict.fromkeys(args.security)
+        for i in integrities
+    }
+    securities = list(variants)  # the variants' labels, the first the baseline
     side_by_side = len(securities) > 1
     print(f"# {command}")
     print(
@@ -416,8 +431,10 @@ def main(argv: list[str] | None = None) -> None:
     for transport in transports:
         device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
         benches = {
-            s: TransferProbe(transport, LLAMA3_8B, max_blocks, device, chunk_bytes, s)
-            for s in securities
+            label: TransferProbe(
+                transport, LLAMA3_8B, max_blocks, device, chunk_bytes, security, integrity
+            )
+            for label, (security, integrity) in variants.items()
         }
         info = benches[securities[0]].remote.info
         if transport == "tcp":
@@ -453,7 +470,8 @@ def main(argv: list[str] | None = None) -> None:
                             rows.append(
                                 {
                                     "transport": transport,
-                                    "security": security,
+                                    "security": variants[security][0],
+                                    "integrity": variants[security][1],
                                     "pattern": pattern,
                                     "blocks": n,
                                     "MiB": nbytes / 2**20,

@@ -110,6 +110,12 @@ class ClusterCollector:
             "cache, so they were not sent (since it started)",
             labels=["node"],
         )
+        integrity = CounterMetricFamily(
+            "pdserve_kv_integrity_failures",
+            "KV sends to a decode node whose pages landed other than they left (their digest "
+            "did not match): each failed its handoff, and the request was prefilled again",
+            labels=["node"],
+        )
         forced = CounterMetricFamily(
             "pdserve_forced_tokens",
             "Output tokens a node appended where a request's constraint allowed one token alone, "
@@ -150,6 +156,7 @@ class ClusterCollector:
             if node.role is NodeRole.DECODE:
                 received.add_metric([node.node_id], node.kv_blocks_received)
                 reused.add_metric([node.node_id], node.kv_blocks_reused)
+                integrity.add_metric([node.node_id], node.kv_integrity_failures)
         states = list(c.requests.values())
         decoding = sum(1 for s in states if s.phase is Phase.DECODING)
         phases = GaugeMetricFamily(
@@ -170,6 +177,7 @@ class ClusterCollector:
         yield misses
         yield received
         yield reused
+        yield integrity
         yield forced
         yield drafts
         yield accepted

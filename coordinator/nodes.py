@@ -34,6 +34,7 @@ class NodeState:
     load_seq: int = -1  # the last load snapshot applied
     kv_error: str | None = None  # its KV receiver failed: admit no handoffs to it
     kv_blocks_received: int = 0  # blocks whose pages arrived at it (since it started)
+    kv_integrity_failures: int = 0  # sends to it whose pages failed their digest check
     kv_blocks_reused: int = 0  # blocks of prompts admitted to it found already cached there
     forced_tokens: int = 0  # output tokens its constraints forced (since it started)
     spec_draft_tokens: int = 0  # speculative decoding's verified drafts (since it started)
@@ -93,6 +94,7 @@ class NodeRegistry:
         node.prefix_misses = msg.prefix_misses
         node.kv_blocks_received = msg.kv_blocks_received
         node.kv_blocks_reused = msg.kv_blocks_reused
+        node.kv_integrity_failures = msg.kv_integrity_failures
         node.forced_tokens = msg.forced_tokens
         node.spec_draft_tokens = msg.spec_draft_tokens
         node.spec_accepted_tokens = msg.spec_accepted_tokens

@@ -152,6 +152,7 @@ class DecodeNode(NodeLoop):
             beat.pending_transfers = self.handoff.num_pending
             beat.kv_blocks_received = self.handoff.blocks_received
             beat.kv_blocks_reused = self.handoff.blocks_reused
+            beat.kv_integrity_failures = self.handoff.receiver.stats().get("integrity_failures", 0)
         return beat
 
     def registration(self) -> Register:

@@ -130,6 +130,7 @@ class NcclSender(ZmqSender):
             time.sleep(0.0002)
             self._lent = [(e, t) for e, t in self._lent if not e.query()]
         data = self._gather(chunk, src, heads=out.heads)
+        header.digest = self._digest(data)  # on the device; waits for the gather
         try:
             peer.sock.send(control.encode(header), zmq.NOBLOCK)
         except zmq.Again as e:

@@ -15,8 +15,10 @@ from msgspec import Meta
 from pdserve.cluster.codec import Codec, Message, ProtocolError
 from pdserve.engine.kv_cache import KVLayout
 
-# 2: msgspec structs in the cluster codec's [version, message] envelope; 3: head slices (`heads`)
-KV_PROTOCOL_VERSION = 3
+# 2: msgspec structs in the cluster codec's [version, message] envelope; 3: head slices (`heads`);
+# 4: page digests (`Hello.integrity`, `Pages.digest`, `Done.digest`)
+KV_PROTOCOL_VERSION = 4
+Digest = Annotated[int, Meta(ge=0)]  # 64 bits, unsigned
 
 # Control frames hold block lists at most (a send's destination blocks); page bytes travel in
 # frames of their own, so a larger control frame is junk.
@@ -37,6 +39,7 @@ class Hello(Message, tag="hello"):
     layout: KVLayout
     host: str
     pid: int
+    integrity: str | None = None  # the digest its sends carry (kv_transfer.integrity); None: none
 
 
 class Welcome(Message, tag="welcome"):
@@ -71,6 +74,7 @@ class Pages(Message, tag="pages"):
     timeout_s: float = 30.0
     runs: list[Annotated[int, Meta(gt=0)]] | None = None
     heads: LayerRange | None = None
+    digest: Digest | None = None  # of this chunk's pages, by the Hello's integrity algorithm
 
     def __post_init__(self) -> None:  # runs at decode too: a ValueError refuses the frame
         _check_range("layer", self.layers)
@@ -108,6 +112,7 @@ class Go(Message, tag="go"):
 class Done(Message, tag="done"):
     transfer_id: str
     send_id: Count
+    digest: Digest | None = None  # of the send's source pages, by the Hello's algorithm
 
 
 class Abort(Message, tag="abort"):

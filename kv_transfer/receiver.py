@@ -27,6 +27,8 @@ from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.arrivals import Arrivals, Expected, Unit, UnitState
 from pdserve.kv_transfer.base import KVReceiver, TransferResult
 from pdserve.kv_transfer.channel import CommandThread, Security, bind_router
+from pdserve.kv_transfer.faults import KVFaults
+from pdserve.kv_transfer.integrity import ALGORITHMS, IntegrityError, digest_pages
 from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
@@ -103,8 +105,13 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self._stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
         self._inflight: deque[tuple[bytes, Pages, Payload]] = deque()  # pushed chunks in order
         self._peers: set[bytes] = set()
+        self._integrity: dict[bytes, str | None] = {}  # each peer's digest algorithm
+        self._integrity_failures = 0  # sends whose pages landed other than they left
+        self._faults = KVFaults.from_env()  # None unless PDSERVE_KV_FAULTS asks for some
         self._draining: dict[str, Draining] = {}  # by transfer id
-        self._start_thread({"expected": 0, "units": 0, "held_bytes": 0, "peers": 0})
+        self._start_thread(
+            {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0, "integrity_failures": 0}
+        )
 
     # -- interface ---------------------------------------------------------------------------
     def info(self) -> dict:
@@ -307,6 +314,10 @@ class ZmqReceiver(CommandThread, KVReceiver):
                 )
             # Head counts may differ: each send names the heads it fills.
             self.layout.check_compatible(hello.layout, ignore=("num_kv_heads",))
+            if hello.integrity is not None and hello.integrity not in ALGORITHMS:
+                raise ValueError(
+                    f"unknown KV digest {hello.integrity!r} (known: {', '.join(ALGORITHMS)})"
+                )
             extra = self._welcome(peer, hello)
         except (ValueError, KeyError, TypeError) as e:
             msg = str(e) if isinstance(e, ValueError) else f"bad layout: {e!r}"
@@ -314,6 +325,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._send(peer, Refuse(msg))
             return
         self._peers.add(peer)
+        self._integrity[peer] = hello.integrity
         self._send(peer, Welcome(extra))
         try:
             self._after_welcome(peer, extra)
@@ -359,6 +371,12 @@ class ZmqReceiver(CommandThread, KVReceiver):
         unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is None or unit.state is not UnitState.GRANTED:
             return  # the transfer already ended; the sender was told
+        try:
+            self._verify(unit, unit.dst_blocks, unit.layers, msg.digest)
+        except IntegrityError as e:
+            unit.state = UnitState.OPEN  # its write is over: nothing to drain
+            self._integrity_failed(unit, str(e))
+            return
         unit.pages = unit.total_pages
         self._close_unit(unit)
 
@@ -430,6 +448,8 @@ class ZmqReceiver(CommandThread, KVReceiver):
     def _land(self, unit: Unit, msg: Pages, payload: Payload) -> None:
         try:
             self._land_pages(unit, msg, payload)
+        except IntegrityError as e:
+            self._integrity_failed(unit, str(e))
         except Exception as e:  # e.g. a chunk that does not fit: this transfer fails, not all
             log.exception("%s receiver: landing pages of %s failed", self.name, unit.transfer_id)
             self._end(unit.transfer_id, f"landing pages failed: {e}")
@@ -440,8 +460,10 @@ class ZmqReceiver(CommandThread, KVReceiver):
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 self._write(kv, dtype, layers, dst, msg, payload)
+                self._verify(unit, dst, layers, msg.digest)
         else:
             self._write(kv, dtype, layers, dst, msg, payload)
+            self._verify(unit, dst, layers, msg.digest)
         unit.pages += (layers[1] - layers[0]) * (msg.hi - msg.lo)
         if msg.last:
             if self._stream is not None:
@@ -469,6 +491,32 @@ class ZmqReceiver(CommandThread, KVReceiver):
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:
         return data if data.device == self.pool.kv.device else data.to(self.pool.kv.device)
+
+    def _verify(
+        self, unit: Unit, dst: list[int], layers: tuple[int, int], digest: int | None
+    ) -> None:
+        """Raise IntegrityError unless the landed pages have the digest their sender sent (a
+        sender that announced digests must send one with every chunk and write)."""
+        heads = None if unit.heads is None else tuple(unit.heads)
+        if self._faults is not None:
+            self._faults.after_landing(self.pool.kv, dst, tuple(layers), heads)
+        algorithm = self._integrity.get(unit.peer)
+        if algorithm is None:
+            return
+        if digest is None:
+            raise IntegrityError(f"pages of {unit.transfer_id!r} came without their digest")
+        landed = digest_pages(self.pool.kv, dst, tuple(layers), heads, algorithm)
+        if landed != digest:
+            raise IntegrityError(
+                f"KV integrity check failed: pages of {unit.transfer_id!r} (layers "
+                f"{list(layers)}, {len(dst)} blocks) landed with {algorithm} {landed:#018x}, "
+                f"sent with {digest:#018x}"
+            )
+
+    def _integrity_failed(self, unit: Unit, why: str) -> None:
+        self._integrity_failures += 1
+        log.warning("%s receiver: %s", self.name, why)
+        self._end(unit.transfer_id, why)
 
     def _fail_unit(self, unit: Unit, why: str) -> None:
         """A send that went wrong: refuse it, and fail its transfer if it is expected."""
@@ -582,6 +630,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
             for key in [k for k in draining.writers if k[0] == peer]:
                 self._write_ended(key)
         self._peers.discard(peer)
+        self._integrity.pop(peer, None)
         self._inflight = deque(e for e in self._inflight if e[0] != peer)
         for unit in self._arrivals.peer_units(peer):
             self._arrivals.drop_unit(unit)
@@ -618,6 +667,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
             "units": len(self._arrivals.units),
             "held_bytes": self._arrivals.held_bytes,
             "peers": len(self._peers),
+            "integrity_failures": self._integrity_failures,
         }
         with self._stats_lock:
             self._stats = stats

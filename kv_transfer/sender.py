@@ -33,6 +33,8 @@ from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.base import KVSender, TransferResult
 from pdserve.kv_transfer.channel import CommandThread, check_security, configure, secure_dealer
+from pdserve.kv_transfer.integrity import algorithm_for as integrity_algorithm
+from pdserve.kv_transfer.integrity import digest_buffer, digest_pages
 from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
@@ -106,9 +108,13 @@ class ZmqSender(CommandThread, KVSender):
         chunk_bytes: int = 8 << 20,
         max_inflight_chunks: int = 4,
         keys: ClusterKeys | None = None,
+        integrity: bool = True,
     ) -> None:
-        """keys: the cluster key set keyed receivers admit (None: only insecure ones)."""
+        """keys: the cluster key set keyed receivers admit (None: only insecure ones);
+        integrity: every chunk (or direct write) carries a digest of its pages, which the
+        receiver checks once they have landed (`kv_transfer.integrity`)."""
         self.pool = pool
+        self.integrity = integrity_algorithm(pool.kv) if integrity else None
         self.keys = keys
         self.layout: KVLayout = pool.layout
         self.connect_timeout_s = connect_timeout_s
@@ -347,7 +353,12 @@ class ZmqSender(CommandThread, KVSender):
             self._prepare_peer(peer)
             sock.connect(info["address"])
             hello = Hello(
-                self.identity, self.name, self.layout, pysocket.gethostname(), os.getpid()
+                self.identity,
+                self.name,
+                self.layout,
+                pysocket.gethostname(),
+                os.getpid(),
+                self.integrity,
             )
             sock.send(control.encode(hello))
         except Exception as e:  # fails the sends waiting for this peer
@@ -539,6 +550,15 @@ class ZmqSender(CommandThread, KVSender):
         with torch.cuda.stream(self._stream):
             return pages.gather(self.pool.kv, src, chunk.layers, out=out, heads=heads)
 
+    def _digest(self, data: torch.Tensor) -> int | None:
+        """The digest a chunk of gathered pages carries (None with integrity off)."""
+        if self.integrity is None:
+            return None
+        if self._stream is None:
+            return digest_buffer(data, self.integrity)
+        with torch.cuda.stream(self._stream):
+            return digest_buffer(data, self.integrity)
+
     def _do_write(self, peer: Peer, out: Outgoing) -> None:
         try:
             self._check_peer(peer, out)
@@ -552,7 +572,12 @@ class ZmqSender(CommandThread, KVSender):
             self._fail_send(peer, out, f"write failed: {e}")
             return
         out.state = SendState.AWAITING_ACK
-        self._send_to(peer, Done(out.transfer_id, out.send_id))
+        digest = None
+        if self.integrity is not None:
+            digest = digest_pages(
+                self.pool.kv, out.src_blocks, out.layers, out.heads, self.integrity
+            )
+        self._send_to(peer, Done(out.transfer_id, out.send_id, digest))
 
     def _fail_send(self, peer: Peer, out: Outgoing, why: str) -> None:
         """Fail one send and tell the receiver (if it is still there) to fail the transfer."""

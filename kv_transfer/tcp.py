@@ -16,6 +16,7 @@ import zmq
 
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.integrity import digest_frames
 from pdserve.kv_transfer.pages import Chunk
 from pdserve.kv_transfer.protocol import MAX_CONTROL_BYTES, Pages, ProtocolError, control
 from pdserve.kv_transfer.receiver import Payload, ZmqReceiver
@@ -149,6 +150,7 @@ class TcpSender(ZmqSender):
         slot, buf = self._ring.acquire(header.nbytes, lambda: self._check_peer(peer, out))
         if self.pool.kv.is_cuda:
             data = self._gather(chunk, src, heads=out.heads)
+            header.digest = self._digest(data)
             with torch.cuda.stream(self._stream):
                 buf.copy_(data.reshape(-1).view(torch.uint8), non_blocking=True)
             self._stream.synchronize()
@@ -156,6 +158,7 @@ class TcpSender(ZmqSender):
             shape = chunk.shape(pages.sliced(self.layout, out.heads))
             view = buf.view(self.layout.torch_dtype).view(shape)
             self._gather(chunk, src, out=view, heads=out.heads)
+            header.digest = self._digest(view)
         try:
             peer.sock.send(control.encode(header), zmq.SNDMORE | zmq.NOBLOCK)
             tracker = peer.sock.send(buf.numpy(), zmq.NOBLOCK, copy=False, track=True)
@@ -183,6 +186,8 @@ class TcpSender(ZmqSender):
             for start, n in runs
         ]
         header.runs = [n for _, n in runs]
+        if self.integrity is not None:
+            header.digest = digest_frames(frames, self.integrity)
         try:
             peer.sock.send(control.encode(header), zmq.SNDMORE | zmq.NOBLOCK)
             peer.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)

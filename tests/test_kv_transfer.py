@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.kv_transfer import KVReceiver, KVSender, TransferResult, make_receiver, make_sender
+from pdserve.kv_transfer import (
+    KVReceiver,
+    KVSender,
+    TransferResult,
+    make_receiver,
+    make_sender,
+    pages,
+)
 from pdserve.tune.remote_endpoint import RemoteEndpoint, pool_bytes, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,7 +58,7 @@ def random_pool(lay: KVLayout, seed: int, device: str = "cpu") -> KVPool:
     width = torch.int32 if lay.dtype == "float32" else torch.int16
     info = torch.iinfo(width)
     g = torch.Generator().manual_seed(seed)
-    shape = (lay.num_layers, 2, NUM_BLOCKS, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    shape = pages.pool_shape(lay, NUM_BLOCKS)
     bits = torch.randint(info.min, info.max, shape, generator=g, dtype=width)
     return KVPool(lay, NUM_BLOCKS, device, kv=bits.view(lay.torch_dtype).to(device))
 
@@ -171,7 +178,10 @@ def test_killed_sender_fails_its_transfers_on_the_receiver_within_the_timeout(
         finally:
             child.close()
         wait_until(
-            lambda: receiver.stats() == {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0}
+            lambda: (
+                receiver.stats()
+                == {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0, "integrity_failures": 0}
+            )
         )
 
 

@@ -28,7 +28,10 @@ class TransferProbe:
         device: str,
         chunk_bytes: int,
         security: str = "none",
+        integrity: bool = True,
     ) -> None:
+        """integrity: the sender digests its pages and the receiver checks them (the default
+        of every node)."""
         rx_device = "cuda:1" if transport == "nccl" else device
         keyed, encrypt = SECURITY[security]
         keys = ClusterKeys.generate() if keyed else None
@@ -37,7 +40,9 @@ class TransferProbe:
         )
         self.pool = KVPool(layout, max_blocks, device)
         self.pool.kv.view(torch.int16).random_()  # touch every page, arbitrary bits
-        self.sender = make_sender(transport, self.pool, chunk_bytes=chunk_bytes, keys=keys)
+        self.sender = make_sender(
+            transport, self.pool, chunk_bytes=chunk_bytes, keys=keys, integrity=integrity
+        )
         self.sender.connect("decode", self.remote.info)
         self.count = 0
 

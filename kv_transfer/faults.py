@@ -1,0 +1,71 @@
+"""Faults injected into KV transfers on purpose, to prove that the checks catch them: off unless
+the environment variable PDSERVE_KV_FAULTS names some, e.g. `corrupt=0.05,seed=7`.
+
+- `corrupt`: the fraction of landings (a pushed chunk written into the pool, or a direct write
+  done) after which one byte of one landed page is flipped, before the integrity check reads
+  the pages: what a flaky link, a bad staging buffer or a stray write would do.
+
+The receiver applies them on its own landing path, so what catches them is the production code.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+
+ENV = "PDSERVE_KV_FAULTS"
+
+
+@dataclass(slots=True)
+class KVFaults:
+    corrupt: float = 0.0
+    seed: int = 0
+    injected: int = 0  # faults injected so far
+    _rng: random.Random | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> KVFaults:
+        """`corrupt=0.05,seed=7`: raise ValueError naming a part it cannot read."""
+        faults = cls()
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            try:
+                if key == "corrupt":
+                    faults.corrupt = float(value)
+                    if not 0.0 <= faults.corrupt <= 1.0:
+                        raise ValueError
+                elif key == "seed":
+                    faults.seed = int(value)
+                else:
+                    raise KeyError
+            except (KeyError, ValueError):
+                raise ValueError(
+                    f"{ENV}: cannot read {part!r} (known: corrupt=P, seed=N)"
+                ) from None
+        faults._rng = random.Random(faults.seed)
+        return faults
+
+    @classmethod
+    def from_env(cls) -> KVFaults | None:
+        text = os.environ.get(ENV, "")
+        return cls.parse(text) if text else None
+
+    def after_landing(
+        self, kv: torch.Tensor, dst: list[int], layers: tuple[int, int], heads
+    ) -> None:
+        """Maybe flip one byte of one page just landed in blocks `dst` of `layers`."""
+        if not dst or self._rng.random() >= self.corrupt:
+            return
+        layer = self._rng.randrange(*layers)
+        plane = self._rng.randrange(kv.shape[1])
+        block = self._rng.choice(dst)
+        h0, h1 = (0, kv.shape[4]) if heads is None else heads
+        token = self._rng.randrange(kv.shape[3])
+        head = self._rng.randrange(h0, h1)
+        dim = self._rng.randrange(kv.shape[5])
+        element = kv[layer, plane, block, token, head, dim : dim + 1]  # a view into the pool
+        element.view(torch.uint8)[:1].bitwise_xor_(0x10)
+        self.injected += 1

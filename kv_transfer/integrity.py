@@ -1,0 +1,109 @@
+"""KV integrity: a digest of the pages a send moves, computed by the sender from its pool and by
+the receiver from its own pool once the pages have landed, so that a page corrupted anywhere on
+the way (in a transport, a staging buffer, a scatter into the wrong block) fails the transfer
+before the sequence runs on it.
+
+A digest covers a run of pages in one order, the order a chunk's gathered buffer holds them:
+layer by layer, plane by plane (K then V, or the latent), block by block in the send's order,
+only the KV heads the send moves. Both sides compute it over that byte sequence:
+
+- `xxh3_64` (the xxhash library) on CPU pools, streamed over contiguous runs of the pool with no
+  copy (32 GB/s a core on the CI machine, beside an 18 GB/s memcpy);
+- `sum64` on CUDA pools, a torch reduction on the device: the 32-bit words w_i of the bytes
+  summed as w_i * (i + 1) in wrapping 64-bit integers, so a changed or moved word changes it.
+
+The sender names its algorithm in its Hello; the receiver computes the one named, on its own
+device (a CUDA receiver of a CPU sender's `xxh3_64` hashes a host copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from pdserve.kernels import kv_pages
+from pdserve.kv_transfer.pages import source_runs
+
+XXH3 = "xxh3_64"
+SUM64 = "sum64"
+ALGORITHMS = (XXH3, SUM64)
+_SUM64_COLUMNS = 1024
+
+
+class IntegrityError(RuntimeError):
+    """A send's pages landed other than they left."""
+
+
+def algorithm_for(kv: torch.Tensor) -> str:
+    """The digest a pool on this device computes best."""
+    return XXH3 if kv.device.type == "cpu" else SUM64
+
+
+def digest_buffer(buffer: torch.Tensor, algorithm: str) -> int:
+    """The digest of a contiguous tensor's bytes (a gathered chunk, a received frame)."""
+    if algorithm == XXH3:
+        return xxhash.xxh3_64_intdigest(_bytes(buffer.cpu()))
+    if algorithm == SUM64:
+        return _sum64(buffer)
+    raise ValueError(f"unknown KV digest {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+
+
+def digest_frames(frames: Sequence[np.ndarray], algorithm: str) -> int:
+    """The digest of the frames' bytes one after another, as if they were one buffer."""
+    if algorithm != XXH3:
+        joined = np.concatenate([np.asarray(f).reshape(-1).view(np.uint8) for f in frames])
+        return digest_buffer(torch.from_numpy(joined), algorithm)
+    hasher = xxhash.xxh3_64()
+    for frame in frames:
+        hasher.update(frame)
+    return hasher.intdigest()
+
+
+def digest_pages(
+    kv: torch.Tensor,
+    block_ids: Sequence[int],
+    layers: tuple[int, int],
+    heads: tuple[int, int] | None,
+    algorithm: str,
+) -> int:
+    """The digest of blocks `block_ids` (in that order) of layers [l0, l1) of a pool, only KV
+    heads `heads` of each page: what a gather of them would hold."""
+    whole = heads is None or (heads[0] == 0 and heads[1] == kv.shape[4])
+    if algorithm == XXH3 and kv.device.type == "cpu" and whole:
+        hasher = xxhash.xxh3_64()
+        runs = source_runs(list(block_ids))
+        for layer in range(*layers):
+            for plane in range(kv.shape[1]):
+                pages = kv[layer, plane]
+                for start, n in runs:
+                    hasher.update(_bytes(pages[start : start + n]))
+        return hasher.intdigest()
+    ids = kv_pages.as_block_ids(list(block_ids), kv.device)
+    h0, h1 = (0, kv.shape[4]) if heads is None else heads
+    data = torch.index_select(kv[layers[0] : layers[1], :, :, :, h0:h1], 2, ids)
+    return digest_buffer(data.contiguous(), algorithm)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes, as numpy sees them (no copy)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def _sum64(buffer: torch.Tensor) -> int:
+    raw = buffer.contiguous().view(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    n = words.numel()
+    pad = -n % _SUM64_COLUMNS
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad)])
+    grid = words.view(-1, _SUM64_COLUMNS)
+    # sum_i w_i (i + 1) with i = r * C + c: C * sum_r r * row_r + sum_c (c + 1) * col_c
+    rows = grid.sum(1, dtype=torch.int64)
+    cols = grid.sum(0, dtype=torch.int64)
+    r = torch.arange(grid.shape[0], dtype=torch.int64, device=grid.device)
+    c = torch.arange(1, _SUM64_COLUMNS + 1, dtype=torch.int64, device=grid.device)
+    total = (rows * r).sum() * _SUM64_COLUMNS + (cols * c).sum()
+    return int(total.item()) & 0xFFFFFFFFFFFFFFFF
