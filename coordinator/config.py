@@ -141,6 +141,13 @@ class CoordinatorConfig:
         live=True,
         above=0,
     )
+    request_timeout_s: float = setting(
+        1800.0,
+        "a request not finished this long after it arrived is ended on every node and its client "
+        "gets a timeout error (HTTP 504, or an error event in its stream)",
+        live=True,
+        above=0,
+    )
     # Bounds on what a client may ask (HTTP API), so none can hold the server's memory or time.
     max_pending_tokens: int = setting(
         1 << 20,

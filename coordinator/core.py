@@ -196,7 +196,8 @@ class CoordinatorCore:
         return self._end()
 
     def on_tick(self, now: float, stalled_s: float = 0.0) -> Outbox:
-        """The clock moved on: expire silent nodes and overdue handoffs, admit what fits.
+        """The clock moved on: expire silent nodes, overdue handoffs and requests past
+        request_timeout_s, admit what fits.
         stalled_s: how long the coordinator itself did not run before this tick; that silence
         is not the nodes', so it is forgiven rather than expiring them."""
         self._begin(now)
@@ -214,6 +215,10 @@ class CoordinatorCore:
                 and now - state.handoff_started > deadline
             ):
                 self._requeue(state, f"KV handoff not finished within {deadline:.0f}s")
+        limit = self.config.request_timeout_s
+        for state in [s for s in self.requests.values() if now - s.arrival > limit]:
+            self._release_everywhere(state)
+            self._fail(state, "timeout", f"request not finished within {limit:g}s")
         self._pump_admission()
         return self._end()
 

@@ -64,7 +64,7 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def coordinator_error(code: str, message: str) -> APIError:
     """What the coordinator refused or failed with (a SubmitError's or an error event's code:
-    invalid | overloaded | unavailable | internal), as the client sees it."""
+    invalid | overloaded | unavailable | timeout | internal), as the client sees it."""
     if code == "invalid":
         return bad_request(message)
     if code == "overloaded":
@@ -75,6 +75,8 @@ def coordinator_error(code: str, message: str) -> APIError:
         return APIError(
             503, message, "service_unavailable", code="unavailable", retry_after=RETRY_AFTER_S
         )
+    if code == "timeout":
+        return APIError(504, message, "timeout_error", code="timeout")
     return APIError(500, message, "server_error", code="internal_error")
 
 

@@ -217,6 +217,21 @@ def test_the_coordinator_ends_a_handoff_that_no_node_reports_on():
     assert state.attempt == 1
 
 
+def test_a_request_past_request_timeout_s_fails_with_a_timeout_and_is_freed_everywhere():
+    sim = cluster(request_timeout_s=30.0)
+    state = sim.submit(max_tokens=1000)
+    sim.prefill_to_first_token(state)
+    (admit,) = sim.sent(Admit, "d0")
+    sim.report("d0", Admitted(admit.request_id, True, [1, 2, 3, 4]))
+    sim.report("p0", TransferDone(admit.request_id, True))
+    sim.tick(29.5, alive=("p0", "d0"))  # decoding, slowly: nothing ends it before its time
+    assert not state.done and [e.error for e in sim.events if e.error] == []
+    sim.tick(1.0, alive=("p0", "d0"))
+    assert state.done and not sim.core.requests
+    assert sim.events[-1].error_code == "timeout" and "within 30s" in sim.events[-1].error
+    assert {m.request_id for m in sim.sent(Abort, "d0")} == {admit.request_id}
+
+
 def test_an_undeliverable_send_kv_goes_to_the_prefill_node_s_main_socket():
     sim = cluster()
     sim.report("p0/handoff", HandoffReady("p0"))
