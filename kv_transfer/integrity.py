@@ -87,6 +87,38 @@ def digest_pages(
     return digest_buffer(data.contiguous(), algorithm)
 
 
+# A direct copy of at most this many runs of consecutive blocks hashes as it copies.
+MAX_FUSED_RUNS = 8
+
+
+def copy_and_digest(
+    src_kv: torch.Tensor,
+    src_ids: Sequence[int],
+    dst_kv: torch.Tensor,
+    dst_ids: Sequence[int],
+    layers: tuple[int, int],
+) -> int | None:
+    """Copy whole pages between two CPU pools in a few long runs, hashing each piece of the
+    source (XXH3) right after copying it, while it is still in cache: the digest of the source
+    pages, for about the cost of the copy alone. None (nothing copied) where the pools or the
+    block lists do not suit: the caller copies and hashes apart."""
+    if src_kv.device.type != "cpu" or dst_kv.device.type != "cpu":
+        return None
+    runs = kv_pages.block_runs(list(src_ids), list(dst_ids))
+    if len(runs) > MAX_FUSED_RUNS:
+        return None
+    kv_pages.check_pools(src_kv, dst_kv)
+    hasher = xxhash.xxh3_64()
+    for layer in range(*layers):
+        for plane in range(src_kv.shape[1]):
+            src, dst = src_kv[layer, plane], dst_kv[layer, plane]
+            for s, d, n in runs:
+                piece = _bytes(src[s : s + n])
+                np.copyto(_bytes(dst[d : d + n]), piece)
+                hasher.update(piece)
+    return hasher.intdigest()
+
+
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes, as numpy sees them (no copy)."""
     return t.contiguous().view(-1).view(torch.uint8).numpy()

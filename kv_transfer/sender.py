@@ -252,8 +252,9 @@ class ZmqSender(CommandThread, KVSender):
         after `header`, on the wire. Raise SendFailed to abandon the send."""
         raise NotImplementedError
 
-    def _write(self, peer: Peer, out: Outgoing) -> None:
-        """Direct transports: copy the pages into the receiver's mapped pool, synchronously."""
+    def _write(self, peer: Peer, out: Outgoing) -> int | None:
+        """Direct transports: copy the pages into the receiver's mapped pool, synchronously;
+        return the source pages' digest where the copy computed it on the way (else None)."""
         raise NotImplementedError
 
     # -- thread ------------------------------------------------------------------------------
@@ -562,7 +563,7 @@ class ZmqSender(CommandThread, KVSender):
     def _do_write(self, peer: Peer, out: Outgoing) -> None:
         try:
             self._check_peer(peer, out)
-            self._write(peer, out)
+            digest = self._write(peer, out)
             self._check_peer(peer, out)
         except SendFailed as e:
             self._fail_send(peer, out, str(e))
@@ -572,8 +573,7 @@ class ZmqSender(CommandThread, KVSender):
             self._fail_send(peer, out, f"write failed: {e}")
             return
         out.state = SendState.AWAITING_ACK
-        digest = None
-        if self.integrity is not None:
+        if self.integrity is not None and digest is None:
             digest = digest_pages(
                 self.pool.kv, out.src_blocks, out.layers, out.heads, self.integrity
             )

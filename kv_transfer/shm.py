@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.integrity import XXH3, copy_and_digest
 from pdserve.kv_transfer.receiver import ZmqReceiver
 from pdserve.kv_transfer.sender import Outgoing, Peer, ZmqSender
 
@@ -124,7 +125,13 @@ class ShmSender(ZmqSender):
         layout = KVLayout.from_dict(info["layout"])  # its head count may differ from ours
         peer.extra["kv"] = map_pool(info["shm_path"], layout, info["num_blocks"])
 
-    def _write(self, peer: Peer, out: Outgoing) -> None:
+    def _write(self, peer: Peer, out: Outgoing) -> int | None:
+        if self.integrity == XXH3 and out.heads is None and out.dst_heads is None:
+            digest = copy_and_digest(
+                self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers
+            )
+            if digest is not None:
+                return digest
         pages.copy(
             self.pool.kv,
             out.src_blocks,
@@ -134,6 +141,7 @@ class ShmSender(ZmqSender):
             out.heads,
             out.dst_heads,
         )
+        return None
 
     def _release_peer(self, peer: Peer) -> None:
         peer.extra.clear()  # drops the mapping

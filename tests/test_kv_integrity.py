@@ -15,8 +15,10 @@ from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer import make_receiver, make_sender, pages
 from pdserve.kv_transfer.faults import ENV, KVFaults
 from pdserve.kv_transfer.integrity import (
+    MAX_FUSED_RUNS,
     SUM64,
     XXH3,
+    copy_and_digest,
     digest_buffer,
     digest_frames,
     digest_pages,
@@ -41,6 +43,21 @@ def test_the_digest_of_pages_in_place_is_that_of_their_gathered_buffer(algorithm
     joined = torch.cat([a.reshape(-1), b.reshape(-1)])
     frames = [a.contiguous().view(torch.uint8).numpy(), b.contiguous().view(torch.uint8).numpy()]
     assert digest_frames(frames, algorithm) == digest_buffer(joined, algorithm)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_a_fused_copy_copies_as_pages_copy_does_and_digests_the_source(planes):
+    shape = pages.pool_shape(layout(planes), NUM_BLOCKS)
+    src = torch.randn(shape).to(torch.bfloat16)
+    src_ids, dst_ids = [2, 3, 4, 9, 10], [11, 12, 13, 0, 1]  # two runs
+    fused, plain = torch.zeros_like(src), torch.zeros_like(src)
+    digest = copy_and_digest(src, src_ids, fused, dst_ids, (1, 4))
+    pages.copy(src, src_ids, plain, dst_ids, (1, 4))
+    assert torch.equal(fused.view(torch.int16), plain.view(torch.int16))
+    assert digest == digest_pages(src, src_ids, (1, 4), None, XXH3)
+    assert digest == digest_pages(fused, dst_ids, (1, 4), None, XXH3)
+    scattered = list(range(0, 2 * (MAX_FUSED_RUNS + 1), 2))  # more runs than it fuses
+    assert copy_and_digest(src, scattered, fused, scattered, (0, 4)) is None
 
 
 @pytest.mark.parametrize("algorithm", [XXH3, SUM64])
