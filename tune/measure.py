@@ -88,6 +88,9 @@ def step_engine(model_dir: str | None, device: str, dtype: str, grid: StepGrid) 
     )
 
 
+WARM_UP_STEPS = 3
+
+
 def time_step(engine: LLMEngine, groups: list[tuple[int, int, int]], repeats: int) -> float:
     """Median seconds of `engine.step()` over sequences that hold `context` computed tokens and
     have `new` more to compute, as a node's loop runs it; the first repeat warms up."""
@@ -116,7 +119,7 @@ def time_step(engine: LLMEngine, groups: list[tuple[int, int, int]], repeats: in
         times.append(time.perf_counter() - start)
         for seq in seqs:
             engine.abort(seq.request_id)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:] or times)
 
 
 def device_is_cuda(engine: LLMEngine) -> bool:
@@ -127,7 +130,12 @@ def measure_steps(
     engine: LLMEngine, grid: StepGrid, progress: Callable[[str], None] = lambda _: None
 ) -> tuple[list[StepShape], list[float], list[str]]:
     shapes, seconds, labels = [], [], []
-    for groups, label in grid.points(engine.max_model_len):
+    points = grid.points(engine.max_model_len)
+    # An engine's first steps pay one-time costs (thread pools, kernels' first calls: a first
+    # decode step of 1 x 32 measured 50-60 ms on CPU, then 1 ms); they belong to no shape.
+    for groups, _ in points[:1] * WARM_UP_STEPS:
+        time_step(engine, groups, 0)
+    for groups, label in points:
         shape = sum(
             (
                 StepShape.prefill(c, n, ctx) if n > 1 else StepShape.decode(c, ctx)
