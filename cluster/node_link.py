@@ -27,6 +27,14 @@ from pdserve.cluster.node_messages import (
 
 logger = logging.getLogger(__name__)
 
+# How long a report to the coordinator may wait for room in the link's queue (1000 messages,
+# which fill only while the coordinator takes none: it is gone, or stalled that long).
+SEND_TIMEOUT_S = 60.0
+
+
+class CoordinatorUnreachable(RuntimeError):
+    """The coordinator has taken none of this node's reports for the link's send timeout."""
+
 
 class NodeLink:
     def __init__(
@@ -35,14 +43,18 @@ class NodeLink:
         node_id: str,
         heartbeat_interval_s: float,
         keys: ClusterKeys | None = None,
+        send_timeout_s: float = SEND_TIMEOUT_S,
     ) -> None:
-        """keys: the cluster key set the coordinator admits (None: a coordinator run insecure)."""
+        """keys: the cluster key set the coordinator admits (None: a coordinator run insecure);
+        send_timeout_s: how long a report waits for room before CoordinatorUnreachable."""
         self.node_id = node_id
         self.coordinator_addr = coordinator_addr
         self.heartbeat_interval_s = heartbeat_interval_s
         self.keys = keys
+        self.send_timeout_s = send_timeout_s
         self.ctx = zmq.Context.instance()
         self.sock = self.dealer(node_id)
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         self.sock.connect(coordinator_addr)
         self.malformed = MalformedLog(logger, f"node {node_id}")
         self._last_load = 0.0
@@ -63,7 +75,16 @@ class NodeLink:
         self.send(msg)
 
     def send(self, msg: Message) -> None:
-        self.sock.send(reports.encode(msg))
+        """Queue a report; CoordinatorUnreachable (which ends the node: its supervisor starts it
+        afresh, and it registers once the coordinator is back) if the queue stays full."""
+        try:
+            self.sock.send(reports.encode(msg))
+        except zmq.Again:
+            raise CoordinatorUnreachable(
+                f"the coordinator at {self.coordinator_addr} has taken none of node "
+                f"{self.node_id}'s reports for {self.send_timeout_s:g}s (gone, or stalled); "
+                "the node stops"
+            ) from None
 
     def receive(self, timeout_ms: int) -> list[Message]:
         """Every order waiting now, after waiting up to timeout_ms for the first; malformed

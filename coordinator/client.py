@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
@@ -18,17 +19,30 @@ from pdserve.cluster.keys import ClusterKeys, curve_client, default_key_dir
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.coordinator import SubmitError
 
+T = TypeVar("T")
+
 DEFAULT_KEYS = "default"  # the key set of default_key_dir(): `pdserve serve`'s for this user
+# How long a request may go unfinished before the client gives up on the coordinator: past the
+# coordinator's own request_timeout_s default (1800 s), whose timeout error should come first.
+REQUEST_TIMEOUT_S = 1860.0
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, keys: ClusterKeys | str | None = DEFAULT_KEYS) -> None:
+    def __init__(
+        self,
+        address: str,
+        keys: ClusterKeys | str | None = DEFAULT_KEYS,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
         """keys: the cluster's key set, a directory holding it, DEFAULT_KEYS ($PDSERVE_CLUSTER_KEYS
-        or the per-user one `pdserve serve` makes), or None for a coordinator run --insecure."""
+        or the per-user one `pdserve serve` makes), or None for a coordinator run --insecure.
+        timeout_s: a request not finished this long after it was sent raises SubmitError
+        "timeout" and is cancelled (the coordinator may be gone: nothing else would end it)."""
         if isinstance(keys, str):
             keys = ClusterKeys.load(default_key_dir() if keys == DEFAULT_KEYS else keys)
         self.address = address
         self.keys = keys
+        self.timeout_s = timeout_s
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -66,11 +80,13 @@ class CoordinatorClient:
         request_id = request_id or f"client-{uuid.uuid4().hex[:16]}"
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self.streams[request_id] = queue
-        await self.sock.send(client_requests.encode(Submit(request_id, list(token_ids), params)))
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         finished = False
         try:
+            submit = client_requests.encode(Submit(request_id, list(token_ids), params))
+            await self._within(self.sock.send(submit), deadline)
             while True:
-                event = await queue.get()
+                event = await self._within(queue.get(), deadline)
                 if event.error is not None:
                     finished = True
                     raise SubmitError(event.error_code or "internal", event.error)
@@ -81,8 +97,20 @@ class CoordinatorClient:
         finally:
             self.streams.pop(request_id, None)
             if not finished:  # the caller stopped reading: free its blocks everywhere
-                with contextlib.suppress(zmq.ZMQError):
-                    await self.sock.send(client_requests.encode(Cancel(request_id)))
+                with contextlib.suppress(zmq.ZMQError):  # (not queued if the queue is full)
+                    await self.sock.send(client_requests.encode(Cancel(request_id)), zmq.NOBLOCK)
+
+    async def _within(self, step: Awaitable[T], deadline: float) -> T:
+        """A step of a request (its submit, its next event), or SubmitError "timeout" once the
+        request's deadline has passed."""
+        try:
+            return await asyncio.wait_for(step, deadline - asyncio.get_running_loop().time())
+        except TimeoutError:
+            raise SubmitError(
+                "timeout",
+                f"no answer from the coordinator at {self.address} within {self.timeout_s:g}s "
+                "(it is gone, or the request is still waiting there)",
+            ) from None
 
     async def complete(self, token_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
         """Collects a whole request: (output token ids, finish reason)."""

@@ -225,13 +225,23 @@ class Coordinator:
             close_server(self.client_sock)
 
     async def wait_for_nodes(self, prefill: int, decode: int, timeout_s: float = 120.0) -> None:
+        """Until that many prefill and decode nodes have registered; TimeoutError saying how
+        many did after timeout_s."""
+
         async def count() -> None:
             while (
                 len(self.nodes.prefill_nodes()) < prefill or len(self.nodes.decode_nodes()) < decode
             ):
                 await asyncio.sleep(0.05)
 
-        await asyncio.wait_for(count(), timeout_s)
+        try:
+            await asyncio.wait_for(count(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"nodes did not register within {timeout_s:g}s: "
+                f"{len(self.nodes.prefill_nodes())} of {prefill} prefill, "
+                f"{len(self.nodes.decode_nodes())} of {decode} decode"
+            ) from None
 
     def drain(self) -> None:
         self.core.drain()

@@ -48,16 +48,24 @@ class TPGroup:
     ) -> TPGroup:
         """Join the group: rank 0 with the store it hosts, the others with its port. Returns
         once every rank has joined. Rank 0 calls check_ranks while it waits for the others: it
-        raises if one of them is gone (a rank that dies on its way never joins)."""
+        raises if one of them is gone (a rank that dies on its way never joins); one alive that
+        has not joined within timeout_s makes it raise RuntimeError naming the missing ranks."""
         if store is None:
             store = dist.TCPStore(
                 STORE_HOST, port, shard.size, False, timeout=datetime.timedelta(seconds=60)
             )
         if shard.rank == 0:
             others = [f"joining/{r}" for r in range(1, shard.size)]
+            deadline = time.monotonic() + timeout_s
             while not store.check(others):
                 if check_ranks is not None:
                     check_ranks()
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(1, shard.size) if not store.check([others[r - 1]])]
+                    raise RuntimeError(
+                        f"tensor-parallel ranks {missing} did not join their group within "
+                        f"{timeout_s:g}s (alive but stuck before the group formed)"
+                    )
                 time.sleep(0.05)
         else:
             store.set(f"joining/{shard.rank}", "1")

@@ -26,6 +26,9 @@ from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
 logger = logging.getLogger("pdserve.serve")
 
+# How long serve waits for the nodes it started to register (loading a model is most of it).
+NODE_START_TIMEOUT_S = 600.0
+
 
 @dataclass(slots=True)
 class ServeOptions:
@@ -183,14 +186,20 @@ async def serve_async(options: ServeOptions) -> int:
                 group.start(spec)
             wanted_prefill = 0 if options.colocated else options.prefill_nodes
             waiting = asyncio.create_task(
-                coordinator.wait_for_nodes(wanted_prefill, options.decode_nodes, timeout_s=600)
+                coordinator.wait_for_nodes(
+                    wanted_prefill, options.decode_nodes, timeout_s=NODE_START_TIMEOUT_S
+                )
             )
             others = {asyncio.create_task(stop.wait()), asyncio.create_task(node_exited(group))}
             done, _ = await asyncio.wait({waiting, *others}, return_when=asyncio.FIRST_COMPLETED)
             for task in {waiting, *others} - done:
                 task.cancel()
             if waiting in done:
-                waiting.result()
+                try:
+                    waiting.result()
+                except TimeoutError as exc:  # one line, as for a node that exits on its way
+                    where = f"; their logs: {group.log_dir}" if group.log_dir else ""
+                    raise ValueError(f"{exc}{where}") from None
             elif not stop.is_set():
                 raise ValueError(next(iter(done)).result())
         if not stop.is_set():  # Ctrl-C while the nodes were starting: nothing to serve
