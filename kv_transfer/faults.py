@@ -1,9 +1,10 @@
 """Faults injected into KV transfers on purpose, to prove that the checks catch them: off unless
 the environment variable PDSERVE_KV_FAULTS names some, e.g. `corrupt=0.05,seed=7`.
 
-- `corrupt`: the fraction of landings (a pushed chunk written into the pool, or a direct write
-  done) after which one byte of one landed page is flipped, before the integrity check reads
-  the pages: what a flaky link, a bad staging buffer or a stray write would do.
+- `corrupt`: the fraction of landings in which one byte is flipped: of a pushed chunk's payload
+  as it arrives, before it is written into the pool (a flaky link, a bad staging buffer), or of
+  a landed page after a direct write into the pool (a stray write); either way before the
+  integrity check reads the pages.
 
 The receiver applies them on its own landing path, so what catches them is the production code.
 """
@@ -52,6 +53,19 @@ class KVFaults:
     def from_env(cls) -> KVFaults | None:
         text = os.environ.get(ENV, "")
         return cls.parse(text) if text else None
+
+    def in_flight(self, parts: list[torch.Tensor]) -> None:
+        """Maybe flip one byte of a pushed chunk's payload (its frames) before it lands."""
+        sizes = [p.numel() * p.element_size() for p in parts]
+        if not sum(sizes) or self._rng.random() >= self.corrupt:
+            return
+        index = self._rng.randrange(sum(sizes))
+        for part, size in zip(parts, sizes):
+            if index < size:
+                part.view(-1).view(torch.uint8)[index : index + 1].bitwise_xor_(0x10)
+                break
+            index -= size
+        self.injected += 1
 
     def after_landing(
         self, kv: torch.Tensor, dst: list[int], layers: tuple[int, int], heads

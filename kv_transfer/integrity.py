@@ -119,6 +119,49 @@ def copy_and_digest(
     return hasher.intdigest()
 
 
+def gather_and_digest(
+    kv: torch.Tensor, ids: Sequence[int], layers: tuple[int, int], out: torch.Tensor
+) -> int | None:
+    """Gather whole pages of a CPU pool into `out` ([layers, planes, n, ...], contiguous),
+    hashing each piece right after copying it: the digest a chunk carries, for about the cost
+    of the gather. None (nothing gathered) where the pages lie in too many runs."""
+    runs = source_runs(list(ids))
+    if kv.device.type != "cpu" or len(runs) > MAX_FUSED_RUNS:
+        return None
+    hasher = xxhash.xxh3_64()
+    for i, layer in enumerate(range(*layers)):
+        for plane in range(kv.shape[1]):
+            at = 0
+            for start, n in runs:
+                piece = _bytes(out[i, plane, at : at + n])
+                np.copyto(piece, _bytes(kv[layer, plane, start : start + n]))
+                hasher.update(piece)
+                at += n
+    return hasher.intdigest()
+
+
+def scatter_and_digest(
+    kv: torch.Tensor, data: torch.Tensor, ids: Sequence[int], layers: tuple[int, int]
+) -> int | None:
+    """Write a gathered chunk `data` ([layers, planes, n, ...]) into whole pages of blocks
+    `ids` of a CPU pool, hashing each landed piece from the pool right after writing it: the
+    landed pages' digest, for about the cost of the write. None (nothing written) where the
+    blocks lie in too many runs."""
+    runs = source_runs(list(ids))
+    if kv.device.type != "cpu" or data.device.type != "cpu" or len(runs) > MAX_FUSED_RUNS:
+        return None
+    hasher = xxhash.xxh3_64()
+    for i, layer in enumerate(range(*layers)):
+        for plane in range(kv.shape[1]):
+            at = 0
+            for start, n in runs:
+                landed = _bytes(kv[layer, plane, start : start + n])
+                np.copyto(landed, _bytes(data[i, plane, at : at + n]))
+                hasher.update(landed)
+                at += n
+    return hasher.intdigest()
+
+
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes, as numpy sees them (no copy)."""
     return t.contiguous().view(-1).view(torch.uint8).numpy()

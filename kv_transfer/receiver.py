@@ -28,7 +28,13 @@ from pdserve.kv_transfer.arrivals import Arrivals, Expected, Unit, UnitState
 from pdserve.kv_transfer.base import KVReceiver, TransferResult
 from pdserve.kv_transfer.channel import CommandThread, Security, bind_router
 from pdserve.kv_transfer.faults import KVFaults
-from pdserve.kv_transfer.integrity import ALGORITHMS, IntegrityError, digest_pages
+from pdserve.kv_transfer.integrity import (
+    ALGORITHMS,
+    XXH3,
+    IntegrityError,
+    digest_pages,
+    scatter_and_digest,
+)
 from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,
@@ -371,6 +377,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
         unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is None or unit.state is not UnitState.GRANTED:
             return  # the transfer already ended; the sender was told
+        if self._faults is not None:
+            heads = None if unit.heads is None else tuple(unit.heads)
+            self._faults.after_landing(self.pool.kv, unit.dst_blocks, tuple(unit.layers), heads)
         try:
             self._verify(unit, unit.dst_blocks, unit.layers, msg.digest)
         except IntegrityError as e:
@@ -457,28 +466,40 @@ class ZmqReceiver(CommandThread, KVReceiver):
     def _land_pages(self, unit: Unit, msg: Pages, payload: Payload) -> None:
         kv, dtype, layers = self.pool.kv, self.layout.torch_dtype, tuple(msg.layers)
         dst = unit.dst_blocks[msg.lo : msg.hi]
+        if self._faults is not None:
+            self._faults.in_flight(payload.parts)
+        fuse = self._integrity.get(unit.peer) == XXH3
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                self._write(kv, dtype, layers, dst, msg, payload)
-                self._verify(unit, dst, layers, msg.digest)
+                landed = self._write(kv, dtype, layers, dst, msg, payload, fuse)
+                self._verify(unit, dst, layers, msg.digest, landed)
         else:
-            self._write(kv, dtype, layers, dst, msg, payload)
-            self._verify(unit, dst, layers, msg.digest)
+            landed = self._write(kv, dtype, layers, dst, msg, payload, fuse)
+            self._verify(unit, dst, layers, msg.digest, landed)
         unit.pages += (layers[1] - layers[0]) * (msg.hi - msg.lo)
         if msg.last:
             if self._stream is not None:
                 self._stream.synchronize()  # the pages are in before anyone hears so
             self._close_unit(unit)
 
-    def _write(self, kv, dtype, layers, dst: list[int], msg: Pages, payload: Payload) -> None:
+    def _write(
+        self, kv, dtype, layers, dst: list[int], msg: Pages, payload: Payload, fuse: bool
+    ) -> int | None:
+        """Land a chunk's pages; with `fuse` (a sender that digests with XXH3), return their
+        digest where the write computed it on the way (a CPU pool's whole pages in a few
+        runs), else None."""
         ids = torch.tensor(dst, dtype=torch.int64, device=kv.device)
         layout = pages.sliced(self.layout, msg.heads)
         heads = None if msg.heads is None else tuple(msg.heads)
         if msg.runs is None:
             shape = pages.Chunk(layers, msg.lo, msg.hi).shape(layout)
             data = payload.parts[0].view(dtype).view(shape)
+            if fuse and heads is None:
+                landed = scatter_and_digest(kv, data, dst, layers)
+                if landed is not None:
+                    return landed
             pages.scatter(kv, self._to_device(data), ids, layers, heads)
-            return
+            return None
         parts = iter(payload.parts)
         page = (layout.block_size, layout.num_kv_heads, layout.head_dim)
         for layer in range(*layers):
@@ -493,19 +514,24 @@ class ZmqReceiver(CommandThread, KVReceiver):
         return data if data.device == self.pool.kv.device else data.to(self.pool.kv.device)
 
     def _verify(
-        self, unit: Unit, dst: list[int], layers: tuple[int, int], digest: int | None
+        self,
+        unit: Unit,
+        dst: list[int],
+        layers: tuple[int, int],
+        digest: int | None,
+        landed: int | None = None,
     ) -> None:
         """Raise IntegrityError unless the landed pages have the digest their sender sent (a
-        sender that announced digests must send one with every chunk and write)."""
-        heads = None if unit.heads is None else tuple(unit.heads)
-        if self._faults is not None:
-            self._faults.after_landing(self.pool.kv, dst, tuple(layers), heads)
+        sender that announced digests must send one with every chunk and write). landed: their
+        digest, where the write computed it from the pool as it wrote (else read here)."""
         algorithm = self._integrity.get(unit.peer)
         if algorithm is None:
             return
         if digest is None:
             raise IntegrityError(f"pages of {unit.transfer_id!r} came without their digest")
-        landed = digest_pages(self.pool.kv, dst, tuple(layers), heads, algorithm)
+        if landed is None:
+            heads = None if unit.heads is None else tuple(unit.heads)
+            landed = digest_pages(self.pool.kv, dst, tuple(layers), heads, algorithm)
         if landed != digest:
             raise IntegrityError(
                 f"KV integrity check failed: pages of {unit.transfer_id!r} (layers "

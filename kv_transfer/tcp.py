@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
-from pdserve.kv_transfer.integrity import digest_frames
+from pdserve.kv_transfer.integrity import XXH3, digest_frames, gather_and_digest
 from pdserve.kv_transfer.pages import Chunk
 from pdserve.kv_transfer.protocol import MAX_CONTROL_BYTES, Pages, ProtocolError, control
 from pdserve.kv_transfer.receiver import Payload, ZmqReceiver
@@ -157,8 +157,13 @@ class TcpSender(ZmqSender):
         else:  # gather straight into the buffer ZeroMQ sends from
             shape = chunk.shape(pages.sliced(self.layout, out.heads))
             view = buf.view(self.layout.torch_dtype).view(shape)
-            self._gather(chunk, src, out=view, heads=out.heads)
-            header.digest = self._digest(view)
+            fused = None
+            if self.integrity == XXH3 and out.heads is None:
+                fused = gather_and_digest(self.pool.kv, src.tolist(), chunk.layers, view)
+            if fused is None:
+                self._gather(chunk, src, out=view, heads=out.heads)
+                fused = self._digest(view)
+            header.digest = fused
         try:
             peer.sock.send(control.encode(header), zmq.SNDMORE | zmq.NOBLOCK)
             tracker = peer.sock.send(buf.numpy(), zmq.NOBLOCK, copy=False, track=True)

@@ -22,6 +22,8 @@ from pdserve.kv_transfer.integrity import (
     digest_buffer,
     digest_frames,
     digest_pages,
+    gather_and_digest,
+    scatter_and_digest,
 )
 
 NUM_BLOCKS = 16
@@ -58,6 +60,27 @@ def test_a_fused_copy_copies_as_pages_copy_does_and_digests_the_source(planes):
     assert digest == digest_pages(fused, dst_ids, (1, 4), None, XXH3)
     scattered = list(range(0, 2 * (MAX_FUSED_RUNS + 1), 2))  # more runs than it fuses
     assert copy_and_digest(src, scattered, fused, scattered, (0, 4)) is None
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_a_fused_gather_and_scatter_move_what_the_kernels_move_and_digest_it(planes):
+    shape = pages.pool_shape(layout(planes), NUM_BLOCKS)
+    kv = torch.randn(shape).to(torch.bfloat16)
+    ids = [5, 6, 7, 12, 13]
+    expected = pages.gather(kv, torch.tensor(ids), (1, 3))
+    out = torch.empty_like(expected)
+    digest = gather_and_digest(kv, ids, (1, 3), out)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert digest == digest_buffer(expected, XXH3)
+    fused, plain = torch.zeros_like(kv), torch.zeros_like(kv)
+    dst = [0, 1, 9, 10, 11]
+    landed = scatter_and_digest(fused, expected, dst, (1, 3))
+    pages.scatter(plain, expected, torch.tensor(dst), (1, 3))
+    assert torch.equal(fused.view(torch.int16), plain.view(torch.int16))
+    assert landed == digest
+    scattered = list(range(0, 2 * (MAX_FUSED_RUNS + 1), 2))
+    assert gather_and_digest(kv, scattered, (0, 1), torch.empty(1)) is None
+    assert scatter_and_digest(kv, torch.empty(1), scattered, (0, 1)) is None
 
 
 @pytest.mark.parametrize("algorithm", [XXH3, SUM64])
