@@ -51,6 +51,10 @@ class NodeOptions:
         True,
         "encrypt the KV pages a decode node receives (CurveZMQ); off: senders are still authenticated, pages cross in clear (tcp on a trusted network)",
     )
+    kv_integrity: bool = setting(
+        True,
+        "a prefill node sends a digest of each KV send's pages, which the decode node checks once they have landed (a mismatch fails the handoff and the request is prefilled again); off: pages are not checked",
+    )
 
     def __post_init__(self) -> None:
         validate(self)

@@ -57,6 +57,7 @@ class Unit:
     held: list[Any] = field(default_factory=list)  # chunks that came while waiting
     held_bytes: int = 0
     pages: int = 0  # (layer, block) pages landed so far
+    verified: int = 0  # (layer, block) pages of a direct write whose digest was checked
 
     @property
     def key(self) -> tuple[bytes, int]:

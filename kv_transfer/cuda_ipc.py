@@ -98,7 +98,7 @@ class CudaIpcSender(ZmqSender):
             ptr, info["nbytes"], None, self._device, layout, info["num_blocks"]
         )
 
-    def _write(self, peer: Peer, out: Outgoing) -> None:
+    def _write(self, peer: Peer, out: Outgoing) -> int | None:
         with torch.cuda.stream(self._stream):
             if out.ready is not None:
                 self._stream.wait_event(out.ready)
@@ -111,7 +111,9 @@ class CudaIpcSender(ZmqSender):
                 out.heads,
                 out.dst_heads,
             )
+            digest = self._digest_pages(out)  # on the device, on the stream that copied
         self._stream.synchronize()  # the pages are in before the receiver hears Done
+        return digest
 
     def _release_peer(self, peer: Peer) -> None:
         ptr = peer.extra.pop("ptr", None)

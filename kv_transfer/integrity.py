@@ -75,11 +75,12 @@ def digest_pages(
     if algorithm == XXH3 and kv.device.type == "cpu" and whole:
         hasher = xxhash.xxh3_64()
         runs = source_runs(list(block_ids))
+        pages = _page_rows(kv)
         for layer in range(*layers):
             for plane in range(kv.shape[1]):
-                pages = kv[layer, plane]
+                rows = pages[layer, plane]
                 for start, n in runs:
-                    hasher.update(_bytes(pages[start : start + n]))
+                    hasher.update(rows[start : start + n])
         return hasher.intdigest()
     ids = kv_pages.as_block_ids(list(block_ids), kv.device)
     h0, h1 = (0, kv.shape[4]) if heads is None else heads
@@ -87,8 +88,10 @@ def digest_pages(
     return digest_buffer(data.contiguous(), algorithm)
 
 
-# A direct copy of at most this many runs of consecutive blocks hashes as it copies.
-MAX_FUSED_RUNS = 8
+# A copy, gather or scatter of at most this many runs of consecutive blocks hashes as it goes
+# (one numpy copy and one hash update per run, layer and plane); more go through the kernels'
+# vectorised copy, then a hash of the result.
+MAX_FUSED_RUNS = 64
 
 
 def copy_and_digest(
@@ -109,12 +112,13 @@ def copy_and_digest(
         return None
     kv_pages.check_pools(src_kv, dst_kv)
     hasher = xxhash.xxh3_64()
+    src_pages, dst_pages = _page_rows(src_kv), _page_rows(dst_kv)
     for layer in range(*layers):
         for plane in range(src_kv.shape[1]):
-            src, dst = src_kv[layer, plane], dst_kv[layer, plane]
+            src, dst = src_pages[layer, plane], dst_pages[layer, plane]
             for s, d, n in runs:
-                piece = _bytes(src[s : s + n])
-                np.copyto(_bytes(dst[d : d + n]), piece)
+                piece = src[s : s + n]
+                np.copyto(dst[d : d + n], piece)
                 hasher.update(piece)
     return hasher.intdigest()
 
@@ -129,12 +133,13 @@ def gather_and_digest(
     if kv.device.type != "cpu" or len(runs) > MAX_FUSED_RUNS:
         return None
     hasher = xxhash.xxh3_64()
+    pages, gathered = _page_rows(kv), _page_rows(out)
     for i, layer in enumerate(range(*layers)):
         for plane in range(kv.shape[1]):
             at = 0
             for start, n in runs:
-                piece = _bytes(out[i, plane, at : at + n])
-                np.copyto(piece, _bytes(kv[layer, plane, start : start + n]))
+                piece = gathered[i, plane, at : at + n]
+                np.copyto(piece, pages[layer, plane, start : start + n])
                 hasher.update(piece)
                 at += n
     return hasher.intdigest()
@@ -151,15 +156,22 @@ def scatter_and_digest(
     if kv.device.type != "cpu" or data.device.type != "cpu" or len(runs) > MAX_FUSED_RUNS:
         return None
     hasher = xxhash.xxh3_64()
+    pages, chunk = _page_rows(kv), _page_rows(data.contiguous())
     for i, layer in enumerate(range(*layers)):
         for plane in range(kv.shape[1]):
             at = 0
             for start, n in runs:
-                landed = _bytes(kv[layer, plane, start : start + n])
-                np.copyto(landed, _bytes(data[i, plane, at : at + n]))
+                landed = pages[layer, plane, start : start + n]
+                np.copyto(landed, chunk[i, plane, at : at + n])
                 hasher.update(landed)
                 at += n
     return hasher.intdigest()
+
+
+def _page_rows(kv: torch.Tensor) -> np.ndarray:
+    """A CPU pool as numpy [layers, planes, blocks, page bytes]: slicing it costs far less
+    than slicing the tensor, which matters for sends of scattered blocks (a page at a time)."""
+    return kv.view(torch.uint8).numpy().reshape(kv.shape[0], kv.shape[1], kv.shape[2], -1)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:

@@ -2,7 +2,8 @@
 (`pdserve.cluster.codec`): typed structs, so a frame with a field of the wrong type or range is refused.
 
 Sender to receiver: Hello, Pages (header of a chunk of pages that follows in the same ZMQ
-message or over NCCL), Begin / Done (a direct write into a mapped pool), Abort.
+message or over NCCL), Begin / Written / Done (a direct write into a mapped pool, chunk by
+chunk), Abort.
 Receiver to sender: Welcome / Refuse (handshake), Go (write now), Ack / Nack (per send), Ping.
 """
 
@@ -109,6 +110,23 @@ class Go(Message, tag="go"):
     send_id: Count
 
 
+class Written(Message, tag="written"):
+    """A direct write's chunk is in the receiver's pool: layers x dst[lo:hi] of the send, with
+    the digest of its source pages, which the receiver checks while the next chunk is written."""
+
+    transfer_id: str
+    send_id: Count
+    layers: LayerRange
+    lo: Count
+    hi: Count
+    digest: Digest
+
+    def __post_init__(self) -> None:
+        _check_range("layer", self.layers)
+        if self.lo >= self.hi:
+            raise ValueError(f"empty block slice [{self.lo}, {self.hi})")
+
+
 class Done(Message, tag="done"):
     transfer_id: str
     send_id: Count
@@ -136,13 +154,15 @@ class Ping(Message, tag="ping"):
     pass
 
 
-ControlMessage = Hello | Welcome | Refuse | Pages | Begin | Go | Done | Abort | Ack | Nack | Ping
+ControlMessage = (
+    Hello | Welcome | Refuse | Pages | Begin | Go | Written | Done | Abort | Ack | Nack | Ping
+)
 
 # Both directions on one codec: each side refuses what should not come its way when it handles it.
 control: Codec[Message] = Codec(
     "kv control",
     KV_PROTOCOL_VERSION,
-    (Hello, Welcome, Refuse, Pages, Begin, Go, Done, Abort, Ack, Nack, Ping),
+    (Hello, Welcome, Refuse, Pages, Begin, Go, Written, Done, Abort, Ack, Nack, Ping),
     max_bytes=MAX_CONTROL_BYTES,
 )
 
@@ -162,5 +182,6 @@ __all__ = [
     "ProtocolError",
     "Refuse",
     "Welcome",
+    "Written",
     "control",
 ]

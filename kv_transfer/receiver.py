@@ -50,6 +50,7 @@ from pdserve.kv_transfer.protocol import (
     Ping,
     Refuse,
     Welcome,
+    Written,
     control,
 )
 
@@ -286,6 +287,8 @@ class ZmqReceiver(CommandThread, KVReceiver):
             self._on_hello(peer, msg)
         elif isinstance(msg, Begin):
             self._on_begin(peer, msg)
+        elif isinstance(msg, Written):
+            self._on_written(peer, msg)
         elif isinstance(msg, Done):
             self._on_done(peer, msg)
         elif isinstance(msg, Abort):
@@ -377,17 +380,41 @@ class ZmqReceiver(CommandThread, KVReceiver):
         unit = self._arrivals.units.get((peer, msg.send_id))
         if unit is None or unit.state is not UnitState.GRANTED:
             return  # the transfer already ended; the sender was told
-        if self._faults is not None:
-            heads = None if unit.heads is None else tuple(unit.heads)
-            self._faults.after_landing(self.pool.kv, unit.dst_blocks, tuple(unit.layers), heads)
         try:
-            self._verify(unit, unit.dst_blocks, unit.layers, msg.digest)
+            if unit.verified < unit.total_pages:  # not checked chunk by chunk: check it whole
+                self._check_written(unit, unit.dst_blocks, unit.layers, msg.digest)
         except IntegrityError as e:
             unit.state = UnitState.OPEN  # its write is over: nothing to drain
             self._integrity_failed(unit, str(e))
             return
         unit.pages = unit.total_pages
         self._close_unit(unit)
+
+    def _on_written(self, peer: bytes, msg: Written) -> None:
+        """A chunk of a direct write is in: check it now, while the sender copies the next."""
+        unit = self._arrivals.units.get((peer, msg.send_id))
+        if unit is None or unit.state is not UnitState.GRANTED:
+            return  # the transfer already ended; the sender was told
+        try:
+            if msg.layers[0] < unit.layers[0] or msg.layers[1] > unit.layers[1]:
+                raise ProtocolError(f"a write of layers {list(msg.layers)} outside the send's")
+            if msg.hi > len(unit.dst_blocks):
+                raise ProtocolError(f"a write of blocks up to {msg.hi} of a send of fewer")
+            dst = unit.dst_blocks[msg.lo : msg.hi]
+            self._check_written(unit, dst, tuple(msg.layers), msg.digest)
+        except (IntegrityError, ProtocolError) as e:
+            # Its sender may still be copying the next chunks: the end waits for its Done.
+            self._integrity_failed(unit, str(e))
+            return
+        unit.verified += (msg.layers[1] - msg.layers[0]) * (msg.hi - msg.lo)
+
+    def _check_written(
+        self, unit: Unit, dst: list[int], layers: tuple[int, int], digest: int | None
+    ) -> None:
+        if self._faults is not None:
+            heads = None if unit.heads is None else tuple(unit.heads)
+            self._faults.after_landing(self.pool.kv, dst, tuple(layers), heads)
+        self._verify(unit, dst, layers, digest)
 
     def _on_abort(self, peer: bytes, msg: Abort) -> None:
         self._write_ended((peer, msg.send_id))

@@ -254,7 +254,8 @@ class ZmqSender(CommandThread, KVSender):
 
     def _write(self, peer: Peer, out: Outgoing) -> int | None:
         """Direct transports: copy the pages into the receiver's mapped pool, synchronously;
-        return the source pages' digest where the copy computed it on the way (else None)."""
+        return the digest the Done carries (`_digest_pages`; None with integrity off, or where
+        every chunk went `Written` with its own)."""
         raise NotImplementedError
 
     # -- thread ------------------------------------------------------------------------------
@@ -573,11 +574,13 @@ class ZmqSender(CommandThread, KVSender):
             self._fail_send(peer, out, f"write failed: {e}")
             return
         out.state = SendState.AWAITING_ACK
-        if self.integrity is not None and digest is None:
-            digest = digest_pages(
-                self.pool.kv, out.src_blocks, out.layers, out.heads, self.integrity
-            )
         self._send_to(peer, Done(out.transfer_id, out.send_id, digest))
+
+    def _digest_pages(self, out: Outgoing) -> int | None:
+        """A direct write's digest of its whole source (None with integrity off)."""
+        if self.integrity is None:
+            return None
+        return digest_pages(self.pool.kv, out.src_blocks, out.layers, out.heads, self.integrity)
 
     def _fail_send(self, peer: Peer, out: Outgoing, why: str) -> None:
         """Fail one send and tell the receiver (if it is still there) to fail the transfer."""

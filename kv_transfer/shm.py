@@ -20,8 +20,9 @@ import torch
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.integrity import XXH3, copy_and_digest
+from pdserve.kv_transfer.protocol import Written
 from pdserve.kv_transfer.receiver import ZmqReceiver
-from pdserve.kv_transfer.sender import Outgoing, Peer, ZmqSender
+from pdserve.kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
 
 SHM_DIR = "/dev/shm"
 # Runs with no site packages: blocks until its stdin (the owner's pipe) closes, then unlinks.
@@ -127,11 +128,8 @@ class ShmSender(ZmqSender):
 
     def _write(self, peer: Peer, out: Outgoing) -> int | None:
         if self.integrity == XXH3 and out.heads is None and out.dst_heads is None:
-            digest = copy_and_digest(
-                self.pool.kv, out.src_blocks, peer.extra["kv"], out.dst_blocks, out.layers
-            )
-            if digest is not None:
-                return digest
+            if self._write_in_chunks(peer, out):
+                return None
         pages.copy(
             self.pool.kv,
             out.src_blocks,
@@ -141,7 +139,28 @@ class ShmSender(ZmqSender):
             out.heads,
             out.dst_heads,
         )
-        return None
+        return self._digest_pages(out)
+
+    def _write_in_chunks(self, peer: Peer, out: Outgoing) -> bool:
+        """Copy a send chunk by chunk, hashing each piece of the source as it goes, and say
+        each chunk `Written` with its digest: the receiver checks one while the next is
+        copied. False (nothing copied) where the blocks lie in too many runs."""
+        dst_kv = peer.extra["kv"]
+        chunks = list(
+            pages.plan_chunks(self.layout, len(out.src_blocks), out.layers, self.chunk_bytes)
+        )
+        for chunk in chunks:
+            src, dst = out.src_blocks[chunk.lo : chunk.hi], out.dst_blocks[chunk.lo : chunk.hi]
+            digest = copy_and_digest(self.pool.kv, src, dst_kv, dst, chunk.layers)
+            if digest is None:
+                if chunk is chunks[0]:
+                    return False
+                raise SendFailed("a chunk of a send could not be copied")  # (never: same runs)
+            self._send_to(
+                peer,
+                Written(out.transfer_id, out.send_id, chunk.layers, chunk.lo, chunk.hi, digest),
+            )
+        return True
 
     def _release_peer(self, peer: Peer) -> None:
         peer.extra.clear()  # drops the mapping

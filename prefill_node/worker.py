@@ -163,11 +163,12 @@ def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
 
     keys = node_keys(options.cluster_keys, options.insecure)
     size = engine_config.tensor_parallel_size
-    # Every rank sends the pages of its heads, holding the node's keys.
-    specs, remote = rank_endpoints("sender", size, options={"keys": keys})
+    # Every rank sends the pages of its heads, holding the node's keys, with their digests.
+    sender_options = {"keys": keys, "integrity": options.kv_integrity}
+    specs, remote = rank_endpoints("sender", size, options=sender_options)
     engine = LLMEngine(engine_config, kv_endpoints=specs)
     heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
-    links = rank_links(engine.pool, remote, {"keys": keys})
+    links = rank_links(engine.pool, remote, sender_options)
     # Rank 0's progress reaches its own worker before its layer stream sends (hooks run in turn).
     engine.shard.add_layer_hook(lambda layer: links.layer_done(engine.runner.step_index, layer))
 

@@ -34,6 +34,7 @@ class Cluster:
         keyed: bool = True,
         roles: RoleTensorParallel | None = None,
         node_engines: dict[str, dict] | None = None,
+        node_options: dict | None = None,
         **engine_options: object,
     ) -> None:
         """roles: tensor-parallel sizes of prefill and decode nodes; node_engines: engine
@@ -45,6 +46,7 @@ class Cluster:
         self.colocated = colocated
         self.transport = transport
         self.kv_handoff = kv_handoff
+        self.node_options = node_options or {}  # more NodeOptions of every node
         self.heartbeat_interval_s = heartbeat_interval_s
         self.roles = roles
         self.node_engines = node_engines or {}
@@ -91,6 +93,7 @@ class Cluster:
             transport=self.transport,
             kv_handoff=self.kv_handoff,
             heartbeat_interval_s=self.heartbeat_interval_s,
+            **self.node_options,
             **(
                 {"cluster_keys": str(self.keys.directory)}
                 if self.keys is not None

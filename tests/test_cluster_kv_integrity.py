@@ -44,3 +44,15 @@ def test_corrupted_handoffs_are_caught_prefilled_again_and_counted(transport, mo
         ]
         assert float(line.split()[-1]) == node.kv_integrity_failures
         cluster.wait_until_idle()
+
+
+def test_with_kv_integrity_off_prefill_nodes_send_no_digests(monkeypatch):
+    # Every landing corrupted, and nothing checks: the handoffs succeed (what integrity is for).
+    prompts = make_prompts(4, seed=43, lo=5, hi=40)
+    monkeypatch.setenv(ENV, "corrupt=1.0,seed=1")
+    with Cluster(1, 1, node_options={"kv_integrity": False}) as cluster:
+        got = asyncio.run(complete_all(cluster.client_addr, prompts, GREEDY))
+        assert [len(tokens) for tokens in got] == [GREEDY.max_tokens] * len(prompts)
+        time.sleep(0.5)  # two more reports
+        assert cluster.node("decode-0").kv_integrity_failures == 0
+        cluster.wait_until_idle()
