@@ -41,6 +41,7 @@ from pdserve.bench.recovery_nodes import node_kills
 from pdserve.bench.recovery_record import (
     AIM_S,
     KINDS,
+    LABELS,
     Kill,
     KindSummary,
     Workload,
@@ -89,7 +90,7 @@ def render(summaries: list[KindSummary], aim_check: bool) -> str:
     for k in summaries:
         met = "not measured" if not k.measured else ("yes" if k.aim_met else "no")
         lines.append(
-            f"| {k.kind} | {k.kills} | {k.affected} | {s(k.p50_s)} | {s(k.max_s)} | "
+            f"| {LABELS[k.kind]} | {k.kills} | {k.affected} | {s(k.p50_s)} | {s(k.max_s)} | "
             f"{len(k.failed)} | < {k.aim_s:g} s | {met if aim_check else met + ' (unchecked)'} |"
         )
     return "\n".join(lines)

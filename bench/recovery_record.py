@@ -15,6 +15,12 @@ from pdserve.engine.embedded_models import resolve_model_dir
 
 KINDS = ("decode", "prefill", "coordinator", "tp-rank")
 AIM_S = {"decode": 2.0, "prefill": 2.0, "coordinator": 5.0, "tp-rank": 2.0}  # issue 33's aims
+LABELS = {
+    "decode": "decode node",
+    "prefill": "prefill node",
+    "coordinator": "coordinator (`pdserve launch`)",
+    "tp-rank": "rank 1 of a TP=2 decode node",
+}
 MIN_OUTPUTS = 3  # tokens every stream has before a decode-side kill: it lands mid-output
 POLL_S = 0.002
 
