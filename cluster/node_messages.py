@@ -80,13 +80,13 @@ class Heartbeat(Message, tag="heartbeat"):
     kv_error: str | None = None  # the node's KV transport failed: route no handoffs to it
     kv_blocks_received: int = 0  # decode nodes: blocks whose pages arrived (since start)
     kv_blocks_reused: int = 0  # decode nodes: blocks of admitted prompts found already cached
-    kv_integrity_failures: int = 0  # decode nodes: sends whose pages failed their digest check
     forced_tokens: int = 0  # output tokens its constraints forced, appended without a step
     # Speculative decoding (since start): draft tokens verified, accepted, and accepted by
     # position (index j: the j+1-th draft of a step)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    kv_integrity_failures: int = 0  # decode nodes: sends whose pages failed their digest check
 
 
 class HandoffReady(Message, tag="handoff_ready"):

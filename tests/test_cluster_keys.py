@@ -425,7 +425,13 @@ def test_raw_sockets_at_a_keyed_kv_port_change_no_block_and_keyed_senders_land_e
             for secure in strangers * 2:  # twice: the second time is not logged again
                 stranger(secure)
             assert blocks_bits(receiver.pool.kv, everything) == before
-            assert receiver.stats() == {"expected": 1, "units": 0, "held_bytes": 0, "peers": 0, "integrity_failures": 0}
+            assert receiver.stats() == {
+                "expected": 1,
+                "units": 0,
+                "held_bytes": 0,
+                "peers": 0,
+                "integrity_failures": 0,
+            }
             # An unkeyed sender is refused before it dials, one with other keys at the handshake.
             with make_sender(transport, random_pool(lay, seed=41), chunk_bytes=CHUNK) as sender:
                 with pytest.raises(ValueError, match="only holders of the cluster keys"):

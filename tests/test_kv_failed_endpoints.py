@@ -129,7 +129,13 @@ def test_a_receiver_whose_thread_fails_fails_every_pending_transfer_and_refuses_
             with pytest.raises(TransportFailed, match="injected failure"):
                 receiver.cancel("t-half")
             assert receiver.poll() == []
-            assert receiver.stats() == {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0, "integrity_failures": 0}
+            assert receiver.stats() == {
+                "expected": 0,
+                "units": 0,
+                "held_bytes": 0,
+                "peers": 0,
+                "integrity_failures": 0,
+            }
             # The sender hears at once (a Nack, or its connection closing), not at its timeout.
             held = wait_result(sender, "t-held", 10.0)
             assert not held.ok and "timed out" not in held.error

@@ -130,7 +130,13 @@ def test_junk_frames_to_a_receiver_are_dropped_and_logged_once_per_peer(
                 transfer_lands_exact(sender, receiver, "t-after-junk")
                 # No junk was taken for a send, held, or made a peer: only the real sender is.
                 stats = receiver.stats()  # (as of the result, which is handed out after them)
-                assert stats == {"expected": 0, "units": 0, "held_bytes": 0, "peers": 1, "integrity_failures": 0}
+                assert stats == {
+                    "expected": 0,
+                    "units": 0,
+                    "held_bytes": 0,
+                    "peers": 1,
+                    "integrity_failures": 0,
+                }
             assert receiver.failed is None
     finally:
         for sock in strangers:

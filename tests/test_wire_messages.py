@@ -75,6 +75,7 @@ EXAMPLES: list[tuple[Codec, Message]] = [
             30,
             21,
             [9, 7, 5],
+            2,
         ),
     ),
     (reports, HandoffReady("p0")),
