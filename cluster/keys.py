@@ -21,6 +21,7 @@ import stat
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -341,11 +342,29 @@ def node_keys(cluster_keys: str | None, insecure: bool) -> ClusterKeys | None:
 async def log_refused_handshakes(sock: zmq.asyncio.Socket, label: str) -> None:
     """Until cancelled, watch a keyed server socket: the first handshake it refuses before its ZAP
     handler (which logs the peers it refuses by address) is logged, the others are counted."""
+    await watch_server_socket(sock, label, keyed=True)
+
+
+async def watch_server_socket(
+    sock: zmq.asyncio.Socket,
+    label: str,
+    keyed: bool,
+    on_disconnect: Callable[[], None] | None = None,
+) -> None:
+    """Until cancelled, watch a server socket: with `keyed`, log refused handshakes as
+    `log_refused_handshakes` does; with `on_disconnect`, call it whenever a peer's connection
+    closes (libzmq says which connection, not whose)."""
     refused = MalformedLog(logger, label, what="a connection")
-    monitor = sock.get_monitor_socket(REFUSED_BEFORE_ZAP)
+    events = (REFUSED_BEFORE_ZAP if keyed else 0) | (
+        zmq.EVENT_DISCONNECTED if on_disconnect is not None else 0
+    )
+    monitor = sock.get_monitor_socket(events)
     try:
         while True:
-            parse_monitor_message(await monitor.recv_multipart())
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                on_disconnect()
+                continue
             refused(
                 "a peer without the cluster keys",
                 "its CurveZMQ handshake failed: it holds "

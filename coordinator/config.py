@@ -129,6 +129,14 @@ class CoordinatorConfig:
         live=True,
         above=0,
     )
+    disconnect_grace_s: float = setting(
+        1.5,
+        "when a connection to the coordinator's node socket closes (a node process that died, "
+        "on any host that closes its sockets), every node not heard from within this time "
+        "after is marked dead, without waiting for heartbeat_timeout_s",
+        live=True,
+        above=0,
+    )
     max_retries: int = setting(
         3,
         "times a request is re-prefilled after node failures before it fails",

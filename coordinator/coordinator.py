@@ -23,7 +23,13 @@ import zmq.asyncio
 from pdserve.cluster import node_messages
 from pdserve.cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
 from pdserve.cluster.codec import MAX_FRAME_BYTES, Codec, MalformedLog, ProtocolError, peer_name
-from pdserve.cluster.keys import ClusterKeys, close_server, curve_server, log_refused_handshakes
+from pdserve.cluster.keys import (
+    ClusterKeys,
+    close_server,
+    curve_server,
+    log_refused_handshakes,
+    watch_server_socket,
+)
 from pdserve.cluster.node_messages import Message
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.config import CoordinatorConfig
@@ -172,11 +178,17 @@ class Coordinator:
         self.node_endpoint = self.node_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._spawn(self._node_loop(), "coordinator-nodes")
         self._spawn(self._clock_loop(), "coordinator-clock")
-        if self.keys is not None:
-            self._spawn(
-                log_refused_handshakes(self.node_sock, "coordinator node socket"),
-                "coordinator-node-handshakes",
-            )
+        # A node process that dies closes its connections at once: a roll call of the nodes
+        # then finds it in disconnect_grace_s, not heartbeat_timeout_s.
+        self._spawn(
+            watch_server_socket(
+                self.node_sock,
+                "coordinator node socket",
+                keyed=self.keys is not None,
+                on_disconnect=lambda: self._deliver(self.core.on_disconnect(time.monotonic())),
+            ),
+            "coordinator-node-connections",
+        )
         if self._client_bind:
             self.client_sock = router_socket(
                 self.ctx, self._client_bind, self.keys, "coordinator client socket"

@@ -204,7 +204,8 @@ class CoordinatorCore:
         if stalled_s > STALL_S:
             self.nodes.forgive(stalled_s)
             return self._end()
-        for node in self.nodes.expire(self.config.heartbeat_timeout_s, now):
+        config = self.config
+        for node in self.nodes.expire(config.heartbeat_timeout_s, now, config.disconnect_grace_s):
             self._on_node_dead(node)
         # The nodes time their own part of a handoff with transfer_timeout_s and report its
         # end; this catches a report that never comes (lost, or a node that hangs).
@@ -220,6 +221,13 @@ class CoordinatorCore:
             self._release_everywhere(state)
             self._fail(state, "timeout", f"request not finished within {limit:g}s")
         self._pump_admission()
+        return self._end()
+
+    def on_disconnect(self, now: float) -> Outbox:
+        """A connection to the node socket closed: each node must now be heard from within
+        disconnect_grace_s, or it is taken for dead (its process died: its heartbeats stop)."""
+        self._begin(now)
+        self.nodes.call_roll(now)
         return self._end()
 
     def declare_dead(self, node_id: str, now: float) -> Outbox:

@@ -1,6 +1,8 @@
 """The coordinator's view of its nodes: what each registered, its last reported load, and
-whether it is alive (a node silent past the heartbeat timeout is dead). Time is given, never
-read: the registry runs under a real or a simulated clock alike."""
+whether it is alive (a node silent past the heartbeat timeout is dead, and so is one that stays
+silent for a short grace after a connection to the coordinator closed: a process that dies
+closes its sockets, which the coordinator sees at once, though not whose they were). Time is
+given, never read: the registry runs under a real or a simulated clock alike."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class NodeState:
     reserved_blocks: int = 0  # admitted since its last report, not yet in free_blocks
     assigned_prefill_tokens: int = 0  # routed since its last report
     load_seq: int = -1  # the last load snapshot applied
+    roll_call: float | None = None  # a connection closed then: it must be heard from since
     kv_error: str | None = None  # its KV receiver failed: admit no handoffs to it
     kv_blocks_received: int = 0  # blocks whose pages arrived at it (since it started)
     kv_integrity_failures: int = 0  # sends to it whose pages failed their digest check
@@ -114,12 +117,32 @@ class NodeRegistry:
         for node in self.nodes.values():
             if node.alive:
                 node.last_seen += seconds
+                if node.roll_call is not None:
+                    node.roll_call += seconds
 
-    def expire(self, timeout_s: float, now: float) -> list[NodeState]:
-        """Mark nodes silent past timeout_s dead; returns the newly dead."""
-        dead = [n for n in self.nodes.values() if n.alive and now - n.last_seen > timeout_s]
-        for node in dead:
-            node.alive = False
+    def call_roll(self, now: float) -> None:
+        """A connection closed at `now` (whose node's, the socket does not say): every node
+        alive must be heard from again (see `expire`)."""
+        for node in self.nodes.values():
+            if node.alive and node.roll_call is None:
+                node.roll_call = now
+
+    def expire(
+        self, timeout_s: float, now: float, grace_s: float = float("inf")
+    ) -> list[NodeState]:
+        """Mark dead the nodes silent past timeout_s, and those not heard from within grace_s
+        of a roll call; returns the newly dead."""
+        dead = []
+        for node in self.nodes.values():
+            if not node.alive:
+                continue
+            called = node.roll_call
+            if called is not None and node.last_seen > called:
+                node.roll_call = called = None  # it answered
+            if now - node.last_seen > timeout_s or (called is not None and now - called > grace_s):
+                node.alive = False
+                node.roll_call = None
+                dead.append(node)
         return dead
 
     def alive(self, predicate=None) -> list[NodeState]:  # noqa: ANN001

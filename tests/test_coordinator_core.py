@@ -232,6 +232,26 @@ def test_a_request_past_request_timeout_s_fails_with_a_timeout_and_is_freed_ever
     assert {m.request_id for m in sim.sent(Abort, "d0")} == {admit.request_id}
 
 
+def test_after_a_closed_connection_a_node_silent_for_the_grace_is_dead_the_others_not():
+    sim = cluster(heartbeat_timeout_s=60.0, disconnect_grace_s=1.5, max_retries=2)
+    sim.register("d1", NodeRole.DECODE)
+    state = sim.submit(max_tokens=1000)
+    sim.prefill_to_first_token(state)
+    (admit,) = sim.sent(Admit, "d0")
+    sim.report("d0", Admitted(admit.request_id, True, [1, 2, 3, 4]))
+    sim.report("p0", TransferDone(admit.request_id, True))
+    sim.take(sim.core.on_disconnect(sim.now))  # (a client of the node socket went away)
+    sim.tick(3.0, alive=("p0", "d0", "d1"))  # all answer the roll call: nobody is dead
+    assert all(n.alive for n in sim.core.nodes.nodes.values()) and not sim.sent(Prefill)
+    sim.take(sim.core.on_disconnect(sim.now))  # d0's process died: its heartbeats stop
+    sim.tick(1.4, alive=("p0", "d1"))
+    assert sim.core.nodes.nodes["d0"].alive
+    sim.tick(0.2, alive=("p0", "d1"))
+    assert not sim.core.nodes.nodes["d0"].alive and sim.core.nodes.nodes["p0"].alive
+    (retry,) = sim.sent(Prefill, "p0")  # moved at once: 1.5 s, not heartbeat_timeout_s
+    assert retry.request_id == f"{state.request_id}#1"
+
+
 def test_an_undeliverable_send_kv_goes_to_the_prefill_node_s_main_socket():
     sim = cluster()
     sim.report("p0/handoff", HandoffReady("p0"))
