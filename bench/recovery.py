@@ -68,6 +68,7 @@ def bounding_settings() -> dict[str, float]:
     return {
         "heartbeat_interval_s": defaults(NodeOptions)["heartbeat_interval_s"],
         "heartbeat_timeout_s": config.heartbeat_timeout_s,
+        "disconnect_grace_s": config.disconnect_grace_s,
         "coordinator_tick_s": coordinator_module.TICK_S,
         "transfer_timeout_s": config.transfer_timeout_s,
         "kv_streaming_timeout_s": config.kv_streaming_timeout_s,
