@@ -15,7 +15,7 @@ import time
 import torch
 
 from pdserve.engine.forward_batch import AttentionBatch
-from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.kv_cache import KVPool, layer_planes
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.kernels import mla_ref
 from pdserve.kernels.op_table import Ops
@@ -124,9 +124,7 @@ class _PoolView:
         self.kv = kv
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
-        if self.kv.shape[1] == 1:
-            return (self.kv[index, 0],)
-        return self.kv[index, 0], self.kv[index, 1]
+        return layer_planes(self.kv, index)
 
 
 def bucket(num_tokens: int, largest: int) -> int:

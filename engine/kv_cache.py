@@ -104,10 +104,15 @@ class KVPool:
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
         """(K, V) pages of one layer, or (latent,) with one plane."""
-        if self.layout.planes == 1:
-            return (self.kv[index, 0],)
-        return self.kv[index, 0], self.kv[index, 1]
+        return layer_planes(self.kv, index)
 
     @staticmethod
     def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
         return max(0, budget_bytes // layout.bytes_per_block)
+
+
+def layer_planes(kv: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
+    """Layer `index`'s pages of a pool tensor, a tensor per plane: (K, V), or (latent,)."""
+    if kv.shape[1] == 1:
+        return (kv[index, 0],)
+    return kv[index, 0], kv[index, 1]

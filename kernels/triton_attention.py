@@ -407,6 +407,34 @@ def plan_decode_splits(
     return triton.cdiv(max_context, partition), partition
 
 
+def decode_splits(
+    programs: int,
+    max_context: int,
+    block_n: int,
+    device: torch.device,
+    partition: int | None = None,
+) -> tuple[int, int]:
+    """(num_splits, partition tokens) of a decode call: planned for `programs` programs a split
+    (sequences x KV heads, or head blocks), or, with `partition` given, that many tokens each."""
+    if partition is None:
+        return plan_decode_splits(programs, 1, max_context, block_n, _sm_count(device))
+    return triton.cdiv(max_context, partition), partition
+
+
+def split_partials(
+    out: torch.Tensor, num_heads: int, num_splits: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 buffers for each split's partial output [B, H, S, width] and log-sum-exp
+    [B, H, S], which the reduce kernel combines; with one split, `out` twice (unused)."""
+    if num_splits == 1:
+        return out, out
+    batch, device = out.shape[0], out.device
+    return (
+        torch.empty((batch, num_heads, num_splits, width), dtype=torch.float32, device=device),
+        torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device),
+    )
+
+
 def _dot_options(query: torch.Tensor, cache_dtype: torch.dtype) -> dict:
     # Off-GPU the kernels run in Triton's interpreter, whose tl.dot multiplies bfloat16 as its raw
     # uint16 bits: there the operands (already rounded to the cache dtype) go up to float32, which
@@ -445,23 +473,12 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     config = config or decode_config(head_dim, k_cache.dtype)
     max_context = max(1, block_tables.shape[1] * block_size)
-    if partition is None:
-        num_splits, partition = plan_decode_splits(
-            batch, num_kv_heads, max_context, config.block_n, _sm_count(query.device)
-        )
-    else:
-        num_splits = triton.cdiv(max_context, partition)
+    num_splits, partition = decode_splits(
+        batch * num_kv_heads, max_context, config.block_n, query.device, partition
+    )
     block_d = _block_d(head_dim)
     one_split = num_splits == 1
-    if one_split:
-        part_out = part_lse = out  # unused
-    else:
-        part_out = torch.empty(
-            (batch, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device
-        )
-        part_lse = torch.empty(
-            (batch, num_heads, num_splits), dtype=torch.float32, device=query.device
-        )
+    part_out, part_lse = split_partials(out, num_heads, num_splits, block_d)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,

@@ -24,7 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton_attention import LOG2E, _dot_options, _sm_count, plan_decode_splits
+from pdserve.kernels.triton_attention import (
+    LOG2E,
+    _dot_options,
+    decode_splits,
+    split_partials,
+)
 
 # Splits the reduce kernel combines per step of its loop.
 REDUCE_SPLITS = 8
@@ -534,23 +539,12 @@ def latent_decode_attention(
     block_h = min(config.block_h, _block(num_heads))
     head_blocks = triton.cdiv(num_heads, block_h)
     max_context = max(1, block_tables.shape[1] * block_size)
-    if partition is None:
-        num_splits, partition = plan_decode_splits(
-            batch, head_blocks, max_context, config.block_n, _sm_count(query.device)
-        )
-    else:
-        num_splits = triton.cdiv(max_context, partition)
+    num_splits, partition = decode_splits(
+        batch * head_blocks, max_context, config.block_n, query.device, partition
+    )
     block_l = _block(lora)
     one_split = num_splits == 1
-    if one_split:
-        part_out = part_lse = out  # unused
-    else:
-        part_out = torch.empty(
-            (batch, num_heads, num_splits, block_l), dtype=torch.float32, device=query.device
-        )
-        part_lse = torch.empty(
-            (batch, num_heads, num_splits), dtype=torch.float32, device=query.device
-        )
+    part_out, part_lse = split_partials(out, num_heads, num_splits, block_l)
     # Head blocks vary fastest: those of one (sequence, split) run side by side, so with more
     # heads than a block all but the first find the latents in L2.
     _latent_decode_kernel[(head_blocks, batch, num_splits)](

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,7 +25,10 @@ class KVFaults:
     corrupt: float = 0.0
     seed: int = 0
     injected: int = 0  # faults injected so far
-    _rng: random.Random | None = None
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
 
     @classmethod
     def parse(cls, text: str) -> KVFaults:
@@ -40,13 +43,13 @@ class KVFaults:
                         raise ValueError
                 elif key == "seed":
                     faults.seed = int(value)
+                    faults._rng = random.Random(faults.seed)
                 else:
                     raise KeyError
             except (KeyError, ValueError):
                 raise ValueError(
                     f"{ENV}: cannot read {part!r} (known: corrupt=P, seed=N)"
                 ) from None
-        faults._rng = random.Random(faults.seed)
         return faults
 
     @classmethod

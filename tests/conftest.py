@@ -59,3 +59,26 @@ class RecordingLink:
 
     def send(self, msg: object) -> None:
         self.sent.append(msg)
+
+
+# Parity runs of the checkpoint families (test_moe_models.py, test_mla_models.py): transformers'
+# greedy tokens for four prompts, made once per module.
+FAMILY_NEW_TOKENS = 24
+FAMILY_PROMPT_LENGTHS = [3, 16, 29, 50]
+
+
+@pytest.fixture(scope="module")
+def family_run(checkpoint_dir):
+    """family -> (model dir, prompts, transformers' greedy tokens)."""
+    from checkpoints import hf_greedy
+
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model_dir = checkpoint_dir(family)
+            prompts = random_prompts(1, FAMILY_PROMPT_LENGTHS)
+            cache[family] = (model_dir, prompts, hf_greedy(model_dir, prompts, FAMILY_NEW_TOKENS))
+        return cache[family]
+
+    return get

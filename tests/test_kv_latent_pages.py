@@ -6,14 +6,8 @@ never once per prefill rank."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -122,45 +116,6 @@ def test_pages_are_never_copied_between_pools_of_different_planes() -> None:
         kv_pages.copy_blocks(one, [0], two, [0])
     with pytest.raises(ValueError, match="buffer"):
         kv_pages.scatter_blocks(one, kv_pages.gather_blocks(two, [0]), [0])
-
-
-_TRITON_CHECK = textwrap.dedent(
-    """
-    import torch
-    from pdserve.kernels import kv_pages as ref, kv_pages_triton as tri
-    from tests.test_kv_pages import random_bits, bits
-
-    for seed, dtype in enumerate([torch.float32, torch.bfloat16]):
-        kv = random_bits((3, 1, 10, 4, 1, 24), dtype, seed)
-        ids, dst_ids, layers = [7, 2, 5], [0, 9, 4], (1, 3)
-        a, b = ref.gather_blocks(kv, ids, layers), tri.gather_blocks(kv, ids, layers)
-        assert a.shape == (2, 1, 3, 4, 1, 24) and torch.equal(bits(a), bits(b)), ("gather", dtype)
-        d1, d2 = random_bits(kv.shape, dtype, 99), random_bits(kv.shape, dtype, 99)
-        ref.scatter_blocks(d1, a, dst_ids, layers)
-        tri.scatter_blocks(d2, a, dst_ids, layers)
-        assert torch.equal(bits(d1), bits(d2)), ("scatter", dtype)
-        ref.copy_blocks(kv, ids, d1, [1, 3, 8])
-        tri.copy_blocks(kv, ids, d2, [1, 3, 8])
-        assert torch.equal(bits(d1), bits(d2)), ("copy", dtype)
-    print("ok")
-    """
-)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_triton_kernels_move_latent_pages_as_torch_does_under_the_interpreter() -> None:
-    # A child process, so TRITON_INTERPRET=1 never leaks into other tests.
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRITON_CHECK],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 # -- transports ----------------------------------------------------------------------------------

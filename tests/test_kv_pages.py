@@ -80,10 +80,13 @@ _TRITON_CHECK = textwrap.dedent(
     from pdserve.kernels import kv_pages as ref, kv_pages_triton as tri
     from tests.test_kv_pages import DTYPES, bits, random_bits
 
-    for seed, dtype in enumerate(DTYPES):
-        kv = random_bits((3, 2, 10, 2, 2, 8), dtype, seed)
+    # K and V pages, and MLA's latent pages (one plane of one head, 24 wide)
+    shapes = [(3, 2, 10, 2, 2, 8), (3, 1, 10, 4, 1, 24)]
+    for seed, (dtype, shape) in enumerate([(d, s) for s in shapes for d in DTYPES]):
+        kv = random_bits(shape, dtype, seed)
         ids, dst_ids, layers = [7, 2, 5], [0, 9, 4], (1, 3)
         a, b = ref.gather_blocks(kv, ids, layers), tri.gather_blocks(kv, ids, layers)
+        assert a.shape == (2, shape[1], 3, *shape[3:]), ("gather shape", shape)
         assert torch.equal(bits(a), bits(b)), ("gather", dtype)
         d1, d2 = random_bits(kv.shape, dtype, 99), random_bits(kv.shape, dtype, 99)
         ref.scatter_blocks(d1, a, dst_ids, layers)

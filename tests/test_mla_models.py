@@ -16,31 +16,15 @@ import shutil
 import pytest
 import torch
 from checkpoints import MLA_FAMILIES, hf_greedy
-from conftest import random_prompts
+from conftest import FAMILY_NEW_TOKENS, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.model_config import ModelConfig, UnsupportedModelError
 from pdserve.engine.models.moe_router import GroupedRouting, route_grouped
 
-NEW_TOKENS = 24
-PROMPT_LENGTHS = [3, 16, 29, 50]
+NEW_TOKENS = FAMILY_NEW_TOKENS
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def family_run(checkpoint_dir):
-    """family -> (model dir, prompts, transformers' greedy tokens)."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            model_dir = checkpoint_dir(family)
-            prompts = random_prompts(1, PROMPT_LENGTHS)
-            cache[family] = (model_dir, prompts, hf_greedy(model_dir, prompts, NEW_TOKENS))
-        return cache[family]
-
-    return get
 
 
 def with_config(src, dst, **changes) -> str:  # noqa: ANN001

@@ -1,7 +1,8 @@
 """Mixture-of-experts checkpoints served disaggregated, for real: a prefill node of two
 tensor-parallel ranks hands its KV pages to a single-process decode node over tcp and over shm,
 and every stream equals the offline engine's (which equals transformers', test_moe_models.py);
-every block comes back."""
+every block comes back. `pdserve serve DIR` of each mixture-of-experts family, DeepSeek's among
+them, answers with transformers' greedy text."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def test_a_tp2_prefill_node_and_a_tp1_decode_node_stream_the_offline_tokens(serv
     cluster.wait_until_idle()  # every block of both nodes free
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+)
 def test_pdserve_serve_answers_over_http_with_transformers_greedy_text(
     family, checkpoint_dir, tmp_path
 ):

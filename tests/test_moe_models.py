@@ -10,31 +10,15 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import MOE_FAMILIES, hf_greedy
-from conftest import random_prompts
+from checkpoints import MOE_FAMILIES
+from conftest import FAMILY_NEW_TOKENS, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.model_config import ModelConfig
 
-NEW_TOKENS = 24
-PROMPT_LENGTHS = [3, 16, 29, 50]
+NEW_TOKENS = FAMILY_NEW_TOKENS
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def family_run(checkpoint_dir):
-    """family -> (model dir, prompts, transformers' greedy tokens)."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            model_dir = checkpoint_dir(family)
-            prompts = random_prompts(1, PROMPT_LENGTHS)
-            cache[family] = (model_dir, prompts, hf_greedy(model_dir, prompts, NEW_TOKENS))
-        return cache[family]
-
-    return get
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

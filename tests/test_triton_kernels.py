@@ -76,12 +76,12 @@ def tk() -> SimpleNamespace:
     return SimpleNamespace(ops=TRITON, attention=triton_attention, moe=triton_moe)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the child process")
-def test_kernels_match_references_under_the_triton_interpreter():
-    # Runs every @interpreted test below; a failure shows the child's report.
+def run_interpreted(test_file: str) -> None:
+    """Run a test file's @interpreted tests in a child process under Triton's interpreter; a
+    failure shows the child's report."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -89,6 +89,11 @@ def test_kernels_match_references_under_the_triton_interpreter():
         timeout=240,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child process")
+def test_kernels_match_references_under_the_triton_interpreter():
+    run_interpreted(__file__)
 
 
 # --- inputs -------------------------------------------------------------------------------------

@@ -5,14 +5,16 @@ on CUDA, the decode kernel at DeepSeek-V3's width, eager and replayed from a CUD
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from paged_inputs import paged_inputs
-from test_triton_kernels import ATTENTION_TOL, INTERPRETED, REPO, _compile_for_sm90, interpreted
+from test_triton_kernels import (
+    ATTENTION_TOL,
+    INTERPRETED,
+    _compile_for_sm90,
+    interpreted,
+    run_interpreted,
+)
 
 from pdserve.engine.decode_graphs import DecodeInputs
 from pdserve.engine.forward_batch import AttentionBatch
@@ -89,22 +91,17 @@ def tk():
     from pdserve.kernels import triton_attention, triton_mla
     from pdserve.kernels.triton_ops import TRITON
 
-    return SimpleNamespace(ops=TRITON, mla=triton_mla, sm_count=triton_attention.DEFAULT_SM_COUNT)
+    return SimpleNamespace(
+        ops=TRITON,
+        mla=triton_mla,
+        plan=triton_attention.plan_decode_splits,
+        sm_count=triton_attention.DEFAULT_SM_COUNT,
+    )
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child process")
 def test_mla_kernels_match_references_under_the_triton_interpreter():
-    # Runs every @interpreted test below; a failure shows the child's report.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    run_interpreted(__file__)  # every @interpreted test below
 
 
 # --- store_latent -------------------------------------------------------------------------------
@@ -138,7 +135,7 @@ def test_split_decode_matches_reference(tk, dtype, heads, width, block_size):
         DECODE_CONTEXTS, [1, 1, 1], heads, width, block_size, dtype, table_tokens=DECODE_WIDTH
     )
     block_n = tk.mla.latent_decode_config(width[0], dtype).block_n
-    num_splits, _ = tk.mla.plan_decode_splits(3, 1, DECODE_WIDTH, block_n, tk.sm_count)
+    num_splits, _ = tk.plan(3, 1, DECODE_WIDTH, block_n, tk.sm_count)
     assert num_splits > 1
     _assert_latent_close(tk.ops.latent_attention(**args), args)
 
@@ -168,7 +165,7 @@ def test_decode_with_many_splits_and_empty_ones(tk, dtype):
 def test_short_decode_batch_takes_the_single_split_path(tk):
     args = latent_inputs([7, 16, 33], [1, 1, 1], 4, WIDTHS[1], 16, torch.float32, seed=3)
     block_n = tk.mla.latent_decode_config(WIDTHS[1][0], torch.float32).block_n
-    assert tk.mla.plan_decode_splits(3, 1, 48, block_n, tk.sm_count)[0] == 1
+    assert tk.plan(3, 1, 48, block_n, tk.sm_count)[0] == 1
     _assert_latent_close(tk.ops.latent_attention(**args), args)
 
 

@@ -41,7 +41,6 @@ class LatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.shard = shard
         self.layer_index = layer_index
         self.heads = shard.q_heads(cfg.num_heads)
         self.num_heads = len(self.heads)
