@@ -7,7 +7,7 @@ from pdserve.cluster.codec import Codec, Message
 from pdserve.cluster.node_messages import TokenLogprobs
 from pdserve.cluster.sampling_params import SamplingParams
 
-CLIENT_PROTOCOL_VERSION = 2
+CLIENT_PROTOCOL_VERSION = 3  # 3: frames end with a digest
 
 
 class Submit(Message, tag="submit"):

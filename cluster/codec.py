@@ -1,6 +1,8 @@
 """One codec for every pdserve wire protocol: msgspec structs tagged by type, in msgpack, inside
-a `[version, message]` envelope. Decoding checks every field's type, so whatever arrives either
-becomes one of the protocol's messages or raises `ProtocolError`; nothing half-valid gets in."""
+a `[version, message]` envelope, followed by the envelope's XXH3-64 digest (8 bytes). Decoding
+checks the digest, then every field's type, so whatever arrives either becomes one of the
+protocol's messages or raises `ProtocolError`: nothing half-valid gets in, and no frame changed
+on the way (a flipped bit, a cut tail) is read as another message (a block id, a token id)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections import OrderedDict
 from typing import Any, Generic, TypeVar, Union
 
 import msgspec
+import xxhash
 
 logger = logging.getLogger(__name__)
 
@@ -16,6 +19,18 @@ M = TypeVar("M", bound=msgspec.Struct)
 
 # Control frames are small (the longest is a prompt's token ids); anything larger is junk.
 MAX_FRAME_BYTES = 16 << 20
+
+DIGEST_BYTES = 8
+
+
+def digest(data: bytes | memoryview) -> bytes:
+    """The 8-byte digest a frame ends with."""
+    return xxhash.xxh3_64_digest(data)
+
+
+def seal(envelope: bytes) -> bytes:
+    """A frame of any msgpack envelope: it followed by its digest."""
+    return envelope + digest(envelope)
 
 
 class ProtocolError(ValueError):
@@ -44,11 +59,17 @@ class Codec(Generic[M]):
         self._decoder = msgspec.msgpack.Decoder(tuple[int, Union[types]])  # noqa: UP007
 
     def encode(self, msg: M) -> bytes:
-        return self._encoder.encode((self.version, msg))
+        return seal(self._encoder.encode((self.version, msg)))
 
     def decode(self, frame: bytes | memoryview) -> M:
         if len(frame) > self.max_bytes:
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds {self.max_bytes}")
+        if len(frame) <= DIGEST_BYTES:
+            raise ProtocolError(f"frame of {len(frame)} bytes: too short for a message")
+        view = memoryview(frame)
+        frame, sent = view[:-DIGEST_BYTES], view[-DIGEST_BYTES:]
+        if digest(frame) != sent:
+            raise ProtocolError(self._explain_digest(view))
         try:
             version, msg = self._decoder.decode(frame)
         # (a string that is not UTF-8 raises UnicodeDecodeError, not DecodeError)
@@ -64,6 +85,17 @@ class Codec(Generic[M]):
         if len(frames) != 1:
             raise ProtocolError(f"{len(frames)} frames, expected 1")
         return self.decode(frames[0])
+
+    def _explain_digest(self, frame: memoryview) -> str:
+        """Name another protocol version (an older release's frames end with no digest) rather
+        than the digest it fails."""
+        try:
+            envelope: Any = msgspec.msgpack.decode(frame)
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            envelope = None
+        if isinstance(envelope, list) and len(envelope) == 2 and envelope[0] != self.version:
+            return f"{self.name} protocol version {envelope[0]!r}, expected {self.version}"
+        return f"a {self.name} frame whose digest does not match (cut or changed on the way)"
 
     def _explain(self, frame: bytes | memoryview, exc: Exception) -> str:
         """Name a wrong version rather than the field it trips on first."""

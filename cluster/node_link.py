@@ -1,6 +1,8 @@
 """A node's connection to the coordinator: a ZMQ DEALER that registers and hands received orders
 to the node's loop between steps, and a heartbeat thread that reports the node's load on a socket
-of its own, so a long step never makes a busy node look dead."""
+of its own, so a long step never makes a busy node look dead. Orders and reports travel in a link
+session (`cluster/link_session.py`): each arrives once, in order, even if a message is lost or
+repeated on the way; load reports need none (each is a whole snapshot)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pdserve.cluster.codec import MalformedLog, ProtocolError
+from pdserve.cluster.codec import MalformedLog
 from pdserve.cluster.keys import HANDSHAKE_FAILED, ClusterKeys, curve_client
 from pdserve.cluster.node_messages import (
     Heartbeat,
@@ -24,6 +26,7 @@ from pdserve.cluster.node_messages import (
     orders,
     reports,
 )
+from pdserve.cluster.session_socket import SessionSocket
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class NodeLink:
         self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         self.sock.connect(coordinator_addr)
         self.malformed = MalformedLog(logger, f"node {node_id}")
+        self.session = SessionSocket(self.sock, f"node {node_id} link", self.malformed)
         self._last_load = 0.0
         self._load: Heartbeat | None = None
         self._stopped = threading.Event()
@@ -78,7 +82,7 @@ class NodeLink:
         """Queue a report; CoordinatorUnreachable (which ends the node: its supervisor starts it
         afresh, and it registers once the coordinator is back) if the queue stays full."""
         try:
-            self.sock.send(reports.encode(msg))
+            self.session.send(reports.encode(msg))
         except zmq.Again:
             raise CoordinatorUnreachable(
                 f"the coordinator at {self.coordinator_addr} has taken none of node "
@@ -88,22 +92,12 @@ class NodeLink:
 
     def receive(self, timeout_ms: int) -> list[Message]:
         """Every order waiting now, after waiting up to timeout_ms for the first; malformed
-        frames (of any shape) are dropped and logged once."""
-        messages: list[Message] = []
-        if not self.sock.poll(timeout_ms):
-            return messages
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
-            try:
-                msg = orders.decode_frames(frames)
-            except ProtocolError as exc:
-                self.malformed("coordinator", str(exc))
-                continue
+        frames (of any shape) are dropped and logged once. Sends what the session owes (resends,
+        an acknowledgement)."""
+        messages = self.session.receive(timeout_ms, orders)
+        for msg in messages:
             logger.debug("[%s] received %s", getattr(msg, "request_id", "-"), msg.TYPE)
-            messages.append(msg)
+        return messages
 
     def carry_out(self, msg: Message, handle: Callable[[Message], None]) -> None:
         """handle(msg) on the node's loop: an order that cannot be carried out is logged and, if

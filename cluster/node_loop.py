@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from pdserve.cluster.faults import process_faults
 from pdserve.cluster.node_link import NodeLink
 from pdserve.cluster.node_messages import Heartbeat, Message, Register, Reset, Shutdown
 
@@ -42,6 +43,7 @@ class NodeLoop:
         self.engine = engine
         self.link = link
         self.running = True
+        self.faults = process_faults(f"node {link.node_id}")  # None unless PDSERVE_FAULTS
 
     # -- the role's part ---------------------------------------------------------------------
     def handle(self, msg: Message) -> bool:
@@ -92,7 +94,12 @@ class NodeLoop:
     def step(self) -> None:
         wait = 0 if self.engine.has_unfinished() else self.idle_wait_ms()
         self.before_step(self.link.receive(wait))
-        self.after_step(self.engine.step() if self.engine.has_unfinished() else [])
+        if not self.engine.has_unfinished():
+            self.after_step([])
+            return
+        if self.faults is not None:
+            self.faults.step()
+        self.after_step(self.engine.step())
 
     def before_step(self, orders: list[Message]) -> None:
         """Carry out the orders received since the last step; take in what arrived."""

@@ -12,7 +12,7 @@ import msgspec
 from pdserve.cluster.codec import Codec, Message
 from pdserve.cluster.sampling_params import SamplingParams
 
-NODE_PROTOCOL_VERSION = 2
+NODE_PROTOCOL_VERSION = 3  # 3: frames end with a digest
 
 
 class NodeRole(enum.StrEnum):

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import zmq.asyncio
 from pdserve.cluster import node_messages
 from pdserve.cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
 from pdserve.cluster.codec import MAX_FRAME_BYTES, Codec, MalformedLog, ProtocolError, peer_name
+from pdserve.cluster.faults import message_faults
 from pdserve.cluster.keys import (
     ClusterKeys,
     close_server,
@@ -30,6 +32,7 @@ from pdserve.cluster.keys import (
     log_refused_handshakes,
     watch_server_socket,
 )
+from pdserve.cluster.link_session import LinkSession
 from pdserve.cluster.node_messages import Message
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.config import CoordinatorConfig
@@ -44,6 +47,7 @@ stats_logger = logging.getLogger("pdserve.stats")
 __all__ = ["Coordinator", "RequestHandle", "SubmitError"]
 
 TICK_S = 0.1
+MAX_SESSIONS = 4096  # node sockets whose link sessions are kept (the least recent go)
 
 
 class RequestHandle:
@@ -103,6 +107,10 @@ class Coordinator:
         self.failure: BaseException | None = None
         self._malformed_nodes = MalformedLog(logger, "coordinator node socket")
         self._malformed_clients = MalformedLog(logger, "coordinator client socket")
+        # The link session of each node socket that speaks one (by routing id); a socket that
+        # sends bare frames (a node's load reports) gets bare frames.
+        self._sessions: OrderedDict[bytes, LinkSession] = OrderedDict()
+        self._node_faults = message_faults("coordinator node socket")
         self.stats = StatsCounter(time.monotonic())
         self.core.listeners.append(self.stats.observe)
 
@@ -322,7 +330,11 @@ class Coordinator:
 
     def _send_order(self, identity: bytes, msg: Message) -> bool:
         """False when the order cannot be sent: no socket of that identity is connected."""
-        frames = [identity, node_messages.orders.encode(msg)]
+        frame = node_messages.orders.encode(msg)
+        session = self._sessions.get(identity)
+        frames = (
+            [identity, *session.wrap(frame, time.monotonic())] if session else [identity, frame]
+        )
         # zmq.asyncio reports a failed send through the future it returns, not by raising.
         sent = self.node_sock.send_multipart(frames, zmq.NOBLOCK)
         if not sent.done():  # queued behind a busy pipe: its outcome comes later
@@ -343,10 +355,49 @@ class Coordinator:
 
     async def _node_loop(self) -> None:
         while True:
-            identity, *frames = await self.node_sock.recv_multipart()
-            msg = self._decode(identity, frames, node_messages.reports, self._malformed_nodes)
+            frames = await self.node_sock.recv_multipart()
+            if self._node_faults is None:
+                self._on_node_frames(frames[0], frames[1:])
+                continue
+            for identity, *rest in self._node_faults.arrive(frames, skip=1):
+                self._on_node_frames(identity, rest)
+
+    def _on_node_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        """One message received from a node socket: bare (one frame), or in a link session."""
+        now = time.monotonic()
+        if len(frames) != 2:
+            messages = [
+                self._decode(identity, frames, node_messages.reports, self._malformed_nodes)
+            ]
+        else:
+            session = self._sessions.pop(identity, None) or LinkSession()
+            try:
+                bodies = session.unwrap(frames, now)
+            except ProtocolError as exc:
+                self._malformed_nodes(peer_name(identity), str(exc))
+                bodies = []
+            if session.peer_session:  # (never for junk)
+                self._sessions[identity] = session
+                if len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+            messages = [
+                self._decode(identity, [b], node_messages.reports, self._malformed_nodes)
+                for b in bodies
+            ]
+        for msg in messages:
             if msg is not None:
-                self._deliver(self.core.on_node_message(identity, msg, time.monotonic()))
+                self._deliver(self.core.on_node_message(identity, msg, now))
+
+    def _flush_sessions(self, now: float) -> None:
+        """Send what the node sockets' sessions owe (resends, acknowledgements), and take in
+        the messages an injected delay held back."""
+        if self._node_faults is not None:
+            for identity, *rest in self._node_faults.due(now):
+                self._on_node_frames(identity, rest)
+        for identity, session in list(self._sessions.items()):
+            for frames in session.due(now):
+                sent = self.node_sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+                sent.add_done_callback(_ignore_failure)  # a resend to a node that is gone
 
     async def _clock_loop(self) -> None:
         last = time.monotonic()
@@ -357,6 +408,7 @@ class Coordinator:
             stalled = now - last - TICK_S
             last = now
             self._deliver(self.core.on_tick(now, stalled))
+            self._flush_sessions(now)
             if now >= next_stats:
                 next_stats = now + INTERVAL_S
                 stats = self.stats.sample(self.core, now)
@@ -400,3 +452,8 @@ class Coordinator:
                 await reply(event)
         except zmq.ZMQError:  # the client is gone, or the socket closed under us
             await self.abort(handle.request_id)
+
+
+def _ignore_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled():
+        sent.exception()  # retrieved, so asyncio does not log it

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.cluster.faults import FaultPlan
+
 ENV = "PDSERVE_KV_FAULTS"
 
 
@@ -54,8 +56,15 @@ class KVFaults:
 
     @classmethod
     def from_env(cls) -> KVFaults | None:
+        """From PDSERVE_KV_FAULTS, or else from the `corrupt` rate of PDSERVE_FAULTS (which
+        corrupts control messages too: `cluster/faults.py`)."""
         text = os.environ.get(ENV, "")
-        return cls.parse(text) if text else None
+        if text:
+            return cls.parse(text)
+        plan = FaultPlan.from_env()
+        if plan is None or not plan.rates.get("corrupt"):
+            return None
+        return cls(corrupt=plan.rates["corrupt"], seed=plan.seed)
 
     def in_flight(self, parts: list[torch.Tensor]) -> None:
         """Maybe flip one byte of a pushed chunk's payload (its frames) before it lands."""

@@ -18,7 +18,7 @@ from pdserve.engine.kv_cache import KVLayout
 
 # 2: msgspec structs in the cluster codec's [version, message] envelope; 3: head slices (`heads`);
 # 4: page digests (`Hello.integrity`, `Pages.digest`, `Done.digest`)
-KV_PROTOCOL_VERSION = 4
+KV_PROTOCOL_VERSION = 5  # 5: frames end with a digest
 Digest = Annotated[int, Meta(ge=0)]  # 64 bits, unsigned
 
 # Control frames hold block lists at most (a send's destination blocks); page bytes travel in

@@ -15,7 +15,7 @@ import msgspec
 from pdserve.cluster.codec import Codec, Message
 from pdserve.kv_transfer.base import TransferResult
 
-RANK_PROTOCOL_VERSION = 1
+RANK_PROTOCOL_VERSION = 2  # 2: frames end with a digest
 
 Range = tuple[int, int]  # [start, end)
 

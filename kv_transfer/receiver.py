@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from pdserve.cluster.codec import MalformedLog, ProtocolError, peer_name
+from pdserve.cluster.faults import FAULTS_POLL_MS, message_faults
 from pdserve.cluster.keys import ClusterKeys, close_server
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
@@ -115,6 +116,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
         self._integrity: dict[bytes, str | None] = {}  # each peer's digest algorithm
         self._integrity_failures = 0  # sends whose pages landed other than they left
         self._faults = KVFaults.from_env()  # None unless PDSERVE_KV_FAULTS asks for some
+        self._message_faults = message_faults(f"{self.name} KV receiver")  # (PDSERVE_FAULTS)
         self._draining: dict[str, Draining] = {}  # by transfer id
         self._start_thread(
             {"expected": 0, "units": 0, "held_bytes": 0, "peers": 0, "integrity_failures": 0}
@@ -202,6 +204,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
                     break
                 if self._router in events:
                     self._drain_router()
+                if self._message_faults is not None:  # what an injected fault held back
+                    for frames in self._message_faults.due():
+                        self._on_frames(frames)
                 self._land_ready()
                 now = time.monotonic()
                 self._expire(now)
@@ -217,6 +222,8 @@ class ZmqReceiver(CommandThread, KVReceiver):
     def _poll_timeout_ms(self) -> int:
         if self._inflight:
             return 1  # device transfers to watch
+        if self._message_faults is not None:
+            return FAULTS_POLL_MS
         deadlines = [e.deadline for e in self._arrivals.expected.values()]
         deadlines += [
             u.deadline for u in self._arrivals.units.values() if u.state is UnitState.WAITING
@@ -255,15 +262,22 @@ class ZmqReceiver(CommandThread, KVReceiver):
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            peer = frames[0].bytes
-            try:
-                if len(frames) < 2:
-                    raise ProtocolError("a routing id and no message")
-                self._on_message(peer, control.decode(frames[1].buffer), frames[2:])
-            except ProtocolError as e:  # logged once per peer, counted after that
-                self._malformed(peer_name(peer), str(e))
-            except Exception:  # a bug, not junk: it must not stop the receiver either
-                log.exception("%s receiver: handling a message from %r failed", self.name, peer)
+            if self._message_faults is None:
+                self._on_frames(frames)
+            else:
+                for arrived in self._message_faults.arrive(frames, skip=1):
+                    self._on_frames(arrived)
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("a routing id and no message")
+            self._on_message(peer, control.decode(frames[1].buffer), frames[2:])
+        except ProtocolError as e:  # logged once per peer, counted after that
+            self._malformed(peer_name(peer), str(e))
+        except Exception:  # a bug, not junk: it must not stop the receiver either
+            log.exception("%s receiver: handling a message from %r failed", self.name, peer)
 
     def _send(self, peer: bytes, msg: ControlMessage) -> bool:
         try:

@@ -28,6 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.cluster.codec import MalformedLog, ProtocolError
+from pdserve.cluster.faults import FAULTS_POLL_MS, message_faults
 from pdserve.cluster.keys import HANDSHAKE_FAILED, ClusterKeys
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
@@ -130,6 +131,7 @@ class ZmqSender(CommandThread, KVSender):
         self._outgoing: dict[int, Outgoing] = {}
         self._queue: deque[Outgoing] = deque()  # push sends not started yet
         self._malformed = MalformedLog(log, f"{self.name} KV sender")
+        self._message_faults = message_faults(f"{self.name} KV sender")  # (PDSERVE_FAULTS)
         self._start_thread({"outstanding": 0, "peers": 0})
 
     # -- interface ---------------------------------------------------------------------------
@@ -279,6 +281,9 @@ class ZmqSender(CommandThread, KVSender):
                         self._watch(peer)
                     if self._peers.get(peer.peer_id) is peer and events.get(peer.sock):
                         self._drain_peer(peer)
+                if self._message_faults is not None:  # what an injected fault held back
+                    for peer, *frames in self._message_faults.due():
+                        self._on_frames(peer, frames)
                 self._start_queued()
                 self._expire(time.monotonic())
                 self._publish_stats()
@@ -296,6 +301,8 @@ class ZmqSender(CommandThread, KVSender):
     def _poll_timeout_ms(self) -> int:
         if self._queue:
             return 0
+        if self._message_faults is not None:
+            return FAULTS_POLL_MS
         deadlines = [o.deadline for o in self._outgoing.values()]
         deadlines += [p.deadline for p in self._peers.values() if not p.welcomed]
         wait = 0.5
@@ -417,14 +424,21 @@ class ZmqSender(CommandThread, KVSender):
                 frames = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                self._on_message(peer, control.decode_frames(frames))
-            except ProtocolError as e:  # logged once per receiver, counted after that
-                self._malformed(peer.peer_id, str(e))
-            except Exception:  # a bug, not junk: it must not stop the sender either
-                log.exception(
-                    "%s sender: handling a message from %s failed", self.name, peer.peer_id
-                )
+            if self._message_faults is None:
+                self._on_frames(peer, frames)
+            else:
+                for held_peer, *arrived in self._message_faults.arrive([peer, *frames], skip=1):
+                    self._on_frames(held_peer, arrived)
+
+    def _on_frames(self, peer: Peer, frames: list[bytes]) -> None:
+        if self._peers.get(peer.peer_id) is not peer:
+            return  # (held back by an injected fault, and the peer is gone since)
+        try:
+            self._on_message(peer, control.decode_frames(frames))
+        except ProtocolError as e:  # logged once per receiver, counted after that
+            self._malformed(peer.peer_id, str(e))
+        except Exception:  # a bug, not junk: it must not stop the sender either
+            log.exception("%s sender: handling a message from %s failed", self.name, peer.peer_id)
 
     def _send_to(self, peer: Peer, msg: ControlMessage) -> None:
         peer.sock.send(control.encode(msg), flags=zmq.NOBLOCK)

@@ -16,13 +16,14 @@ from collections.abc import Callable
 
 import zmq
 
-from pdserve.cluster.codec import MalformedLog, ProtocolError
+from pdserve.cluster.codec import MalformedLog
 from pdserve.cluster.keys import ClusterKeys, curve_client
 from pdserve.cluster.node_messages import HandoffReady, SendKV, orders, reports
+from pdserve.cluster.session_socket import SessionSocket
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 100
+POLL_MS = 20
 
 
 class HandoffSocket:
@@ -59,26 +60,20 @@ class HandoffSocket:
         if self.keys is not None:
             curve_client(sock, self.keys)
         sock.connect(self.coordinator_addr)
+        session = SessionSocket(sock, f"handoff socket of {self.node_id}", self._malformed)
         try:
             while not self._stopped.is_set():
                 if self._announce.is_set():
                     self._announce.clear()
-                    sock.send(reports.encode(HandoffReady(self.node_id)))
-                if not sock.poll(POLL_MS):
-                    continue
-                frames = sock.recv_multipart()
-                try:
-                    msg = orders.decode_frames(frames)
-                except ProtocolError as exc:
-                    self._malformed("coordinator", str(exc))
-                    continue
-                if isinstance(msg, SendKV):
-                    try:
-                        self.on_send_kv(msg)
-                    except Exception:  # the socket outlives one bad send
-                        logger.exception("[%s] starting the KV send failed", msg.request_id)
-                else:
-                    logger.warning("handoff socket ignores %s", msg.TYPE)
+                    session.send(reports.encode(HandoffReady(self.node_id)))
+                for msg in session.receive(POLL_MS, orders):
+                    if isinstance(msg, SendKV):
+                        try:
+                            self.on_send_kv(msg)
+                        except Exception:  # the socket outlives one bad send
+                            logger.exception("[%s] starting the KV send failed", msg.request_id)
+                    else:
+                        logger.warning("handoff socket ignores %s", msg.TYPE)
         except zmq.ZMQError as exc:
             if not self._stopped.is_set():
                 logger.error("handoff socket failed: %s", exc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from pdserve.cluster.codec import MAX_FRAME_BYTES
+from pdserve.cluster.codec import MAX_FRAME_BYTES, seal
 from pdserve.cluster.node_messages import NODE_PROTOCOL_VERSION, Abort, Heartbeat, orders, reports
 
 V = NODE_PROTOCOL_VERSION
@@ -14,8 +14,8 @@ JUNK: list[list[bytes]] = [
     [b""],
     [b"", b""],
     [b"\x00" * (MAX_FRAME_BYTES + 1)],  # over the codec's limit
-    [msgpack.packb([V, {"type": "heartbeat", "node_id": 5}])],  # a wrong type
-    [msgpack.packb([V + 1, {"type": "shutdown"}])],  # another protocol version
+    [seal(msgpack.packb([V, {"type": "heartbeat", "node_id": 5}]))],  # a wrong type
+    [seal(msgpack.packb([V + 1, {"type": "shutdown"}]))],  # another protocol version
     [orders.encode(Abort("x"))],  # an order, sent the wrong way
     [reports.encode(Heartbeat("nobody", 1, 1, 0, 0, 0))],  # a valid report from a stranger
 ]

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from pdserve.cluster import node_messages
-from pdserve.cluster.codec import ProtocolError
+from pdserve.cluster.codec import ProtocolError, seal
 from pdserve.cluster.node_messages import (
     FinishReason,
     Heartbeat,
@@ -56,11 +56,13 @@ V = node_messages.NODE_PROTOCOL_VERSION
     [
         b"",
         b"\xc1garbage",
-        msgpack.packb([1, 2, 3]),
-        msgpack.packb([99, {"type": "abort", "request_id": "x"}]),
-        msgpack.packb([V, {"type": "nonsense"}]),
-        msgpack.packb([V, {"type": "abort", "request_id": "x", "bogus": 1}]),
-        msgpack.packb([V, {"type": "abort", "request_id": 5}]),
+        seal(msgpack.packb([1, 2, 3])),
+        seal(msgpack.packb([99, {"type": "abort", "request_id": "x"}])),
+        seal(msgpack.packb([V, {"type": "nonsense"}])),
+        seal(msgpack.packb([V, {"type": "abort", "request_id": "x", "bogus": 1}])),
+        seal(msgpack.packb([V, {"type": "abort", "request_id": 5}])),
+        seal(msgpack.packb([V, {"type": "abort", "request_id": "x"}]))[:-1],  # cut short
+        node_messages.orders.encode(node_messages.Abort("x")).replace(b"x", b"y"),  # changed
     ],
 )
 def test_malformed_frames_are_refused(frame):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 import zmq
@@ -113,6 +114,7 @@ def test_serve_exits_non_zero_when_a_coordinator_task_dies(monkeypatch):
 
 @pytest.mark.parametrize("frames", JUNK[:4], ids=["garbage", "multi-frame", "empty", "two-empty"])
 def test_a_node_drops_junk_from_the_coordinator(frames):
+    from pdserve.cluster.link_session import LinkSession
     from pdserve.cluster.node_link import NodeLink
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
@@ -122,9 +124,11 @@ def test_a_node_drops_junk_from_the_coordinator(frames):
     try:
         link.send(Heartbeat("n0", 1, 1, 0, 0, 0))  # so the router knows its identity
         assert router.poll(5000)
-        identity, _ = router.recv_multipart()
+        identity, *sent = router.recv_multipart()
+        session = LinkSession()  # the coordinator's end of the link's session
+        assert session.unwrap(sent, time.monotonic())
         router.send_multipart([identity, *frames])
-        router.send_multipart([identity, orders.encode(Abort("r1"))])
+        router.send_multipart([identity, *session.wrap(orders.encode(Abort("r1")), 0.0)])
         received: list = []
         for _ in range(50):
             received += link.receive(100)

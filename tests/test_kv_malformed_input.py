@@ -19,6 +19,7 @@ from test_kv_transfer import (
     wait_result,
 )
 
+from pdserve.cluster.codec import seal
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
 from pdserve.kv_transfer.pages import page_bytes
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def raw(version: int = KV_PROTOCOL_VERSION, **fields: object) -> bytes:
     """A frame as anyone could write it: any fields, any types."""
-    return msgspec.msgpack.encode([version, fields])
+    return seal(msgspec.msgpack.encode([version, fields]))
 
 
 def junk_for_a_receiver(lay: KVLayout) -> list[list[bytes]]:
@@ -59,7 +60,7 @@ def junk_for_a_receiver(lay: KVLayout) -> list[list[bytes]]:
         [raw(type="begin", transfer_id="t", send_id=-1, layers=[0, 1], dst=[1])],
         [raw(type="pages", **pages)],  # a first chunk that names no blocks
         [raw(version=1, type="ping")],  # another protocol version
-        [msgspec.msgpack.encode({"v": 1, "kind": "hello"})],  # what version 1 sent
+        [seal(msgspec.msgpack.encode({"v": 1, "kind": "hello"}))],  # what version 1 sent
         [raw(type="shutdown")],  # not a kv control message
         [control.encode(Welcome())],  # a message that goes the other way
         [control.encode(hello), b"trailing"],  # a good message with a frame too many
@@ -157,7 +158,7 @@ def junk_for_a_sender() -> list[list[bytes]]:
         [b"\xc1"],
         [raw(type="ack", transfer_id=5, send_id="1")],
         [raw(version=1, type="ping")],
-        [msgspec.msgpack.encode({"v": 1, "kind": "welcome", "extra": {}})],
+        [seal(msgspec.msgpack.encode({"v": 1, "kind": "welcome", "extra": {}}))],
         [control.encode(Hello("impostor", "tcp", layout(), "host", 1))],  # the other way
         [control.encode(Welcome()), b"trailing"],  # a Welcome with a frame too many
         [control.encode(Ack("t-other", 999))],  # well-formed, for no send: ignored

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from pdserve.cluster.codec import seal
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
@@ -49,7 +50,7 @@ EVERY_MESSAGE = [
 
 def raw(message: dict[str, Any], version: int = KV_PROTOCOL_VERSION) -> bytes:
     """A frame as anyone could write it: any fields, any types."""
-    return msgspec.msgpack.encode([version, message])
+    return seal(msgspec.msgpack.encode([version, message]))
 
 
 @pytest.mark.parametrize("msg", EVERY_MESSAGE, ids=lambda m: m.TYPE)
@@ -92,9 +93,11 @@ PAGES |= {"nbytes": 256, "first": True, "last": True, "dst": [3], "send_layers":
         (raw({"type": "shutdown"}), "Invalid value 'shutdown'"),
         (raw({"type": "ping"}, version=1), f"version 1, expected {KV_PROTOCOL_VERSION}"),
         # what a version-1 peer sent: a msgpack map with its version inside
-        (msgspec.msgpack.encode({"v": 1, "kind": "ping"}), "not a kv control message"),
-        (b"\xc1", "undecodable"),
-        (b"", "undecodable"),
+        (seal(msgspec.msgpack.encode({"v": 1, "kind": "ping"})), "not a kv control message"),
+        (seal(b"\xc1"), "undecodable"),
+        (seal(b""), "too short"),
+        (b"\xc1" * 20, "digest does not match"),
+        (raw({"type": "ping"})[:-1], "digest does not match"),
         (b"\x00" * (MAX_CONTROL_BYTES + 1), "exceeds"),
     ],
 )

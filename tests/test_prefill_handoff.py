@@ -4,10 +4,12 @@ arrives; a send that cannot start is settled by the node's loop (blocks freed, c
 from __future__ import annotations
 
 import threading
+import time
 
 import zmq
 from conftest import RecordingLink
 
+from pdserve.cluster.link_session import LinkSession
 from pdserve.cluster.node_messages import (
     HandoffReady,
     Message,
@@ -23,10 +25,14 @@ from pdserve.prefill_node.handoff_socket import HandoffSocket
 from pdserve.prefill_node.worker import PrefillNode
 
 
-def _recv(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, Message]:
-    assert sock.poll(timeout_ms), "nothing arrived"
-    identity, frame = sock.recv_multipart()
-    return identity, reports.decode(frame)
+def _recv(sock: zmq.Socket, session: LinkSession, timeout_ms: int = 5000) -> tuple[bytes, Message]:
+    """The next report (acknowledgements skipped), through the coordinator's end of the
+    socket's link session."""
+    while True:
+        assert sock.poll(timeout_ms), "nothing arrived"
+        identity, *frames = sock.recv_multipart()
+        for frame in session.unwrap(frames, time.monotonic()):
+            return identity, reports.decode(frame)
 
 
 def test_listener_announces_itself_and_hands_over_send_orders():
@@ -42,18 +48,19 @@ def test_listener_announces_itself_and_hands_over_send_orders():
         arrived.set()
 
     listener = HandoffSocket(f"tcp://127.0.0.1:{port}", "p0", on_send_kv)
+    session = LinkSession()
     try:
         listener.start()
-        identity, hello = _recv(router)
+        identity, hello = _recv(router, session)
         assert identity == b"p0/handoff" and hello == HandoffReady("p0")
         order = SendKV("r1", "d0", {"transport": "tcp"}, [4, 5], 30.0)
-        router.send_multipart([identity, orders.encode(order)])
+        router.send_multipart([identity, *session.wrap(orders.encode(order), time.monotonic())])
         assert arrived.wait(5)
         assert received == [(order, "kv-handoff")]  # on the listener's thread
         router.send_multipart([identity, b"\xc1 not a message"])  # dropped, thread lives on
         router.send_multipart([identity, b"two", b"frames"])
         listener.announce()
-        assert _recv(router) == (identity, HandoffReady("p0"))
+        assert _recv(router, session) == (identity, HandoffReady("p0"))
     finally:
         listener.close()
         router.close(0)

@@ -139,3 +139,27 @@ def test_a_string_that_is_not_utf8_is_refused_as_junk():
     frame = orders.encode(Abort("req-abc")).replace(b"req-abc", b"req-\xc1bc")
     with pytest.raises(ProtocolError):
         orders.decode(frame)
+
+
+def test_a_frame_cut_or_changed_on_the_way_is_refused_by_its_digest():
+    from pdserve.cluster.codec import ProtocolError
+    from pdserve.cluster.node_messages import TokenItem, Tokens, reports
+
+    frame = reports.encode(Tokens("decode-0", [TokenItem("r#0", 1234)]))
+    assert reports.decode(frame) == Tokens("decode-0", [TokenItem("r#0", 1234)])
+    changed = frame.replace((1234).to_bytes(2, "big"), (1235).to_bytes(2, "big"))
+    assert changed != frame  # still a valid message, with another token: the digest refuses it
+    for bad in (changed, frame[:-1], frame[:-9] + frame[-8:]):
+        with pytest.raises(ProtocolError, match="digest does not match"):
+            reports.decode(bad)
+
+
+def test_a_frame_of_an_older_release_is_refused_naming_its_version():
+    import msgspec
+
+    from pdserve.cluster.codec import ProtocolError
+    from pdserve.cluster.node_messages import NODE_PROTOCOL_VERSION, Abort, orders
+
+    old = msgspec.msgpack.encode((NODE_PROTOCOL_VERSION - 1, Abort("r")))  # no digest
+    with pytest.raises(ProtocolError, match=f"version {NODE_PROTOCOL_VERSION - 1}, expected"):
+        orders.decode(old)
