@@ -111,7 +111,7 @@ def test_a_report_that_fits_the_queue_is_sent_at_once():
     try:
         link.send(Tokens("decode-0", []))
         assert router.poll(5000)
-        identity, frame = router.recv_multipart()
+        identity, header, frame = router.recv_multipart()  # in the link's session
         assert identity == b"decode-0" and isinstance(reports.decode(frame), Tokens)
     finally:
         link.close()
