@@ -156,6 +156,9 @@ class Prefill(Message, tag="prefill"):
     # SendKV may come before the first token, and the last chunk's forward then hands each
     # layer's pages to the transport as soon as that layer is done.
     stream_kv: bool = False
+    # W3C traceparent of the coordinator's span this order hangs from ("": not traced): the
+    # node's spans of the work it starts are its children.
+    trace_context: str = ""
 
 
 class Generate(Message, tag="generate"):
@@ -165,6 +168,7 @@ class Generate(Message, tag="generate"):
     token_ids: list[int]
     params: SamplingParams
     output_offset: int = 0
+    trace_context: str = ""  # as Prefill's
 
 
 class Admit(Message, tag="admit"):
@@ -183,6 +187,7 @@ class Admit(Message, tag="admit"):
     # the first token comes later in a `StartDecode`; the sequence runs once both that token
     # and every layer of its KV are in. transfer_timeout_s then covers the prefill too.
     first_token_pending: bool = False
+    trace_context: str = ""  # as Prefill's
 
 
 class SendKV(Message, tag="send_kv"):
@@ -197,6 +202,7 @@ class SendKV(Message, tag="send_kv"):
     # Sent while the prefill runs (early admission): it may overtake the Prefill order (it goes
     # to the handoff socket), so the prefill node keeps the route until that order comes.
     prefilling: bool = False
+    trace_context: str = ""  # as Prefill's
 
 
 class StartDecode(Message, tag="start_decode"):

@@ -1,6 +1,6 @@
 """How a node process joins a cluster: which coordinator, its id, which KV transport and where its
-receiver listens, how often it reports, which cluster keys it holds. Its engine settings are an
-`EngineConfig` beside it."""
+receiver listens, how often it reports, which cluster keys it holds, where its traces go. Its
+engine settings are an `EngineConfig` beside it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ PLACEMENT = ("coordinator", "node_id", "transport", "kv_host", "kv_port")
 # The cluster's keys: flags of every command (or the top of a cluster file), never a role's or a
 # config file's key, since every process of a cluster must hold the same.
 SECURITY = ("cluster_keys", "insecure")
+# Where every process of a cluster sends its spans: a flag of every command (or the top of a
+# cluster file), as the keys are.
+TRACING = ("otlp_traces_endpoint",)
 
 
 @dataclass(slots=True)
@@ -54,6 +57,11 @@ class NodeOptions:
     kv_integrity: bool = setting(
         True,
         "a prefill node sends a digest of each KV send's pages, which the decode node checks once they have landed (a mismatch fails the handoff and the request is prefilled again); off: pages are not checked",
+    )
+
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "send OpenTelemetry traces of every request over OTLP to this collector: gRPC (http://HOST:4317), or HTTP for a URL ending in /v1/traces (http://HOST:4318/v1/traces); OTEL_EXPORTER_OTLP_TRACES_PROTOCOL overrides (unset: no tracing)",
     )
 
     def __post_init__(self) -> None:

@@ -31,6 +31,12 @@ def name_request(prefix: str) -> str:
     return request_id
 
 
+def current_request_id() -> str | None:
+    """The id of the HTTP request being served here, if any."""
+    ctx = _current.get()
+    return ctx.request_id if ctx is not None else None
+
+
 class RequestIdLogFilter(logging.Filter):
     """Prefixes `[request id]` to any log line written while serving an HTTP request."""
 

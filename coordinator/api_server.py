@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.cluster import tracing
 from pdserve.coordinator.access_log import AccessLog, RequestIdLogFilter
+from pdserve.coordinator.http_tracing import TraceRequests
 from pdserve.coordinator.metrics import CONTENT_TYPE
 from pdserve.coordinator.openai_protocol import (
     APIError,
@@ -188,7 +190,7 @@ async def serve_http(app: FastAPI, sock: socket.socket, stop: asyncio.Event) -> 
     for handler in root.handlers:
         handler.addFilter(log_filter)
     config = uvicorn.Config(
-        AccessLog(app),
+        AccessLog(TraceRequests(app) if tracing.enabled() else app),
         log_config=None,  # our logging setup, not uvicorn's
         log_level=root.level,
         access_log=False,  # AccessLog writes one line per request, after streaming

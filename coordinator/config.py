@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster.node_options import PLACEMENT, SECURITY, NodeOptions
+from pdserve.cluster.node_options import PLACEMENT, SECURITY, TRACING, NodeOptions
 from pdserve.cluster.schema import (
     declared,
     defaults,
@@ -28,7 +28,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # (pdserve.coordinator
 NOT_IN_FILE = {
     **{name: f"give pdserve serve --{name}" for name in ("model", "dtype", "device", "transport")},
     **{name: "serve gives each node its own" for name in PLACEMENT if name != "transport"},
-    **{name: f"give pdserve serve --{name.replace('_', '-')}" for name in SECURITY},
+    **{name: f"give pdserve serve --{name.replace('_', '-')}" for name in SECURITY + TRACING},
 }
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from pdserve.cluster import node_messages
+from pdserve.cluster import node_messages, tracing
 from pdserve.cluster.client_messages import Cancel, Event, Submit, client_events, client_requests
 from pdserve.cluster.codec import MAX_FRAME_BYTES, Codec, MalformedLog, ProtocolError, peer_name
 from pdserve.cluster.faults import message_faults
@@ -39,6 +39,7 @@ from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.core import CoordinatorCore, Outbox, SubmitError
 from pdserve.coordinator.nodes import NodeRegistry
 from pdserve.coordinator.request_state import PENDING_PHASES, RequestState
+from pdserve.coordinator.request_tracing import RequestTracer
 from pdserve.coordinator.stats import INTERVAL_S, StatsCounter
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,10 @@ class Coordinator:
         self._node_faults = message_faults("coordinator node socket")
         self.stats = StatsCounter(time.monotonic())
         self.core.listeners.append(self.stats.observe)
+        # Requests' spans, while tracing is on (`pdserve.cluster.tracing.setup` came first).
+        self.tracer = RequestTracer() if tracing.enabled() else None
+        if self.tracer is not None:
+            self.core.listeners.append(self.tracer)
 
     # --- what the HTTP API, metrics and tests read ------------------------------------------------
 
@@ -317,6 +322,8 @@ class Coordinator:
     # --- delivery --------------------------------------------------------------------------------
 
     def _deliver(self, out: Outbox) -> None:
+        if self.tracer is not None:
+            self.tracer.stamp(out.orders)
         for identity, msg in out.orders:
             if not self._send_order(identity, msg):
                 self._deliver(self.core.on_undeliverable(identity, msg, time.monotonic()))

@@ -75,6 +75,10 @@ class Outbox:
         return bool(self.orders or self.events)
 
 
+# An observer of requests (metrics, stats, traces), called with one of these events and the
+# request: submitted (taken and routed), routed (sent to a node: its first attempt or a retry),
+# phase (its phase changed or began again), retry (an attempt failed: `error` says why),
+# first_token, tokens, finished.
 Listener = Callable[[str, RequestState], None]
 
 
@@ -262,16 +266,14 @@ class CoordinatorCore:
             if node is None:
                 self._fail(state, "unavailable", "no decode node is available")
                 return
-            state.phase, state.decode_node, state.prefill_node = (
-                Phase.LOCAL_PREFILL,
-                node.node_id,
-                None,
-            )
+            state.decode_node, state.prefill_node = node.node_id, None
+            self._enter(state, Phase.LOCAL_PREFILL)
             node.reserved_blocks += -(-len(token_ids) // node.block_size)
             node.assigned_prefill_tokens += len(token_ids)
             self._send(
                 node, Generate(state.wire_id, token_ids, params, len(state.output_token_ids))
             )
+            self._notify("routed", state)
             return
         if self.config.prefill_routing == "prefix_affinity":
             node = self.affinity.choose(
@@ -283,13 +285,15 @@ class CoordinatorCore:
             self.affinity.record(token_ids, node)
         else:
             node = least_loaded(prefillers)
-        state.phase, state.prefill_node, state.decode_node = Phase.PREFILLING, node.node_id, None
+        state.prefill_node, state.decode_node = node.node_id, None
+        self._enter(state, Phase.PREFILLING)
         node.assigned_prefill_tokens += len(token_ids)
         stream = self._admit_early(state, token_ids)
         self._send(
             node,
             Prefill(state.wire_id, token_ids, params, len(state.output_token_ids), stream),
         )
+        self._notify("routed", state)
 
     def _admit_early(self, state: RequestState, token_ids: list[int]) -> bool:
         """Layer-wise KV streaming: admit a long prompt into a decode node as its prefill
@@ -381,7 +385,8 @@ class CoordinatorCore:
             if state is None or state.phase is not Phase.WAITING_ADMISSION:
                 node.reserved_blocks -= candidate.num_blocks
                 continue
-            state.phase, state.decode_node = Phase.ADMITTING, node.node_id
+            state.decode_node = node.node_id
+            self._enter(state, Phase.ADMITTING)
             state.handoff_started = self.now
             token_ids = state.resume_token_ids()
             self._send(
@@ -474,12 +479,12 @@ class CoordinatorCore:
         if early is not EarlyAdmission.NONE:
             state.handoff_started = self.now
             if early is EarlyAdmission.ADMITTING:
-                state.phase = Phase.ADMITTING  # _on_admitted goes on
+                self._enter(state, Phase.ADMITTING)  # _on_admitted goes on
                 return
-            state.phase = Phase.TRANSFERRING
+            self._enter(state, Phase.TRANSFERRING)
             self._send(self.nodes.nodes[decode_node], StartDecode(wire_id, msg.token_id))
             return
-        state.phase = Phase.WAITING_ADMISSION
+        self._enter(state, Phase.WAITING_ADMISSION)
         self.admission.push(Candidate(state.wire_id, msg.num_blocks))
         self._pump_admission()
 
@@ -499,14 +504,15 @@ class CoordinatorCore:
         if not msg.ok:
             # The node had less room than it reported: retry first in line after its next report.
             node.reserved_blocks = node.free_blocks
-            state.phase, state.decode_node = Phase.WAITING_ADMISSION, None
+            state.decode_node = None
+            self._enter(state, Phase.WAITING_ADMISSION)
             self.admission.push(Candidate(state.wire_id, state.num_blocks), front=True)
             return
         prefill = self.nodes.nodes.get(state.prefill_node or "")
         if prefill is None or not prefill.alive:
             self._requeue(state, "prefill node lost before its KV was sent")
             return
-        state.phase = Phase.TRANSFERRING
+        self._enter(state, Phase.TRANSFERRING)
         if self.config.decode_prefix_reuse:
             # Its computed tokens' full blocks enter the decode node's prefix cache as they land.
             self.decode_affinity.record(state.resume_token_ids()[:-1], node)
@@ -528,7 +534,7 @@ class CoordinatorCore:
             node.reserved_blocks = node.free_blocks
             state.early, state.decode_node = EarlyAdmission.NONE, None
             if state.phase is Phase.ADMITTING:  # its first token came already
-                state.phase = Phase.WAITING_ADMISSION
+                self._enter(state, Phase.WAITING_ADMISSION)
                 self.admission.push(Candidate(state.wire_id, state.num_blocks), front=True)
                 self._pump_admission()
             return
@@ -555,7 +561,7 @@ class CoordinatorCore:
         )
         self._send(prefill, send_kv, self.handoff_identities.get(prefill.node_id))
         if state.phase is Phase.ADMITTING:  # the first token came before the reservation
-            state.phase = Phase.TRANSFERRING
+            self._enter(state, Phase.TRANSFERRING)
             self._send(node, StartDecode(state.wire_id, state.output_token_ids[-1]))
 
     def _on_transfer_done(self, node: NodeState, msg: TransferDone) -> None:
@@ -564,7 +570,7 @@ class CoordinatorCore:
             return
         if msg.ok:
             if state.phase is Phase.TRANSFERRING:
-                state.phase = Phase.DECODING
+                self._enter(state, Phase.DECODING)
             return
         streaming = state.phase is Phase.PREFILLING and state.early is not EarlyAdmission.NONE
         if state.phase in (Phase.TRANSFERRING, Phase.ADMITTING) or streaming:
@@ -575,7 +581,8 @@ class CoordinatorCore:
             state = self.by_wire.get(item.request_id)
             if state is None or state.decode_node != node.node_id or state.done:
                 continue  # a stale attempt on a node the request has left
-            state.phase = Phase.DECODING
+            if state.phase is not Phase.DECODING:
+                self._enter(state, Phase.DECODING)
             if (
                 item.finish_reason is not None
                 and node.role is NodeRole.DECODE
@@ -629,7 +636,9 @@ class CoordinatorCore:
         logger.warning("[%s] retrying (%s)", state.request_id, reason)
         del self.by_wire[state.wire_id]
         state.attempt += 1
+        state.error = reason
         self.by_wire[state.wire_id] = state
+        self._notify("retry", state)
         if not self.nodes.decode_nodes():
             self._fail(state, "unavailable", "no decode node is left")
             return
@@ -687,16 +696,22 @@ class CoordinatorCore:
 
     def _fail(self, state: RequestState, code: str, message: str) -> None:
         logger.warning("[%s] failed: %s", state.request_id, message)
+        state.error = message
         self._close(state, "error")
         self._out.events.append(Event(state.request_id, error=message, error_code=code))
 
     def _close(self, state: RequestState, reason: str) -> None:
-        state.phase = Phase.DONE
         state.finish_reason = reason
         state.finished_at = self.now
+        self._enter(state, Phase.DONE)
         self.by_wire.pop(state.wire_id, None)
         self.requests.pop(state.request_id, None)
         self._notify("finished", state)
+
+    def _enter(self, state: RequestState, phase: Phase) -> None:
+        """Every change of a request's phase (or a new attempt at one) goes through here."""
+        state.phase = phase
+        self._notify("phase", state)
 
     def _notify(self, name: str, state: RequestState) -> None:
         for listener in self.listeners:

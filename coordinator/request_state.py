@@ -55,6 +55,7 @@ class RequestState:
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None
+    error: str | None = None  # why its last attempt failed (a retry's reason, or its end's)
 
     @property
     def wire_id(self) -> str:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence
-from pdserve.kv_transfer.base import KVReceiver, TransportFailed
+from pdserve.kv_transfer.base import KVReceiver, TransferResult, TransportFailed
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,17 @@ class Handoff:
 class DecodeHandoff:
     """The receiving side; used by the loop only."""
 
-    def __init__(self, receiver: KVReceiver, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        block_manager: BlockManager,
+        on_end: Callable[[TransferResult], None] | None = None,
+    ) -> None:
+        """on_end: called with the receiver's result of each expected transfer that ended,
+        landed or failed (the node's traces)."""
         self.receiver = receiver
         self.block_manager = block_manager
+        self.on_end = on_end
         self.handoffs: dict[str, Handoff] = {}
         # Reservations whose every block was found cached: nothing to receive, in at the next
         # poll.
@@ -168,6 +177,8 @@ class DecodeHandoff:
             handoff = self.handoffs.pop(result.transfer_id, None)
             if handoff is None:
                 continue
+            if self.on_end is not None and handoff.state is HandoffState.EXPECTING:
+                self.on_end(result)
             if result.ok and handoff.state is HandoffState.EXPECTING:
                 self.blocks_received += len(handoff.blocks) - handoff.num_reused
                 self._land(handoff, arrived)

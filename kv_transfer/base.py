@@ -22,13 +22,17 @@ class TransferResult:
     """A transfer (receiver side) or one send() of it (sender side) that finished.
 
     `layers` is the layer range a sender-side result covers (None on the receiver side, where a
-    result always covers the whole expected range).
+    result always covers the whole expected range). `integrity` (receiver side) is what the
+    pages' digest check found: "ok" (every page checked and matched), "failed" (a page did not
+    match, or came without its digest: the transfer failed), "off" (its sender sent no digests);
+    "" where nothing was checked (a transfer that failed otherwise, or a sender-side result).
     """
 
     transfer_id: str
     ok: bool
     error: str | None = None
     layers: tuple[int, int] | None = None
+    integrity: str = ""
 
 
 class KVReceiver(ABC):

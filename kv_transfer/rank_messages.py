@@ -67,13 +67,14 @@ class Result(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     ok: bool
     error: str | None = None
     layers: Range | None = None
+    integrity: str = ""
 
     @classmethod
     def of(cls, r: TransferResult) -> Result:
-        return cls(r.transfer_id, r.ok, r.error, r.layers)
+        return cls(r.transfer_id, r.ok, r.error, r.layers, r.integrity)
 
     def result(self) -> TransferResult:
-        return TransferResult(self.transfer_id, self.ok, self.error, self.layers)
+        return TransferResult(self.transfer_id, self.ok, self.error, self.layers, self.integrity)
 
 
 class RankInfo(Message, tag="info"):

@@ -66,6 +66,7 @@ class Draining:
     error: str
     writers: set[tuple[bytes, int]]  # unit keys (peer, send id)
     deadline: float
+    integrity: str = ""  # "failed" when a digest check ended it (`TransferResult.integrity`)
 
 
 class Payload:
@@ -583,7 +584,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
     def _integrity_failed(self, unit: Unit, why: str) -> None:
         self._integrity_failures += 1
         log.warning("%s receiver: %s", self.name, why)
-        self._end(unit.transfer_id, why)
+        self._end(unit.transfer_id, why, integrity="failed")
 
     def _fail_unit(self, unit: Unit, why: str) -> None:
         """A send that went wrong: refuse it, and fail its transfer if it is expected."""
@@ -603,7 +604,8 @@ class ZmqReceiver(CommandThread, KVReceiver):
         exp = self._arrivals.expected.get(unit.transfer_id)
         if exp is not None and exp.complete:
             self._arrivals.finish(unit.transfer_id, time.monotonic())
-            self._finished.append(TransferResult(unit.transfer_id, True))
+            integrity = "ok" if self._integrity.get(unit.peer) else "off"
+            self._finished.append(TransferResult(unit.transfer_id, True, integrity=integrity))
 
     # -- expectations ------------------------------------------------------------------------
     def _on_expect(
@@ -637,7 +639,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
             if now > draining.deadline:  # a sender that never says it is done: waited enough
                 log.warning("%s receiver: no end of the writes into %s's blocks", self.name, tid)
                 del self._draining[tid]
-                self._report_failed(tid, draining.error)
+                self._report_failed(tid, draining.error, draining.integrity)
         exps, units = self._arrivals.expired(now)
         for exp in exps:
             self._end(exp.transfer_id, f"timed out waiting for layers {exp.missing_layers}")
@@ -649,10 +651,16 @@ class ZmqReceiver(CommandThread, KVReceiver):
             )
 
     def _end(
-        self, tid: str, error: str, report: bool = True, nack: bool = True, quiet: bool = False
+        self,
+        tid: str,
+        error: str,
+        report: bool = True,
+        nack: bool = True,
+        quiet: bool = False,
+        integrity: str = "",
     ) -> None:
         """Fail (or cancel) a transfer: forget it, tell its senders, report it (quiet: without a
-        warning, as for a cancel)."""
+        warning, as for a cancel; integrity: "failed" when a digest check failed it)."""
         was_expected = tid in self._arrivals.expected
         units = self._arrivals.finish(tid, time.monotonic())
         if nack:
@@ -667,14 +675,14 @@ class ZmqReceiver(CommandThread, KVReceiver):
             # Their senders may be copying into the blocks right now: whoever reuses the blocks
             # must hear of the end only after that.
             deadline = max(u.deadline for u in writers)
-            self._draining[tid] = Draining(error, {u.key for u in writers}, deadline)
+            self._draining[tid] = Draining(error, {u.key for u in writers}, deadline, integrity)
         else:
-            self._report_failed(tid, error)
+            self._report_failed(tid, error, integrity)
 
-    def _report_failed(self, tid: str, error: str) -> None:
+    def _report_failed(self, tid: str, error: str, integrity: str = "") -> None:
         if self._stream is not None:
             self._stream.synchronize()  # no landing of its pages is still queued on the device
-        self._finished.append(TransferResult(tid, False, error))
+        self._finished.append(TransferResult(tid, False, error, integrity=integrity))
 
     def _write_ended(self, key: tuple[bytes, int]) -> None:
         """A direct write (Begin, Go, then the sender's copy) is over: Done, Abort, or its
@@ -683,7 +691,7 @@ class ZmqReceiver(CommandThread, KVReceiver):
             draining.writers.discard(key)
             if not draining.writers:
                 del self._draining[tid]
-                self._report_failed(tid, draining.error)
+                self._report_failed(tid, draining.error, draining.integrity)
 
     # -- peers -------------------------------------------------------------------------------
     def _probe_peers(self) -> None:
@@ -716,7 +724,9 @@ class ZmqReceiver(CommandThread, KVReceiver):
         now = time.monotonic()
         units: list[Unit] = []
         for tid, draining in self._draining.items():
-            self._finished.append(TransferResult(tid, False, draining.error))
+            self._finished.append(
+                TransferResult(tid, False, draining.error, integrity=draining.integrity)
+            )
         self._draining.clear()
         for tid in list(self._arrivals.expected):
             units += self._arrivals.finish(tid, now)

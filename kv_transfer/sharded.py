@@ -35,6 +35,16 @@ class Pieces:
     waiting: set[int] | int  # ranks (receiver) or a count of pieces (sender)
     error: str | None = None
     ranks: set[int] = field(default_factory=set)  # sender: the ranks sending pieces
+    integrity: set[str] = field(default_factory=set)  # receiver: each rank's digest check
+
+
+def merged(integrity: set[str]) -> str:
+    """A transfer's digest check over its ranks' (`TransferResult.integrity`): failed if any
+    rank's failed, ok if every rank's was, off if any rank's sender sent none."""
+    for verdict in ("failed", "off"):
+        if verdict in integrity:
+            return verdict
+    return "ok" if integrity == {"ok"} else ""
 
 
 class ShardedReceiver(KVReceiver):
@@ -100,23 +110,36 @@ class ShardedReceiver(KVReceiver):
         lost = self.links.failed()
         out: list[TransferResult] = []
         for rank, result in results:
-            self._ended(rank, result.transfer_id, None if result.ok else result.error, out)
+            error = None if result.ok else result.error
+            self._ended(rank, result.transfer_id, error, out, result.integrity)
         for rank, why in lost.items():  # a rank whose endpoint died ends its part of everything
             for tid in [t for t, p in self._pending.items() if rank in p.waiting]:
                 self._ended(rank, tid, f"rank {rank}: {why}", out)
         return out
 
-    def _ended(self, rank: int, tid: str, error: str | None, out: list[TransferResult]) -> None:
+    def _ended(
+        self,
+        rank: int,
+        tid: str,
+        error: str | None,
+        out: list[TransferResult],
+        integrity: str = "",
+    ) -> None:
         pieces = self._pending.get(tid)
         if pieces is None or rank not in pieces.waiting:
             return
         pieces.waiting.discard(rank)
+        pieces.integrity.add(integrity)
         if error is not None and pieces.error is None:
             pieces.error = error if rank == 0 else f"rank {rank}: {error}"
             self._cancel(tid, f"another rank's part failed: {error}", set(pieces.waiting))
         if not pieces.waiting:
             del self._pending[tid]
-            out.append(TransferResult(tid, pieces.error is None, pieces.error))
+            out.append(
+                TransferResult(
+                    tid, pieces.error is None, pieces.error, integrity=merged(pieces.integrity)
+                )
+            )
 
     def stats(self) -> dict[str, int]:
         return self.links.stats()

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from pdserve import __version__
-from pdserve.cluster.node_options import PLACEMENT, SECURITY, NodeOptions
+from pdserve.cluster.node_options import PLACEMENT, SECURITY, TRACING, NodeOptions
 from pdserve.cluster.schema import add_flags, from_args, names, values_from_args
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
@@ -33,7 +33,9 @@ DESCRIPTION = (
 
 # Node settings that serve's flags may set: where a node sits in the cluster is serve's to give.
 SERVE_NODE_FLAGS = tuple(
-    n for n in names(NodeOptions) if (n not in PLACEMENT or n == "transport") and n not in SECURITY
+    n
+    for n in names(NodeOptions)
+    if (n not in PLACEMENT or n == "transport") and n not in SECURITY + TRACING
 )
 # The coordinator's own settings offered as flags too (vLLM users expect this one on the command
 # line); every other one is a key of --config.
@@ -156,11 +158,12 @@ def _serve(args: argparse.Namespace) -> int:
             node_port=args.node_port,
             client_port=args.client_port,
             engine={k: v for k, v in values_from_args(EngineConfig, args).items() if k != "model"},
-            node={k: v for k, v in node.items() if k not in SECURITY},
+            node={k: v for k, v in node.items() if k not in SECURITY + TRACING},
             roles=values_from_args(RoleTensorParallel, args),
             coordinator=values_from_args(CoordinatorConfig, args),
             cluster_keys=node.get("cluster_keys"),
             insecure=node.get("insecure", False),
+            otlp_traces_endpoint=node.get("otlp_traces_endpoint"),
             api_keys=api_keys_from(args.api_key),
             served_model_names=tuple(args.served_model_name or ()),
             chat_template=args.chat_template,
@@ -285,7 +288,7 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template file (unset: the model's own)",
     )
     add_flags(p, CoordinatorConfig, only=SERVE_COORDINATOR_FLAGS, suppress_defaults=True)
-    add_flags(p, NodeOptions, only=SECURITY, suppress_defaults=True)
+    add_flags(p, NodeOptions, only=SECURITY + TRACING, suppress_defaults=True)
     p.add_argument(
         "--api-key",
         action="append",

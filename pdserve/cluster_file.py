@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from pdserve import cache_root
 from pdserve.cluster.keys import default_key_dir
-from pdserve.cluster.node_options import PLACEMENT, SECURITY, NodeOptions
+from pdserve.cluster.node_options import PLACEMENT, SECURITY, TRACING, NodeOptions
 from pdserve.cluster.node_options import TRANSPORTS as NODE_TRANSPORTS
 from pdserve.cluster.schema import (
     REQUIRED,
@@ -46,6 +46,7 @@ NOT_PER_ROLE = {
     "transport": "set it in [[host]] or at the top of the file",
     **{name: "launch gives each node its own" for name in PLACEMENT if name != "transport"},
     **{name: "set it at the top of the file: every process holds the same" for name in SECURITY},
+    **{name: "set it at the top of the file: every process sends there" for name in TRACING},
 }
 # The engine settings the top of the file does not take, and why.
 NOT_AT_TOP = {
@@ -90,6 +91,10 @@ class ClusterOptions:
     insecure: bool = setting(
         False,
         "no cluster keys: sockets admit anyone and carry everything in clear (a trusted network only)",
+    )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "the OTLP collector every process sends its spans to, as `pdserve serve --otlp-traces-endpoint` takes it (unset: no tracing)",
     )
 
     def __post_init__(self) -> None:
@@ -249,6 +254,7 @@ class ClusterSpec:
     cluster_keys: Path | None  # the key set's directory (unset: the per-user default)
     log_dir: Path | None
     coordinator_config: Path | None
+    otlp_traces_endpoint: str | None = None
 
     @property
     def model(self) -> str | None:
@@ -369,6 +375,7 @@ def _checked(path: Path, data: dict[str, Any]) -> ClusterSpec:
         cluster_keys=_beside(path, options.cluster_keys, expand=True),
         log_dir=_beside(path, options.log_dir),
         coordinator_config=_beside(path, options.coordinator_config),
+        otlp_traces_endpoint=options.otlp_traces_endpoint,
     )
     far = spec.off_loopback
     if far is not None and spec.cluster_keys is None and not spec.insecure:
@@ -477,6 +484,9 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
     procs: list[ProcessPlan] = []
     coordinator = f"tcp://{spec.coordinator_address}:{spec.node_port}"
     security = {"insecure": True} if spec.insecure else {"cluster_keys": str(key_dir(spec))}
+    tracing = (
+        {"otlp_traces_endpoint": spec.otlp_traces_endpoint} if spec.otlp_traces_endpoint else {}
+    )
     if spec.coordinator_host == host.name:
         cmd = python + [
             "coordinator",
@@ -497,6 +507,8 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
             cmd += ["--model", spec.model]
         cmd += ["--drain-timeout", str(spec.drain_timeout_s)]
         cmd += ["--insecure"] if spec.insecure else ["--cluster-keys", security["cluster_keys"]]
+        if spec.otlp_traces_endpoint:
+            cmd += ["--otlp-traces-endpoint", spec.otlp_traces_endpoint]
         env = {API_KEY_ENV: ",".join(spec.api_keys)} if spec.api_keys else {}
         procs.append(ProcessPlan("pdserve-coordinator", "coordinator", cmd, env, ports))
     nodes: list[tuple[NodeSpec, dict[str, int], str | None]] = []
@@ -521,7 +533,7 @@ def plan(spec: ClusterSpec, host_name: str) -> list[ProcessPlan]:
                 # Rank r of a node receives on kv + r: the next node's ports start after.
                 ports["kv"] = host.kv_port_base + local * size
                 placement.update(transport=transport, kv_host=host.address, kv_port=ports["kv"])
-            options = NodeOptions(**placement, **security, **pick(NodeOptions, settings))
+            options = NodeOptions(**placement, **security, **tracing, **pick(NodeOptions, settings))
             nodes.append((NodeSpec(role, options, engine, env), ports, transport))
     share_cores([node for node, _, _ in nodes])
     for node, ports, transport in nodes:

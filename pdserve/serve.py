@@ -13,6 +13,7 @@ from pathlib import Path
 import jinja2
 
 from pdserve import __version__
+from pdserve.cluster import tracing
 from pdserve.cluster.keys import ClusterKeys, default_key_dir
 from pdserve.cluster.schema import validate
 from pdserve.coordinator.api_server import build_app, default_model_names, listen_socket, serve_http
@@ -56,6 +57,7 @@ class ServeOptions:
     cluster_keys: str | None = None
     insecure: bool = False
     api_keys: tuple[str, ...] = ()  # the HTTP API's keys (none: open)
+    otlp_traces_endpoint: str | None = None  # where the coordinator and its nodes send spans
 
 
 def cluster_keys(options: ServeOptions) -> ClusterKeys | None:
@@ -107,9 +109,14 @@ def node_specs(
     coordinator_addr: str,
     keys: ClusterKeys | None = None,
 ) -> list[NodeSpec]:
-    """The nodes serve starts; they hold `keys` (by its directory), or run insecure without."""
+    """The nodes serve starts; they hold `keys` (by its directory), or run insecure without, and
+    send their spans where the coordinator does."""
     file = config.node_settings
-    security = {"insecure": True} if keys is None else {"cluster_keys": str(keys.directory)}
+    security: dict[str, object] = (
+        {"insecure": True} if keys is None else {"cluster_keys": str(keys.directory)}
+    )
+    if options.otlp_traces_endpoint:
+        security["otlp_traces_endpoint"] = options.otlp_traces_endpoint
     engine = node_engine(options, config)
     return local_nodes(
         coordinator_addr,
@@ -142,6 +149,7 @@ async def serve_async(options: ServeOptions) -> int:
     # Its own nodes reach it on loopback; others where its HTTP API listens (nothing listens
     # beyond loopback unless --host says so).
     node_host = "127.0.0.1" if options.start_nodes else options.host
+    tracing.setup(options.otlp_traces_endpoint, "pdserve-coordinator")
     coordinator = Coordinator(
         config,
         node_addr=f"tcp://{node_host}:{options.node_port}",
@@ -217,6 +225,7 @@ async def serve_async(options: ServeOptions) -> int:
         group.stop(roles=("prefill",))
         await coordinator.stop()
         group.stop()
+        tracing.shutdown()  # the spans not yet exported go now
     if coordinator.failure is not None:
         logger.critical("exiting: %r", coordinator.failure)
         return 1

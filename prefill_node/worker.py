@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from pdserve.cluster import tracing
 from pdserve.cluster.keys import node_keys
 from pdserve.cluster.node_link import NodeLink, stop_on_signals
 from pdserve.cluster.node_loop import IDLE_WAIT_MS, NodeLoop
@@ -34,6 +35,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from pdserve.engine.model_shard import ModelShard
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tp_shard import kv_head_ranges
 from pdserve.kv_transfer.base import KVSender
 from pdserve.prefill_node.handoff import PrefillHandoff
@@ -59,14 +61,23 @@ class PrefillNode(NodeLoop):
         )
         self.handoff_socket: HandoffSocket | None = None
         self.layer_stream: LayerStream | None = None
+        # Traces (while tracing is on): each request's spans, and the bytes of one KV block.
+        self.spans = tracing.RequestSpans()
+        self._block_bytes = engine.layout.bytes_per_block if tracing.enabled() else 0
+        if tracing.enabled():
+            self.engine.on_schedule = self._scheduled
 
     def handle(self, msg: Message) -> bool:
         if isinstance(msg, Prefill):
+            attributes = {"pdserve.prompt_tokens": len(msg.token_ids)}
+            self.spans.start(msg.request_id, "prefill", msg.trace_context, attributes)
+            self.spans.start(msg.request_id, "queue", None, within="prefill")
             try:
                 self.engine.add_request(
                     msg.request_id, msg.token_ids, msg.params, True, msg.output_offset
                 )
             except (RequestRejected, ValueError, TypeError) as exc:
+                self.spans.end_all(msg.request_id, str(exc))
                 self.link.send(RequestError(msg.request_id, str(exc), retryable=False))
                 return True
             if msg.stream_kv:
@@ -74,6 +85,7 @@ class PrefillNode(NodeLoop):
         elif isinstance(msg, SendKV):
             self.send_kv(msg)
         elif isinstance(msg, Abort):
+            self.spans.end_all(msg.request_id, "aborted")
             # A streaming prefill may be in both: the engine frees its blocks, the handoff its
             # own once no send reads them.
             self.handoff.abort(msg.request_id)
@@ -87,11 +99,31 @@ class PrefillNode(NodeLoop):
         (rank 0's shard: under tensor parallelism each rank sends its heads of a layer once its
         own forward has it); without this they leave in one send after the step."""
         self.layer_stream = LayerStream(self.handoff)
-        self.engine.on_schedule = self.layer_stream.begin
+        self.engine.on_schedule = self._scheduled
         shard.add_layer_hook(self.layer_stream.layer_done)
+
+    def _scheduled(self, out: SchedulerOutput) -> None:
+        """A step's plan, before its forward: streaming prefills learn their last chunk; each
+        traced prefill leaves its queue (first chunk) and counts its chunks."""
+        if self.layer_stream is not None:
+            self.layer_stream.begin(out)
+        if tracing.enabled():
+            for scheduled in out.scheduled:
+                request_id = scheduled.seq.request_id
+                self.spans.end(request_id, "queue")
+                self.spans.count(request_id, "prefill", "pdserve.prefill.chunks")
 
     def send_kv(self, msg: SendKV) -> None:
         """Start shipping a prefilled sequence's KV; safe from the handoff socket's thread."""
+        if msg.trace_context and tracing.enabled():
+            sent = len(msg.dst_blocks)
+            attributes = {
+                "pdserve.kv.transport": msg.receiver_info.get("transport", self.transport),
+                "pdserve.kv.blocks": sent,
+                "pdserve.kv.bytes": sent * self._block_bytes,
+                "pdserve.decode_node": msg.decode_node,
+            }
+            self.spans.start(msg.request_id, "kv_send", msg.trace_context, attributes)
         self.handoff.send(
             msg.request_id,
             msg.decode_node,
@@ -109,10 +141,16 @@ class PrefillNode(NodeLoop):
         """The step's first tokens, then the handoffs that ended."""
         for out in outputs:
             if out.error is not None:  # its constraint could not be compiled: nothing held
+                self.spans.end_all(out.request_id, out.error)
                 self.link.send(RequestError(out.request_id, out.error, retryable=False))
                 continue
             if not out.finished:
                 continue
+            self.spans.end(
+                out.request_id,
+                "prefill",
+                attributes={"pdserve.cached_tokens": out.num_cached_tokens},
+            )
             if out.held_blocks is not None:
                 self.handoff.hold(out.request_id, out.held_blocks)
             elif self.handoff.holds(out.request_id):
@@ -130,6 +168,7 @@ class PrefillNode(NodeLoop):
                 )
             )
         for end in self.handoff.poll():
+            self.spans.end(end.request_id, "kv_send", None if end.ok else end.error or "failed")
             self.link.send(end)
 
     def heartbeat(self) -> Heartbeat:
@@ -139,6 +178,7 @@ class PrefillNode(NodeLoop):
         return engine_registration(self.engine, self.link.node_id, NodeRole.PREFILL, "none", {})
 
     def reset(self) -> None:
+        self.spans.end_every("the coordinator reset the node")
         self.handoff.reset()
 
     def register(self) -> None:
@@ -158,6 +198,7 @@ class PrefillNode(NodeLoop):
 
 def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     """Run a prefill node process until the coordinator shuts it down or a signal arrives."""
+    tracing.setup(options.otlp_traces_endpoint, "pdserve-prefill", node_id=options.node_id)
     from pdserve.kv_transfer.rank_endpoint import rank_endpoints
     from pdserve.kv_transfer.sharded import ShardedSender, rank_links
 
@@ -191,4 +232,7 @@ def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
         options.transport,
         options.kv_handoff,
     )
-    node.run()
+    try:
+        node.run()
+    finally:
+        tracing.shutdown()  # the spans not yet exported go now

@@ -52,6 +52,7 @@ PARAMS = SamplingParams(
 LOGPROBS = TokenLogprobs(9, -0.25, [(9, -0.25), (4, -1.5)])
 LAYOUT = {"num_layers": 2, "block_size": 8, "num_kv_heads": 2, "head_dim": 32, "dtype": "bf16"}
 RECEIVER = {"transport": "tcp", "address": "tcp://10.0.0.3:5700", "num_blocks": 512}
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # W3C's example
 
 EXAMPLES: list[tuple[Codec, Message]] = [
     (reports, Register("d0", NodeRole.DECODE, "llama", 8, 512, 4096, "tcp", LAYOUT, RECEIVER, 42)),
@@ -87,10 +88,10 @@ EXAMPLES: list[tuple[Codec, Message]] = [
         Tokens("d0", [TokenItem("r#1", 9, FinishReason.STOP, LOGPROBS), TokenItem("q#0", 4)]),
     ),
     (reports, RequestError("r#1", "bad token", False)),
-    (orders, Prefill("r#1", [1, 2, 3], PARAMS, 2, True)),
-    (orders, Generate("r#1", [1, 2, 3], PARAMS, 1)),
-    (orders, Admit("r#1", [1, 2, 3, 4], 3, PARAMS, 12.5, 1, True, True)),
-    (orders, SendKV("r#1", "d0", RECEIVER, [5, 6], 12.5, 2, True)),
+    (orders, Prefill("r#1", [1, 2, 3], PARAMS, 2, True, TRACEPARENT)),
+    (orders, Generate("r#1", [1, 2, 3], PARAMS, 1, TRACEPARENT)),
+    (orders, Admit("r#1", [1, 2, 3, 4], 3, PARAMS, 12.5, 1, True, True, TRACEPARENT)),
+    (orders, SendKV("r#1", "d0", RECEIVER, [5, 6], 12.5, 2, True, TRACEPARENT)),
     (orders, StartDecode("r#1", 9)),
     (orders, Abort("r#1", True)),
     (orders, Shutdown()),
