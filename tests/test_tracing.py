@@ -424,7 +424,9 @@ def test_a_request_is_one_trace_across_the_coordinator_and_both_nodes(tmp_path):
     assert {s.resource["pdserve.node_id"] for s in decode_node} == {"decode-0"}
     first = children(decode_node, phase("admission", 0))
     assert set(first) == {"admission", "kv_transfer"}
-    assert first["kv_transfer"].attributes["pdserve.kv.integrity"] == "failed"
+    # (unless the attempt's abort, sent on the prefill node's report of the same failure, ended
+    # the span before the receiver's own result came: the span is then failed, unattributed)
+    assert first["kv_transfer"].attributes.get("pdserve.kv.integrity", "failed") == "failed"
     assert first["kv_transfer"].error
     final = children(decode_node, phase("admission", last))
     assert set(final) == {"admission", "kv_transfer", "decode"}
