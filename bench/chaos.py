@@ -303,6 +303,7 @@ def run_phase(
             decode=args.decode_nodes,
             transport=args.transport,
             kv_cache_bytes=args.kv_cache_bytes,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
             sessions=sessions,
         ) as cluster:
             try:
@@ -486,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="each phase's cluster file, config and logs",
     )
     p.add_argument("--json-out", type=Path, help="write the results file here")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        help="every process of a phase exports its traces there, and the examples of wrong, "
+        "overdue and unclear requests name their trace ids (x-pdserve-trace-id)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 

@@ -29,7 +29,7 @@ KV_FAULTS_ENV = "PDSERVE_KV_FAULTS"  # KV pages in flight (pdserve.kv_transfer.f
 
 CLUSTER_FILE = """\
 model = "{model}"
-log_dir = "{log_dir}"
+{tracing}log_dir = "{log_dir}"
 transport = "{transport}"
 coordinator_config = "{config}"
 
@@ -85,7 +85,10 @@ class ChaosCluster:
         kv_cache_bytes: int = 64 << 20,
         sessions: Sessions | None = None,
         startup_timeout_s: float = 300.0,
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
+        """otlp_traces_endpoint: every process exports its traces there (and each answer names
+        its trace id, in x-pdserve-trace-id)."""
         self.work_dir = work_dir
         self.sessions = sessions or Sessions()
         self.startup_timeout_s = startup_timeout_s
@@ -97,6 +100,11 @@ class ChaosCluster:
         self.path.write_text(
             CLUSTER_FILE.format(
                 model=model if model in EMBEDDED else resolve_model_dir(model),
+                tracing=(
+                    f'otlp_traces_endpoint = "{otlp_traces_endpoint}"\n'
+                    if otlp_traces_endpoint
+                    else ""
+                ),
                 log_dir=work_dir / "logs",
                 transport=transport,
                 config=config_path,
