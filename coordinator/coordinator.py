@@ -357,6 +357,7 @@ class Coordinator:
             return True
         sent = self.node_sock.send_multipart([identity, *session.acknowledgement()], zmq.NOBLOCK)
         if not sent.done():  # queued behind a busy pipe: connected
+            sent.add_done_callback(_ignore_failure)
             return True
         exc = None if sent.cancelled() else sent.exception()
         return not (isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH)
