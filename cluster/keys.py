@@ -349,11 +349,12 @@ async def watch_server_socket(
     sock: zmq.asyncio.Socket,
     label: str,
     keyed: bool,
-    on_disconnect: Callable[[], None] | None = None,
+    on_disconnect: Callable[[int], None] | None = None,
 ) -> None:
     """Until cancelled, watch a server socket: with `keyed`, log refused handshakes as
-    `log_refused_handshakes` does; with `on_disconnect`, call it whenever a peer's connection
-    closes (libzmq says which connection, not whose)."""
+    `log_refused_handshakes` does; with `on_disconnect`, call it with a connection's file
+    descriptor whenever a peer's connection closes (libzmq says which connection, not whose;
+    the messages that came over it carry the same descriptor, their ZMQ_SRCFD)."""
     refused = MalformedLog(logger, label, what="a connection")
     events = (REFUSED_BEFORE_ZAP if keyed else 0) | (
         zmq.EVENT_DISCONNECTED if on_disconnect is not None else 0
@@ -363,7 +364,7 @@ async def watch_server_socket(
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                on_disconnect()
+                on_disconnect(event["value"])
                 continue
             refused(
                 "a peer without the cluster keys",

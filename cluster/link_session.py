@@ -86,9 +86,14 @@ class LinkSession:
         if out:
             self.ack_owed_since = None
         elif self.ack_owed_since is not None and now - self.ack_owed_since >= self.ack_after_s:
-            self.ack_owed_since = None
-            out.append([self._header(0, b""), b""])
+            out.append(self.acknowledgement())
         return out
+
+    def acknowledgement(self) -> list[bytes]:
+        """The frames of an acknowledgement-only message, sent now whether one is owed or not
+        (the coordinator checks with one that a node's socket is still connected)."""
+        self.ack_owed_since = None
+        return [self._header(0, b""), b""]
 
     def forget_sent(self) -> None:
         """Give up what is unacknowledged (the peer is gone; a new one starts afresh)."""

@@ -10,6 +10,9 @@ Torch-free: the engine is reached through the methods every node engine has (`No
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pdserve.cluster.faults import process_faults
@@ -34,6 +37,8 @@ class NodeEngine(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def check_alive(self) -> None: ...
+
+    def watch_failure(self, on_failure: Callable[[str], None]) -> None: ...
 
 
 class NodeLoop:
@@ -115,11 +120,27 @@ class NodeLoop:
             self.link.set_load(self.heartbeat())
 
     def run(self) -> None:
+        self.engine.watch_failure(self.abandon)
         self.register()
         self.start()
-        while self.running:
-            self.step()
+        try:
+            while self.running:
+                self.step()
+        except BaseException:
+            # The coordinator sees this node's connections close now, not when the process is
+            # gone: the interpreter's teardown (torch's) can take seconds.
+            self.link.close()
+            raise
         self.close()
+
+    def abandon(self, why: str) -> None:
+        """The engine can run no steps any more, as found off the loop's thread (a rank of its
+        group died): end the process at once. Its connections close with it, so the coordinator
+        moves its requests within disconnect_grace_s; an orderly exit would leave it looking
+        alive for seconds (until the loop's next collective fails, and torch's teardown)."""
+        logger.critical("node %s ends now: %s", self.link.node_id, why)
+        sys.stderr.flush()
+        os._exit(1)
 
     def close(self) -> None:
         self.release()

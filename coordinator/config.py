@@ -129,11 +129,13 @@ class CoordinatorConfig:
         live=True,
         above=0,
     )
+    # ZeroMQ reconnects a live node within its reconnect interval (0.1 s), then a handshake of a
+    # few ms: 0.5 s is five intervals for that, and the bulk of a dead node's recovery time.
     disconnect_grace_s: float = setting(
-        1.5,
-        "when a connection to the coordinator's node socket closes (a node process that died, "
-        "on any host that closes its sockets), every node not heard from within this time "
-        "after is marked dead, without waiting for heartbeat_timeout_s",
+        0.5,
+        "a node whose connection to the coordinator's node socket closes (its process died, on "
+        "any host that closes its sockets) and is not made again within this time is marked "
+        "dead, without waiting for heartbeat_timeout_s",
         live=True,
         above=0,
     )

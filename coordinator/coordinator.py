@@ -111,6 +111,9 @@ class Coordinator:
         # The link session of each node socket that speaks one (by routing id); a socket that
         # sends bare frames (a node's load reports) gets bare frames.
         self._sessions: OrderedDict[bytes, LinkSession] = OrderedDict()
+        # Whose each node-socket connection is, by its file descriptor: the routing id of the
+        # socket whose messages last came over it (their ZMQ_SRCFD), so that its close is named.
+        self._connection_owners: dict[int, bytes] = {}
         self._node_faults = message_faults("coordinator node socket")
         self.stats = StatsCounter(time.monotonic())
         self.core.listeners.append(self.stats.observe)
@@ -191,14 +194,14 @@ class Coordinator:
         self.node_endpoint = self.node_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._spawn(self._node_loop(), "coordinator-nodes")
         self._spawn(self._clock_loop(), "coordinator-clock")
-        # A node process that dies closes its connections at once: a roll call of the nodes
-        # then finds it in disconnect_grace_s, not heartbeat_timeout_s.
+        # A node process that dies closes its connections at once, and they are never made
+        # again: it is found in disconnect_grace_s, not heartbeat_timeout_s.
         self._spawn(
             watch_server_socket(
                 self.node_sock,
                 "coordinator node socket",
                 keyed=self.keys is not None,
-                on_disconnect=lambda: self._deliver(self.core.on_disconnect(time.monotonic())),
+                on_disconnect=self._on_connection_closed,
             ),
             "coordinator-node-connections",
         )
@@ -327,6 +330,9 @@ class Coordinator:
         for identity, msg in out.orders:
             if not self._send_order(identity, msg):
                 self._deliver(self.core.on_undeliverable(identity, msg, time.monotonic()))
+        for identity in out.connection_checks:
+            if not self._connected(identity):
+                self._deliver(self.core.on_unreachable(identity, time.monotonic()))
         for event in out.events:
             stream = self._streams.get(event.request_id)
             if stream is None:
@@ -349,6 +355,26 @@ class Coordinator:
             return True
         return not self._log_send_failure(sent, identity, msg)
 
+    def _connected(self, identity: bytes) -> bool:
+        """Whether a node socket has a connection now: the router takes a message for it (an
+        acknowledgement of its link session, which a node always takes) or refuses it as
+        unroutable (ROUTER_MANDATORY). True when it cannot tell: a socket with no session."""
+        session = self._sessions.get(identity)
+        if session is None:
+            return True
+        sent = self.node_sock.send_multipart([identity, *session.acknowledgement()], zmq.NOBLOCK)
+        if not sent.done():  # queued behind a busy pipe: connected
+            sent.add_done_callback(_ignore_failure)
+            return True
+        exc = None if sent.cancelled() else sent.exception()
+        return not (isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EHOSTUNREACH)
+
+    def _on_connection_closed(self, fd: int) -> None:
+        identity = self._connection_owners.pop(fd, None)
+        if identity is not None:
+            logger.debug("the connection of node socket %r closed", identity)
+        self._deliver(self.core.on_connection_closed(identity, time.monotonic()))
+
     @staticmethod
     def _log_send_failure(sent: asyncio.Future, identity: bytes, msg: Message) -> bool:
         if sent.cancelled() or sent.exception() is None:
@@ -362,7 +388,11 @@ class Coordinator:
 
     async def _node_loop(self) -> None:
         while True:
-            frames = await self.node_sock.recv_multipart()
+            received = await self.node_sock.recv_multipart(copy=False)
+            if len(received) > 1:
+                with contextlib.suppress(zmq.ZMQError):  # (a transport with no descriptor)
+                    self._connection_owners[received[1].get(zmq.SRCFD)] = received[0].bytes
+            frames = [frame.bytes for frame in received]
             if self._node_faults is None:
                 self._on_node_frames(frames[0], frames[1:])
                 continue

@@ -70,9 +70,11 @@ class Outbox:
 
     orders: list[tuple[bytes, Message]] = field(default_factory=list)  # (node socket, order)
     events: list[Event] = field(default_factory=list)  # to the clients, by request id
+    # Node sockets (main) whose connection to check: each found with none is `on_unreachable`.
+    connection_checks: list[bytes] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.orders or self.events)
+        return bool(self.orders or self.events or self.connection_checks)
 
 
 # An observer of requests (metrics, stats, traces), called with one of these events and the
@@ -200,8 +202,9 @@ class CoordinatorCore:
         return self._end()
 
     def on_tick(self, now: float, stalled_s: float = 0.0) -> Outbox:
-        """The clock moved on: expire silent nodes, overdue handoffs and requests past
-        request_timeout_s, admit what fits.
+        """The clock moved on: expire silent nodes, check the connections that closed
+        disconnect_grace_s ago, end overdue handoffs and requests past request_timeout_s, admit
+        what fits.
         stalled_s: how long the coordinator itself did not run before this tick; that silence
         is not the nodes', so it is forgiven rather than expiring them."""
         self._begin(now)
@@ -209,8 +212,10 @@ class CoordinatorCore:
             self.nodes.forgive(stalled_s)
             return self._end()
         config = self.config
-        for node in self.nodes.expire(config.heartbeat_timeout_s, now, config.disconnect_grace_s):
-            self._on_node_dead(node)
+        for node in self.nodes.expire(config.heartbeat_timeout_s, now):
+            self._on_node_dead(node, f"silent for {config.heartbeat_timeout_s:g}s")
+        for node in self.nodes.connection_checks(now, config.disconnect_grace_s):
+            self._out.connection_checks.append(node.identity)
         # The nodes time their own part of a handoff with transfer_timeout_s and report its
         # end; this catches a report that never comes (lost, or a node that hangs).
         deadline = self.config.transfer_timeout_s + self.config.heartbeat_timeout_s
@@ -227,11 +232,25 @@ class CoordinatorCore:
         self._pump_admission()
         return self._end()
 
-    def on_disconnect(self, now: float) -> Outbox:
-        """A connection to the node socket closed: each node must now be heard from within
-        disconnect_grace_s, or it is taken for dead (its process died: its heartbeats stop)."""
+    def on_connection_closed(self, identity: bytes | None, now: float) -> Outbox:
+        """A connection to the node socket closed. identity: the routing id of the socket whose
+        messages came over it, None when the shell cannot tell (none came). A node's main
+        socket is checked disconnect_grace_s later (`Outbox.connection_checks`): a live node's
+        socket is connected again by then (ZeroMQ reconnects within 0.1 s), a dead process's
+        never is. A connection of unknown owner has every node checked."""
         self._begin(now)
-        self.nodes.call_roll(now)
+        self.nodes.connection_closed(identity, now)
+        return self._end()
+
+    def on_unreachable(self, identity: bytes, now: float) -> Outbox:
+        """A node socket that the core asked to check has no connection: its node is dead
+        (its process died, or its host is cut off), and its requests move elsewhere now."""
+        self._begin(now)
+        node = self.nodes.by_identity(identity)
+        if node is not None and node.alive:
+            node.alive = False
+            grace = self.config.disconnect_grace_s
+            self._on_node_dead(node, f"its connection closed and was not made again in {grace:g}s")
         return self._end()
 
     def declare_dead(self, node_id: str, now: float) -> Outbox:
@@ -241,7 +260,7 @@ class CoordinatorCore:
         node = self.nodes.nodes.get(node_id)
         if node is not None and node.alive:
             node.alive = False
-            self._on_node_dead(node)
+            self._on_node_dead(node, "declared dead")
         return self._end()
 
     def shutdown(self, now: float) -> Outbox:
@@ -413,7 +432,7 @@ class CoordinatorCore:
                 # A restarted node under the same id: its previous incarnation's requests
                 # are gone with it.
                 old.alive = False
-                self._on_node_dead(old)
+                self._on_node_dead(old, "registered again")
             node = self.nodes.register(msg, identity, self.now)
             logger.info(
                 "node %s registered (%s, %d KV blocks, transport %s)",
@@ -604,8 +623,8 @@ class CoordinatorCore:
 
     # --- failure handling ------------------------------------------------------------------------
 
-    def _on_node_dead(self, node: NodeState) -> None:
-        logger.warning("node %s (%s) is silent: marked dead", node.node_id, node.role)
+    def _on_node_dead(self, node: NodeState, why: str) -> None:
+        logger.warning("node %s (%s) marked dead: %s", node.node_id, node.role, why)
         self.affinity.forget_node(node.node_id)
         self.decode_affinity.forget_node(node.node_id)
         for state in list(self.by_wire.values()):

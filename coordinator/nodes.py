@@ -1,8 +1,9 @@
 """The coordinator's view of its nodes: what each registered, its last reported load, and
-whether it is alive (a node silent past the heartbeat timeout is dead, and so is one that stays
-silent for a short grace after a connection to the coordinator closed: a process that dies
-closes its sockets, which the coordinator sees at once, though not whose they were). Time is
-given, never read: the registry runs under a real or a simulated clock alike."""
+whether it is alive. A node silent past the heartbeat timeout is dead, and so is one whose
+connection to the coordinator closed and is not made again within a short grace: a process that
+dies closes its sockets, which the coordinator sees at once, while ZeroMQ reconnects a live one
+within its reconnect interval. Time is given, never read: the registry runs under a real or a
+simulated clock alike."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ class NodeState:
     reserved_blocks: int = 0  # admitted since its last report, not yet in free_blocks
     assigned_prefill_tokens: int = 0  # routed since its last report
     load_seq: int = -1  # the last load snapshot applied
-    roll_call: float | None = None  # a connection closed then: it must be heard from since
+    # Its main socket's connection closed then: the coordinator checks, a grace later, that it
+    # is connected again.
+    closed_at: float | None = None
     kv_error: str | None = None  # its KV receiver failed: admit no handoffs to it
     kv_blocks_received: int = 0  # blocks whose pages arrived at it (since it started)
     kv_integrity_failures: int = 0  # sends to it whose pages failed their digest check
@@ -60,6 +63,8 @@ class NodeState:
 class NodeRegistry:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
+        # A connection whose owner is not known closed then: every node is checked a grace later.
+        self.unattributed_close: float | None = None
 
     def register(self, msg: Register, identity: bytes, now: float) -> NodeState:
         node = NodeState(
@@ -111,37 +116,56 @@ class NodeRegistry:
         if node is not None and node.alive:
             node.last_seen = now
 
+    def by_identity(self, identity: bytes) -> NodeState | None:
+        """The node whose main socket has this routing id."""
+        node = self.nodes.get(identity.decode(errors="replace"))
+        return node if node is not None and node.identity == identity else None
+
     def forgive(self, seconds: float) -> None:
         """The coordinator was not listening for `seconds` (a stalled loop): that silence is not
-        the nodes'."""
+        the nodes', nor is a connection's slowness to come back then."""
+        if self.unattributed_close is not None:
+            self.unattributed_close += seconds
         for node in self.nodes.values():
             if node.alive:
                 node.last_seen += seconds
-                if node.roll_call is not None:
-                    node.roll_call += seconds
+                if node.closed_at is not None:
+                    node.closed_at += seconds
 
-    def call_roll(self, now: float) -> None:
-        """A connection closed at `now` (whose node's, the socket does not say): every node
-        alive must be heard from again (see `expire`)."""
-        for node in self.nodes.values():
-            if node.alive and node.roll_call is None:
-                node.roll_call = now
+    def connection_closed(self, identity: bytes | None, now: float) -> None:
+        """A connection to the node socket closed at `now`: that of the main socket whose routing
+        id is `identity`, or (None) one whose owner is not known, which has every node checked.
+        A connection that closes again puts its check off: each gets the whole grace."""
+        if identity is None:
+            self.unattributed_close = now
+            return
+        node = self.by_identity(identity)
+        if node is not None and node.alive:
+            node.closed_at = now
 
-    def expire(
-        self, timeout_s: float, now: float, grace_s: float = float("inf")
-    ) -> list[NodeState]:
-        """Mark dead the nodes silent past timeout_s, and those not heard from within grace_s
-        of a roll call; returns the newly dead."""
+    def connection_checks(self, now: float, grace_s: float) -> list[NodeState]:
+        """The alive nodes whose connection must be checked now (is it made again?): those whose
+        own closed grace_s ago or more, and, grace_s after a close of unknown owner, every node
+        but those whose own check is still to come."""
+        everyone = self.unattributed_close is not None and now - self.unattributed_close >= grace_s
+        if everyone:
+            self.unattributed_close = None
+        due = []
+        for node in self.alive():
+            closed = node.closed_at
+            if closed is not None and now - closed < grace_s:
+                continue  # its own check comes later
+            if closed is not None or everyone:
+                node.closed_at = None
+                due.append(node)
+        return due
+
+    def expire(self, timeout_s: float, now: float) -> list[NodeState]:
+        """Mark dead the nodes silent past timeout_s; returns the newly dead."""
         dead = []
         for node in self.nodes.values():
-            if not node.alive:
-                continue
-            called = node.roll_call
-            if called is not None and node.last_seen > called:
-                node.roll_call = called = None  # it answered
-            if now - node.last_seen > timeout_s or (called is not None and now - called > grace_s):
+            if node.alive and now - node.last_seen > timeout_s:
                 node.alive = False
-                node.roll_call = None
                 dead.append(node)
         return dead
 

@@ -271,6 +271,11 @@ class Engine:
         """Raise if the engine can no longer run steps (a rank of its group died); nodes call it
         with every load report, so an idle node notices too."""
 
+    def watch_failure(self, on_failure: Callable[[str], None]) -> None:
+        """From now on, call on_failure(why) from a thread of its own the moment the engine can
+        no longer run steps (a rank of its group died), rather than at its next step; an engine
+        of one process never does."""
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._compiling)
 
@@ -457,6 +462,10 @@ class LLMEngine(Engine):
     def check_alive(self) -> None:
         if self.ranks is not None:
             self.ranks.check()
+
+    def watch_failure(self, on_failure: Callable[[str], None]) -> None:
+        if self.ranks is not None:
+            self.ranks.watch(on_failure)
 
     def step(self) -> list[RequestOutput]:
         if self._governor is None:

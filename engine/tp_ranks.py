@@ -1,15 +1,20 @@
 """The other ranks of a tensor-parallel node, as rank 0 sees them: their processes (spawned, one
 per device), the channel that hands them each step's plan, and what happens when one dies: the
-whole group is stopped and rank 0 raises `TPGroupFailed`, naming the rank."""
+whole group is stopped and rank 0 raises `TPGroupFailed`, naming the rank; a watcher may be told
+at once, without waiting for rank 0's next step."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,7 @@ from pdserve.engine.tp_group import host_store
 from pdserve.engine.tp_worker import RankSpec, Stop
 
 REPO_ROOT = SOURCE_ROOT  # what rank processes need on their path
+WATCH_POLL_S = 0.05  # how often the watcher looks where a process's exit cannot be waited on
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,35 @@ class RankProcesses:
         if self.dead():
             raise self.failure(None)
 
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """From now on, a thread of its own waits on the ranks' processes and calls
+        on_death(why) the moment one exits while the group is not being stopped; rank 0 itself
+        learns of it only at its next collective or `check`."""
+        thread = threading.Thread(
+            target=self._watch, args=(on_death,), name="tp-rank-watch", daemon=True
+        )
+        thread.start()
+
+    def _watch(self, on_death: Callable[[str], None]) -> None:
+        exits = []  # a descriptor per rank that turns readable when its process exits (Linux)
+        with contextlib.suppress(AttributeError, OSError):
+            exits = [os.pidfd_open(p.pid) for p in self.procs]
+        try:
+            while not self._stopped:
+                if exits:
+                    wait(exits)  # until one exits (its descriptor stays readable then)
+                else:
+                    time.sleep(WATCH_POLL_S)
+                dead = self.dead()
+                if dead and not self._stopped:
+                    on_death(describe_dead(dead))
+                    return
+                if exits and not dead:
+                    time.sleep(0.001)  # exited, but the main thread is reading its status
+        finally:
+            for fd in exits:
+                os.close(fd)
+
     def publish(self, plan: StepPlan) -> None:
         self.check()
         try:
@@ -108,8 +143,7 @@ class RankProcesses:
         dead = self.dead()
         self.stop()
         if dead:
-            ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
-            why = f"tensor-parallel {ranks} died; the node's group is down"
+            why = describe_dead(dead)
         else:
             why = f"the tensor-parallel group failed: {cause}"
         logger.error(why)
@@ -131,3 +165,9 @@ class RankProcesses:
                 proc.kill()
                 proc.wait(5)
         self.channel.close()
+
+
+def describe_dead(dead: list[tuple[int, int]]) -> str:
+    """What to say of ranks that died: (rank, exit code) each."""
+    ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
+    return f"tensor-parallel {ranks} died; the node's group is down"

@@ -56,8 +56,8 @@ def test_a_killed_decode_node_s_requests_are_served_again_with_the_offline_token
     sessions = Sessions()
     (kill,) = node_kills("decode", 1, workload, engine, sessions, tmp_path, timeout_s=60)
     assert_recovered_with_offline_tokens(kill, workload, engine)
-    # A node's death is seen by the close of its connections: the roll call then gives every
-    # node disconnect_grace_s to be heard from, well before heartbeat_timeout_s would.
+    # A node's death is seen by the close of its connections, never made again: it is marked
+    # dead disconnect_grace_s after, well before heartbeat_timeout_s would.
     settings = bounding_settings()
     grace, timeout = settings["disconnect_grace_s"], settings["heartbeat_timeout_s"]
     assert grace <= kill.stages["marked_dead_s"] < timeout

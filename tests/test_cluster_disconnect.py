@@ -1,7 +1,8 @@
-"""A node process killed outright closes its connections to the coordinator, which then hears
-from every node again within disconnect_grace_s: the dead one is found in that time, not in
-heartbeat_timeout_s (set to a minute here, so only the roll call can explain a quick failover),
-and its requests stream on elsewhere with the offline engine's tokens."""
+"""A node process killed outright closes its connections to the coordinator, which are never
+made again: the coordinator names the node whose connection closed and finds it dead
+disconnect_grace_s later, not after heartbeat_timeout_s (set to a minute here, so only its
+connection's close can explain a quick failover), and its requests stream on elsewhere with the
+offline engine's tokens."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from pdserve.engine import LLM, SamplingParams
 PARAMS = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
 
-def test_a_killed_decode_node_is_found_by_the_roll_call_not_the_heartbeat_timeout():
+def test_a_killed_decode_node_is_found_by_its_connection_s_close_not_the_heartbeat_timeout():
     prompts = make_prompts(6, seed=51, lo=5, hi=40)
     expected = expected_outputs(LLM(num_kv_blocks=1024, block_size=8), prompts, PARAMS)
-    config = CoordinatorConfig(heartbeat_timeout_s=60.0, disconnect_grace_s=1.5)
+    config = CoordinatorConfig(heartbeat_timeout_s=60.0)  # disconnect_grace_s: its default
     with Cluster(1, 2, config=config) as cluster:
         found: list[float] = []
 
@@ -37,6 +38,8 @@ def test_a_killed_decode_node_is_found_by_the_roll_call_not_the_heartbeat_timeou
                 return [tokens for tokens, _ in await asyncio.gather(*tasks)]
 
         assert asyncio.run(run()) == expected
-        assert found[0] < 20.0, "decode-0 was not taken for dead within 20 s of its kill"
+        # The grace, then the coordinator's next tick (0.1 s); a loaded machine's delays beside.
+        grace = config.disconnect_grace_s
+        assert grace <= found[0] < grace + 1.0, f"decode-0 found dead {found[0]:.2f} s after"
         assert cluster.coordinator.nodes.nodes["decode-1"].alive
         cluster.wait_until_idle()

@@ -46,10 +46,16 @@ class Sim:
         self.orders: list[tuple[bytes, Message]] = []
         self.events: list[Event] = []
         self.seq: dict[str, int] = {}
+        self.checked: list[bytes] = []  # node sockets whose connection the core had checked
+        self.unreachable: set[str] = set()  # node sockets with no connection (as the shell finds)
 
     def take(self, out: Outbox) -> None:
         self.orders += out.orders
         self.events += out.events
+        for identity in out.connection_checks:  # what the shell does with them
+            self.checked.append(identity)
+            if identity.decode() in self.unreachable:
+                self.take(self.core.on_unreachable(identity, self.now))
 
     def register(self, node_id: str, role: NodeRole, num_blocks: int = 64) -> None:
         info = {"transport": "tcp", "address": "tcp://127.0.0.1:1"} if role.decodes else {}
@@ -232,24 +238,61 @@ def test_a_request_past_request_timeout_s_fails_with_a_timeout_and_is_freed_ever
     assert {m.request_id for m in sim.sent(Abort, "d0")} == {admit.request_id}
 
 
-def test_after_a_closed_connection_a_node_silent_for_the_grace_is_dead_the_others_not():
-    sim = cluster(heartbeat_timeout_s=60.0, disconnect_grace_s=1.5, max_retries=2)
-    sim.register("d1", NodeRole.DECODE)
+def decoding_on_d0(sim: Sim) -> RequestState:
     state = sim.submit(max_tokens=1000)
     sim.prefill_to_first_token(state)
     (admit,) = sim.sent(Admit, "d0")
     sim.report("d0", Admitted(admit.request_id, True, [1, 2, 3, 4]))
     sim.report("p0", TransferDone(admit.request_id, True))
-    sim.take(sim.core.on_disconnect(sim.now))  # (a client of the node socket went away)
-    sim.tick(3.0, alive=("p0", "d0", "d1"))  # all answer the roll call: nobody is dead
-    assert all(n.alive for n in sim.core.nodes.nodes.values()) and not sim.sent(Prefill)
-    sim.take(sim.core.on_disconnect(sim.now))  # d0's process died: its heartbeats stop
-    sim.tick(1.4, alive=("p0", "d1"))
-    assert sim.core.nodes.nodes["d0"].alive
+    assert state.phase is Phase.DECODING
+    return state
+
+
+def test_a_node_whose_connection_closes_for_good_is_dead_after_the_grace_alone():
+    sim = cluster(heartbeat_timeout_s=60.0, disconnect_grace_s=0.5, max_retries=2)
+    sim.register("d1", NodeRole.DECODE)
+    state = decoding_on_d0(sim)
+    sim.unreachable.add("d0")  # its process died: its sockets closed, and stay closed
+    for socket in (b"d0", b"d0/heartbeat"):
+        sim.take(sim.core.on_connection_closed(socket, sim.now))
+    sim.tick(0.4, alive=("p0", "d1"))
+    assert sim.core.nodes.nodes["d0"].alive and sim.checked == []
     sim.tick(0.2, alive=("p0", "d1"))
-    assert not sim.core.nodes.nodes["d0"].alive and sim.core.nodes.nodes["p0"].alive
-    (retry,) = sim.sent(Prefill, "p0")  # moved at once: 1.5 s, not heartbeat_timeout_s
+    assert sim.checked == [b"d0"]  # d0's main socket alone: no other connection closed
+    assert not sim.core.nodes.nodes["d0"].alive
+    assert sim.core.nodes.nodes["p0"].alive and sim.core.nodes.nodes["d1"].alive
+    (retry,) = sim.sent(Prefill, "p0")  # moved at once: 0.5 s, not heartbeat_timeout_s
     assert retry.request_id == f"{state.request_id}#1"
+
+
+def test_a_node_connected_again_within_the_grace_stays_alive():
+    sim = cluster(heartbeat_timeout_s=60.0, disconnect_grace_s=0.5)
+    state = decoding_on_d0(sim)
+    # Its connection was reset: ZeroMQ makes it again within 0.1 s, and the check finds it.
+    sim.take(sim.core.on_connection_closed(b"d0", sim.now))
+    sim.tick(0.3)
+    sim.take(sim.core.on_connection_closed(b"d0", sim.now))  # again: its check is put off
+    sim.tick(0.4)
+    assert sim.checked == []
+    sim.tick(0.2)
+    assert sim.checked == [b"d0"] and sim.core.nodes.nodes["d0"].alive
+    sim.tick(2.0)  # checked once, and silent or not, alive until heartbeat_timeout_s
+    assert sim.checked == [b"d0"] and sim.core.nodes.nodes["d0"].alive
+    assert state.phase is Phase.DECODING and not sim.sent(Prefill)
+
+
+def test_a_close_of_unknown_owner_has_every_node_checked_but_one_awaiting_its_own():
+    sim = cluster(heartbeat_timeout_s=60.0, disconnect_grace_s=0.5)
+    sim.register("d1", NodeRole.DECODE)
+    sim.unreachable.add("d0")  # its main socket's connection, remade since, carried nothing
+    sim.take(sim.core.on_connection_closed(None, sim.now))
+    sim.tick(0.3)
+    sim.take(sim.core.on_connection_closed(b"d1", sim.now))  # its own check is 0.5 s on
+    sim.tick(0.3)
+    assert sorted(sim.checked) == [b"d0", b"p0"]
+    assert not sim.core.nodes.nodes["d0"].alive and sim.core.nodes.nodes["d1"].alive
+    sim.tick(0.3)
+    assert sorted(sim.checked) == [b"d0", b"d1", b"p0"] and sim.core.nodes.nodes["d1"].alive
 
 
 def test_an_undeliverable_send_kv_goes_to_the_prefill_node_s_main_socket():

@@ -205,6 +205,9 @@ def test_a_resent_load_snapshot_keeps_the_reservations_made_since():
 
 def test_a_stalled_coordinator_does_not_count_its_own_silence_against_nodes():
     registry = _registry_with()  # last heard of at 0
+    registry.connection_closed(b"d0", now=0.0)
     registry.forgive(9.5)  # 10 s on, 9.5 of which the coordinator was not listening
     assert registry.expire(timeout_s=3, now=10.0) == []
+    assert registry.connection_checks(now=9.9, grace_s=0.5) == []  # nor had it time to reconnect
+    assert [n.node_id for n in registry.connection_checks(now=10.0, grace_s=0.5)] == ["d0"]
     assert [n.node_id for n in registry.expire(timeout_s=3, now=15.0)] == ["d0"]

@@ -1,6 +1,6 @@
 """The coordinator's shell on real sockets: junk of any shape at its ports is dropped and logged
-once per peer, and a task of its that dies makes the process exit non-zero instead of serving
-errors forever."""
+once per peer, a task of its that dies makes the process exit non-zero instead of serving errors
+forever, and a node whose connection closes and is not made again is found dead by name."""
 
 from __future__ import annotations
 
@@ -176,3 +176,60 @@ def test_send_kv_for_a_closed_handoff_socket_goes_to_the_node_s_main_socket():
             await coordinator.stop(shutdown_nodes=False)
 
     assert asyncio.run(run()) == SendKV("r1#0", "d0", {}, [1, 2], 30.0)
+
+
+def test_a_node_whose_connection_closes_for_good_is_found_one_connected_again_is_not():
+    from pdserve.cluster.link_session import LinkSession
+
+    grace = 0.5
+
+    async def run() -> dict[str, float]:
+        config = CoordinatorConfig(heartbeat_timeout_s=60, disconnect_grace_s=grace)
+        coordinator = Coordinator(config)
+        await coordinator.start()
+        ctx = zmq.asyncio.Context.instance()
+        sockets: dict[str, zmq.asyncio.Socket] = {}
+
+        def connect(node_id: str) -> zmq.asyncio.Socket:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, node_id.encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(coordinator.node_endpoint)
+            sockets[node_id] = sock
+            return sock
+
+        async def dead_after(node_id: str) -> float:
+            """Close the node's socket for good; seconds until the coordinator has it dead."""
+            closed = time.monotonic()
+            sockets.pop(node_id).close(0)
+            await _poll_until(lambda: not coordinator.nodes.nodes[node_id].alive, 10)
+            return time.monotonic() - closed
+
+        try:
+            for node_id in ("d0", "d1"):
+                register = Register(node_id, NodeRole.DECODE, "m", 4, 64, 1024, "tcp")
+                frames = LinkSession().wrap(reports.encode(register), time.monotonic())
+                await connect(node_id).send_multipart(frames)
+            await coordinator.wait_for_nodes(0, 2, timeout_s=20)
+            # d0's connection is cut and made again after ZeroMQ's reconnect interval (0.1 s),
+            # by a socket that sends nothing: the check after the grace finds it connected.
+            sockets.pop("d0").close(0)
+            await asyncio.sleep(0.1)
+            connect("d0")
+            await asyncio.sleep(grace + 0.5)
+            assert coordinator.nodes.nodes["d0"].alive
+            found = {"d1": await dead_after("d1")}  # its close is named: d1 alone is checked
+            assert coordinator.nodes.nodes["d0"].alive
+            # d0's new connection carried nothing, so its close is of unknown owner: every
+            # node is checked, and d0 found.
+            found["d0"] = await dead_after("d0")
+            return found
+        finally:
+            for sock in sockets.values():
+                sock.close(0)
+            await coordinator.stop(shutdown_nodes=False)
+
+    found = asyncio.run(run())
+    for node_id, seconds in found.items():
+        # The grace, then the next tick of the clock (0.1 s); a loaded machine's delays beside.
+        assert grace <= seconds < grace + 1.0, (node_id, seconds)

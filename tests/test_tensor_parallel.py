@@ -212,10 +212,18 @@ def test_pdserve_generate_runs_tensor_parallel():
 def test_a_rank_killed_mid_generation_takes_its_group_down(llama_tp4):
     engine = llama_tp4.engine
     ranks = engine.ranks
+    told: list[tuple[float, str]] = []
+    engine.watch_failure(lambda why: told.append((time.monotonic(), why)))
     engine.add_request("r", random_prompts(5, [12])[0], SamplingParams(max_tokens=200))
     engine.step()
     engine.step()
+    killed = time.monotonic()
     os.kill(ranks.pids[1], signal.SIGKILL)  # rank 2
+    # The watcher is told at once, with no step of rank 0's to find it.
+    while not told and time.monotonic() - killed < 10:
+        time.sleep(0.005)
+    assert told and "rank 2 (exit code -9)" in told[0][1]
+    assert told[0][0] - killed < 0.5, f"told {told[0][0] - killed:.2f} s after the kill"
     with pytest.raises(TPGroupFailed, match="rank 2 \\(exit code -9\\)"):
         while engine.has_unfinished():
             engine.step()

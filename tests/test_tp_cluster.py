@@ -109,11 +109,25 @@ def test_a_killed_rank_of_a_decode_node_moves_its_requests_elsewhere_unchanged(c
                 ]
                 await asyncio.sleep(0.005)
             assert holding, "decode-1 never held a running request"
+            killed = time.monotonic()
             os.kill(victim, signal.SIGKILL)
+            node, rank0 = cluster.node("decode-1"), cluster.group.procs["decode-1"]
+            while len(times) < 2 and time.monotonic() - killed < 30:
+                if rank0.poll() is not None:
+                    times.setdefault("exited", time.monotonic() - killed)
+                if not node.alive:
+                    times.setdefault("dead", time.monotonic() - killed)
+                await asyncio.sleep(0.005)
             results = await asyncio.gather(*tasks)
             return [tokens for tokens, _ in results]
 
+    times: dict[str, float] = {}
     assert asyncio.run(run_with_kill()) == expected
     assert cluster.group.procs["decode-1"].wait(30) != 0  # its rank 0 went down with the rank
     assert not cluster.node("decode-1").alive
+    # Rank 0 ends the node at once; its connections' close has it dead after the grace (0.5 s),
+    # long before heartbeat_timeout_s (3 s). A loaded machine's delays beside.
+    grace = cluster.config.disconnect_grace_s
+    assert times["exited"] < 1.0, times
+    assert times["dead"] < grace + 1.0, times
     cluster.wait_until_idle()
