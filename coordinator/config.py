@@ -139,6 +139,13 @@ class CoordinatorConfig:
         live=True,
         above=0,
     )
+    node_wait_s: float = setting(
+        10.0,
+        "a request that finds no decode node alive (all of them restarting) waits this long for "
+        "one before it fails with HTTP 503; 0 fails it at once",
+        live=True,
+        minimum=0,
+    )
     max_retries: int = setting(
         3,
         "times a request is re-prefilled after node failures before it fails",

@@ -103,6 +103,7 @@ class CoordinatorCore:
         self.draining = False
         self.now = 0.0  # the time of the input being handled
         self._out = Outbox()
+        self._last_max_model_len = 0  # of the nodes alive when one last registered
 
     # --- what the deployment looks like ---------------------------------------------------------
 
@@ -119,8 +120,12 @@ class CoordinatorCore:
 
     @property
     def max_model_len(self) -> int:
+        """The context every node alive can serve; while none is (all restarting), what the
+        last ones could, when requests may wait for them (node_wait_s)."""
         lens = [n.max_model_len for n in self.nodes.alive()]
-        return min(lens) if lens else 0
+        if lens:
+            return min(lens)
+        return self._last_max_model_len if self.config.node_wait_s > 0 else 0
 
     @property
     def num_pending(self) -> int:
@@ -146,7 +151,7 @@ class CoordinatorCore:
             raise SubmitError("unavailable", "the server is shutting down; retry elsewhere")
         if request_id in self.requests:
             raise SubmitError("invalid", f"request id {request_id!r} is already in use")
-        if not self.nodes.decode_nodes():
+        if not self.nodes.decode_nodes() and not self._may_wait_for_node():
             raise SubmitError("unavailable", "no decode node is available")
         if not token_ids:
             raise SubmitError("invalid", "the prompt is empty")
@@ -229,6 +234,7 @@ class CoordinatorCore:
         for state in [s for s in self.requests.values() if now - s.arrival > limit]:
             self._release_everywhere(state)
             self._fail(state, "timeout", f"request not finished within {limit:g}s")
+        self._expire_waiting(now)
         self._pump_admission()
         return self._end()
 
@@ -275,7 +281,11 @@ class CoordinatorCore:
     # --- routing ------------------------------------------------------------------------------
 
     def _dispatch(self, state: RequestState) -> None:
-        """Send a request (or its retry) to a prefill node, or to a decode node whole."""
+        """Send a request (or its retry) to a prefill node, or to a decode node whole; or hold
+        it while no decode node is alive."""
+        if not self.nodes.decode_nodes():
+            self._wait_for_node(state)
+            return
         token_ids = state.resume_token_ids()
         params = state.remaining_params()
         prefillers = self.nodes.prefill_nodes()
@@ -434,6 +444,8 @@ class CoordinatorCore:
                 old.alive = False
                 self._on_node_dead(old, "registered again")
             node = self.nodes.register(msg, identity, self.now)
+            if self.nodes.decode_nodes():
+                self._last_max_model_len = min(n.max_model_len for n in self.nodes.alive())
             logger.info(
                 "node %s registered (%s, %d KV blocks, transport %s)",
                 node.node_id,
@@ -441,6 +453,8 @@ class CoordinatorCore:
                 node.num_blocks,
                 node.transport,
             )
+            if node.decodes:
+                self._resume_waiting()
             self._pump_admission()
             return
         if isinstance(msg, HandoffReady):  # may come before or after its node's Register
@@ -658,10 +672,34 @@ class CoordinatorCore:
         state.error = reason
         self.by_wire[state.wire_id] = state
         self._notify("retry", state)
-        if not self.nodes.decode_nodes():
+        self._dispatch(state)
+
+    # --- no decode node alive -------------------------------------------------------------------
+
+    def _may_wait_for_node(self) -> bool:
+        """Whether a request may wait for a decode node to come back: node_wait_s is on and
+        decode nodes have served here before (they are restarting, not yet to start)."""
+        return self.config.node_wait_s > 0 and self._last_max_model_len > 0
+
+    def _wait_for_node(self, state: RequestState) -> None:
+        if not self._may_wait_for_node():
             self._fail(state, "unavailable", "no decode node is left")
             return
-        self._dispatch(state)
+        logger.warning("[%s] waiting for a decode node (none is alive)", state.request_id)
+        state.waiting_since = self.now
+        state.prefill_node = state.decode_node = None
+        self._enter(state, Phase.WAITING_NODE)
+
+    def _resume_waiting(self) -> None:
+        """A decode node is back: the requests that waited for one go on."""
+        for state in [s for s in self.by_wire.values() if s.phase is Phase.WAITING_NODE]:
+            self._dispatch(state)
+
+    def _expire_waiting(self, now: float) -> None:
+        wait = self.config.node_wait_s
+        for state in [s for s in self.by_wire.values() if s.phase is Phase.WAITING_NODE]:
+            if now - state.waiting_since > wait:
+                self._fail(state, "unavailable", f"no decode node came back within {wait:g}s")
 
     def _release_everywhere(self, state: RequestState) -> None:
         """Tell every live node that holds part of this attempt to free it."""

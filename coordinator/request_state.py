@@ -10,6 +10,7 @@ from pdserve.cluster.sampling_params import SamplingParams
 
 
 class Phase(enum.Enum):
+    WAITING_NODE = "waiting_node"  # no decode node alive: waiting at the coordinator for one
     PREFILLING = "prefilling"  # on a prefill node
     LOCAL_PREFILL = "local_prefill"  # whole request on a decode/colocated node, no token yet
     WAITING_ADMISSION = "waiting_admission"  # prefilled, waiting at the coordinator
@@ -29,6 +30,7 @@ class EarlyAdmission(enum.Enum):
 
 
 PENDING_PHASES = (
+    Phase.WAITING_NODE,
     Phase.PREFILLING,
     Phase.LOCAL_PREFILL,
     Phase.WAITING_ADMISSION,
@@ -52,6 +54,7 @@ class RequestState:
     early: EarlyAdmission = EarlyAdmission.NONE
     num_cached_tokens: int = 0
     handoff_started: float = 0.0  # when its current KV handoff began (admission sent)
+    waiting_since: float = 0.0  # when it began waiting for a decode node (WAITING_NODE)
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None

@@ -17,6 +17,7 @@ from pdserve.coordinator.request_state import Phase, RequestState
 
 # Each phase's span, named for what the request waits on in it.
 PHASE_SPANS = {
+    Phase.WAITING_NODE: "queue",  # at the coordinator, for a decode node to come back
     Phase.PREFILLING: "prefill",  # on a prefill node
     Phase.LOCAL_PREFILL: "prefill",  # on the decode (or colocated) node that decodes it
     Phase.WAITING_ADMISSION: "queue",  # at the coordinator, for a decode node with room

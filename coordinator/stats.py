@@ -88,7 +88,7 @@ class StatsCounter:
             running=phases.count(Phase.DECODING),
             prefilling=phases.count(Phase.PREFILLING) + phases.count(Phase.LOCAL_PREFILL),
             transferring=phases.count(Phase.ADMITTING) + phases.count(Phase.TRANSFERRING),
-            waiting=phases.count(Phase.WAITING_ADMISSION),
+            waiting=phases.count(Phase.WAITING_ADMISSION) + phases.count(Phase.WAITING_NODE),
             kv_usage=kv_usage,
             prefix_cache_hit_rate=sum(n.prefix_hits for n in nodes) / lookups if lookups else None,
         )

@@ -390,3 +390,46 @@ def test_refusals_change_nothing():
     with pytest.raises(SubmitError, match="context"):
         sim.submit(prompt=list(range(1024)))
     assert len(sim.core.requests) == 1 and sim.orders == [] and len(sim.core.admission) == 0
+
+
+def test_while_no_decode_node_is_alive_requests_wait_for_one_node_wait_s():
+    """Every decode node restarting: a request in flight and one that arrives wait at the
+    coordinator, and go on (from the tokens already streamed) when a decode node registers."""
+    sim = cluster(conditional_disagg_threshold=20)
+    state = sim.submit(prompt=[5, 6, 7])  # generated on d0
+    (first,) = sim.sent(Generate, "d0")
+    sim.report("d0", Tokens("d0", [TokenItem(first.request_id, 40)]))
+    sim.tick(3.5, alive=("p0",))  # d0 goes silent: nothing decodes any more
+    assert state.phase is Phase.WAITING_NODE and state.attempt == 1
+    assert sim.core.max_model_len == 1024  # the HTTP API still knows the context
+    late = sim.submit(prompt=[8, 9])  # taken, not refused
+    assert late.phase is Phase.WAITING_NODE and not sim.sent(Generate)
+    sim.tick(2.0, alive=("p0",))
+    sim.register("d0", NodeRole.DECODE)  # its supervisor started it again
+    resumed = {m.request_id: m for m in sim.sent(Generate, "d0")}
+    assert set(resumed) == {state.wire_id, late.wire_id}
+    assert resumed[state.wire_id].token_ids == [5, 6, 7, 40]  # from the token streamed
+    assert resumed[state.wire_id].output_offset == 1
+    assert [e.error for e in sim.events] == [None]  # the one token; nothing failed
+
+
+def test_a_request_that_waited_node_wait_s_for_a_decode_node_fails_with_503():
+    sim = cluster(node_wait_s=2.0, conditional_disagg_threshold=20)
+    state = sim.submit(prompt=[5, 6, 7])  # generated on d0
+    sim.tick(3.5, alive=("p0",))  # d0 dies
+    assert state.phase is Phase.WAITING_NODE
+    sim.tick(2.5, alive=("p0",))
+    (event,) = [e for e in sim.events if e.error]
+    assert event.error_code == "unavailable" and "within 2s" in event.error
+    assert not sim.core.requests
+
+
+def test_with_node_wait_s_0_or_before_any_decode_node_a_request_is_refused_at_once():
+    sim = cluster(node_wait_s=0)
+    sim.tick(3.5, alive=("p0",))
+    with pytest.raises(SubmitError, match="no decode node"):
+        sim.submit()
+    fresh = Sim()  # no decode node has registered yet: nothing to wait for
+    fresh.register("p0", NodeRole.PREFILL)
+    with pytest.raises(SubmitError, match="no decode node"):
+        fresh.submit()
