@@ -121,7 +121,7 @@ def test_a_report_that_fits_the_queue_is_sent_at_once():
 def test_the_docs_table_of_bounds_cites_the_constants_as_they_are():
     from pathlib import Path
 
-    from pdserve.cluster import node_link
+    from pdserve.cluster import link_session, node_link
     from pdserve.coordinator import client
     from pdserve.coordinator.config import CoordinatorConfig
     from pdserve.engine import tp_group
@@ -142,6 +142,8 @@ def test_the_docs_table_of_bounds_cites_the_constants_as_they_are():
         f"{tp_group.COLLECTIVE_TIMEOUT_S:g} s (`COLLECTIVE_TIMEOUT_S`": "COLLECTIVE_TIMEOUT_S",
         f"{sharded.RANK_START_TIMEOUT_S:g} s (`RANK_START_TIMEOUT_S`": "RANK_START_TIMEOUT_S",
         f"{channel.HEARTBEAT_TIMEOUT_MS / 1000:g} s of ZeroMQ heartbeats": "HEARTBEAT_TIMEOUT_MS",
+        f"`node_wait_s` ({config.node_wait_s:g} s, live)": "node_wait_s",
+        f"every {link_session.RESEND_AFTER_S:g} s (`RESEND_AFTER_S`": "RESEND_AFTER_S",
     }
     missing = [name for text, name in cited.items() if text not in table]
     assert not missing, f"docs/deployment.md's bounds table is out of date for {missing}"
