@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -57,15 +56,13 @@ from pdserve.bench.chaos_requests import (
     request_mix,
     send,
 )
-from pdserve.bench.compare import machine
+from pdserve.bench.compare import git, machine
 from pdserve.bench.process_tree import Sessions
 from pdserve.bench.soak import kv_blocks
 from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.schema import defaults
 from pdserve.engine.embedded_models import TINY, model_name
 from pdserve.engine.llm import LLM
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The PDSERVE_FAULTS kinds, one phase each, and the fraction of --rate each gets: stall and kill
 # act per node step, and a step is far more frequent than a message that matters.
@@ -398,14 +395,6 @@ def describe(r: PhaseResult) -> str:
                 f"{e['why']}"
             )
     return "\n".join(lines)
-
-
-def git(*args: str) -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True)
-    except OSError:
-        return ""
-    return out.stdout.strip()
 
 
 def phase_names(text: str) -> list[str]:

@@ -6,7 +6,6 @@ what the phase reads of it: its processes' memory, its nodes' KV blocks and its 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pdserve import SOURCE_ROOT
 from pdserve.bench.process_tree import Sessions
 from pdserve.bench.serving.process_memory import pdserve_processes, resident_mib
 from pdserve.engine.embedded_models import EMBEDDED, resolve_model_dir
-from pdserve.tune.local_server import SINGLE_THREAD_ENV, free_port
+from pdserve.tune.local_server import SINGLE_THREAD_ENV, free_port, stop_session
 
 # The fault variables a phase sets; every other phase runs with neither, whatever this process's
 # own environment holds.
@@ -177,15 +176,8 @@ class ChaosCluster:
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM (the coordinator drains, then every process exits), then SIGKILL to the
         session if it hangs."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_session(self.proc, timeout_s)
 
     def restarts(self) -> dict[str, int]:
         """How many times the supervisor restarted each process, from its console."""

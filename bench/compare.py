@@ -115,6 +115,15 @@ def num_requests(args: argparse.Namespace, rate: float) -> int:
     return max(args.min_requests, round(rate * args.duration_s))
 
 
+def git(*args: str) -> str:
+    """What `git args...` prints in the checkout ("" where there is none)."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True)
+    except OSError:
+        return ""
+    return out.stdout.strip()
+
+
 def machine() -> dict:
     def run(cmd: list[str]) -> str:
         try:

@@ -54,9 +54,6 @@ from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded_models import default_model
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
 # --- the settings that bound the figures -------------------------------------------------------
 
 
@@ -108,14 +105,6 @@ def verdict(summaries: list[KindSummary], strays: list, aim_check: bool) -> list
             problems.append(f"{k.kind}: aim missed: max {k.max_s:.2f} s, aim < {k.aim_s:g} s")
     problems += [f"process left running: {pid} {cmd}" for pid, cmd in strays]
     return problems
-
-
-def git(*args: str) -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True)
-    except OSError:
-        return ""
-    return out.stdout.strip()
 
 
 def uptime() -> str:
@@ -209,9 +198,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[KindSumma
     print(f"load after: {after}", flush=True)
     summaries = [summarize(kind, kills[kind]) for kind in args.kinds]
     problems = verdict(summaries, strays, args.aim_check)
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    from pdserve.bench.compare import machine
+    from pdserve.bench.compare import git, machine
 
+    dirty = git("status", "--porcelain", "--untracked-files=no")
     result = {
         "command": " ".join(["python -m pdserve.bench.recovery", *argv]),
         "commit": git("rev-parse", "--short", "HEAD"),

@@ -95,20 +95,23 @@ class FaultPlan:
 
 def message_faults(where: str) -> MessageFaults | None:
     """The message faults of the socket named `where`, or None when none are configured."""
-    plan = FaultPlan.from_env()
-    if plan is None or not any(plan.rates.get(k) for k in MESSAGE_FAULTS):
-        return None
-    logger.warning("%s: injecting faults %s (%s)", where, plan.rates, ENV)
-    return MessageFaults(plan, where)
+    plan = _plan_for(MESSAGE_FAULTS, where)
+    return None if plan is None else MessageFaults(plan, where)
 
 
 def process_faults(where: str) -> ProcessFaults | None:
     """The process faults of the node named `where`, or None when none are configured."""
+    plan = _plan_for(PROCESS_FAULTS, where)
+    return None if plan is None else ProcessFaults(plan, where)
+
+
+def _plan_for(kinds: tuple[str, ...], where: str) -> FaultPlan | None:
+    """The configured plan if it has a fault of `kinds` (logged: the chaos soak looks for it)."""
     plan = FaultPlan.from_env()
-    if plan is None or not any(plan.rates.get(k) for k in PROCESS_FAULTS):
+    if plan is None or not any(plan.rates.get(k) for k in kinds):
         return None
     logger.warning("%s: injecting faults %s (%s)", where, plan.rates, ENV)
-    return ProcessFaults(plan, where)
+    return plan
 
 
 class MessageFaults:

@@ -55,6 +55,18 @@ class PdserveSystem:
         return "".join(f"{k} = {value(v)}\n" for k, v in config.items())
 
 
+def stop_session(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Stop a pdserve command started in a session of its own: SIGTERM (it stops what it
+    started), then SIGKILL to the whole session if it has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,13 +162,6 @@ class PdserveServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (pdserve stops its nodes), then SIGKILL to its process group if it hangs."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_session(self.proc, timeout_s)
         self.proc = None
