@@ -231,5 +231,6 @@ def test_a_node_whose_connection_closes_for_good_is_found_one_connected_again_is
 
     found = asyncio.run(run())
     for node_id, seconds in found.items():
-        # The grace, then the next tick of the clock (0.1 s); a loaded machine's delays beside.
-        assert grace <= seconds < grace + 1.0, (node_id, seconds)
+        # The grace, then the next tick of the clock (0.1 s), and a loaded machine's delays: far
+        # below the 60 s heartbeat timeout, the only other way the node would be found dead.
+        assert grace <= seconds < grace + 8.0, (node_id, seconds)
