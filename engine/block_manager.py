@@ -10,6 +10,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
 from pdserve.cluster.block_hash import hash_block_tokens
+from pdserve.engine.kv_events import KVEvents
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 
@@ -18,8 +19,14 @@ class BlockManager:
     """Reference-counted blocks with a free list and an LRU set of cached, unreferenced blocks."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KVEvents | None = None,
     ) -> None:
+        """events: where blocks entering and leaving the prefix cache are logged (the node's
+        KV events), if anywhere."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -37,6 +44,10 @@ class BlockManager:
         # Every full block hashed so far, registered or a duplicate of a registered one, so that
         # cache_full_blocks never hashes the same block twice.
         self._hash: dict[int, int] = {}
+        self.events = events
+        # Blocks registered since the last `take_newly_cached` (block, hash), when someone takes
+        # them (the tiers below the pool copy each once); None: nobody does.
+        self.newly_cached: list[tuple[int, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,6 +67,10 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    def key(self, block_id: int) -> BlockKey | None:
+        """What a registered block holds (parent block's hash, token ids); None if unregistered."""
+        return self._key.get(block_id)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -134,8 +149,7 @@ class BlockManager:
             self._hash[block] = h
             # An identical block cached by another sequence keeps its entry: both stay valid.
             if h not in self._cached:
-                self._cached[h] = block
-                self._key[block] = (parent, tokens)
+                self._register(block, h, (parent, tokens))
             parent = h
 
     def free(self, block_table: list[int]) -> None:
@@ -205,6 +219,17 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
+    def _register(self, block: int, h: int, key: BlockKey) -> None:
+        self._cached[h] = block
+        self._key[block] = key
+        if self.events is not None:
+            self.events.stored("device", h)
+        if self.newly_cached is not None:
+            self.newly_cached.append((block, h))
+
     def _unregister(self, block: int) -> None:
-        del self._cached[self._hash.pop(block)]
+        h = self._hash.pop(block)
+        del self._cached[h]
         del self._key[block]
+        if self.events is not None:
+            self.events.removed("device", h)

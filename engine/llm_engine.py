@@ -24,6 +24,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded_models import model_name, resolve_model_dir
 from pdserve.engine.grammar import Constraint, Grammars
 from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv_events import KVEvents
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens, StepStats
 from pdserve.engine.model_shard import ModelShard, PoolFactory
@@ -266,6 +267,13 @@ class Engine:
             spec_accepted_tokens=self.stats.num_accepted_tokens,
             spec_accepted_per_position=list(self.stats.accepted_per_position),
         )
+
+    def enable_kv_events(self) -> KVEvents:
+        """Log blocks entering and leaving this engine's KV tiers from now on (a node drains the
+        log into each load report; nothing does offline, so it is off until asked for)."""
+        if self.block_manager.events is None:
+            self.block_manager.events = KVEvents()
+        return self.block_manager.events
 
     def check_alive(self) -> None:
         """Raise if the engine can no longer run steps (a rank of its group died); nodes call it
