@@ -297,3 +297,63 @@ def test_tier_settings_are_checked():
         assert engine.tiers is None
     finally:
         engine.close()
+
+
+# --- a decode node's handoff with tiers -------------------------------------------------------
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_handoff_takes_its_prefix_from_the_tiers_and_computes_what_failed(corrupt, tmp_path):
+    from pdserve.cluster.sampling_params import SamplingParams as Params
+    from pdserve.decode_node.handoff import DecodeHandoff
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.kv_cache import KVPool
+    from pdserve.engine.kv_tiers import KVTiers
+    from pdserve.engine.sequence import Sequence
+    from pdserve.kv_transfer import make_receiver
+
+    bm = BlockManager(16, LAYOUT.block_size)
+    pool = KVPool(LAYOUT, 16)
+    pool.kv.copy_(torch.randn_like(pool.kv))
+    host = HostTier(LAYOUT, LAYOUT.bytes_per_block)  # block 0: the others only on disk
+    tiers = KVTiers(pool, bm, host, DiskTier(LAYOUT, str(tmp_path), 1 << 20))
+    prompt = list(range(40, 53))  # 13 tokens: 3 full blocks of KV, then the last token's
+    table: list[int] = []
+    assert bm.allocate_slots(table, 12)
+    bm.cache_full_blocks(table, prompt, 12)
+    pages = pool.kv[:, :, table].clone()
+    tiers.store_new()
+    while tiers.busy:
+        tiers.wait(1.0)
+        tiers.poll()
+    assert tiers.disk.num_blocks == 3
+    bm.free(table)
+    bm.reset_prefix_cache()  # out of the pool: below it alone
+    pool.kv.zero_()
+    hashes = prefix_hashes(prompt, LAYOUT.block_size)
+    if corrupt:
+        path = Path(tiers.disk.file(hashes[1]))
+        path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+    receiver = make_receiver("tcp", LAYOUT, 16)
+    try:
+        handoff = DecodeHandoff(receiver, bm, tiers=tiers)
+        seq = Sequence("r1", prompt, Params(max_tokens=4, temperature=0))
+        seq.token_ids.append(99)  # the first token, sampled by the prefill node
+        seq.num_computed_tokens = 12  # the decode node computes the last prompt token's KV
+        assert handoff.reserve(seq, 10.0, reuse_prefix=True) == []  # nothing to receive
+        arrived = []
+        while not arrived:
+            tiers.wait(1.0)
+            tiers.poll()
+            arrived, _ = handoff.poll()
+        assert arrived == [seq]
+        # With block 1's file corrupt, block 0 came back and the rest is computed here.
+        loaded = 1 if corrupt else 3
+        assert seq.num_computed_tokens == 4 * loaded
+        assert torch.equal(pool.kv[:, :, seq.block_table[:loaded]], pages[:, :, :loaded])
+        assert tiers.stats.failures == int(corrupt)
+        bm.free(seq.block_table)
+        assert bm.num_free_blocks == 16
+    finally:
+        receiver.close()
+        tiers.close()
