@@ -103,6 +103,7 @@ class Heartbeat(Message, tag="heartbeat"):
     spec_accepted_per_position: list[int] = []
     kv_integrity_failures: int = 0  # decode nodes: sends whose pages failed their digest check
     kv_tiers: KVTierReport | None = None  # its KV tiers below the pool, if it has any
+    prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
 
 
 class HandoffReady(Message, tag="handoff_ready"):

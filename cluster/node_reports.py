@@ -62,6 +62,7 @@ def engine_heartbeat(
         pending_transfers=pending_transfers,
         kv_error=kv_error,
         kv_tiers=tier_report(load.kv_tiers, load.kv_tier_blocks),
+        prefill_tokens_computed=load.prefill_tokens_computed,
     )
 
 

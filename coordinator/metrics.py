@@ -138,6 +138,12 @@ class ClusterCollector:
             labels=["node", "position"],
         )
         tiers = tier_families()
+        computed = CounterMetricFamily(
+            "pdserve_prefill_tokens_computed",
+            "Prompt tokens whose KV a node's steps computed: those found in its prefix cache or "
+            "the KV tiers below it, or received from a prefill node, are not (since it started)",
+            labels=["node"],
+        )
         for node in list(c.nodes.nodes.values()):
             alive.add_metric([node.node_id, node.role.value], 1.0 if node.alive else 0.0)
             if not node.alive:
@@ -149,6 +155,7 @@ class ClusterCollector:
             hits.add_metric([node.node_id], node.prefix_hits)
             misses.add_metric([node.node_id], node.prefix_misses)
             forced.add_metric([node.node_id], node.forced_tokens)
+            computed.add_metric([node.node_id], node.prefill_tokens_computed)
             if node.spec_draft_tokens:
                 drafts.add_metric([node.node_id], node.spec_draft_tokens)
                 accepted.add_metric([node.node_id], node.spec_accepted_tokens)
@@ -186,6 +193,7 @@ class ClusterCollector:
         yield accepted
         yield per_position
         yield from tiers.values()
+        yield computed
         yield phases
         yield GaugeMetricFamily(
             "pdserve_requests_running", "Requests generating tokens on a decode node", decoding

@@ -47,6 +47,7 @@ class NodeState:
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # by draft position
     kv_tiers: KVTierReport | None = None  # its KV tiers below the pool (since it started)
+    prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
 
     @property
     def decodes(self) -> bool:
@@ -109,6 +110,7 @@ class NodeRegistry:
         node.spec_accepted_tokens = msg.spec_accepted_tokens
         node.spec_accepted_per_position = list(msg.spec_accepted_per_position)
         node.kv_tiers = msg.kv_tiers
+        node.prefill_tokens_computed = msg.prefill_tokens_computed
         node.reserved_blocks = 0
         node.assigned_prefill_tokens = 0
         return node

@@ -81,6 +81,7 @@ class EngineLoad:
     spec_accepted_per_position: list[int] = field(default_factory=list)
     kv_tiers: TierStats | None = None  # the KV tiers under the pool, if any (since start)
     kv_tier_blocks: dict[str, int] = field(default_factory=dict)  # blocks each tier holds now
+    prefill_tokens_computed: int = 0  # prompt tokens whose KV steps computed (since start)
 
 
 class Engine:
@@ -273,6 +274,7 @@ class Engine:
             spec_accepted_per_position=list(self.stats.accepted_per_position),
             kv_tiers=tiers.stats if tiers is not None else None,
             kv_tier_blocks=tiers.num_blocks() if tiers is not None else {},
+            prefill_tokens_computed=sched.num_prefill_tokens_computed,
         )
 
     def enable_kv_events(self) -> KVEvents:

@@ -72,7 +72,16 @@ def test_multi_turn_chats_beyond_the_pools_match_offline_with_prefixes_from_host
         # instead of receiving them.
         assert prefill.kv_tiers.hit_blocks["host"] >= 20 * 5
         assert decode.kv_tiers.hit_blocks["host"] >= 20 * 5
+        # What came back was not computed again: the prefill node computed at most the prompts'
+        # tokens less those blocks.
+        prompt_tokens = sum(len(p) for turn in turns for p, _ in turn)
+        hit_tokens = prefill.kv_tiers.hit_blocks["host"] * BLOCK
+        assert 0 < prefill.prefill_tokens_computed <= prompt_tokens - hit_tokens
         text = Metrics(cluster.coordinator).render().decode()
+        assert (
+            f'pdserve_prefill_tokens_computed_total{{node="prefill-0"}} {float(prefill.prefill_tokens_computed)}'
+            in text
+        )
         for node in (prefill, decode):
             hits = metric(text, "pdserve_kv_tier_hit_blocks_total", node.node_id, "host")
             assert hits == node.kv_tiers.hit_blocks["host"]

@@ -79,6 +79,7 @@ EXAMPLES: list[tuple[Codec, Message]] = [
             [9, 7, 5],
             2,
             KVTierReport({"host": 5}, {"host": 2}, {"host": 4096}, {"host": 2048}, 1, 0.01, 0, {}),
+            640,
         ),
     ),
     (reports, HandoffReady("p0")),
