@@ -113,6 +113,16 @@ class HostTier:
         else:
             del self._pins[slot]
 
+    def clear(self) -> None:
+        """Forget every committed block no copy reads: their slots are free again."""
+        for block_hash, slot in list(self._slot.items()):
+            if slot not in self._pins:
+                del self._slot[block_hash]
+                del self._key[slot]
+                self._free.append(slot)
+                if self.events is not None:
+                    self.events.removed(self.TIER, block_hash)
+
     def hashes(self) -> list[int]:
         """Every committed block's hash, least recently used first."""
         return list(self._slot)

@@ -66,7 +66,9 @@ def test_the_table_has_a_row_per_system():
         "first_gap_ms": {"mean": 3.0, "p50": 3.0, "p90": 4.0},
     }
     table = format_table([run, {**run, "system": "reuse-off"}])
-    assert table.count("\n") == 3 and "| reuse-on | 4 | 300 of 400 | 10 | 6 | 5 | 2.0 KiB |" in table
+    assert (
+        table.count("\n") == 3 and "| reuse-on | 4 | 300 of 400 | 10 | 6 | 5 | 2.0 KiB |" in table
+    )
     assert build_parser().parse_args(["--turns", "4:8"]).turns == (4, 8)
 
 
