@@ -1,9 +1,10 @@
-"""KV tiers on a real cluster (1 prefill + 1 decode node, host tiers on both): multi-turn chats
+"""KV tiers on a real cluster (1 prefill + 1 decode node, tiers on both): multi-turn chats
 whose KV is several times either node's pool. Each turn's prompt is the last turn's prompt and
 answer plus a new message; the pools have evicted it by then, the tiers have not. Every turn's
 greedy output is the offline engine's token for token, both nodes load prefixes back from their
-host tiers (the prefill node for the prefill, the decode node instead of receiving them), and
-the counters reach /metrics."""
+tiers (the prefill node for the prefill, the decode node instead of receiving them), and the
+counters reach /metrics. Over tcp the host tiers hold everything; over shm a host tier of 16
+blocks sits on a disk tier, which serves most of it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pdserve.engine import LLM, SamplingParams
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = 8
 POOL = 48  # blocks of 8 per node: 384 tokens
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # pdserve-tiny's: 2 layers, K and V, 2 heads of 16
 CHATS, TURNS = 10, 3  # the last turns hold about 1,000 tokens of KV in all: 3x a pool
 
 
@@ -49,10 +51,13 @@ def metric(text: str, name: str, node: str, tier: str) -> float:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_multi_turn_chats_beyond_the_pools_match_offline_with_prefixes_from_host_tiers(
-    transport, turns
+def test_multi_turn_chats_beyond_the_pools_match_offline_with_prefixes_from_tiers(
+    transport, turns, tmp_path
 ):
-    with Cluster(1, 1, transport=transport, num_kv_blocks=POOL, kv_host_bytes=4 << 20) as cluster:
+    tiers = {"kv_host_bytes": 4 << 20}
+    if transport == "shm":
+        tiers = {"kv_host_bytes": 16 * BLOCK_BYTES, "kv_disk_path": str(tmp_path)}
+    with Cluster(1, 1, transport=transport, num_kv_blocks=POOL, **tiers) as cluster:
 
         async def chat() -> None:
             async with CoordinatorClient(cluster.client_addr) as client:
@@ -64,18 +69,20 @@ def test_multi_turn_chats_beyond_the_pools_match_offline_with_prefixes_from_host
         asyncio.run(chat())
         cluster.wait_until_idle()
         prefill, decode = cluster.node("prefill-0"), cluster.node("decode-0")
+        lowest = "disk" if "kv_disk_path" in tiers else "host"
         for node in (prefill, decode):
             assert node.kv_tiers is not None and node.kv_tiers.failures == 0
-            assert node.kv_tiers.blocks["host"] > POOL  # more than its pool holds
+            assert node.kv_tiers.blocks[lowest] > POOL  # more than its pool holds
         # Turns 2 and 3 (20 prompts of 68 and 96 tokens) found their earlier turns' blocks
         # below the pools: the prefill node prefilled from them, the decode node took them
         # instead of receiving them.
-        assert prefill.kv_tiers.hit_blocks["host"] >= 20 * 5
-        assert decode.kv_tiers.hit_blocks["host"] >= 20 * 5
+        assert sum(prefill.kv_tiers.hit_blocks.values()) >= 20 * 5
+        assert sum(decode.kv_tiers.hit_blocks.values()) >= 20 * 5
+        assert prefill.kv_tiers.hit_blocks[lowest] > 0 and decode.kv_tiers.hit_blocks[lowest] > 0
         # What came back was not computed again: the prefill node computed at most the prompts'
         # tokens less those blocks.
         prompt_tokens = sum(len(p) for turn in turns for p, _ in turn)
-        hit_tokens = prefill.kv_tiers.hit_blocks["host"] * BLOCK
+        hit_tokens = sum(prefill.kv_tiers.hit_blocks.values()) * BLOCK
         assert 0 < prefill.prefill_tokens_computed <= prompt_tokens - hit_tokens
         text = Metrics(cluster.coordinator).render().decode()
         assert (
@@ -83,7 +90,7 @@ def test_multi_turn_chats_beyond_the_pools_match_offline_with_prefixes_from_host
             in text
         )
         for node in (prefill, decode):
-            hits = metric(text, "pdserve_kv_tier_hit_blocks_total", node.node_id, "host")
-            assert hits == node.kv_tiers.hit_blocks["host"]
-            loaded = metric(text, "pdserve_kv_tier_loaded_bytes_total", node.node_id, "host")
-            assert loaded > 0
+            hits = metric(text, "pdserve_kv_tier_hit_blocks_total", node.node_id, lowest)
+            assert hits == node.kv_tiers.hit_blocks[lowest]
+            loaded = metric(text, "pdserve_kv_tier_loaded_bytes_total", node.node_id, lowest)
+            assert loaded == hits * BLOCK_BYTES
