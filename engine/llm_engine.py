@@ -21,6 +21,7 @@ from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine import cpu_threads
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.draft_model import DraftModelProposer, draft_layout, load_draft_model
 from pdserve.engine.embedded_models import model_name, resolve_model_dir
 from pdserve.engine.grammar import Constraint, Grammars
 from pdserve.engine.kv_cache import KVLayout, KVPool
@@ -31,7 +32,7 @@ from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens
 from pdserve.engine.model_shard import ModelShard, PoolFactory
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.speculation import NgramProposer, can_speculate, draft_limit
+from pdserve.engine.speculation import NgramProposer, Proposer
 from pdserve.engine.thread_governor import CpuTimes, ThreadGovernor
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp_executor import TPExecutor
@@ -96,7 +97,10 @@ class Engine:
         max_position_embeddings: int,
         eos_token_ids: tuple[int, ...],
         executor: Executor | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """proposer: speculative decoding's, where the config's method needs a model (a draft
+        model's); the n-gram one is made here."""
         self.config = config
         self.layout = layout
         self.vocab_size = vocab_size
@@ -111,14 +115,19 @@ class Engine:
         self.max_model_len = config.context_limit(max_position_embeddings, num_blocks)
         speculation = config.speculation()
         self.speculation = speculation
-        self.proposer = NgramProposer(speculation) if speculation is not None else None
+        if proposer is None and speculation is not None:
+            if speculation.method != "ngram":
+                raise ValueError(f"speculative_config method {speculation.method!r} needs a model "
+                                 "executor (LLMEngine) to propose")  # fmt: skip
+            proposer = NgramProposer(speculation)
+        self.proposer = proposer
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
             config.scheduling_policy,
-            propose=self._propose if speculation is not None else None,
+            proposer=proposer,
             num_speculative_tokens=speculation.num_speculative_tokens if speculation else 0,
             max_model_len=self.max_model_len,
         )
@@ -334,20 +343,6 @@ class Engine:
         self.tiers.poll()
         self.tiers.store_new()
 
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
-        """Draft tokens for a decoding sequence that may speculate (`engine.speculation`)."""
-        if not can_speculate(seq.params, seq.prefill_only, seq.constraint is not None):
-            return []
-        if self.speculation.adaptive:
-            k = draft_limit(
-                k, seq.num_drafts_verified, seq.num_drafts_accepted, seq.num_output_tokens
-            )
-        if k <= 0:
-            return []
-        if seq.ngram_index is None:
-            seq.ngram_index = self.proposer.new_index()
-        return self.proposer.propose(seq.token_ids, k, seq.ngram_index)
-
     def _postprocess(self, out: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
         appended = self.scheduler.postprocess(
             out, dict(zip(sampled.rows, sampled.token_ids)), self.max_model_len, sampled.more_tokens
@@ -418,6 +413,11 @@ class LLMEngine(Engine):
         mcfg = ModelConfig.from_pretrained(self.model_dir)
         shard = TPShard(0, config.tensor_parallel_size)
         shard.check(mcfg)
+        speculation = config.speculation()
+        draft_model = None
+        if speculation is not None and speculation.method == "draft_model":
+            # Before the target's pool is sized: the draft's weights take device memory first.
+            draft_model = load_draft_model(speculation, config, self.model_dir)
         self.ranks = None
         group = None
         self._placement_before: cpu_threads.CpuPlacement | None = None
@@ -456,7 +456,15 @@ class LLMEngine(Engine):
                     check_ranks=self.ranks.check,
                 )
                 self.ranks.formed()
-            self.shard = ModelShard(self.model_dir, config, shard, group, pool_factory)
+            self.shard = ModelShard(
+                self.model_dir,
+                config,
+                shard,
+                group,
+                pool_factory,
+                # The draft's pool has as many blocks as the target's, out of the same budget.
+                draft_layout(draft_model, config).bytes_per_block if draft_model else 0,
+            )
         except BaseException as exc:
             if self._placement_before is not None:  # this process's threads as they were
                 cpu_threads.apply(self._placement_before)
@@ -473,6 +481,9 @@ class LLMEngine(Engine):
         self.runner = self.shard.runner
         layout = KVLayout.for_model(mcfg, config.block_size, config.resolved_dtype())
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
+        proposer = None
+        if draft_model is not None:
+            proposer = DraftModelProposer(draft_model, self.shard.num_blocks, config, speculation)
         super().__init__(
             config,
             layout,
@@ -480,6 +491,7 @@ class LLMEngine(Engine):
             mcfg.vocab_size,
             mcfg.max_position_embeddings,
             eos,
+            proposer=proposer,
         )
         self.pool = self.shard.pool
         self.tiers = self.scheduler.tiers = tiers_for(config, self.pool, self.block_manager)

@@ -35,9 +35,13 @@ class ModelShard:
         shard: TPShard,
         group: TPGroup | None = None,
         pool_factory: PoolFactory | None = None,
+        shared_bytes_per_block: int = 0,
     ) -> None:
         """pool_factory(layout, num_blocks) makes the KV pool of this rank's heads (e.g. a KV
-        receiver's, in shared memory); by default a plain tensor on the device."""
+        receiver's, in shared memory); by default a plain tensor on the device.
+        shared_bytes_per_block: another pool of as many blocks takes this many bytes per block
+        out of the same budget (a draft model's, on rank 0)."""
+        self.shared_bytes_per_block = shared_bytes_per_block
         self.config = config
         self.shard = shard
         self.group = group
@@ -80,7 +84,7 @@ class ModelShard:
             budget = int(free * self.config.gpu_memory_utilization)
         else:
             budget = (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // self.shard.size
-        return KVPool.num_blocks_for_budget(self.layout, budget)
+        return max(0, budget // (self.layout.bytes_per_block + self.shared_bytes_per_block))
 
     def _compile(self) -> None:
         """Compile the model step, or say in one line why it runs eagerly."""

@@ -9,7 +9,6 @@ whenever there is room; `static` forms a batch and admits nothing new until all 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +17,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_tiers import KVTiers
+    from pdserve.engine.speculation import Proposer
 
 
 @dataclass(slots=True)
@@ -26,10 +26,6 @@ class ScheduledSeq:
     # A chunk reaching the end of the sequence samples a token after it. A speculating decode's
     # count includes its draft tokens (seq.draft_token_ids), each verified in the same step.
     num_new_tokens: int
-
-
-# propose(seq, k): up to k tokens to verify after a decoding sequence's next one
-Proposer = Callable[[Sequence, int], list[int]]
 
 
 @dataclass(slots=True)
@@ -54,17 +50,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: str = "continuous",
-        propose: Proposer | None = None,
+        proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
         tiers: KVTiers | None = None,
     ) -> None:
-        """propose: speculative decoding's proposer (with num_speculative_tokens, the most a
-        step verifies per sequence, and max_model_len, which drafts stay within). tiers: the
-        KV tiers under the pool, which a waiting sequence's prefix is loaded back from."""
+        """proposer: speculative decoding's (with num_speculative_tokens, the most a step
+        verifies per sequence, and max_model_len, which drafts stay within). tiers: the KV tiers
+        under the pool, which a waiting sequence's prefix is loaded back from."""
         self.block_manager = block_manager
         self.tiers = tiers
-        self.propose = propose
+        self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -113,6 +109,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq.block_table)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         self.static_batch.discard(seq.request_id)
 
     # --- one step ----------------------------------------------------------------------------
@@ -121,14 +119,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        # Running sequences first, oldest first, so the oldest is never starved.
+        # Running sequences first, oldest first, so the oldest is never starved. A decoding
+        # sequence that may speculate reserves blocks and tokens for its drafts here; they are
+        # proposed for all of them at once after the loop.
+        reserved: list[tuple[ScheduledSeq, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if self.propose is not None and seq.num_uncomputed_tokens == 1:
-                seq.draft_token_ids = self._drafts(seq, budget - 1)
-                num_new += len(seq.draft_token_ids)
+            num_drafts = 0
+            if self.proposer is not None and seq.num_uncomputed_tokens == 1:
+                num_drafts = self._draft_room(seq, budget - 1)
+                num_new += num_drafts
             allocated = self._allocate(seq, num_new)
             while not allocated:
                 victim = self.running[-1]
@@ -139,8 +141,12 @@ class Scheduler:
             if not allocated:
                 break
             out.scheduled.append(ScheduledSeq(seq, num_new))
+            if num_drafts:
+                reserved.append((out.scheduled[-1], num_drafts))
             budget -= num_new
             i += 1
+        if reserved:
+            budget += self._draft(reserved)
         if out.preempted:
             return out  # no admissions in a step that had to preempt
         if self.policy == "static" and not self.static_batch:
@@ -214,16 +220,39 @@ class Scheduler:
         bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         self.waiting.appendleft(seq)
 
-    def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """Draft tokens for a decoding sequence: at most num_speculative_tokens, the step's
-        room, and what its max_tokens and the context leave after the token it samples anyway."""
+    def _draft_room(self, seq: Sequence, room: int) -> int:
+        """How many drafts a decoding sequence may take: at most num_speculative_tokens, the
+        step's room, what its max_tokens and the context leave after the token it samples
+        anyway, and what the proposer allows it."""
         left = seq.params.max_tokens - seq.num_output_tokens - 1
         k = min(self.num_speculative_tokens, room, left)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)
         if k <= 0 or seq.prefill_only:
-            return []
-        return self.propose(seq, k)[:k]
+            return 0
+        return min(self.proposer.limit(seq, k), k)
+
+    def _draft(self, reserved: list[tuple[ScheduledSeq, int]]) -> int:
+        """Propose the drafts of every sequence that reserved room for them, in one call; give
+        back the blocks and tokens of drafts not proposed (each table again holds exactly what
+        its tokens need). Returns the tokens given back."""
+        bm = self.block_manager
+        drafts = self.proposer.draft([(item.seq, k) for item, k in reserved])
+        given_back = 0
+        for (item, k), tokens in zip(reserved, drafts):
+            seq = item.seq
+            seq.draft_token_ids = tokens[:k]
+            unused = k - len(seq.draft_token_ids)
+            if not unused:
+                continue
+            item.num_new_tokens -= unused
+            given_back += unused
+            keep = -(-(seq.num_computed_tokens + item.num_new_tokens) // bm.block_size)
+            if len(seq.block_table) > keep:
+                tail = seq.block_table[keep:]
+                del seq.block_table[keep:]
+                bm.free(tail)
+        return given_back
 
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
         return self.block_manager.allocate_slots(
@@ -234,6 +263,8 @@ class Scheduler:
         """Recompute preemption: drop its KV and requeue it at the front of the waiting line."""
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.draft_token_ids = []
         seq.tiers_looked_up = False
@@ -275,6 +306,7 @@ class Scheduler:
             if first is None:
                 self._cache(seq, num_drafts)
                 continue
+            num_before = seq.num_tokens
             seq.append_token(first)
             reason = seq.check_stop(max_model_len)
             count = 1
@@ -285,6 +317,10 @@ class Scheduler:
                 reason = seq.check_stop(max_model_len)
                 count += 1
             appended[index] = count
+            if num_drafts:
+                # What the proposer saw past the accepted drafts is not the sequence's.
+                valid = min(num_before + len(extra), seq.num_tokens)
+                self.proposer.rollback(seq, valid)
             # A stop among the accepted drafts leaves KV past the sequence's last token.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             self._cache(seq, num_drafts)

@@ -53,6 +53,10 @@ class Sequence:
         self.num_drafts_verified = 0  # of this sequence, since it started decoding here
         self.num_drafts_accepted = 0
         self.ngram_index: Any = None  # the n-gram proposer's index of token_ids
+        # The draft_model proposer's KV of this sequence: its blocks in the draft's pool, and how
+        # many of token_ids (then of its drafts) have draft KV there.
+        self.draft_block_table: list[int] = []
+        self.num_draft_computed_tokens = 0
         # Its prefix was looked up in the KV tiers below the pool since it was last admitted.
         self.tiers_looked_up = False
 

@@ -1,36 +1,46 @@
-"""Speculative decoding by n-gram lookup: a decoding sequence proposes the tokens that followed the
-latest earlier occurrence of its last n tokens in its own context (prompt lookup), the target
-model scores the sequence's next token and every proposed one in one forward (a short chunk over
-the paged KV), and the sequence keeps the proposals up to the first that the target would not
-have produced, plus the target's own token after them.
+"""Speculative decoding: a decoding sequence proposes tokens, the target model scores the
+sequence's next token and every proposed one in one forward (a short chunk over the paged KV), and
+the sequence keeps the proposals up to the first that the target would not have produced, plus the
+target's own token after them. Two proposers: `ngram` proposes the tokens that followed the latest
+earlier occurrence of its last n tokens in its own context (prompt lookup); `draft_model` runs a
+small model of the same vocabulary greedily (`pdserve.engine.draft_model`).
 
 Verification samples each of the k+1 positions exactly as plain decoding samples its next token
 (greedy: argmax; otherwise the exponential race, seeded rows with the noise keyed by the request's
 seed and the output's index), and a proposal is kept only while it equals that sample. So the
 tokens are the ones plain decoding gives: the same tokens for greedy and seeded requests, the same
-distribution for the rest. For proposals that are one token each (a lookup proposes no
-distribution) this accepts a proposal with the target's probability of it, as rejection sampling
-would.
+distribution for the rest. For proposals that are one token each (a lookup, or a draft model's
+argmax: a point mass, not a distribution) this accepts a proposal with the target's probability of
+it, as rejection sampling would.
 
 Sequences that speculate: running decodes (one token to compute), not a prefill node's, and
 without logprobs, penalties or a structured output (each of those reads the sequence's tokens up to
 the sampled position); the others decode as always, in the same batch. How many drafts a sequence
 proposes follows its own acceptance so far (`draft_limit`), unless the config's `adaptive` is off.
+
+The scheduler asks a `Proposer` in two phases: `limit` (how many drafts a sequence may take, so
+its blocks and the step's tokens are reserved before anything is proposed), then `draft` for every
+speculating sequence of the step at once (a draft model runs one batched forward per position).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.cluster.sampling_params import SamplingParams
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    from pdserve.engine.sequence import Sequence
+
+METHODS = ("ngram", "draft_model")
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` JSON, the n-gram method's keys."""
+    """vLLM's `--speculative-config` JSON: the n-gram method's keys, and the draft model's."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
@@ -38,6 +48,9 @@ class SpeculativeConfig:
     method: str = "ngram"
     # pdserve's own key: each sequence's draft limit follows its acceptance (`draft_limit`)
     adaptive: bool = True
+    # draft_model: its checkpoint directory or embedded model's name (given alone, the method is
+    # draft_model, as in vLLM)
+    model: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -48,7 +61,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config is not JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise ValueError("speculative_config must be a JSON object")
-        method = raw.get("method", "ngram")
+        method = raw.get("method", "draft_model" if "model" in raw else "ngram")
         if method not in METHODS:
             raise ValueError(
                 f"speculative_config method {method!r} is not supported (supported: "
@@ -60,10 +73,24 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config needs num_speculative_tokens")
         values = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        values["method"] = method
+        if method == "draft_model":
+            if not isinstance(raw.get("model"), str) or not raw["model"]:
+                raise ValueError("speculative_config method 'draft_model' needs model (a "
+                                 "checkpoint directory or an embedded model's name)")  # fmt: skip
+            ngram_only = [key for key in NGRAM_KEYS if key in raw]
+            if ngram_only:
+                raise ValueError(
+                    f"speculative_config {ngram_only[0]} is the ngram method's, not draft_model's"
+                )
+        elif "model" in raw:
+            raise ValueError("speculative_config model is the draft_model method's, not ngram's")
         for key, value in values.items():
             if key == "adaptive":
                 if not isinstance(value, bool):
                     raise ValueError("speculative_config adaptive must be true or false")
+            elif key == "model":
+                continue
             elif key != "method" and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
@@ -94,13 +121,46 @@ class NgramIndex:
         self.indexed = max(self.indexed, stop)
 
 
+class Proposer(Protocol):
+    """What the scheduler asks for drafts: `limit` for each decoding sequence as it schedules
+    it, `draft` once for all it reserved room for, `rollback` after a step verified a sequence's
+    drafts, `release` when a sequence leaves the batch (finished, aborted, preempted)."""
+
+    def limit(self, seq: Sequence, k: int) -> int:
+        """How many drafts seq may take this step, at most k (0: it decodes plainly)."""
+        ...
+
+    def draft(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Up to k drafts for each (sequence, k), all of the step's at once."""
+        ...
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """Only seq's first num_valid tokens are what the proposer saw: forget the rest."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """seq left the batch: free what the proposer holds for it."""
+        ...
+
+
+def speculation_limit(seq: Sequence, k: int, adaptive: bool) -> int:
+    """At most k drafts for a sequence that may speculate, following its acceptance if adaptive."""
+    if not can_speculate(seq.params, seq.prefill_only, seq.constraint is not None):
+        return 0
+    if adaptive:
+        k = draft_limit(k, seq.num_drafts_verified, seq.num_drafts_accepted, seq.num_output_tokens)
+    return max(k, 0)
+
+
 class NgramProposer:
     """Proposals from the sequence's own context: for n from `prompt_lookup_max` down to
     `prompt_lookup_min`, the latest earlier occurrence of its last n tokens, and up to k tokens
-    that followed it."""
+    that followed it. A lookup is cheap: `limit` makes it, so the scheduler reserves exactly the
+    drafts `draft` then gives."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
+        self.adaptive = config.adaptive
 
     def new_index(self) -> NgramIndex:
         return NgramIndex(self.sizes)
@@ -119,6 +179,24 @@ class NgramProposer:
             if end is not None:
                 return token_ids[end + 1 : end + 1 + k]
         return []
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        if seq.ngram_index is None:
+            seq.ngram_index = self.new_index()
+        return self.propose(seq.token_ids, k, seq.ngram_index)
+
+    def limit(self, seq: Sequence, k: int) -> int:
+        k = speculation_limit(seq, k, self.adaptive)
+        return len(self._lookup(seq, k)) if k > 0 else 0
+
+    def draft(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [self._lookup(seq, k) for seq, k in batch]
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        pass  # the index holds the sequence's own tokens only
+
+    def release(self, seq: Sequence) -> None:
+        pass
 
 
 # A sequence's draft limit follows its own acceptance once this many of its drafts were verified.

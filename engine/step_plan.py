@@ -87,6 +87,44 @@ class StepPlan:
             sample_counts if speculating else [],
         )
 
+    @classmethod
+    def from_chunks(
+        cls, chunks: list[tuple[list[int], int, list[int], bool]], block_size: int
+    ) -> StepPlan:
+        """A plan over chunks not of the scheduler's sequences (a draft model's): each is (token
+        ids, position of the first, block table, whether its last position samples)."""
+        bs = block_size
+        input_ids, positions, slots = array("q"), array("q"), array("q")
+        seq_lens, query_start = array("q"), array("q", [0])
+        sample_rows: list[int] = []
+        max_query_len = 1
+        for index, (tokens, start, table, samples) in enumerate(chunks):
+            end = start + len(tokens)
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            query_start.append(end - start + query_start[-1])
+            max_query_len = max(max_query_len, len(tokens))
+            if samples:
+                sample_rows.append(index)
+        width = max(len(table) for _, _, table, _ in chunks)
+        flat = array("i")
+        for _, _, table, _ in chunks:
+            flat.extend(table)
+            flat.extend(array("i", bytes(4 * (width - len(table)))))
+        return cls(
+            input_ids,
+            positions,
+            slots,
+            seq_lens,
+            query_start,
+            flat,
+            width,
+            sample_rows,
+            max_query_len,
+        )
+
     @property
     def num_logit_rows(self) -> int:
         return sum(self.sample_counts) if self.sample_counts else len(self.sample_rows)

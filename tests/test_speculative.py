@@ -98,7 +98,20 @@ def test_a_sequence_keeps_its_drafts_up_to_the_first_the_target_disagrees_with()
     ("text", "message"),
     [
         ("{", "is not JSON"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2}', "'draft_model' is not"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not supported"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "'draft_model' needs model"),
+        (
+            '{"model": "pdserve-tiny", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+            "prompt_lookup_max is the ngram method's",
+        ),
+        (
+            '{"method": "ngram", "model": "pdserve-tiny", "num_speculative_tokens": 2}',
+            "model is the draft_model method's",
+        ),
+        (
+            '{"model": "pdserve-tiny", "num_speculative_tokens": 2, "draft_tp": 1}',
+            "unknown key 'draft_tp'",
+        ),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"num_speculative_tokens": 0}', "must be a positive integer"),
         ('{"num_speculative_tokens": 2, "lookahead": 1}', "unknown key 'lookahead'"),
