@@ -1,0 +1,177 @@
+"""Speculative decoding with a draft model (`pdserve.engine.draft_model`): the tokens of plain
+decoding, greedy and seeded, with a draft that agrees with the target about half the time and with
+the target drafting for itself (every greedy draft kept); the drafts are the draft model's own
+greedy continuations (its KV caught up and rolled back exactly); preemption, chunked prefill and
+aborts leave no block of either pool behind; a draft of another vocabulary is refused, naming
+the difference; the scheduler gives back what it reserved for drafts not proposed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from checkpoints import build_draft_checkpoint
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+
+TARGET = "pdserve-stories"
+STORY = (
+    "Once upon a time, there was a little cat named Tom. Tom liked to play in the garden. "
+    "One day, Tom saw a big red ball in the garden. "
+)
+PROMPTS = [STORY, STORY[:60], STORY[40:], "Lily had a red ball."]
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+SEEDED = [
+    SamplingParams(max_tokens=40, temperature=t, seed=s, ignore_eos=True)
+    for t, s in ((0.7, 1), (1.0, 2), (0.7, 3), (1.0, 4))
+]
+
+
+def spec(model: str, k: int = 4) -> str:
+    # No adaptive limit: every speculating sequence takes k drafts a step.
+    return json.dumps(
+        {"method": "draft_model", "model": model, "num_speculative_tokens": k, "adaptive": False}
+    )
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> str:
+    """The target's first two layers of four: its greedy choice about half the time."""
+    path = tmp_path_factory.mktemp("draft")
+    return str(build_draft_checkpoint(resolve_model_dir(TARGET), path, num_layers=2))
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, list[list[int]]]:
+    llm = LLM(TARGET, device="cpu")
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    return {
+        "prompts": prompts,
+        "greedy": [o.token_ids for o in llm.generate(prompts, GREEDY)],
+        "seeded": [o.token_ids for o in llm.generate(prompts, SEEDED)],
+    }
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    target, draft = llm.engine.block_manager, llm.engine.proposer.block_manager
+    return target.num_free_blocks == target.num_blocks and draft.num_free_blocks == draft.num_blocks
+
+
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(plain, draft_dir):
+    llm = LLM(TARGET, device="cpu", speculative_config=spec(draft_dir))
+    assert [o.token_ids for o in llm.generate(plain["prompts"], GREEDY)] == plain["greedy"]
+    stats = llm.engine.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepts and rejects
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert [o.token_ids for o in llm.generate(plain["prompts"], SEEDED)] == plain["seeded"]
+    assert all_blocks_free(llm)
+
+
+def test_the_target_drafting_for_itself_keeps_every_greedy_draft(plain):
+    llm = LLM(TARGET, device="cpu", speculative_config=spec(TARGET))
+    assert [o.token_ids for o in llm.generate(plain["prompts"], GREEDY)] == plain["greedy"]
+    stats = llm.engine.stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    # Four drafts and the target's own token a step, but for the first and the last few.
+    assert stats.num_steps <= 2 + 40 // 5 + 2
+    assert all_blocks_free(llm)
+
+
+def test_drafts_are_the_draft_models_greedy_continuations_whatever_was_rejected(plain, draft_dir):
+    # The draft's KV is caught up with every accepted token and rolled back past every rejected
+    # draft, so each proposal is exactly what the draft model alone continues the sequence with.
+    llm = LLM(TARGET, device="cpu", speculative_config=spec(draft_dir))
+    proposer = llm.engine.proposer
+    proposals: list[tuple[list[int], list[int]]] = []
+    draft = proposer.draft
+
+    def recording(batch):  # noqa: ANN001, ANN202
+        drafts = draft(batch)
+        proposals.extend((list(seq.token_ids), d) for (seq, _), d in zip(batch, drafts) if d)
+        return drafts
+
+    proposer.draft = recording
+    engine, bs = llm.engine, proposer.block_manager.block_size
+    for i, ids in enumerate(plain["prompts"]):
+        engine.add_request(f"r{i}", ids, SEEDED[i])
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:  # the draft's KV holds the sequence's tokens only
+            assert seq.num_draft_computed_tokens < seq.num_tokens
+            assert len(seq.draft_block_table) == -(-seq.num_draft_computed_tokens // bs)
+    assert engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    assert all_blocks_free(llm)
+    alone = LLM(draft_dir, device="cpu")
+    k = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    sample = proposals[:: max(1, len(proposals) // 24)]
+    greedy = alone.generate([tokens for tokens, _ in sample], k)
+    assert [d for _, d in sample] == [o.token_ids[: len(d)] for o, (_, d) in zip(greedy, sample)]
+
+
+def test_preemption_chunking_and_aborts_leave_no_block_of_either_pool(plain, draft_dir):
+    tight = dict(num_kv_blocks=24, block_size=8, max_num_batched_tokens=40)
+    llm = LLM(TARGET, device="cpu", speculative_config=spec(draft_dir), **tight)
+    engine = llm.engine
+    tokens = {f"r{i}": [] for i in range(len(PROMPTS))}
+    for rid, ids in zip(tokens, plain["prompts"]):
+        engine.add_request(rid, ids, GREEDY)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        for seq in engine.scheduler.waiting:  # a preempted sequence holds no draft KV either
+            assert not seq.draft_block_table and seq.num_draft_computed_tokens == 0
+    assert list(tokens.values()) == plain["greedy"]
+    assert engine.scheduler.num_preemptions > 0
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    assert all_blocks_free(llm)
+    # An abort mid-speculation gives every block of both pools back.
+    engine.add_request("a", plain["prompts"][0], GREEDY)
+    seq = engine.seqs["a"]
+    while not seq.draft_block_table or seq.num_output_tokens < 8:
+        engine.step()
+    assert not seq.is_finished
+    assert engine.abort("a")
+    assert all_blocks_free(llm)
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_the_difference():
+    with pytest.raises(ValueError, match=r"draft's tokenizer vocabulary differs .*782 tokens"):
+        LLM("pdserve-tiny", device="cpu", speculative_config=spec(TARGET))
+
+
+class ShortProposer:
+    """Proposes fewer drafts than the scheduler reserved: one for every sequence."""
+
+    def limit(self, seq, k):  # noqa: ANN001, ANN201
+        return k
+
+    def draft(self, batch):  # noqa: ANN001, ANN201
+        return [[7] for _ in batch]
+
+    def rollback(self, seq, num_valid):  # noqa: ANN001, ANN201
+        pass
+
+    def release(self, seq):  # noqa: ANN001, ANN201
+        pass
+
+
+def test_the_scheduler_gives_back_blocks_and_tokens_reserved_for_drafts_not_proposed():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, 8, 12, proposer=ShortProposer(), num_speculative_tokens=6)
+    params = SamplingParams(max_tokens=20, temperature=0)
+    decoding = Sequence("d", [5, 6, 7], params)
+    sched.add(decoding)
+    sched.postprocess(sched.schedule(), {0: 9}, 100)  # prefill: 4 tokens, one block
+    sched.add(Sequence("w", list(range(10, 18)), params))
+    out = sched.schedule()
+    # It reserved 1 + 6 tokens (two blocks), took 1 + 1: the second block and 5 tokens back,
+    # which the waiting prompt's 8 tokens then fit into.
+    assert decoding.draft_token_ids == [7]
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("d", 2), ("w", 8)]
+    assert len(decoding.block_table) == 2  # tokens 4 and 5 at positions 3 and 4
+    assert bm.num_free_blocks == 16 - 2 - 2
