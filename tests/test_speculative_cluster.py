@@ -1,7 +1,8 @@
 """Speculative decoding on decode nodes, disaggregated for real: a prefill node hands each prompt
-to a decode node that speculates (n-gram), over tcp and shm, and every stream equals the offline
-engine's without speculation, greedy and seeded; the decode node's draft and acceptance counts
-reach /metrics; a decode node killed mid-speculation changes no token (the request resumes, and
+to a decode node that speculates (n-gram over tcp and shm; a draft model over tcp, its KV
+prefilled on the decode node from the prompt), and every stream equals the offline engine's
+without speculation, greedy and seeded; the decode node's draft and acceptance counts reach
+/metrics; a decode node killed mid-speculation changes no token (the request resumes, and
 speculates, on the other)."""
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from checkpoints import build_draft_checkpoint
 from local_cluster import Cluster
 
 from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.embedded_models import resolve_model_dir
 
 MODEL = "pdserve-stories"
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -83,3 +86,19 @@ def test_a_decode_node_killed_mid_speculation_changes_no_token(offline):
         assert asyncio.run(run_with_kill()) == want
         cluster.wait_until_idle()
         assert cluster.coordinator.nodes.nodes["decode-1"].spec_accepted_tokens > 0
+
+
+def test_a_decode_node_drafting_with_a_model_streams_the_tokens_of_plain_decoding(
+    offline, tmp_path
+):
+    want = expected(offline)
+    prompt_ids = [offline.tokenizer.encode(s) for s in STORIES]
+    # The target's first two layers: its greedy choice about half the time.
+    draft = build_draft_checkpoint(resolve_model_dir(MODEL), tmp_path / "draft", num_layers=2)
+    config = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
+    engines = {"decode-0": {"speculative_config": config}}
+    with Cluster(1, 1, transport="tcp", model=MODEL, node_engines=engines) as cluster:
+        assert asyncio.run(run_all(cluster.client_addr, prompt_ids)) == want
+        cluster.wait_until_idle()  # every block back, and a load report after the run
+        node = cluster.coordinator.nodes.nodes["decode-0"]
+        assert 0 < node.spec_accepted_tokens < node.spec_draft_tokens
