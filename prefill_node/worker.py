@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from pdserve.cluster import tracing
 from pdserve.cluster.keys import node_keys
@@ -207,6 +208,10 @@ def serve(options: NodeOptions, engine_config: EngineConfig) -> None:
     # Every rank sends the pages of its heads, holding the node's keys, with their digests.
     sender_options = {"keys": keys, "integrity": options.kv_integrity}
     specs, remote = rank_endpoints("sender", size, options=sender_options)
+    speculation = engine_config.speculation()
+    if speculation is not None and speculation.method == "draft_model":
+        # A prefill node samples one token a request and never speculates: no draft to load.
+        engine_config = replace(engine_config, speculative_config=None)
     engine = LLMEngine(engine_config, kv_endpoints=specs)
     heads = [(r.start, r.stop) for r in kv_head_ranges(size, engine.layout.num_kv_heads)]
     links = rank_links(engine.pool, remote, sender_options)

@@ -96,7 +96,7 @@ def test_a_decode_node_drafting_with_a_model_streams_the_tokens_of_plain_decodin
     # The target's first two layers: its greedy choice about half the time.
     draft = build_draft_checkpoint(resolve_model_dir(MODEL), tmp_path / "draft", num_layers=2)
     config = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
-    engines = {"decode-0": {"speculative_config": config}}
+    engines = {node: {"speculative_config": config} for node in ("prefill-0", "decode-0")}
     with Cluster(1, 1, transport="tcp", model=MODEL, node_engines=engines) as cluster:
         assert asyncio.run(run_all(cluster.client_addr, prompt_ids)) == want
         cluster.wait_until_idle()  # every block back, and a load report after the run
