@@ -175,3 +175,15 @@ def test_the_scheduler_gives_back_blocks_and_tokens_reserved_for_drafts_not_prop
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("d", 2), ("w", 8)]
     assert len(decoding.block_table) == 2  # tokens 4 and 5 at positions 3 and 4
     assert bm.num_free_blocks == 16 - 2 - 2
+
+
+def test_a_tensor_parallel_target_drafts_on_rank_0(plain, draft_dir):
+    # The draft model is whole on rank 0 (the other rank holds no draft): it proposes before
+    # the step is published to the group.
+    with LLM(
+        TARGET, device="cpu", tensor_parallel_size=2, speculative_config=spec(draft_dir)
+    ) as llm:
+        tokens = [o.token_ids for o in llm.generate(plain["prompts"][:2], GREEDY)]
+        assert llm.engine.stats.num_accepted_tokens > 0
+        assert all_blocks_free(llm)
+    assert tokens == plain["greedy"][:2]
