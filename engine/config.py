@@ -134,7 +134,11 @@ class EngineConfig:
         'speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
         "verifies up to 4 tokens a step that follow an earlier occurrence of a sequence's last "
-        "2-4 tokens in its context (unset: off)",
+        '2-4 tokens in its context; \'{"method": "draft_model", "model": "DIR", '
+        '"num_speculative_tokens": 4}\' verifies up to 4 tokens a step proposed greedily by a '
+        "draft model of the same vocabulary (a checkpoint directory or an embedded model's name) on "
+        "rank 0, whose KV pool has as many blocks as the node's, out of the same budget "
+        "(unset: off)",
     )
 
     def __post_init__(self) -> None:
