@@ -1,9 +1,15 @@
-"""Speculative decoding (n-gram lookup) against plain decoding, side by side in one run: for each
-workload and batch size, the decode phase's time per output token and tokens per second with
-speculation off and on, alternating, the best of `--repeats` each, and the acceptance.
+"""Speculative decoding (n-gram lookup, or a draft model) against plain decoding, side by side in
+one run: for each workload and batch size, the decode phase's time per output token and tokens per
+second with speculation off and on, alternating, the best of `--repeats` each, and the acceptance.
 
     python -m pdserve.bench.speculative                       # the workloads below, batch 1, 8, 32
     python -m pdserve.bench.speculative --batches 1 --json spec.json
+    python -m pdserve.bench.speculative --method draft_model --draft-layers 1   # a draft model
+
+`--method draft_model` drafts with `--draft` (a checkpoint directory or an embedded model's name of
+the target's vocabulary), or by default with the target's own first `--draft-layers` layers (its
+embedding, final norm and head kept), written to a temporary directory: a draft that agrees with
+the target often but not always, and costs a fraction of its layers (not of its head).
 
 Workloads (prompts of random token ids, every request `--max-tokens` long, no early stop):
 - `loops` (llama-50m, random weights, greedy): a random model's greedy outputs fall into cycles
@@ -25,6 +31,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +39,8 @@ from pathlib import Path
 from pdserve.bench.offline_throughput import machine
 from pdserve.bench.peers import models as bench_models
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.weights import checkpoint_files
 
 WORKLOADS = {
     # name: (model, temperature)
@@ -83,10 +92,43 @@ def decode_phase(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple
     return time.perf_counter() - start, [tokens[rid] for rid in ids]
 
 
-def measure(args: argparse.Namespace, workload: str, batch: int) -> list[Run]:
+def first_layers_checkpoint(model_dir: Path, out_dir: Path, num_layers: int) -> Path:
+    """A draft of a checkpoint: its first num_layers layers and everything else of it (embedding,
+    final norm, head, tokenizer), so it has the target's vocabulary by construction."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 0 < num_layers <= config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers: the target has {config['num_hidden_layers']} layers")
+    config["num_hidden_layers"] = num_layers
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {}
+    for file in checkpoint_files(model_dir):
+        for name, tensor in load_file(str(file)).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers:
+                kept[name] = tensor
+    save_file(kept, str(out_dir / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            (out_dir / name).write_bytes((model_dir / name).read_bytes())
+    return out_dir
+
+
+def speculative_config(args: argparse.Namespace, target: str, scratch: Path) -> str:
+    if args.method == "ngram":
+        return json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
+    draft = args.draft
+    if draft is None:
+        out = scratch / f"{Path(target).name}-first-{args.draft_layers}"
+        draft = str(first_layers_checkpoint(resolve_model_dir(target), out, args.draft_layers))
+    return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": args.k})
+
+
+def measure(args: argparse.Namespace, workload: str, batch: int, scratch: Path) -> list[Run]:
     model, temperature = WORKLOADS[workload]
     path = model if model.startswith("pdserve-") else str(bench_models.resolve(model))
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
+    spec = speculative_config(args, path, scratch)
     llms = {
         on: LLM(
             path,
@@ -146,6 +188,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
+    p.add_argument("--draft", default=None, help="draft_model: the draft (unset: --draft-layers)")
+    p.add_argument(
+        "--draft-layers", type=int, default=1, help="draft_model: the target's first N layers"
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -157,11 +204,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     runs = []
-    for workload in args.workloads.split(","):
-        if workload not in WORKLOADS:
-            raise SystemExit(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
-        for batch in (int(b) for b in args.batches.split(",")):
-            runs += measure(args, workload, batch)
+    with tempfile.TemporaryDirectory(prefix="pdserve-drafts-") as scratch:
+        for workload in args.workloads.split(","):
+            if workload not in WORKLOADS:
+                raise SystemExit(
+                    f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}"
+                )
+            for batch in (int(b) for b in args.batches.split(",")):
+                runs += measure(args, workload, batch, Path(scratch))
     result = {
         "command": "python -m pdserve.bench.speculative " + " ".join(argv or sys.argv[1:]),
         "machine": machine(),

@@ -3,7 +3,6 @@ the pdserve-tiny tokenizer, for parity tests."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -214,20 +213,6 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 def build_draft_checkpoint(model_dir: Path, out_dir: Path, num_layers: int) -> Path:
     """A draft for a checkpoint: its first num_layers layers, the rest of it as it is (the same
     tokenizer and vocabulary), so it agrees with the full model often but not always."""
-    from safetensors.torch import load_file, save_file
+    from pdserve.bench.speculative import first_layers_checkpoint
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["num_hidden_layers"] = num_layers
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    weights = load_file(str(model_dir / "model.safetensors"))
-    kept = {
-        name: tensor
-        for name, tensor in weights.items()
-        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
-    }
-    save_file(kept, str(out_dir / "model.safetensors"))
-    for name in (*TOKENIZER_FILES, "generation_config.json"):
-        if (model_dir / name).is_file():
-            shutil.copy(model_dir / name, out_dir / name)
-    return out_dir
+    return first_layers_checkpoint(model_dir, out_dir, num_layers)
