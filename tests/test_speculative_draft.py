@@ -85,7 +85,8 @@ def test_the_target_drafting_for_itself_keeps_every_greedy_draft(plain):
 def test_drafts_are_the_draft_models_greedy_continuations_whatever_was_rejected(plain, draft_dir):
     # The draft's KV is caught up with every accepted token and rolled back past every rejected
     # draft, so each proposal is exactly what the draft model alone continues the sequence with.
-    llm = LLM(TARGET, device="cpu", speculative_config=spec(draft_dir))
+    # A step's budget of 16 tokens: the draft catches up with a prompt over several steps.
+    llm = LLM(TARGET, device="cpu", speculative_config=spec(draft_dir), max_num_batched_tokens=16)
     proposer = llm.engine.proposer
     proposals: list[tuple[list[int], list[int]]] = []
     draft = proposer.draft
