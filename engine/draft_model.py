@@ -48,12 +48,12 @@ def check_vocabulary(draft_dir: Path, target_dir: Path) -> None:
             f"first {first}: {drafts.get(first)!r} in the draft, {targets.get(first)!r} in the "
             "target)"
         )
-    widths = (ModelConfig.from_pretrained(draft_dir).vocab_size,
-              ModelConfig.from_pretrained(target_dir).vocab_size)  # fmt: skip
-    if widths[0] != widths[1]:
+    draft_width = ModelConfig.from_pretrained(draft_dir).vocab_size
+    target_width = ModelConfig.from_pretrained(target_dir).vocab_size
+    if draft_width != target_width:
         raise ValueError(
-            f"speculative_config model: the draft's vocab_size {widths[0]} differs from the "
-            f"target's {widths[1]}"
+            f"speculative_config model: the draft's vocab_size {draft_width} differs from the "
+            f"target's {target_width}"
         )
 
 

@@ -117,8 +117,10 @@ class Engine:
         self.speculation = speculation
         if proposer is None and speculation is not None:
             if speculation.method != "ngram":
-                raise ValueError(f"speculative_config method {speculation.method!r} needs a model "
-                                 "executor (LLMEngine) to propose")  # fmt: skip
+                raise ValueError(
+                    f"speculative_config method {speculation.method!r} needs a model executor "
+                    "(LLMEngine) to propose"
+                )
             proposer = NgramProposer(speculation)
         self.proposer = proposer
         self.scheduler = Scheduler(

@@ -76,8 +76,10 @@ class SpeculativeConfig:
         values["method"] = method
         if method == "draft_model":
             if not isinstance(raw.get("model"), str) or not raw["model"]:
-                raise ValueError("speculative_config method 'draft_model' needs model (a "
-                                 "checkpoint directory or an embedded model's name)")  # fmt: skip
+                raise ValueError(
+                    "speculative_config method 'draft_model' needs model (a checkpoint directory "
+                    "or an embedded model's name)"
+                )
             ngram_only = [key for key in NGRAM_KEYS if key in raw]
             if ngram_only:
                 raise ValueError(
