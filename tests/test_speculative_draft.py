@@ -140,6 +140,17 @@ def test_preemption_chunking_and_aborts_leave_no_block_of_either_pool(plain, dra
     assert all_blocks_free(llm)
 
 
+def test_sequences_whose_draft_kv_does_not_fit_decode_plainly(plain, draft_dir):
+    llm = LLM(TARGET, device="cpu", speculative_config=spec(draft_dir), block_size=8)
+    proposer = llm.engine.proposer
+    proposer.block_manager = BlockManager(9, 8, enable_prefix_caching=False)  # 72 draft tokens
+    assert [o.token_ids for o in llm.generate(plain["prompts"], GREEDY)] == plain["greedy"]
+    stats = llm.engine.stats
+    # Some drafts, but far fewer than the 193 verified with room for every sequence's.
+    assert 0 < stats.num_accepted_tokens and stats.num_draft_tokens < 100
+    assert all_blocks_free(llm)
+
+
 def test_a_draft_of_another_vocabulary_is_refused_naming_the_difference():
     with pytest.raises(ValueError, match=r"draft's tokenizer vocabulary differs .*782 tokens"):
         LLM("pdserve-tiny", device="cpu", speculative_config=spec(TARGET))
