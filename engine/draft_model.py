@@ -1,6 +1,8 @@
 """Speculative decoding's `draft_model` method: a small model of the target's vocabulary, on rank
-0's device with a paged KV pool of its own, proposes each speculating sequence's drafts greedily
-(its argmax, a point mass), so verification keeps the target's output exactly as it is.
+0's device with a paged KV pool of its own, proposes each speculating sequence's drafts greedily.
+Each draft is its argmax, a point mass, so verification (keep a draft while it equals the target's
+own sample there) leaves the output token-identical to plain decoding for greedy and seeded
+requests and exact in distribution for the others.
 
 Per step, for every speculating sequence at once: one forward catches the draft's KV up with the
 tokens it has not seen (after a KV handoff, the whole prompt: the draft's KV is never transferred,
