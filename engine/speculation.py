@@ -51,6 +51,8 @@ class SpeculativeConfig:
     # draft_model: its checkpoint directory or embedded model's name (given alone, the method is
     # draft_model, as in vLLM)
     model: str | None = None
+    # vLLM's key, accepted at 1 only: the draft runs whole on rank 0, whatever the target's size
+    draft_tensor_parallel_size: int = 1
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -85,8 +87,17 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config {ngram_only[0]} is the ngram method's, not draft_model's"
                 )
-        elif "model" in raw:
-            raise ValueError("speculative_config model is the draft_model method's, not ngram's")
+            if raw.get("draft_tensor_parallel_size", 1) != 1:
+                raise ValueError(
+                    "speculative_config draft_tensor_parallel_size must be 1: the draft runs "
+                    "whole on rank 0"
+                )
+        else:
+            draft_only = [key for key in ("model", "draft_tensor_parallel_size") if key in raw]
+            if draft_only:
+                raise ValueError(
+                    f"speculative_config {draft_only[0]} is the draft_model method's, not ngram's"
+                )
         for key, value in values.items():
             if key == "adaptive":
                 if not isinstance(value, bool):

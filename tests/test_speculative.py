@@ -112,6 +112,11 @@ def test_a_sequence_keeps_its_drafts_up_to_the_first_the_target_disagrees_with()
             '{"model": "pdserve-tiny", "num_speculative_tokens": 2, "draft_tp": 1}',
             "unknown key 'draft_tp'",
         ),
+        (
+            '{"model": "pdserve-tiny", "num_speculative_tokens": 2, '
+            '"draft_tensor_parallel_size": 2}',
+            "draft_tensor_parallel_size must be 1",
+        ),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"num_speculative_tokens": 0}', "must be a positive integer"),
         ('{"num_speculative_tokens": 2, "lookahead": 1}', "unknown key 'lookahead'"),
