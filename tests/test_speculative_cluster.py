@@ -3,7 +3,7 @@ to a decode node that speculates (n-gram over tcp and shm; a draft model over tc
 prefilled on the decode node from the prompt), and every stream equals the offline engine's
 without speculation, greedy and seeded; the decode node's draft and acceptance counts reach
 /metrics; a decode node killed mid-speculation changes no token (the request resumes, and
-speculates, on the other)."""
+speculates, on the other: with a draft model, its draft prefilled there again)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ PARAMS = [
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM(MODEL, num_kv_blocks=1024, block_size=8, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def draft_config(tmp_path_factory) -> str:
+    """draft_model with the target's first two layers: its greedy choice about half the time."""
+    path = tmp_path_factory.mktemp("draft")
+    draft = build_draft_checkpoint(resolve_model_dir(MODEL), path, num_layers=2)
+    return f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
 
 
 def expected(offline: LLM) -> list[list[int]]:
@@ -70,10 +78,13 @@ def test_a_speculating_decode_node_streams_the_tokens_of_plain_decoding(offline,
         assert f"{line} {first}.0" in lines
 
 
-def test_a_decode_node_killed_mid_speculation_changes_no_token(offline):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_decode_node_killed_mid_speculation_changes_no_token(offline, draft_config, method):
+    # With a draft model, the other decode node prefills the draft from the resumed prompt.
     want = expected(offline)
     prompt_ids = [offline.tokenizer.encode(s) for s in STORIES]
-    engines = {d: {"speculative_config": NGRAM} for d in ("decode-0", "decode-1")}
+    config = NGRAM if method == "ngram" else draft_config
+    engines = {d: {"speculative_config": config} for d in ("decode-0", "decode-1")}
     with Cluster(1, 2, model=MODEL, node_engines=engines) as cluster:
 
         async def run_with_kill() -> list[list[int]]:
@@ -89,14 +100,11 @@ def test_a_decode_node_killed_mid_speculation_changes_no_token(offline):
 
 
 def test_a_decode_node_drafting_with_a_model_streams_the_tokens_of_plain_decoding(
-    offline, tmp_path
+    offline, draft_config
 ):
     want = expected(offline)
     prompt_ids = [offline.tokenizer.encode(s) for s in STORIES]
-    # The target's first two layers: its greedy choice about half the time.
-    draft = build_draft_checkpoint(resolve_model_dir(MODEL), tmp_path / "draft", num_layers=2)
-    config = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
-    engines = {node: {"speculative_config": config} for node in ("prefill-0", "decode-0")}
+    engines = {node: {"speculative_config": draft_config} for node in ("prefill-0", "decode-0")}
     with Cluster(1, 1, transport="tcp", model=MODEL, node_engines=engines) as cluster:
         assert asyncio.run(run_all(cluster.client_addr, prompt_ids)) == want
         cluster.wait_until_idle()  # every block back, and a load report after the run
