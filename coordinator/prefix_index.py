@@ -130,6 +130,11 @@ class PrefixIndex:
             found.by_tier[tier] += 1
         return found
 
+    def node_blocks(self, node_id: str) -> dict[str, int]:
+        """How many blocks the index holds for a node in each tier."""
+        view = self.nodes.get(node_id)
+        return {tier: len(view.tiers[tier]) if view is not None else 0 for tier in TIERS}
+
     def blocks_by_tier(self) -> dict[str, int]:
         """Blocks the index holds in each tier, over every node (a block on two nodes counts
         twice): its size."""
