@@ -481,12 +481,15 @@ class CoordinatorCore:
             self.handoff_identities[msg.node_id] = identity
             return
         if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
+            known = self.nodes.nodes.get(msg.node_id)
+            # A snapshot sent again (the node is in a long step): its KV events are applied.
+            resent = known is not None and known.alive and msg.seq == known.load_seq
             node = self.nodes.heartbeat(msg, self.now)
             if node is None:
                 # Declared dead (or never registered) but alive: make it start afresh.
                 logger.warning("node %s is not registered: resetting it", msg.node_id)
                 self._out.orders.append((msg.node_id.encode(), Reset()))
-            else:
+            elif not resent:
                 ack = self.prefix_index.apply(node.node_id, msg.kv_stream, msg.kv_events)
                 if ack is not None:
                     self._send(node, ack)
