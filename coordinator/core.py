@@ -482,7 +482,7 @@ class CoordinatorCore:
             return
         if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
             known = self.nodes.nodes.get(msg.node_id)
-            # A snapshot sent again (the node is in a long step): its KV events are applied.
+            # A snapshot sent again (the node is in a long step): its KV events were applied.
             resent = known is not None and known.alive and msg.seq == known.load_seq
             node = self.nodes.heartbeat(msg, self.now)
             if node is None:

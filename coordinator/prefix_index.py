@@ -9,14 +9,20 @@ that dies or registers again takes its entries with it. Its memory is what the n
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.cluster.block_hash import prefix_hashes
 from pdserve.cluster.kv_event_stream import TIERS, unpack_hashes
 from pdserve.cluster.node_messages import KVEventRecord, KVEventsAck, KVOp
 
 logger = logging.getLogger(__name__)
 
 RESYNC_AGAIN_AFTER = 8  # reports still showing a gap before a snapshot is asked for again
+# Prompts whose block hashes are kept: one request's routing asks for the same prompt's hashes
+# up to four times (local prefill, prefill node, early admission, admission).
+HASHED_PROMPTS = 16
 
 
 @dataclass(slots=True)
@@ -59,6 +65,20 @@ class NodeBlocks:
 class PrefixIndex:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeBlocks] = {}  # by node id
+        self._hashed: OrderedDict[tuple[int, tuple[int, ...]], list[int]] = OrderedDict()
+
+    def prompt_hashes(self, token_ids: Sequence[int], block_size: int) -> list[int]:
+        """A prompt's chained block hashes (`cluster.block_hash.prefix_hashes`), of the last
+        few prompts asked for computed once."""
+        key = (block_size, tuple(token_ids))
+        hashes = self._hashed.get(key)
+        if hashes is None:
+            hashes = self._hashed[key] = prefix_hashes(token_ids, block_size)
+            if len(self._hashed) > HASHED_PROMPTS:
+                self._hashed.popitem(last=False)
+        else:
+            self._hashed.move_to_end(key)
+        return hashes
 
     def register(self, node_id: str, stream: int) -> None:
         """A node (re)registered with this event stream (0: it publishes none): what an earlier

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.cluster.block_hash import prefix_hashes
 from pdserve.coordinator.nodes import NodeState
 from pdserve.coordinator.prefix_index import PrefixIndex, PrefixMatch
 
@@ -35,11 +34,6 @@ def prefill_load(node: NodeState) -> int:
 def kv_load(node: NodeState) -> int:
     """KV tokens a decode node holds or has been promised: its used blocks."""
     return (node.num_blocks - node.available_blocks) * node.block_size
-
-
-def pool_blocks(nodes: list[NodeState]) -> int:
-    """The KV blocks of the nodes' pools, all together."""
-    return sum(n.num_blocks for n in nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +80,10 @@ def choose_by_prefix(
     fallback = fallback_choice(nodes)
     if fallback is None:
         return None
-    hashes: dict[int, list[int]] = {}  # by block size
     best: PrefixChoice | None = None
     ceiling = load(fallback) * max_load_ratio
     for node in nodes:
-        if node.block_size not in hashes:
-            hashes[node.block_size] = prefix_hashes(token_ids, node.block_size)
-        match = index.match(node.node_id, hashes[node.block_size])
+        match = index.match(node.node_id, index.prompt_hashes(token_ids, node.block_size))
         if match.blocks < min_blocks:
             continue
         saved = costs.saved_tokens(match, node.block_size)
