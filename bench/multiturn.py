@@ -1,8 +1,10 @@
-"""Decode-side prefix reuse on a multi-turn chat workload: the same sessions against `pdserve
-serve` (1 prefill + 1 decode node) with `decode_prefix_reuse` on and off, one server after the
-other in one run, each started fresh (cold caches). Reports per turn the KV bytes the decode node
-received (its `pdserve_kv_transfer_blocks_total` on /metrics, times the bytes of a block), the
-blocks it found cached, TTFT, and the gap from the first token to the second (the KV handoff's
+"""Prefix reuse on a multi-turn chat workload: the same sessions against `pdserve serve`
+(1 prefill + 1 decode node) in several modes, one server after the other in one run, each
+started fresh (cold caches): `decode_prefix_reuse` on and off, and on with host-memory KV tiers
+under both nodes' pools (`--kv-host-bytes`). Reports the prompt tokens the nodes computed (their
+`pdserve_prefill_tokens_computed_total`), the KV bytes the decode node received (its
+`pdserve_kv_transfer_blocks_total`, times the bytes of a block), the blocks it found cached or
+loaded back from a tier, TTFT, and the gap from the first token to the second (the KV handoff's
 share of a request's latency).
 
     python -m pdserve.bench.multiturn --sessions 8 --concurrency 4 --json /tmp/multiturn.json
@@ -30,30 +32,35 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.tune.local_server import PdserveServer, PdserveSystem, free_port
 from pdserve.tune.serving_metrics import percentile
 
-MODES = {"reuse-on": True, "reuse-off": False}
+# mode -> (decode_prefix_reuse, KV tiers under the pools)
+MODES = {"reuse-on": (True, False), "reuse-off": (False, False), "tiers": (True, True)}
+# /metrics counters summed over the nodes, by what the results call them.
+COUNTERS = {
+    "prompt_tokens_computed": "pdserve_prefill_tokens_computed_total",
+    "blocks_received": "pdserve_kv_transfer_blocks_total",
+    "blocks_reused": "pdserve_kv_transfer_blocks_reused_total",
+    "tier_blocks_loaded": "pdserve_kv_tier_hit_blocks_total",
+}
 
 
-def decode_counters(base_url: str) -> tuple[int, int]:
-    """The decode nodes' (blocks received, blocks reused) from /metrics, summed."""
+def counters(base_url: str) -> dict[str, int]:
+    """The nodes' COUNTERS from /metrics, each summed over nodes (and tiers)."""
     text = httpx.get(base_url + "/metrics", timeout=30).text
 
     def total(name: str) -> int:
         return int(sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)))
 
-    return total("pdserve_kv_transfer_blocks_total"), total(
-        "pdserve_kv_transfer_blocks_reused_total"
-    )
+    return {key: total(name) for key, name in COUNTERS.items()}
 
 
-def settle(base_url: str, seconds: float = 1.5) -> tuple[int, int]:
+def settle(base_url: str, seconds: float = 1.5) -> dict[str, int]:
     """Counters once the nodes' next load reports are in (they come every 0.5 s)."""
     time.sleep(seconds)
-    return decode_counters(base_url)
+    return counters(base_url)
 
 
-def run_mode(
-    name: str, reuse: bool, args: argparse.Namespace, workload: MultiTurnWorkload, work: Path
-) -> dict:
+def run_mode(name: str, args: argparse.Namespace, workload: MultiTurnWorkload, work: Path) -> dict:
+    reuse, tiers = MODES[name]
     client_port = free_port()
     system = PdserveSystem(
         name,
@@ -61,6 +68,7 @@ def run_mode(
         flags=("--transport", args.transport, "--client-port", str(client_port)),
     )
     engine_flags = ("--block-size", str(args.block_size), "--num-kv-blocks", str(args.kv_blocks))
+    engine_flags += ("--kv-host-bytes", str(args.kv_host_bytes if tiers else 0))
     system.flags += engine_flags
     with PdserveServer(system, work, model=args.model) as server:
         address = f"tcp://127.0.0.1:{client_port}"
@@ -69,17 +77,14 @@ def run_mode(
         before = settle(server.base_url)
         results = asyncio.run(run_sessions(address, workload.sample(args.seed), args.concurrency))
         after = settle(server.base_url)
-    return summarize(name, reuse, results, after[0] - before[0], after[1] - before[1], args)
+    counted = {key: after[key] - before[key] for key in COUNTERS}
+    return summarize(name, results, counted, args)
 
 
 def summarize(
-    name: str,
-    reuse: bool,
-    results: list[TurnResult],
-    received: int,
-    reused: int,
-    args: argparse.Namespace,
+    name: str, results: list[TurnResult], counted: dict[str, int], args: argparse.Namespace
 ) -> dict:
+    reuse, tiers = MODES[name]
     block_bytes = kv_block_bytes(args.model, args.block_size)
     n = len(results)
     later = [r for r in results if r.turn > 0]
@@ -91,11 +96,12 @@ def summarize(
     return {
         "system": name,
         "decode_prefix_reuse": reuse,
+        "kv_host_bytes": args.kv_host_bytes if tiers else 0,
         "requests": n,
-        "blocks_received": received,
-        "blocks_reused": reused,
+        **counted,
+        "prompt_tokens": sum(r.prompt_len for r in results),
         "block_bytes": block_bytes,
-        "kv_bytes_per_request": received * block_bytes / n,
+        "kv_bytes_per_request": counted["blocks_received"] * block_bytes / n,
         "ttft_ms": {
             "mean": ms([r.ttft for r in results]),
             "p50": ms([r.ttft for r in results], 50),
@@ -122,14 +128,17 @@ def kv_block_bytes(model: str, block_size: int) -> int:
 
 def format_table(runs: list[dict]) -> str:
     rows = [
-        "| system | requests | KV blocks received | blocks reused | KV bytes per request | "
+        "| system | requests | prompt tokens computed | KV blocks received | blocks reused | "
+        "blocks loaded from tiers | KV bytes per request | "
         "TTFT mean / P50 / P90 (ms) | first-to-second token mean / P50 / P90 (ms) |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in runs:
         t, g = r["ttft_ms"], r["first_gap_ms"]
         rows.append(
-            f"| {r['system']} | {r['requests']} | {r['blocks_received']} | {r['blocks_reused']} "
+            f"| {r['system']} | {r['requests']} "
+            f"| {r['prompt_tokens_computed']} of {r['prompt_tokens']} "
+            f"| {r['blocks_received']} | {r['blocks_reused']} | {r['tier_blocks_loaded']} "
             f"| {r['kv_bytes_per_request'] / 1024:.1f} KiB "
             f"| {t['mean']:.1f} / {t['p50']:.1f} / {t['p90']:.1f} "
             f"| {g['mean']:.1f} / {g['p50']:.1f} / {g['p90']:.1f} |"
@@ -164,7 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV blocks of every node")
     p.add_argument(
-        "--modes", default="reuse-on,reuse-off", help="which servers, in order: reuse-on, reuse-off"
+        "--kv-host-bytes",
+        type=int,
+        default=256 << 20,
+        help="host KV tier of every node in the tiers mode",
+    )
+    p.add_argument(
+        "--modes",
+        default="reuse-on,reuse-off",
+        help="which servers, in order: reuse-on, reuse-off, tiers",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument(
@@ -190,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         output_len=args.output_len,
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-multiturn-"))
-    runs = [run_mode(m, MODES[m], args, workload, work) for m in modes]
+    runs = [run_mode(m, args, workload, work) for m in modes]
     if len(runs) > 1 and any(r["outputs"] != runs[0]["outputs"] for r in runs):
         raise SystemExit("pdserve.bench.multiturn: error: the modes' greedy outputs differ")
     print(format_table(runs))

@@ -65,6 +65,21 @@ class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     logprobs: TokenLogprobs | None = None
 
 
+class KVTierReport(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A node's KV tiers below its pool (since it started), each dict keyed by tier ("host",
+    "disk"): blocks found and not found when a prompt's prefix was looked up past the pool,
+    bytes written down and loaded back, loads and their time, failed copies, blocks held now."""
+
+    hit_blocks: dict[str, int] = {}
+    miss_blocks: dict[str, int] = {}
+    written_bytes: dict[str, int] = {}
+    loaded_bytes: dict[str, int] = {}
+    loads: int = 0
+    load_seconds: float = 0.0
+    failures: int = 0
+    blocks: dict[str, int] = {}
+
+
 # --- node -> coordinator -------------------------------------------------------------------------
 
 
@@ -109,6 +124,8 @@ class Heartbeat(Message, tag="heartbeat"):
     # acknowledged, oldest first, a bounded number of hashes per report.
     kv_stream: int = 0
     kv_events: list[KVEventRecord] = []
+    kv_tiers: KVTierReport | None = None  # its KV tiers below the pool, if it has any
+    prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
 
 
 class HandoffReady(Message, tag="handoff_ready"):

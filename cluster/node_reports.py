@@ -7,7 +7,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.cluster.node_messages import Heartbeat, NodeRole, Register, TokenLogprobs
+from pdserve.cluster.node_messages import (
+    Heartbeat,
+    KVTierReport,
+    NodeRole,
+    Register,
+    TokenLogprobs,
+)
 
 
 def wire_logprobs(logprobs: list[dict]) -> TokenLogprobs | None:
@@ -55,4 +61,22 @@ def engine_heartbeat(
         spec_accepted_per_position=load.spec_accepted_per_position,
         pending_transfers=pending_transfers,
         kv_error=kv_error,
+        kv_tiers=tier_report(load.kv_tiers, load.kv_tier_blocks),
+        prefill_tokens_computed=load.prefill_tokens_computed,
+    )
+
+
+def tier_report(stats: Any, blocks: dict[str, int]) -> KVTierReport | None:
+    """A node's KV tier counters (`pdserve.engine.kv_tiers.TierStats`) as they travel."""
+    if stats is None:
+        return None
+    return KVTierReport(
+        hit_blocks=dict(stats.hit_blocks),
+        miss_blocks=dict(stats.miss_blocks),
+        written_bytes=dict(stats.written_bytes),
+        loaded_bytes=dict(stats.loaded_bytes),
+        loads=stats.loads,
+        load_seconds=stats.load_seconds,
+        failures=stats.failures,
+        blocks=dict(blocks),
     )

@@ -18,7 +18,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pdserve.cluster.node_messages import NodeRole
+from pdserve.cluster.node_messages import KVTierReport, NodeRole
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.coordinator.request_state import Phase, RequestState
 
@@ -137,6 +137,13 @@ class ClusterCollector:
             "Accepted draft tokens by their position among a step's drafts (0: the first)",
             labels=["node", "position"],
         )
+        tiers = tier_families()
+        computed = CounterMetricFamily(
+            "pdserve_prefill_tokens_computed",
+            "Prompt tokens whose KV a node's steps computed: those found in its prefix cache or "
+            "the KV tiers below it, or received from a prefill node, are not (since it started)",
+            labels=["node"],
+        )
         for node in list(c.nodes.nodes.values()):
             alive.add_metric([node.node_id, node.role.value], 1.0 if node.alive else 0.0)
             if not node.alive:
@@ -148,11 +155,14 @@ class ClusterCollector:
             hits.add_metric([node.node_id], node.prefix_hits)
             misses.add_metric([node.node_id], node.prefix_misses)
             forced.add_metric([node.node_id], node.forced_tokens)
+            computed.add_metric([node.node_id], node.prefill_tokens_computed)
             if node.spec_draft_tokens:
                 drafts.add_metric([node.node_id], node.spec_draft_tokens)
                 accepted.add_metric([node.node_id], node.spec_accepted_tokens)
                 for position, count in enumerate(node.spec_accepted_per_position):
                     per_position.add_metric([node.node_id, str(position)], count)
+            if node.kv_tiers is not None:
+                add_tiers(tiers, node.node_id, node.kv_tiers)
             if node.role is NodeRole.DECODE:
                 received.add_metric([node.node_id], node.kv_blocks_received)
                 reused.add_metric([node.node_id], node.kv_blocks_reused)
@@ -193,6 +203,8 @@ class ClusterCollector:
         yield accepted
         yield per_position
         yield index
+        yield from tiers.values()
+        yield computed
         yield phases
         yield GaugeMetricFamily(
             "pdserve_requests_running", "Requests generating tokens on a decode node", decoding
@@ -202,6 +214,64 @@ class ClusterCollector:
             "Requests not yet decoding: queued, prefilling, waiting for admission, transferring KV",
             len(states) - decoding,
         )
+
+
+def tier_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
+    """The families of the nodes' KV tiers below their pools (--kv-host-bytes, --kv-disk-path),
+    by the report field each reads."""
+    by_tier = ["node", "tier"]
+    return {
+        "hit_blocks": CounterMetricFamily(
+            "pdserve_kv_tier_hit_blocks",
+            "Prompt blocks past a node's pool found in a KV tier below it and loaded back",
+            labels=by_tier,
+        ),
+        "miss_blocks": CounterMetricFamily(
+            "pdserve_kv_tier_miss_blocks",
+            "Prompt blocks past a node's pool looked up in a KV tier and not found there",
+            labels=by_tier,
+        ),
+        "written_bytes": CounterMetricFamily(
+            "pdserve_kv_tier_written_bytes",
+            "Bytes of KV blocks a node copied down to a tier",
+            labels=by_tier,
+        ),
+        "loaded_bytes": CounterMetricFamily(
+            "pdserve_kv_tier_loaded_bytes",
+            "Bytes of KV blocks a node loaded back from a tier into its pool",
+            labels=by_tier,
+        ),
+        "blocks": GaugeMetricFamily(
+            "pdserve_kv_tier_blocks", "KV blocks a node's tier holds now", labels=by_tier
+        ),
+        "loads": CounterMetricFamily(
+            "pdserve_kv_tier_loads",
+            "Loads from a node's tiers that ended (one per request whose prefix came back)",
+            labels=["node"],
+        ),
+        "load_seconds": CounterMetricFamily(
+            "pdserve_kv_tier_load_seconds",
+            "Time those loads took, from submission to the step that saw them end (divide by "
+            "pdserve_kv_tier_loads_total for the mean)",
+            labels=["node"],
+        ),
+        "failures": CounterMetricFamily(
+            "pdserve_kv_tier_failures",
+            "Block copies to or from a node's tiers that failed (a disk write, a disk file gone "
+            "or corrupt): the block was computed instead",
+            labels=["node"],
+        ),
+    }
+
+
+def add_tiers(families: dict, node_id: str, report: KVTierReport) -> None:
+    for name, family in families.items():
+        value = getattr(report, name)
+        if isinstance(value, dict):
+            for tier, count in value.items():
+                family.add_metric([node_id, tier], count)
+        else:
+            family.add_metric([node_id], value)
 
 
 class Metrics:

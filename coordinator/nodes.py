@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.cluster.node_messages import Heartbeat, NodeRole, Register
+from pdserve.cluster.node_messages import Heartbeat, KVTierReport, NodeRole, Register
 
 
 @dataclass(slots=True)
@@ -46,6 +46,8 @@ class NodeState:
     spec_draft_tokens: int = 0  # speculative decoding's verified drafts (since it started)
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # by draft position
+    kv_tiers: KVTierReport | None = None  # its KV tiers below the pool (since it started)
+    prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
 
     @property
     def decodes(self) -> bool:
@@ -107,6 +109,8 @@ class NodeRegistry:
         node.spec_draft_tokens = msg.spec_draft_tokens
         node.spec_accepted_tokens = msg.spec_accepted_tokens
         node.spec_accepted_per_position = list(msg.spec_accepted_per_position)
+        node.kv_tiers = msg.kv_tiers
+        node.prefill_tokens_computed = msg.prefill_tokens_computed
         node.reserved_blocks = 0
         node.assigned_prefill_tokens = 0
         return node

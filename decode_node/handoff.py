@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_tiers import KVTiers
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer.base import KVReceiver, TransferResult, TransportFailed
 
@@ -32,8 +33,14 @@ class Handoff:
     blocks: list[int]  # one reference on each, owned by the handoff
     state: HandoffState
     seq: Sequence  # the sequence that runs once its KV is in
-    num_reused: int = 0  # leading blocks of `blocks` found in the prefix cache, not sent
+    # Leading blocks of `blocks` found in the prefix cache or the KV tiers below it, not sent.
+    num_reused: int = 0
     first_token_pending: bool = False  # early admission: the first token has not come yet
+    pages_pending: bool = False  # the sender's pages are still awaited
+    # Blocks after the pool's cached prefix being loaded from the tiers below it (0: none or
+    # done); a block that failed to load, and those after it, are computed here instead.
+    loading_below: int = 0
+    computed_below: int | None = None  # tokens holding KV once the tiers' load ended
 
 
 class DecodeHandoff:
@@ -44,16 +51,22 @@ class DecodeHandoff:
         receiver: KVReceiver,
         block_manager: BlockManager,
         on_end: Callable[[TransferResult], None] | None = None,
+        tiers: KVTiers | None = None,
     ) -> None:
         """on_end: called with the receiver's result of each expected transfer that ended,
-        landed or failed (the node's traces)."""
+        landed or failed (the node's traces). tiers: the KV tiers under the pool, where a
+        reused prefix is looked up past the pool's own (their loads end in the engine's
+        step)."""
         self.receiver = receiver
         self.block_manager = block_manager
+        self.tiers = tiers
         self.on_end = on_end
         self.handoffs: dict[str, Handoff] = {}
         # Reservations whose every block was found cached: nothing to receive, in at the next
         # poll.
         self._complete: list[str] = []
+        # Handoffs whose load from the tiers ended since the last poll.
+        self._settled: list[str] = []
         self.blocks_received = 0  # blocks whose pages arrived here, since the node started
         self.blocks_reused = 0  # blocks of admitted prompts found already cached here
 
@@ -94,9 +107,14 @@ class DecodeHandoff:
         # The token after the computed ones stays uncovered (with early admission, the prompt's
         # last), so only full blocks of computed tokens can match; a partial last block is
         # always sent.
-        blocks = bm.allocate_prefix(seq.token_ids[: computed + 1]) if reuse_prefix else []
-        num_reused = len(blocks)
-        if not bm.allocate_slots(blocks, computed, num_reused * bm.block_size):
+        matched = seq.token_ids[: computed + 1]
+        blocks = bm.allocate_prefix(matched) if reuse_prefix else []
+        num_cached = len(blocks)
+        hits = self.tiers.find(matched, blocks) if reuse_prefix and self.tiers else []
+        num_reused = num_cached + len(hits)
+        if not bm.allocate_slots(blocks, computed, num_cached * bm.block_size):
+            if hits:
+                self.tiers.release(hits)
             bm.free(blocks)
             return None
         dst = blocks[num_reused:]
@@ -104,6 +122,8 @@ class DecodeHandoff:
             try:
                 self.receiver.expect(seq.request_id, list(dst), timeout_s=timeout_s)
             except Exception:
+                if hits:
+                    self.tiers.release(hits)
                 bm.free(blocks)
                 raise
         else:
@@ -111,15 +131,33 @@ class DecodeHandoff:
         seq.block_table = blocks
         seq.num_cached_tokens = num_reused * bm.block_size
         self.blocks_reused += num_reused
-        self.handoffs[seq.request_id] = Handoff(
+        handoff = Handoff(
             seq.request_id,
             blocks,
             HandoffState.EXPECTING,
             seq,
             num_reused=num_reused,
             first_token_pending=first_token_pending,
+            pages_pending=bool(dst),
+            loading_below=len(hits),
         )
+        self.handoffs[seq.request_id] = handoff
+        if self.tiers is not None and reuse_prefix:
+            self.tiers.count_lookup(matched, blocks[:num_cached], hits)
+        if hits:
+            self.tiers.load(
+                blocks[num_cached:num_reused],
+                hits,
+                lambda n: self._loaded_below(handoff, (num_cached + n) * bm.block_size),
+            )
         return list(dst)
+
+    def _loaded_below(self, handoff: Handoff, computed: int) -> None:
+        """The tiers' load for a handoff ended, its KV complete up to `computed` tokens."""
+        handoff.loading_below = 0
+        if computed < handoff.num_reused * self.block_manager.block_size:
+            handoff.computed_below = computed
+        self._settled.append(handoff.request_id)
 
     def start(self, request_id: str, token_id: int) -> Sequence | None:
         """An early-admitted sequence's first token (StartDecode): the sequence, ready to run,
@@ -135,28 +173,23 @@ class DecodeHandoff:
         return handoff.seq
 
     def cancel(self, request_id: str, kv_unsent: bool = False) -> bool:
-        """The request ended. With kv_unsent (no sender was ever asked for this KV), or when
-        nothing was to be received or all of it is in, the blocks are freed now. Otherwise a
-        sender may be writing: the receiver stops the transfer and the blocks are freed at the
-        poll that sees it end, once nothing writes into them. False if nothing is reserved for
-        it."""
+        """The request ended. The blocks are freed once nothing writes into them: now when no
+        sender was ever asked for this KV (kv_unsent) or all of it is in; otherwise the
+        receiver stops the transfer, and the blocks are freed at the poll that sees it end (and
+        any load from the tiers below the pool end). False if nothing is reserved for it."""
         handoff = self.handoffs.get(request_id)
         if handoff is None:
             return False
-        if request_id in self._complete:
-            self._complete.remove(request_id)
-            del self.handoffs[request_id]
-            self.block_manager.free(handoff.blocks)
-            return True
-        if self.receiver.failed is None and handoff.state is HandoffState.EXPECTING:
+        if (
+            handoff.pages_pending
+            and self.receiver.failed is None
+            and handoff.state is HandoffState.EXPECTING
+        ):
             self.receiver.cancel(request_id, "aborted")
-        if handoff.state is HandoffState.ARRIVED or (
-            kv_unsent and handoff.state is HandoffState.EXPECTING
-        ):  # nothing writes into the blocks any more
-            del self.handoffs[request_id]
-            self.block_manager.free(handoff.blocks)
-        else:
-            handoff.state = HandoffState.CANCELLED
+        if kv_unsent:
+            handoff.pages_pending = False
+        handoff.state = HandoffState.CANCELLED
+        self._settle(handoff, [])
         return True
 
     def reset(self) -> None:
@@ -170,29 +203,47 @@ class DecodeHandoff:
         ones are freed."""
         arrived: list[Sequence] = []
         failed: list[TransferDone] = []
-        for request_id in self._complete:
-            self._land(self.handoffs.pop(request_id), arrived)
+        for request_id in self._complete + self._settled:
+            handoff = self.handoffs.get(request_id)
+            if handoff is not None:
+                self._settle(handoff, arrived)
         self._complete.clear()
+        self._settled.clear()
         for result in self.receiver.poll():
-            handoff = self.handoffs.pop(result.transfer_id, None)
-            if handoff is None:
+            handoff = self.handoffs.get(result.transfer_id)
+            if handoff is None or not handoff.pages_pending:
                 continue
-            if self.on_end is not None and handoff.state is HandoffState.EXPECTING:
-                self.on_end(result)
-            if result.ok and handoff.state is HandoffState.EXPECTING:
-                self.blocks_received += len(handoff.blocks) - handoff.num_reused
-                self._land(handoff, arrived)
-                continue
-            self.block_manager.free(handoff.blocks)
-            if not result.ok and handoff.state is HandoffState.EXPECTING:
-                logger.warning("[%s] KV arrival failed: %s", result.transfer_id, result.error)
-                failed.append(TransferDone(result.transfer_id, False, result.error))
+            handoff.pages_pending = False
+            if handoff.state is HandoffState.EXPECTING:
+                if self.on_end is not None:
+                    self.on_end(result)
+                if result.ok:
+                    self.blocks_received += len(handoff.blocks) - handoff.num_reused
+                else:
+                    logger.warning("[%s] KV arrival failed: %s", result.transfer_id, result.error)
+                    failed.append(TransferDone(result.transfer_id, False, result.error))
+                    handoff.state = HandoffState.CANCELLED
+            self._settle(handoff, arrived)
         return arrived, failed
+
+    def _settle(self, handoff: Handoff, arrived: list[Sequence]) -> None:
+        """Once nothing writes into a handoff's blocks any more (no pages awaited, no load from
+        the tiers in flight): a cancelled one's blocks are freed, an expecting one lands."""
+        if handoff.pages_pending or handoff.loading_below:
+            return
+        if handoff.state is HandoffState.CANCELLED:
+            del self.handoffs[handoff.request_id]
+            self.block_manager.free(handoff.blocks)
+        elif handoff.state is HandoffState.EXPECTING:
+            del self.handoffs[handoff.request_id]
+            self._land(handoff, arrived)
 
     def _land(self, handoff: Handoff, arrived: list[Sequence]) -> None:
         """Every page of a handoff is in: its full blocks enter the prefix cache, and its
         sequence is ready to run (or, admitted early, waits for its first token)."""
         seq = handoff.seq
+        if handoff.computed_below is not None:  # from there on, computed here
+            seq.num_computed_tokens = seq.num_cached_tokens = handoff.computed_below
         self.block_manager.cache_full_blocks(
             seq.block_table, seq.token_ids, seq.num_computed_tokens
         )

@@ -62,7 +62,11 @@ class DecodeNode(NodeLoop):
         traced = tracing.enabled()
         self._block_bytes = engine.layout.bytes_per_block if traced else 0
         on_end = self._kv_ended if traced else None
-        self.handoff = DecodeHandoff(receiver, engine.block_manager, on_end) if receiver else None
+        self.handoff = (
+            DecodeHandoff(receiver, engine.block_manager, on_end, engine.tiers)
+            if receiver
+            else None
+        )
         self._kv_error_logged = False
 
     def handle(self, msg: Message) -> bool:

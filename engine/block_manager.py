@@ -72,6 +72,20 @@ class BlockManager:
         """What a registered block holds (parent block's hash, token ids); None if unregistered."""
         return self._key.get(block_id)
 
+    def registered_hash(self, block_id: int) -> int | None:
+        """The hash a block is registered under in the prefix cache, or None."""
+        h = self._hash.get(block_id)
+        return h if h is not None and self._cached.get(h) == block_id else None
+
+    def hold(self, block_table: list[int]) -> None:
+        """Take a reference on each block, referenced or cached-evictable (a copy reading it
+        to a lower tier; released with `free`)."""
+        loose = [b for b in block_table if self._ref[b] <= 0 and not self._is_registered(b)]
+        if loose:
+            raise ValueError(f"blocks {loose[:4]} are neither referenced nor cached")
+        for block in block_table:
+            self._take(block)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 

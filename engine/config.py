@@ -61,6 +61,24 @@ class EngineConfig:
         "prefill a prompt longer than max_num_batched_tokens over several steps (off: refuse it)",
     )
     enable_prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
+    kv_host_bytes: int | None = setting(
+        None,
+        "host-memory KV tier under the prefix cache, in bytes: every full cached block is "
+        "copied there off the step loop and loaded back when a prompt's prefix left the pool "
+        "(unset: twice the KV pool on a GPU node; on a CPU node none, or the pool's size with a "
+        "disk tier; 0: off; nodes of one process only)",
+        minimum=0,
+    )
+    kv_disk_path: str | None = setting(
+        None,
+        "directory of a local-disk KV tier under the host tier (each node writes a "
+        "subdirectory of its own and removes it on exit; unset: no disk tier)",
+    )
+    kv_disk_bytes: int | None = setting(
+        None,
+        "the disk tier's size in bytes (unset: 90% of the disk's free space, at most 64 GiB)",
+        minimum=1,
+    )
     forced_tokens: bool = setting(
         False,
         "structured outputs: where a request's grammar allows exactly one next token, append it "
@@ -122,6 +140,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         validate(self)
         self.speculation()  # a malformed speculative_config fails here, naming what is wrong
+        if self.kv_disk_path is not None and self.kv_host_bytes == 0:
+            raise ValueError("kv_disk_path: the disk KV tier sits under the host tier, which "
+                             "kv_host_bytes=0 turns off")  # fmt: skip
+        if self.tensor_parallel_size > 1 and (self.kv_host_bytes or self.kv_disk_path is not None):
+            raise ValueError(
+                "kv_host_bytes, kv_disk_path: KV tiers run on nodes of one process, not with "
+                f"tensor_parallel_size {self.tensor_parallel_size}"
+            )
         if self.cpu_bind is not None and self.cpu_bind != "auto":
             from pdserve.engine.cpu_threads import parse_cores
 

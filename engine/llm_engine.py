@@ -25,6 +25,7 @@ from pdserve.engine.embedded_models import model_name, resolve_model_dir
 from pdserve.engine.grammar import Constraint, Grammars
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.kv_events import KVEvents
+from pdserve.engine.kv_tiers import KVTiers, TierStats, tiers_for
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens, StepStats
 from pdserve.engine.model_shard import ModelShard, PoolFactory
@@ -78,6 +79,9 @@ class EngineLoad:
     spec_draft_tokens: int = 0  # speculative decoding's verified drafts (since start)
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    kv_tiers: TierStats | None = None  # the KV tiers under the pool, if any (since start)
+    kv_tier_blocks: dict[str, int] = field(default_factory=dict)  # blocks each tier holds now
+    prefill_tokens_computed: int = 0  # prompt tokens whose KV steps computed (since start)
 
 
 class Engine:
@@ -99,6 +103,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.executor = executor
         self.pool: KVPool | None = None  # the pages themselves, where an executor holds them
+        self.tiers: KVTiers | None = None  # host and disk tiers under the pool, if any
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -254,11 +259,12 @@ class Engine:
         queued = sum(s.num_uncomputed_tokens for s in sched.waiting) + sum(
             s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1
         )
+        tiers = self.tiers
         return EngineLoad(
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
             running=len(sched.running),
-            waiting=len(sched.waiting),
+            waiting=len(sched.waiting) + len(sched.loading),
             queued_prefill_tokens=queued,
             prefix_hits=bm.prefix_hits,
             prefix_misses=bm.prefix_misses,
@@ -266,6 +272,9 @@ class Engine:
             spec_draft_tokens=self.stats.num_draft_tokens,
             spec_accepted_tokens=self.stats.num_accepted_tokens,
             spec_accepted_per_position=list(self.stats.accepted_per_position),
+            kv_tiers=tiers.stats if tiers is not None else None,
+            kv_tier_blocks=tiers.num_blocks() if tiers is not None else {},
+            prefill_tokens_computed=sched.num_prefill_tokens_computed,
         )
 
     def enable_kv_events(self) -> KVEvents:
@@ -273,6 +282,8 @@ class Engine:
         log into each load report; nothing does offline, so it is off until asked for)."""
         if self.block_manager.events is None:
             self.block_manager.events = KVEvents()
+            if self.tiers is not None:
+                self.tiers.set_events(self.block_manager.events)
         return self.block_manager.events
 
     def check_alive(self) -> None:
@@ -285,25 +296,43 @@ class Engine:
         of one process never does."""
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
+        """Work left for steps: requests, grammars compiling, or copies to or from the KV tiers
+        that a step collects."""
+        return (
+            self.scheduler.num_unfinished > 0
+            or bool(self._compiling)
+            or (self.tiers is not None and self.tiers.busy)
+        )
 
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         failed = self._take_compiled() if self._compiling else []
+        if self.tiers is not None:
+            self._collect_tiers()
         out = self.scheduler.schedule()
         if out.is_empty:
             if self._compiling and not failed:  # nothing to run but a grammar being compiled
                 wait([s.constraint.future for s, _ in self._compiling], timeout=0.002)
+            elif self.tiers is not None and self.tiers.busy:  # nothing but copies in flight
+                self.tiers.wait(0.002)
             return failed
         if self.on_schedule is not None:
             self.on_schedule(out)
         outputs = failed + self._postprocess(out, self.executor.execute(out))
+        if self.tiers is not None:
+            self.tiers.store_new()  # the blocks this step filled, down to the host tier
         self.stats.num_steps += 1
         self.stats.num_tokens += out.num_tokens
         self.stats.total_s += time.perf_counter() - t0
         return outputs
+
+    def _collect_tiers(self) -> None:
+        """Take in what the KV tiers finished: loaded prefixes back to the queue (their blocks
+        in the prefix cache), and blocks registered between steps (arrived KV) sent down."""
+        self.tiers.poll()
+        self.tiers.store_new()
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         """Draft tokens for a decoding sequence that may speculate (`engine.speculation`)."""
@@ -453,6 +482,7 @@ class LLMEngine(Engine):
             eos,
         )
         self.pool = self.shard.pool
+        self.tiers = self.scheduler.tiers = tiers_for(config, self.pool, self.block_manager)
         self.grammars = Grammars(self.model_dir, mcfg.vocab_size, eos)
         self.shard.capture_decode_graphs()
         if self.speculation is not None and self.runner.decode_graphs is not None:
@@ -501,6 +531,8 @@ class LLMEngine(Engine):
         """Stop the other tensor-parallel ranks, if any (also done at exit)."""
         self.executor.close()
         self.grammars.close()
+        if self.tiers is not None:
+            self.tiers.close()
         if self._placement_before is not None:
             cpu_threads.apply(self._placement_before)
             self._placement_before = None

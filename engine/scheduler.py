@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_tiers import KVTiers
 
 
 @dataclass(slots=True)
@@ -53,10 +57,13 @@ class Scheduler:
         propose: Proposer | None = None,
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
+        tiers: KVTiers | None = None,
     ) -> None:
         """propose: speculative decoding's proposer (with num_speculative_tokens, the most a
-        step verifies per sequence, and max_model_len, which drafts stay within)."""
+        step verifies per sequence, and max_model_len, which drafts stay within). tiers: the
+        KV tiers under the pool, which a waiting sequence's prefix is loaded back from."""
         self.block_manager = block_manager
+        self.tiers = tiers
         self.propose = propose
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -66,6 +73,9 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is preempted first
+        # Out of the waiting queue while blocks of their prefix load from a lower tier; back at
+        # its head once the load ended (`loaded`).
+        self.loading: dict[str, Sequence] = {}
         self.static_batch: set[str] = set()  # static policy: ids of the batch in flight
         self.num_preemptions = 0
         self.num_prefill_tokens_computed = 0
@@ -82,9 +92,15 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def abort(self, request_id: str) -> Sequence | None:
+        seq = self.loading.pop(request_id, None)
+        if seq is not None:  # its blocks are freed when the load ends (`loaded`)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            self.static_batch.discard(request_id)
+            return seq
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -139,6 +155,8 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_cached_tokens = (
                     len(seq.block_table) * bm.block_size
                 )
+                if self.tiers is not None and not seq.tiers_looked_up and self._load(seq):
+                    continue
             num_new = seq.num_uncomputed_tokens
             if num_new > budget and self.enable_chunked_prefill:
                 num_new = budget
@@ -155,6 +173,46 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _load(self, seq: Sequence) -> bool:
+        """Blocks continuing the head waiting sequence's cached prefix from a lower tier: if
+        any, they are allocated and loading, and the sequence waits out of the queue."""
+        hits = self.tiers.find(seq.token_ids, seq.block_table)
+        bs = self.block_manager.block_size
+        held = len(seq.block_table) * bs
+        if hits and not self.block_manager.allocate_slots(
+            seq.block_table, held + len(hits) * bs, held
+        ):
+            self.tiers.release(hits)  # no room now: looked up again at its next admission
+            return False
+        self.tiers.count_lookup(seq.token_ids, seq.block_table[: held // bs], hits)
+        seq.tiers_looked_up = True  # once per admission: a preemption looks again
+        if not hits:
+            return False
+        self.waiting.popleft()
+        self.loading[seq.request_id] = seq
+        self.tiers.load(
+            seq.block_table[-len(hits) :], hits, lambda n: self.loaded(seq, n, len(hits))
+        )
+        return True
+
+    def loaded(self, seq: Sequence, num_loaded: int, num_blocks: int) -> None:
+        """A load of num_blocks blocks ended, its first num_loaded filled: those enter the
+        prefix cache, the rest are given back, and the sequence returns to the queue's head
+        (or, aborted meanwhile, frees everything)."""
+        bm = self.block_manager
+        self.loading.pop(seq.request_id, None)
+        if seq.status is SequenceStatus.FINISHED:
+            bm.free(seq.block_table)
+            return
+        drop = num_blocks - num_loaded
+        if drop:
+            tail = seq.block_table[-drop:]
+            del seq.block_table[-drop:]
+            bm.free(tail)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bm.block_size
+        bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self.waiting.appendleft(seq)
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens for a decoding sequence: at most num_speculative_tokens, the step's
@@ -178,6 +236,7 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.draft_token_ids = []
+        seq.tiers_looked_up = False
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -53,6 +53,8 @@ class Sequence:
         self.num_drafts_verified = 0  # of this sequence, since it started decoding here
         self.num_drafts_accepted = 0
         self.ngram_index: Any = None  # the n-gram proposer's index of token_ids
+        # Its prefix was looked up in the KV tiers below the pool since it was last admitted.
+        self.tiers_looked_up = False
 
     @property
     def num_tokens(self) -> int:

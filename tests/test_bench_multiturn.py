@@ -56,12 +56,35 @@ def test_the_table_has_a_row_per_system():
     run = {
         "system": "reuse-on",
         "requests": 4,
+        "prompt_tokens_computed": 300,
+        "prompt_tokens": 400,
         "blocks_received": 10,
         "blocks_reused": 6,
+        "tier_blocks_loaded": 5,
         "kv_bytes_per_request": 2048.0,
         "ttft_ms": {"mean": 1.0, "p50": 1.0, "p90": 2.0},
         "first_gap_ms": {"mean": 3.0, "p50": 3.0, "p90": 4.0},
     }
     table = format_table([run, {**run, "system": "reuse-off"}])
-    assert table.count("\n") == 3 and "| reuse-on | 4 | 10 | 6 | 2.0 KiB |" in table
+    assert (
+        table.count("\n") == 3 and "| reuse-on | 4 | 300 of 400 | 10 | 6 | 5 | 2.0 KiB |" in table
+    )
     assert build_parser().parse_args(["--turns", "4:8"]).turns == (4, 8)
+
+
+def test_a_short_run_with_tiers_loads_prefixes_back_and_matches_the_plain_mode(tmp_path):
+    """Two servers one after the other (tiers, then reuse on without them), sessions holding
+    more KV than a node's pool: the modes' outputs must be equal (the command fails otherwise),
+    and the tiers mode computes fewer prompt tokens, its prefixes loaded back."""
+    import json
+
+    from pdserve.bench.multiturn import main
+
+    out = tmp_path / "multiturn.json"
+    argv = ["--modes", "tiers,reuse-on", "--sessions", "6", "--concurrency", "2", "--turns", "3"]
+    argv += ["--first-len", "60", "--message-len", "20", "--output-len", "8", "--kv-blocks", "24"]
+    argv += ["--block-size", "8", "--work-dir", str(tmp_path / "work"), "--json", str(out)]
+    assert main(argv) == 0
+    tiers, plain = json.loads(out.read_text())["runs"]
+    assert tiers["tier_blocks_loaded"] > 0 and plain["tier_blocks_loaded"] == 0
+    assert tiers["prompt_tokens_computed"] < plain["prompt_tokens_computed"]

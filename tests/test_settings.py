@@ -154,8 +154,18 @@ def values(d: Declared) -> st.SearchStrategy:
     return st.none() | base if d.optional else base
 
 
+def consistent(fields: dict) -> bool:
+    """Settings that each hold alone but not together (checked when the object is made): KV
+    tiers need a one-process node, and a disk tier a host tier."""
+    tiers = fields.get("kv_host_bytes") or fields.get("kv_disk_path") is not None
+    if tiers and fields.get("tensor_parallel_size", 1) > 1:
+        return False
+    return not (fields.get("kv_disk_path") is not None and fields.get("kv_host_bytes") == 0)
+
+
 def instances(cls: type) -> st.SearchStrategy:
-    return st.builds(cls, **{d.name: values(d) for d in declared(cls)})
+    fields = st.fixed_dictionaries({d.name: values(d) for d in declared(cls)})
+    return fields.filter(consistent).map(lambda f: cls(**f))
 
 
 @settings(max_examples=150, deadline=None)
@@ -585,6 +595,8 @@ def other_value(d: Declared) -> object:
         return "0,2"
     if d.name == "speculative_config":
         return '{"method": "ngram", "num_speculative_tokens": 3}'
+    if d.kind is str:
+        return "/var/tmp/pdserve-kv" if d.name == "kv_disk_path" else "seven"
     return (d.default or 0) + 7
 
 
