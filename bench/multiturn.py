@@ -1,7 +1,9 @@
 """Prefix reuse on a multi-turn chat workload: the same sessions against `pdserve serve`
 (1 prefill + 1 decode node) in several modes, one server after the other in one run, each
-started fresh (cold caches): `decode_prefix_reuse` on and off, and on with host-memory KV tiers
-under both nodes' pools (`--kv-host-bytes`). Reports the prompt tokens the nodes computed (their
+started fresh (cold caches): `decode_prefix_reuse` on and off, on with host-memory KV tiers
+under both nodes' pools (`--kv-host-bytes`), and that with placement by uncached tokens
+(`local_prefill_max_uncached_tokens`, `--local-prefill-max-uncached`: a turn whose prompt the
+decode node mostly holds is prefilled there). Reports the prompt tokens the nodes computed (their
 `pdserve_prefill_tokens_computed_total`), the KV bytes the decode node received (its
 `pdserve_kv_transfer_blocks_total`, times the bytes of a block), the blocks it found cached or
 loaded back from a tier, TTFT, and the gap from the first token to the second (the KV handoff's
@@ -32,8 +34,13 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.tune.local_server import PdserveServer, PdserveSystem, free_port
 from pdserve.tune.serving_metrics import percentile
 
-# mode -> (decode_prefix_reuse, KV tiers under the pools)
-MODES = {"reuse-on": (True, False), "reuse-off": (False, False), "tiers": (True, True)}
+# mode -> (decode_prefix_reuse, KV tiers under the pools, placement by uncached tokens)
+MODES = {
+    "reuse-on": (True, False, False),
+    "reuse-off": (False, False, False),
+    "tiers": (True, True, False),
+    "tiers+placement": (True, True, True),
+}
 # /metrics counters summed over the nodes, by what the results call them.
 COUNTERS = {
     "prompt_tokens_computed": "pdserve_prefill_tokens_computed_total",
@@ -60,11 +67,14 @@ def settle(base_url: str, seconds: float = 1.5) -> dict[str, int]:
 
 
 def run_mode(name: str, args: argparse.Namespace, workload: MultiTurnWorkload, work: Path) -> dict:
-    reuse, tiers = MODES[name]
+    reuse, tiers, placement = MODES[name]
     client_port = free_port()
+    config: dict = {"decode_prefix_reuse": reuse}
+    if placement:
+        config["local_prefill_max_uncached_tokens"] = args.local_prefill_max_uncached
     system = PdserveSystem(
         name,
-        config={"decode_prefix_reuse": reuse},
+        config=config,
         flags=("--transport", args.transport, "--client-port", str(client_port)),
     )
     engine_flags = ("--block-size", str(args.block_size), "--num-kv-blocks", str(args.kv_blocks))
@@ -84,7 +94,7 @@ def run_mode(name: str, args: argparse.Namespace, workload: MultiTurnWorkload, w
 def summarize(
     name: str, results: list[TurnResult], counted: dict[str, int], args: argparse.Namespace
 ) -> dict:
-    reuse, tiers = MODES[name]
+    reuse, tiers, placement = MODES[name]
     block_bytes = kv_block_bytes(args.model, args.block_size)
     n = len(results)
     later = [r for r in results if r.turn > 0]
@@ -97,6 +107,7 @@ def summarize(
         "system": name,
         "decode_prefix_reuse": reuse,
         "kv_host_bytes": args.kv_host_bytes if tiers else 0,
+        "local_prefill_max_uncached_tokens": args.local_prefill_max_uncached if placement else 0,
         "requests": n,
         **counted,
         "prompt_tokens": sum(r.prompt_len for r in results),
@@ -181,7 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         default="reuse-on,reuse-off",
-        help="which servers, in order: reuse-on, reuse-off, tiers",
+        help="which servers, in order: reuse-on, reuse-off, tiers, tiers+placement",
+    )
+    p.add_argument(
+        "--local-prefill-max-uncached",
+        type=int,
+        default=128,
+        help="local_prefill_max_uncached_tokens in the tiers+placement mode",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument(

@@ -16,8 +16,16 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pdserve.cluster.faults import process_faults
+from pdserve.cluster.kv_event_stream import KVEventStream
 from pdserve.cluster.node_link import NodeLink
-from pdserve.cluster.node_messages import Heartbeat, Message, Register, Reset, Shutdown
+from pdserve.cluster.node_messages import (
+    Heartbeat,
+    KVEventsAck,
+    Message,
+    Register,
+    Reset,
+    Shutdown,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,10 @@ class NodeLoop:
         self.link = link
         self.running = True
         self.faults = process_faults(f"node {link.node_id}")  # None unless PDSERVE_FAULTS
+        # Blocks entering and leaving its KV tiers, for the coordinator's prefix index (None:
+        # an engine that logs none).
+        enable = getattr(engine, "enable_kv_events", None)
+        self.kv_events = KVEventStream(enable()) if callable(enable) else None
 
     # -- the role's part ---------------------------------------------------------------------
     def handle(self, msg: Message) -> bool:
@@ -85,6 +97,9 @@ class NodeLoop:
     def carry_out(self, msg: Message) -> None:
         if isinstance(msg, Shutdown):
             self.running = False
+        elif isinstance(msg, KVEventsAck):
+            if self.kv_events is not None:
+                self.kv_events.acknowledged(msg)
         elif isinstance(msg, Reset):
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
@@ -94,7 +109,10 @@ class NodeLoop:
             logger.warning("%s ignores %s", type(self).__name__, msg.TYPE)
 
     def register(self) -> None:
-        self.link.register(self.registration())
+        registration = self.registration()
+        if self.kv_events is not None:  # a new stream, opening with what the tiers hold
+            registration.kv_stream = self.kv_events.restart()
+        self.link.register(registration)
 
     def step(self) -> None:
         wait = 0 if self.engine.has_unfinished() else self.idle_wait_ms()
@@ -117,7 +135,14 @@ class NodeLoop:
         self.report(outputs)
         if self.link.load_due():
             self.engine.check_alive()  # a dead rank takes the node down, idle or not
-            self.link.set_load(self.heartbeat())
+            self.link.set_load(self.load_report())
+
+    def load_report(self) -> Heartbeat:
+        """The role's heartbeat, with the KV events the coordinator has not acknowledged."""
+        beat = self.heartbeat()
+        if self.kv_events is not None:
+            beat.kv_stream, beat.kv_events = self.kv_events.report()
+        return beat
 
     def run(self) -> None:
         self.engine.watch_failure(self.abandon)

@@ -12,7 +12,7 @@ import msgspec
 from pdserve.cluster.codec import Codec, Message
 from pdserve.cluster.sampling_params import SamplingParams
 
-NODE_PROTOCOL_VERSION = 3  # 3: frames end with a digest
+NODE_PROTOCOL_VERSION = 4  # 3: frames end with a digest; 4: KV event streams
 
 
 class NodeRole(enum.StrEnum):
@@ -37,6 +37,23 @@ class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []
+
+
+class KVOp(enum.StrEnum):
+    CLEAR = "clear"  # the node's view restarts: every tier empty (a snapshot follows)
+    STORED = "stored"  # the blocks entered the tier
+    REMOVED = "removed"  # the blocks left it
+
+
+class KVEventRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One numbered batch of a node's KV event stream (`cluster/kv_event_stream.py`): blocks of
+    one tier entering or leaving it, by chained hash, each 16 bytes little-endian, concatenated
+    (128-bit hashes do not fit msgpack's integers)."""
+
+    seq: int  # consecutive within the stream, from 1
+    op: KVOp
+    tier: str = ""  # "device", "host" or "disk" ("" with CLEAR)
+    hashes: bytes = b""
 
 
 class TokenItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -77,6 +94,7 @@ class Register(Message, tag="register"):
     kv_layout: dict[str, Any] = {}
     receiver_info: dict[str, Any] = {}  # decode nodes: what senders connect to
     pid: int = 0
+    kv_stream: int = 0  # its KV event stream from now on (0: it publishes none)
 
 
 class Heartbeat(Message, tag="heartbeat"):
@@ -102,6 +120,10 @@ class Heartbeat(Message, tag="heartbeat"):
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
     kv_integrity_failures: int = 0  # decode nodes: sends whose pages failed their digest check
+    # Its KV event stream (the one its registration named) and the records of it not yet
+    # acknowledged, oldest first, a bounded number of hashes per report.
+    kv_stream: int = 0
+    kv_events: list[KVEventRecord] = []
     kv_tiers: KVTierReport | None = None  # its KV tiers below the pool, if it has any
     prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
 
@@ -237,6 +259,15 @@ class Abort(Message, tag="abort"):
     kv_unsent: bool = False
 
 
+class KVEventsAck(Message, tag="kv_events_ack"):
+    """The coordinator's index applied the node's KV event stream up to `seq`; with `resync`
+    it lost its place (a record it never got) and wants a snapshot of the node's tiers."""
+
+    stream: int
+    seq: int
+    resync: bool = False
+
+
 class Shutdown(Message, tag="shutdown"):
     pass
 
@@ -256,7 +287,9 @@ NodeReport = (
     | Tokens
     | RequestError
 )
-NodeOrder = Prefill | Generate | Admit | SendKV | StartDecode | Abort | Shutdown | Reset
+NodeOrder = (
+    Prefill | Generate | Admit | SendKV | StartDecode | Abort | KVEventsAck | Shutdown | Reset
+)
 
 NODE_REPORTS: tuple[type[Message], ...] = (
     Register,
@@ -275,6 +308,7 @@ NODE_ORDERS: tuple[type[Message], ...] = (
     SendKV,
     StartDecode,
     Abort,
+    KVEventsAck,
     Shutdown,
     Reset,
 )

@@ -58,7 +58,7 @@ class CoordinatorConfig:
     # Routing and admission.
     prefill_routing: str = setting(
         "prefix_affinity",
-        "prefill node choice: least_loaded, or prefix_affinity (the node holding the prompt's prefix in cache)",
+        "prefill node choice: least_loaded, or prefix_affinity (the node whose KV tiers hold the most of the prompt's prefix, by the nodes' KV events)",
         live=True,
         choices=PREFILL_ROUTING,
     )
@@ -81,6 +81,12 @@ class CoordinatorConfig:
         live=True,
         minimum=0,
     )
+    local_prefill_max_uncached_tokens: int = setting(
+        0,
+        "a prompt whose leading blocks a decode node holds (in any KV tier), leaving at most this many tokens for it to compute, is prefilled on that node, with no KV handoff (0: never)",
+        live=True,
+        minimum=0,
+    )
     prefill_queue_limit_tokens: int = setting(
         0,
         "when every prefill node has more queued prompt tokens than this, prefill on the decode node (0: never)",
@@ -99,9 +105,23 @@ class CoordinatorConfig:
         live=True,
         minimum=0,
     )
+    prefix_host_load_cost: float = setting(
+        0.1,
+        "in prefix routing, a cached block in a node's host-memory tier counts as this fraction of recomputing it (the device tier's count as free)",
+        live=True,
+        minimum=0,
+        maximum=1,
+    )
+    prefix_disk_load_cost: float = setting(
+        0.5,
+        "in prefix routing, a cached block in a node's disk tier counts as this fraction of recomputing it",
+        live=True,
+        minimum=0,
+        maximum=1,
+    )
     decode_prefix_reuse: bool = setting(
         True,
-        "a decode node takes the leading prompt blocks its prefix cache holds (arrived or generated there) and receives only the rest; admission prefers the decode node holding the longest prefix, by the prefix_affinity rule",
+        "a decode node takes the leading prompt blocks its prefix cache holds (arrived or generated there) and receives only the rest; admission prefers the decode node holding the longest prefix (by the nodes' KV events), by the prefix_affinity rule",
         live=True,
     )
     # Layer-wise KV streaming.

@@ -379,8 +379,10 @@ class Coordinator:
     def _log_send_failure(sent: asyncio.Future, identity: bytes, msg: Message) -> bool:
         if sent.cancelled() or sent.exception() is None:
             return False
-        # A node that stopped before its Shutdown (on its own signal, or serve stopped it) is fine.
-        level = logging.DEBUG if isinstance(msg, node_messages.Shutdown) else logging.WARNING
+        # A node that stopped before its Shutdown (on its own signal, or serve stopped it) is fine,
+        # and so is one gone before the acknowledgement of its KV events (it needs it no more).
+        quiet = isinstance(msg, node_messages.Shutdown | node_messages.KVEventsAck)
+        level = logging.DEBUG if quiet else logging.WARNING
         logger.log(level, "could not send %s to %r: %s", msg.TYPE, identity, sent.exception())
         return True
 

@@ -41,13 +41,16 @@ from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.admission import AdmissionQueue, Candidate, has_room
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.nodes import NodeRegistry, NodeState
+from pdserve.coordinator.prefix_index import PrefixIndex, PrefixMatch
 from pdserve.coordinator.request_state import PENDING_PHASES, EarlyAdmission, Phase, RequestState
 from pdserve.coordinator.routing import (
-    PrefixAffinity,
+    PrefixChoice,
+    TierCosts,
+    choose_by_prefix,
     kv_load,
     least_loaded,
     most_free_blocks,
-    pool_blocks,
+    prefill_load,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,12 +92,8 @@ class CoordinatorCore:
         self.config = config or CoordinatorConfig()
         self.nodes = NodeRegistry()
         self.admission = AdmissionQueue()
-        # Each remembers no more prefixes than the KV pools of the nodes it chooses among hold.
-        self.affinity = PrefixAffinity(pool_blocks=lambda: pool_blocks(self.nodes.prefill_nodes()))
-        # Which decode node holds which prefix (received or generated there), for prefix reuse.
-        self.decode_affinity = PrefixAffinity(
-            pool_blocks=lambda: pool_blocks(self.nodes.decode_nodes())
-        )
+        # Which blocks each node holds in which KV tier, from the nodes' own KV events.
+        self.prefix_index = PrefixIndex()
         self.requests: dict[str, RequestState] = {}  # by request id
         self.by_wire: dict[str, RequestState] = {}  # by the id of its current attempt
         # Prefill nodes' handoff sockets (node id -> ZMQ identity): SendKV goes there.
@@ -289,9 +288,9 @@ class CoordinatorCore:
         token_ids = state.resume_token_ids()
         params = state.remaining_params()
         prefillers = self.nodes.prefill_nodes()
-        local = not prefillers or self._prefill_locally(token_ids, prefillers)
-        if local:
-            node = self._choose_local()
+        local = self._local_prefill_node(token_ids, prefillers)
+        if local is not None or not prefillers:
+            node = local
             if node is None:
                 self._fail(state, "unavailable", "no decode node is available")
                 return
@@ -305,13 +304,7 @@ class CoordinatorCore:
             self._notify("routed", state)
             return
         if self.config.prefill_routing == "prefix_affinity":
-            node = self.affinity.choose(
-                token_ids,
-                prefillers,
-                self.config.prefix_affinity_min_blocks,
-                self.config.prefix_affinity_max_load_ratio,
-            )
-            self.affinity.record(token_ids, node)
+            node = self._choose_by_prefix(token_ids, prefillers, prefill_load, least_loaded).node
         else:
             node = least_loaded(prefillers)
         state.prefill_node, state.decode_node = node.node_id, None
@@ -346,14 +339,8 @@ class CoordinatorCore:
             n for n in self.nodes.kv_receivers() if has_room(n, blocks(n), cfg.admission_watermark)
         ]
         if cfg.decode_prefix_reuse:  # the decode node holding the longest prefix, load allowing
-            node = self.decode_affinity.choose(
-                token_ids,
-                fitting,
-                cfg.prefix_affinity_min_blocks,
-                cfg.prefix_affinity_max_load_ratio,
-                load=kv_load,
-                fallback_choice=most_free_blocks,
-            )
+            choice = self._choose_by_prefix(token_ids, fitting, kv_load, most_free_blocks)
+            node = choice.node if choice is not None else None
         else:
             node = most_free_blocks(fitting)
         if node is None:
@@ -375,18 +362,54 @@ class CoordinatorCore:
         )
         return True
 
-    def _prefill_locally(self, token_ids: list[int], prefillers: list[NodeState]) -> bool:
-        """Conditional disaggregation: short prompts, or every prefill queue over its limit."""
+    def _choose_by_prefix(
+        self,
+        token_ids: list[int],
+        nodes: list[NodeState],
+        load: Callable[[NodeState], int],
+        fallback_choice: Callable[[list[NodeState]], NodeState | None],
+    ) -> PrefixChoice | None:
+        """The node whose KV tiers save the most of this prompt's compute, load allowing (by
+        the prefix index; `routing.choose_by_prefix`)."""
         cfg = self.config
-        if len(token_ids) < cfg.conditional_disagg_threshold:
-            return True
-        limit = cfg.prefill_queue_limit_tokens
-        return limit > 0 and all(n.prefill_load > limit for n in prefillers)
+        return choose_by_prefix(
+            self.prefix_index,
+            token_ids,
+            nodes,
+            cfg.prefix_affinity_min_blocks,
+            cfg.prefix_affinity_max_load_ratio,
+            TierCosts(cfg.prefix_host_load_cost, cfg.prefix_disk_load_cost),
+            load=load,
+            fallback_choice=fallback_choice,
+        )
 
-    def _choose_local(self) -> NodeState | None:
+    def _local_prefill_node(
+        self, token_ids: list[int], prefillers: list[NodeState]
+    ) -> NodeState | None:
+        """Conditional disaggregation: the decode node to prefill this prompt itself, or None to
+        send it to a prefill node. Local: when there is no prefill node; when the tokens the
+        chosen decode node would have to compute (those its KV tiers do not hold) are at most
+        local_prefill_max_uncached_tokens; for prompts shorter than conditional_disagg_threshold;
+        when every prefill queue is over its limit."""
+        cfg = self.config
         nodes = self.nodes.decode_nodes()
-        colocated = [n for n in nodes if n.role is NodeRole.COLOCATED]
-        return most_free_blocks(colocated or nodes)
+        candidates = [n for n in nodes if n.role is NodeRole.COLOCATED] or nodes
+        if cfg.prefill_routing == "prefix_affinity" or cfg.decode_prefix_reuse:
+            choice = self._choose_by_prefix(token_ids, candidates, kv_load, most_free_blocks)
+        else:
+            node = most_free_blocks(candidates)
+            choice = PrefixChoice(node, PrefixMatch(), 0.0) if node is not None else None
+        if choice is None or not prefillers:
+            return choice.node if choice is not None else None
+        uncached = len(token_ids) - choice.saved_tokens
+        limit = cfg.prefill_queue_limit_tokens
+        if (
+            (0 < uncached <= cfg.local_prefill_max_uncached_tokens and choice.match.blocks)
+            or len(token_ids) < cfg.conditional_disagg_threshold
+            or (limit > 0 and all(n.prefill_load > limit for n in prefillers))
+        ):
+            return choice.node
+        return None
 
     def _choose_decode(self, candidate: Candidate, fitting: list[NodeState]) -> NodeState | None:
         """With decode prefix reuse: the fitting decode node holding the longest prefix of the
@@ -394,14 +417,10 @@ class CoordinatorCore:
         state = self.by_wire.get(candidate.request_id)
         if state is None:
             return None
-        return self.decode_affinity.choose(
-            state.resume_token_ids()[:-1],
-            fitting,
-            self.config.prefix_affinity_min_blocks,
-            self.config.prefix_affinity_max_load_ratio,
-            load=kv_load,
-            fallback_choice=most_free_blocks,
+        choice = self._choose_by_prefix(
+            state.resume_token_ids()[:-1], fitting, kv_load, most_free_blocks
         )
+        return choice.node if choice is not None else None
 
     def _pump_admission(self) -> None:
         receivers = self.nodes.kv_receivers()
@@ -444,6 +463,7 @@ class CoordinatorCore:
                 old.alive = False
                 self._on_node_dead(old, "registered again")
             node = self.nodes.register(msg, identity, self.now)
+            self.prefix_index.register(node.node_id, msg.kv_stream)
             if self.nodes.decode_nodes():
                 self._last_max_model_len = min(n.max_model_len for n in self.nodes.alive())
             logger.info(
@@ -461,11 +481,18 @@ class CoordinatorCore:
             self.handoff_identities[msg.node_id] = identity
             return
         if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
+            known = self.nodes.nodes.get(msg.node_id)
+            # A snapshot sent again (the node is in a long step): its KV events were applied.
+            resent = known is not None and known.alive and msg.seq == known.load_seq
             node = self.nodes.heartbeat(msg, self.now)
             if node is None:
                 # Declared dead (or never registered) but alive: make it start afresh.
                 logger.warning("node %s is not registered: resetting it", msg.node_id)
                 self._out.orders.append((msg.node_id.encode(), Reset()))
+            elif not resent:
+                ack = self.prefix_index.apply(node.node_id, msg.kv_stream, msg.kv_events)
+                if ack is not None:
+                    self._send(node, ack)
             self._pump_admission()
             return
         node = self.nodes.nodes.get(node_id)
@@ -546,9 +573,6 @@ class CoordinatorCore:
             self._requeue(state, "prefill node lost before its KV was sent")
             return
         self._enter(state, Phase.TRANSFERRING)
-        if self.config.decode_prefix_reuse:
-            # Its computed tokens' full blocks enter the decode node's prefix cache as they land.
-            self.decode_affinity.record(state.resume_token_ids()[:-1], node)
         send_kv = SendKV(
             state.wire_id,
             node.node_id,
@@ -576,13 +600,6 @@ class CoordinatorCore:
             self._requeue(state, "prefill node lost before its KV was sent")
             return
         state.early = EarlyAdmission.ADMITTED
-        if self.config.decode_prefix_reuse:
-            # The prefill's tokens (not the first token, if it came): their full blocks enter
-            # the decode node's prefix cache as they land.
-            token_ids = state.resume_token_ids()
-            self.decode_affinity.record(
-                token_ids if state.phase is Phase.PREFILLING else token_ids[:-1], node
-            )
         send_kv = SendKV(
             state.wire_id,
             node.node_id,
@@ -616,13 +633,6 @@ class CoordinatorCore:
                 continue  # a stale attempt on a node the request has left
             if state.phase is not Phase.DECODING:
                 self._enter(state, Phase.DECODING)
-            if (
-                item.finish_reason is not None
-                and node.role is NodeRole.DECODE
-                and self.config.decode_prefix_reuse
-            ):
-                # Its prompt and answer stay cached there (all but the last token has KV).
-                self.decode_affinity.record(state.resume_token_ids(), node)
             self._emit_tokens(state, [item.token_id], item.finish_reason, item.logprobs)
 
     def _on_request_error(self, node: NodeState, msg: RequestError) -> None:
@@ -639,8 +649,7 @@ class CoordinatorCore:
 
     def _on_node_dead(self, node: NodeState, why: str) -> None:
         logger.warning("node %s (%s) marked dead: %s", node.node_id, node.role, why)
-        self.affinity.forget_node(node.node_id)
-        self.decode_affinity.forget_node(node.node_id)
+        self.prefix_index.forget(node.node_id)
         for state in list(self.by_wire.values()):
             on_prefill = state.prefill_node == node.node_id and state.phase in (
                 Phase.PREFILLING,

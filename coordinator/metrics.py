@@ -1,5 +1,5 @@
 """Prometheus metrics of the serving API: the nodes' KV blocks, queues and prefix-cache lookups,
-and the requests in each phase, read from the coordinator at scrape time; request latency and
+the prefix index's size, and the requests in each phase, read from the coordinator at scrape time; request latency and
 KV handoff histograms fed by the coordinator's listeners. `deploy/grafana/pdserve.json` charts
 them."""
 
@@ -167,6 +167,16 @@ class ClusterCollector:
                 received.add_metric([node.node_id], node.kv_blocks_received)
                 reused.add_metric([node.node_id], node.kv_blocks_reused)
                 integrity.add_metric([node.node_id], node.kv_integrity_failures)
+        index = GaugeMetricFamily(
+            "pdserve_prefix_index_blocks",
+            "KV blocks a node holds in a tier (device, host, disk), by the coordinator's prefix "
+            "index of the nodes' KV events",
+            labels=["node", "tier"],
+        )
+        prefix_index = c.core.prefix_index
+        for node_id in list(prefix_index.nodes):
+            for tier, count in prefix_index.node_blocks(node_id).items():
+                index.add_metric([node_id, tier], count)
         states = list(c.requests.values())
         decoding = sum(1 for s in states if s.phase is Phase.DECODING)
         phases = GaugeMetricFamily(
@@ -192,6 +202,7 @@ class ClusterCollector:
         yield drafts
         yield accepted
         yield per_position
+        yield index
         yield from tiers.values()
         yield computed
         yield phases

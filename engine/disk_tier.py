@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import tempfile
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -50,9 +51,12 @@ class DiskTier:
                 f"{self.block_bytes} bytes"
             )
         os.makedirs(path, exist_ok=True)
+        remove_stale(path)
         # A directory of this process's own: nodes sharing kv_disk_path never see each other's
-        # files, and the node's are removed when it closes.
-        self.directory = tempfile.mkdtemp(prefix="pdserve-kv-", dir=path)
+        # files, and the node's are removed when it closes or its interpreter exits (and, if it
+        # was killed, by the next node that starts on the same path).
+        self.directory = tempfile.mkdtemp(prefix=f"pdserve-kv-{os.getpid()}-", dir=path)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.events = events
         self._entries: OrderedDict[int, BlockKey] = OrderedDict()  # committed, LRU first
         self._pending: set[int] = set()  # files being written
@@ -127,7 +131,21 @@ class DiskTier:
         return list(self._entries)
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._finalizer()
+
+
+def remove_stale(path: str) -> None:
+    """Remove the tier directories under `path` of processes on this host that are gone."""
+    for name in os.listdir(path):
+        parts = name.split("-")
+        if len(parts) < 4 or parts[:2] != ["pdserve", "kv"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _header(layout: KVLayout, key: BlockKey, digest: int) -> bytes:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.cluster.block_hash import prefix_hashes
 from pdserve.cluster.client_messages import Event
+from pdserve.cluster.kv_event_stream import pack_hashes
 from pdserve.cluster.node_messages import (
     Abort,
     Admit,
@@ -15,6 +17,8 @@ from pdserve.cluster.node_messages import (
     Generate,
     HandoffReady,
     Heartbeat,
+    KVEventRecord,
+    KVOp,
     Message,
     NodeRole,
     Prefill,
@@ -46,6 +50,7 @@ class Sim:
         self.orders: list[tuple[bytes, Message]] = []
         self.events: list[Event] = []
         self.seq: dict[str, int] = {}
+        self.kv_seq: dict[str, tuple[int, int]] = {}  # node -> (its KV event stream, last seq)
         self.checked: list[bytes] = []  # node sockets whose connection the core had checked
         self.unreachable: set[str] = set()  # node sockets with no connection (as the shell finds)
 
@@ -59,16 +64,38 @@ class Sim:
 
     def register(self, node_id: str, role: NodeRole, num_blocks: int = 64) -> None:
         info = {"transport": "tcp", "address": "tcp://127.0.0.1:1"} if role.decodes else {}
+        stream = 1000 + len(self.kv_seq)  # its KV event stream
         msg = Register(node_id, role, "m", BLOCK, num_blocks, 1024, "tcp", receiver_info=info)
+        msg.kv_stream = stream
+        self.kv_seq[node_id] = (stream, 0)
         self.report(node_id, msg)
         self.heartbeat(node_id, free=num_blocks, total=num_blocks)
 
     def heartbeat(
-        self, node_id: str, free: int = 64, total: int = 64, kv_error: str | None = None
+        self,
+        node_id: str,
+        free: int = 64,
+        total: int = 64,
+        kv_error: str | None = None,
+        kv_events: list[KVEventRecord] | None = None,
     ) -> None:
         self.seq[node_id] = self.seq.get(node_id, 0) + 1
         beat = Heartbeat(node_id, free, total, 0, 0, 0, seq=self.seq[node_id], kv_error=kv_error)
+        if kv_events:
+            beat.kv_stream, beat.kv_events = self.kv_seq[node_id][0], kv_events
         self.take(self.core.on_node_message(f"{node_id}/heartbeat".encode(), beat, self.now))
+
+    def cache(
+        self, node_id: str, token_ids: list[int], tier: str = "device", stored: bool = True
+    ) -> None:
+        """The node reports (in its KV events) the full blocks of token_ids entering (or
+        leaving) a tier, with its load unchanged."""
+        stream, seq = self.kv_seq[node_id]
+        self.kv_seq[node_id] = (stream, seq + 1)
+        op = KVOp.STORED if stored else KVOp.REMOVED
+        record = KVEventRecord(seq + 1, op, tier, pack_hashes(prefix_hashes(token_ids, BLOCK)))
+        node = self.core.nodes.nodes[node_id]
+        self.heartbeat(node_id, node.free_blocks, node.num_blocks, kv_events=[record])
 
     def report(self, node_id: str, msg: Message) -> None:
         self.take(self.core.on_node_message(node_id.encode(), msg, self.now))

@@ -17,9 +17,8 @@ from pdserve.cluster.node_messages import (
     Tokens,
 )
 from pdserve.coordinator.admission import AdmissionQueue, Candidate
-from pdserve.coordinator.core import CoordinatorCore
 from pdserve.coordinator.nodes import NodeRegistry, NodeState
-from pdserve.coordinator.routing import PrefixAffinity, least_loaded, most_free_blocks
+from pdserve.coordinator.routing import least_loaded, most_free_blocks
 
 
 def node(node_id: str, role: str = "decode", free: int = 100, total: int = 100, **kw) -> NodeState:
@@ -81,59 +80,6 @@ def test_least_loaded_prefill_takes_the_shortest_queue():
     assert least_loaded([a, b]) is b
     b.assigned_prefill_tokens = 1000  # routed since its last report
     assert least_loaded([a, b]) is a
-
-
-def test_prefix_affinity_sends_shared_prefixes_to_the_same_node():
-    a, b = node("a", "prefill"), node("b", "prefill")
-    affinity = PrefixAffinity()
-    shared = list(range(100, 132))
-    first = affinity.choose(shared + [1, 2], [a, b], min_blocks=1, max_load_ratio=2.0)
-    affinity.record(shared + [1, 2], first)
-    other = b if first is a else a
-    other.queued_prefill_tokens = 0
-    first.queued_prefill_tokens = 10  # a little busier, still preferred for its cache
-    assert affinity.choose(shared + [9, 9, 9], [a, b], 1, 2.0) is first
-    assert affinity.choose(list(range(300, 340)), [a, b], 1, 2.0) is other  # no shared prefix
-
-
-def test_prefix_affinity_yields_when_the_cached_node_is_much_busier():
-    a, b = node("a", "prefill"), node("b", "prefill")
-    affinity = PrefixAffinity()
-    prompt = list(range(64))
-    affinity.record(prompt, a)
-    a.queued_prefill_tokens = 10_000
-    assert affinity.choose(prompt, [a, b], min_blocks=1, max_load_ratio=2.0) is b
-    affinity.forget_node("b")
-    affinity.forget_node("a")
-    assert not affinity.owner
-
-
-def test_prefix_affinity_remembers_no_more_hashes_than_its_nodes_hold_blocks():
-    a = node("a", "prefill", total=6)  # blocks of 4 tokens
-    held = [6]
-    affinity = PrefixAffinity(capacity=10, pool_blocks=lambda: held[0])
-    prompts = [list(range(1000 * i, 1000 * i + 8)) for i in range(5)]  # two blocks each
-    for prompt in prompts:
-        affinity.record(prompt, a)
-    assert len(affinity.owner) == 6  # the three newest prompts' blocks: the rest left a's cache
-    b = node("b", "prefill", queued_prefill_tokens=0)
-    a.queued_prefill_tokens = 1
-    assert affinity.choose(prompts[-1], [a, b], 1, 2.0) is a
-    assert affinity.choose(prompts[0], [a, b], 1, 2.0) is b  # forgotten: the least loaded
-    held[0] = 1000  # more nodes joined: still no more than the capacity
-    for prompt in prompts:
-        affinity.record(prompt, a)
-    assert len(affinity.owner) == 10
-
-
-def test_the_coordinators_affinity_maps_follow_the_blocks_of_their_nodes():
-    core = CoordinatorCore()
-    for n in (node("p", "prefill", total=40), node("d", total=30), node("c", "colocated", total=5)):
-        core.nodes.nodes[n.node_id] = n
-    assert core.affinity.limit == 40
-    assert core.decode_affinity.limit == 35  # decode and colocated nodes decode
-    core.nodes.nodes["d"].alive = False
-    assert core.decode_affinity.limit == 5
 
 
 def test_decode_choice_prefers_most_free_kv():

@@ -1,6 +1,7 @@
 """Decode-side prefix reuse in the coordinator's core, under a simulated clock: the Admit asks
 for reuse when the switch is on, SendKV skips the blocks the decode node holds, and admission
-prefers the decode node that holds the longest prefix."""
+prefers the decode node that holds the longest prefix, as the nodes' KV events tell the prefix
+index."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def test_admission_prefers_the_decode_node_holding_the_prefix():
     # The other node now reports more free blocks: without affinity it would be chosen. The
     # holder's 8 tokens of KV more are within the rule's slack (the 12-token prefix).
     other = "d1" if first == "d0" else "d0"
+    sim.cache(first, PROMPT + [99])  # its KV events: turn 1's blocks are in its prefix cache
     sim.heartbeat(first, free=62)
     sim.heartbeat(other, free=64)
     admit, node, _ = serve_one(sim, PROMPT + [99, 51, 7, 8, 9])  # turn 2: prompt + answer + more
@@ -86,6 +88,7 @@ def test_affinity_yields_when_the_holding_node_is_much_fuller():
     sim = two_decoders()
     _, first, _ = serve_one(sim, PROMPT)
     other = "d1" if first == "d0" else "d0"
+    sim.cache(first, PROMPT + [99])
     sim.heartbeat(first, free=60)  # 16 tokens of KV against none: over 2x + the 12-token prefix
     sim.heartbeat(other, free=64)
     _, node, _ = serve_one(sim, PROMPT + [99, 51, 7, 8, 9])
@@ -120,6 +123,7 @@ def test_an_early_admission_asks_for_reuse_goes_to_the_holder_and_skips_its_bloc
     admit, first, send = early(long, 0)
     assert admit.first_token_pending and admit.reuse_prefix and send.skip_blocks == 0
     other = "d1" if first == "d0" else "d0"
+    sim.cache(first, long)
     sim.heartbeat(first, free=60)
     sim.heartbeat(other, free=64)
     admit, node, send = early(long + list(range(7, 15)), 8)

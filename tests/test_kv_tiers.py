@@ -108,6 +108,29 @@ def test_disk_tier_evicts_least_recently_used_files_within_its_bytes(tmp_path: P
     assert not os.path.exists(tier.directory)
 
 
+def test_a_dead_node_s_disk_tier_is_removed_by_the_next_one_on_the_path(tmp_path: Path):
+    import subprocess
+    import sys
+
+    # A process that made a tier directory and was killed before it could remove it.
+    code = (
+        "import os, sys; from pdserve.engine.disk_tier import DiskTier; "
+        "from pdserve.engine.kv_cache import KVLayout; "
+        "t = DiskTier(KVLayout(2, 4, 2, 8, 'float32'), sys.argv[1], 1 << 20); "
+        "print(t.directory, flush=True); os._exit(0)"
+    )
+    dead = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert os.path.isdir(dead)
+    mine = DiskTier(LAYOUT, str(tmp_path), LAYOUT.bytes_per_block)
+    assert not os.path.exists(dead) and os.path.isdir(mine.directory)
+    other = DiskTier(LAYOUT, str(tmp_path), LAYOUT.bytes_per_block)  # a live one's stays
+    assert os.path.isdir(mine.directory)
+    other.close()
+    mine.close()
+
+
 # --- an engine with tiers ---------------------------------------------------------------------
 
 

@@ -159,6 +159,29 @@ def test_prefix_caching_and_affinity_reuse_a_shared_prompt_prefix():
     assert sum(hits) == 19 * 16 and min(hits) == 0
 
 
+def test_placement_by_uncached_tokens_prefills_a_mostly_cached_prompt_where_it_decodes():
+    # The nodes' KV events reach the coordinator's prefix index in the simulation too: once the
+    # decode node holds the shared prefix, a prompt with at most 64 tokens after it is
+    # prefilled there.
+    workload = synthetic(
+        12, LengthDist.parse("40"), LengthDist.parse("4"), shared_prefix_len=256, seed=1
+    )
+    for limit, local in ((64, True), (0, False)):
+        seen: list[type] = []
+        sim = Simulation(Deployment(1, 1, local_prefill_max_uncached_tokens=limit), profile())
+        deliver = sim._node_receives
+        sim._node_receives = lambda i, o, seen=seen, deliver=deliver: (
+            seen.append(type(o)),
+            deliver(i, o),
+        )[1]
+        result = sim.run(workload.at_rate(2.0))
+        assert all(o.success for o in result.outcomes)
+        if local:
+            assert seen.count(Generate) >= 9 and seen.count(Prefill) <= 3
+        else:
+            assert seen.count(Generate) == 0 and seen.count(Prefill) == 12
+
+
 def test_a_node_short_of_blocks_preempts_and_still_finishes_every_request():
     p = profile(kv_blocks=24)  # 384 tokens for two sequences that grow to 300 each
     requests = [SimRequest(0.0, 100, 200), SimRequest(0.0, 100, 200)]

@@ -18,6 +18,9 @@ from pdserve.cluster.node_messages import (
     Generate,
     HandoffReady,
     Heartbeat,
+    KVEventRecord,
+    KVEventsAck,
+    KVOp,
     KVTierReport,
     NodeRole,
     Prefill,
@@ -56,7 +59,10 @@ RECEIVER = {"transport": "tcp", "address": "tcp://10.0.0.3:5700", "num_blocks": 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # W3C's example
 
 EXAMPLES: list[tuple[Codec, Message]] = [
-    (reports, Register("d0", NodeRole.DECODE, "llama", 8, 512, 4096, "tcp", LAYOUT, RECEIVER, 42)),
+    (
+        reports,
+        Register("d0", NodeRole.DECODE, "llama", 8, 512, 4096, "tcp", LAYOUT, RECEIVER, 42, 99),
+    ),
     (
         reports,
         Heartbeat(
@@ -78,6 +84,8 @@ EXAMPLES: list[tuple[Codec, Message]] = [
             21,
             [9, 7, 5],
             2,
+            99,
+            [KVEventRecord(1, KVOp.CLEAR), KVEventRecord(2, KVOp.STORED, "host", bytes(32))],
             KVTierReport({"host": 5}, {"host": 2}, {"host": 4096}, {"host": 2048}, 1, 0.01, 0, {}),
             640,
         ),
@@ -97,6 +105,7 @@ EXAMPLES: list[tuple[Codec, Message]] = [
     (orders, SendKV("r#1", "d0", RECEIVER, [5, 6], 12.5, 2, True, TRACEPARENT)),
     (orders, StartDecode("r#1", 9)),
     (orders, Abort("r#1", True)),
+    (orders, KVEventsAck(99, 12, True)),
     (orders, Shutdown()),
     (orders, Reset()),
     (client_requests, Submit("c-1", [1, 2, 3], PARAMS)),

@@ -23,6 +23,7 @@ class Deployment:
     max_num_seqs: int = 256
     admission_watermark: float = 0.05
     conditional_disagg_threshold: int = 0
+    local_prefill_max_uncached_tokens: int = 0
     prefill_tp: int = 1  # devices a prefill node (tensor_parallel_size)
     decode_tp: int = 1  # devices a decode node, or a colocated worker
 
@@ -64,6 +65,8 @@ class Deployment:
             text = f"{self.prefill}P x TP{self.prefill_tp} + {self.decode}D x TP{self.decode_tp}"
         if self.conditional_disagg_threshold:
             text += f", < {self.conditional_disagg_threshold} local"
+        if self.local_prefill_max_uncached_tokens and not self.colocated:
+            text += f", <= {self.local_prefill_max_uncached_tokens} uncached local"
         return text
 
     @property
@@ -103,4 +106,5 @@ class Deployment:
             # Nothing goes to a prefill node when there is none; the cluster file writes
             # colocated workers as decode nodes, which need this to take whole requests.
             "conditional_disagg_threshold": ALL_LOCAL if self.colocated else threshold,
+            "local_prefill_max_uncached_tokens": self.local_prefill_max_uncached_tokens,
         }

@@ -58,11 +58,14 @@ class SearchSpace:
     # (prefill TP, decode TP) pairs simulated, by throughput bound on every device; colocated
     # workers at the TP size of highest bound.
     screen_pairs: int = 2
+    # local_prefill_max_uncached_tokens, as quantiles of the tokens after a shared prefix (a
+    # workload with shared prefixes only)
+    uncached_quantiles: tuple[float, ...] = (0.5, 0.9)
 
     @classmethod
     def quick(cls) -> SearchSpace:
         """A few values of each knob, for checking the command itself."""
-        return cls((1024, 2048), (64, 256), (0.05,), (0.5,), 4, 2, 100, 1, 2, 0.15, 0.1, 1)
+        return cls((1024, 2048), (64, 256), (0.05,), (0.5,), 4, 2, 100, 1, 2, 0.15, 0.1, 1, (0.5,))
 
 
 @dataclass(slots=True)
@@ -324,6 +327,9 @@ def knob_values(space: SearchSpace, workload: Workload, d: Deployment) -> dict[s
             {workload.prompt_len_quantile(q) + 1 for q in space.threshold_quantiles}
         )
         values["conditional_disagg_threshold"] = [0, *thresholds]
+        uncached = {workload.uncached_len_quantile(q) for q in space.uncached_quantiles} - {None}
+        if uncached:
+            values["local_prefill_max_uncached_tokens"] = [0, *sorted(u + 1 for u in uncached)]
     return values
 
 

@@ -116,6 +116,12 @@ class Workload:
     def prompt_len_quantile(self, q: float) -> int:
         return int(np.quantile([r.prompt_len for r in self.requests], q))
 
+    def uncached_len_quantile(self, q: float) -> int | None:
+        """Of the prompts that share a prefix with others, the tokens after it (None: none
+        shares one)."""
+        rest = [r.prompt_len - r.prefix_len for r in self.requests if r.prefix_group is not None]
+        return int(np.quantile(rest, q)) if rest else None
+
 
 def unit_offsets(n: int, burstiness: float, seed: int) -> np.ndarray:
     """Arrival times at one request per second; the first at 0."""
