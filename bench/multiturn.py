@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import re
+import shlex
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.bench.compare import git, machine
 from pdserve.bench.serve_load import HelpFormatter, length_range
 from pdserve.bench.serving.multiturn import MultiTurnWorkload, TurnResult, run_sessions
 from pdserve.engine.embedded_models import TINY, resolve_model_dir
@@ -224,14 +229,25 @@ def main(argv: list[str] | None = None) -> int:
         output_len=args.output_len,
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-multiturn-"))
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    info = machine()
     runs = [run_mode(m, args, workload, work) for m in modes]
+    info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     if len(runs) > 1 and any(r["outputs"] != runs[0]["outputs"] for r in runs):
         raise SystemExit("pdserve.bench.multiturn: error: the modes' greedy outputs differ")
     print(format_table(runs))
     if args.json:
         for r in runs:
             r.pop("outputs")
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+        record = {
+            "command": "python -m pdserve.bench.multiturn " + shlex.join(sys.argv[1:]),
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "date": started,
+            "machine": info,
+            "args": vars(args),
+            "runs": runs,
+        }
+        Path(args.json).write_text(json.dumps(record, indent=1))
     return 0
 
 

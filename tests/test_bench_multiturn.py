@@ -85,6 +85,9 @@ def test_a_short_run_with_tiers_loads_prefixes_back_and_matches_the_plain_mode(t
     argv += ["--first-len", "60", "--message-len", "20", "--output-len", "8", "--kv-blocks", "24"]
     argv += ["--block-size", "8", "--work-dir", str(tmp_path / "work"), "--json", str(out)]
     assert main(argv) == 0
-    tiers, plain = json.loads(out.read_text())["runs"]
+    results = json.loads(out.read_text())
+    assert results["command"].startswith("python -m pdserve.bench.multiturn")
+    assert results["commit"] and results["date"] and results["machine"]["cpu"]
+    tiers, plain = results["runs"]
     assert tiers["tier_blocks_loaded"] > 0 and plain["tier_blocks_loaded"] == 0
     assert tiers["prompt_tokens_computed"] < plain["prompt_tokens_computed"]
