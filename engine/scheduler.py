@@ -204,21 +204,18 @@ class Scheduler:
 
     def loaded(self, seq: Sequence, num_loaded: int, num_blocks: int) -> None:
         """A load of num_blocks blocks ended, its first num_loaded filled: those enter the
-        prefix cache, the rest are given back, and the sequence returns to the queue's head
-        (or, aborted meanwhile, frees everything)."""
+        prefix cache, and the sequence returns to the queue's head holding nothing, as every
+        waiting sequence (its admission takes them from the prefix cache, as any cached
+        prefix: sequences loaded together must not hold the pool while one waits for room).
+        Aborted meanwhile, it frees everything."""
         bm = self.block_manager
         self.loading.pop(seq.request_id, None)
-        if seq.status is SequenceStatus.FINISHED:
-            bm.free(seq.block_table)
-            return
-        drop = num_blocks - num_loaded
-        if drop:
-            tail = seq.block_table[-drop:]
-            del seq.block_table[-drop:]
-            bm.free(tail)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bm.block_size
-        bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        self.waiting.appendleft(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            computed = (len(seq.block_table) - num_blocks + num_loaded) * bm.block_size
+            bm.cache_full_blocks(seq.block_table, seq.token_ids, computed)
+            self.waiting.appendleft(seq)
+        bm.free(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
 
     def _draft_room(self, seq: Sequence, room: int) -> int:
         """How many drafts a decoding sequence may take: at most num_speculative_tokens, the

@@ -380,3 +380,47 @@ def test_a_handoff_takes_its_prefix_from_the_tiers_and_computes_what_failed(corr
     finally:
         receiver.close()
         tiers.close()
+
+
+def test_sequences_loaded_back_together_never_hold_the_pool_while_they_wait(plain_engine_outputs):
+    """Three second turns arrive at once, each with 13 blocks below the pool: all three loads fit
+    (39 of 40 blocks), and then each needs 11 blocks more. A loaded sequence waiting behind
+    another must hold nothing, or the one at the head never fits: every turn must finish, with
+    the tokens of an engine without tiers."""
+    expected, prompts = plain_engine_outputs
+    engine = make_engine(kv_host_bytes=1 << 20)
+    try:
+        outputs = run_together(engine, prompts)
+        assert outputs == expected
+        assert engine.tiers.stats.hit_blocks["host"] >= 3 * 12
+        assert engine.block_manager.num_free_blocks == POOL
+    finally:
+        engine.close()
+
+
+def run_together(engine: LLMEngine, prompts: list[list[int]], max_steps: int = 3000):
+    """First turns one by one, other prompts evicting them, then every second turn at once."""
+    firsts = conversations(3, 48, seed=21)
+    answers = [run(engine, p, f"first-{i}")[0] for i, p in enumerate(firsts)]
+    for i, other in enumerate(conversations(4, 60, seed=22)):
+        run(engine, other, f"other-{i}")
+    seqs = [
+        engine.add_request(f"second-{i}", firsts[i] + answers[i] + prompts[i], GREEDY)
+        for i in range(3)
+    ]
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished(), "the second turns never finished"
+    return [s.output_token_ids for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def plain_engine_outputs() -> tuple[list[list[int]], list[list[int]]]:
+    prompts = conversations(3, 40, seed=23)  # each second turn's new message
+    engine = make_engine()
+    try:
+        return run_together(engine, prompts), prompts
+    finally:
+        engine.close()
