@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    info = machine()  # with the machine's load before the run
     rows = []
     for n in args.blocks:
         rig = Rig(n, args.device, dtype)
@@ -170,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
             rig.close()
     print(table(rows))
     if args.out:
-        info = machine()
         info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout
         if args.device.startswith("cuda"):
             info["gpu"] = torch.cuda.get_device_name()

@@ -28,6 +28,7 @@ after which every request has its first token to the last step.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import random
 import sys
@@ -36,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pdserve.bench.compare import git
 from pdserve.bench.offline_throughput import machine
 from pdserve.bench.peers import models as bench_models
 from pdserve.engine import LLM, SamplingParams
@@ -203,6 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     runs = []
     with tempfile.TemporaryDirectory(prefix="pdserve-drafts-") as scratch:
         for workload in args.workloads.split(","):
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
                 runs += measure(args, workload, batch, Path(scratch))
     result = {
         "command": "python -m pdserve.bench.speculative " + " ".join(argv or sys.argv[1:]),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "date": started,
         "machine": machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": [asdict(r) for r in runs],
