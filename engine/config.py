@@ -65,8 +65,9 @@ class EngineConfig:
         None,
         "host-memory KV tier under the prefix cache, in bytes: every full cached block is "
         "copied there off the step loop and loaded back when a prompt's prefix left the pool "
-        "(unset: twice the KV pool on a GPU node; on a CPU node none, or the pool's size with a "
-        "disk tier; 0: off; nodes of one process only)",
+        "(unset: twice the KV pool on a GPU node, at most half the host's memory over its GPUs; "
+        "on a CPU node none, or the pool's size with a disk tier; 0: off; nodes of one process "
+        "only)",
         minimum=0,
     )
     kv_disk_path: str | None = setting(

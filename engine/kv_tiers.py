@@ -440,15 +440,26 @@ def tiers_for(config: Any, pool: KVPool, block_manager: BlockManager) -> KVTiers
     return KVTiers(pool, block_manager, host, disk)
 
 
-def host_tier_bytes(config: Any, pool_bytes: int, on_gpu: bool) -> int:
-    """The host tier's size: kv_host_bytes, or unset, twice the device pool on a GPU node; on a
-    CPU node (whose pool is host memory already: a larger pool serves better) none, or the
-    pool's size under a disk tier."""
+def host_tier_bytes(
+    config: Any, pool_bytes: int, on_gpu: bool, host_share: int | None = None
+) -> int:
+    """The host tier's size: kv_host_bytes, or unset, twice the device pool on a GPU node, at
+    most its share of the host's memory (`default_host_share`); on a CPU node (whose pool is
+    host memory already: a larger pool serves better) none, or the pool's size under a disk
+    tier."""
     if config.kv_host_bytes is not None:
         return config.kv_host_bytes
     if on_gpu:
-        return 2 * pool_bytes
+        share = default_host_share() if host_share is None else host_share
+        return min(2 * pool_bytes, share)
     return pool_bytes if config.kv_disk_path else 0
+
+
+def default_host_share() -> int:
+    """What an unset host tier may take on a GPU node: half the host's memory split among its
+    GPUs (each GPU's node pins its own; eight nodes of a host must not pin all of it)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return memory // 2 // max(1, torch.cuda.device_count())
 
 
 def disk_tier_bytes(config: Any) -> int:

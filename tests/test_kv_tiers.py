@@ -310,6 +310,19 @@ def test_an_abort_while_loading_frees_every_block_once_the_load_ends():
         engine.close()
 
 
+def test_an_unset_host_tier_is_twice_the_pool_on_a_gpu_within_the_host_s_share():
+    from pdserve.engine.kv_tiers import default_host_share, host_tier_bytes
+
+    unset, gib = EngineConfig(), 1 << 30
+    assert host_tier_bytes(unset, 70 * gib, True, host_share=1000 * gib) == 140 * gib
+    assert host_tier_bytes(unset, 70 * gib, True, host_share=60 * gib) == 60 * gib  # 8 GPUs
+    assert host_tier_bytes(unset, 70 * gib, False) == 0  # a CPU node: its pool is host memory
+    assert host_tier_bytes(EngineConfig(kv_disk_path="/d"), 5 * gib, False) == 5 * gib
+    assert host_tier_bytes(EngineConfig(kv_host_bytes=3), 70 * gib, True) == 3  # as asked
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < default_host_share() <= memory // 2
+
+
 def test_tier_settings_are_checked():
     with pytest.raises(ValueError, match="sits under the host tier"):
         EngineConfig(kv_host_bytes=0, kv_disk_path="/tmp/x")
