@@ -122,10 +122,6 @@ class KVTiers:
         """Copies in flight (the step loop goes on stepping until they are collected)."""
         return bool(self._loads or self._stores or self._disk_writes)
 
-    @property
-    def num_loading(self) -> int:
-        return len(self._loads)
-
     def wait(self, timeout_s: float) -> None:
         """Sleep until a copy in flight ends or timeout_s passed (an idle loop's pause)."""
         futures = [j.future for j in (*self._loads, *self._stores, *self._disk_writes)]
@@ -166,7 +162,7 @@ class KVTiers:
             self._stores.append(_Store(entries, to_disk, future))
 
     def _write_down(self, pages: torch.Tensor, block_hash: int, key: BlockKey) -> None:
-        """Write a block just committed to the host tier (a copy of its pages) to disk."""
+        """Write a block just copied down (a host copy of its pages, its own) to disk."""
         if self.disk.holds(block_hash):
             return
         evicted = self.disk.reserve(block_hash)

@@ -67,12 +67,7 @@ class StepPlan:
             if end == seq.num_tokens + len(drafts):  # the chunk reaches the end: it samples
                 sample_rows.append(index)
                 sample_counts.append(1 + len(drafts))
-        width = max(map(len, tables))
-        padding = array("i", bytes(4 * width))
-        flat = array("i")
-        for table in tables:
-            flat.extend(table)
-            flat.extend(padding[: width - len(table)])
+        flat, width = padded_tables(tables)
         speculating = len(sample_counts) != sum(sample_counts)
         return cls(
             input_ids,
@@ -108,11 +103,7 @@ class StepPlan:
             max_query_len = max(max_query_len, len(tokens))
             if samples:
                 sample_rows.append(index)
-        width = max(len(table) for _, _, table, _ in chunks)
-        flat = array("i")
-        for _, _, table, _ in chunks:
-            flat.extend(table)
-            flat.extend(array("i", bytes(4 * (width - len(table)))))
+        flat, width = padded_tables([table for _, _, table, _ in chunks])
         return cls(
             input_ids,
             positions,
@@ -156,3 +147,14 @@ def _tensor(values: array) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(values, dtype=dtype)
+
+
+def padded_tables(tables: list[list[int]]) -> tuple[array, int]:
+    """Block tables as one flat array, each padded with zeros to the longest's width."""
+    width = max(map(len, tables))
+    padding = array("i", bytes(4 * width))
+    flat = array("i")
+    for table in tables:
+        flat.extend(table)
+        flat.extend(padding[: width - len(table)])
+    return flat, width

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import threading
 import time
@@ -13,6 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdserve.cluster.keys import ClusterKeys, default_key_dir
+from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
@@ -165,3 +168,22 @@ class Cluster:
                 return
             await asyncio.sleep(0.002)
         raise AssertionError(f"{node_id} never held a running request")
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """n token ids of the test model's vocabulary, seeded."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, 500) for _ in range(n)]
+
+
+def complete(cluster: Cluster, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The cluster's whole output for one prompt, through its client socket; it must run to
+    max_tokens (the tests' prompts ignore end-of-sequence)."""
+
+    async def run() -> list[int]:
+        async with CoordinatorClient(cluster.client_addr) as client:
+            out, reason = await client.complete(prompt, params)
+            assert reason == "length"
+            return out
+
+    return asyncio.run(run())

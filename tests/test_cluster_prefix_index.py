@@ -5,15 +5,13 @@ third turn, mostly cached there, is prefilled there with no handoff. Outputs mat
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
 
 import pytest
-from local_cluster import Cluster
+from local_cluster import Cluster, complete
+from local_cluster import random_tokens as tokens
 
 from pdserve.cluster.block_hash import prefix_hashes
-from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.metrics import Metrics
 from pdserve.coordinator.request_state import Phase, RequestState
@@ -27,21 +25,6 @@ DECODERS = ("decode-0", "decode-1")
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM(num_kv_blocks=1024, block_size=BLOCK)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 500) for _ in range(n)]
-
-
-def complete(cluster: Cluster, prompt: list[int]) -> list[int]:
-    async def run() -> list[int]:
-        async with CoordinatorClient(cluster.client_addr) as client:
-            out, reason = await client.complete(prompt, GREEDY)
-            assert reason == "length"
-            return out
-
-    return asyncio.run(run())
 
 
 def index_blocks(cluster: Cluster) -> dict[str, float]:
@@ -84,7 +67,7 @@ def test_a_second_turn_goes_to_the_decode_node_whose_kv_events_hold_the_first(of
                 routed.append((state.phase, state.decode_node))
 
         cluster.loop_call(lambda: cluster.coordinator.listeners.append(observe))
-        assert complete(cluster, turn1) == answer1
+        assert complete(cluster, turn1, GREEDY) == answer1
         (holder,) = {node for phase, node in routed if phase is Phase.ADMITTING}
         other = next(n for n in DECODERS if n != holder)
         # Turn 1's prompt and answer (44 tokens of KV) left 5 full blocks on the holder, by its
@@ -94,7 +77,7 @@ def test_a_second_turn_goes_to_the_decode_node_whose_kv_events_hold_the_first(of
         index = cluster.coordinator.core.prefix_index
         assert index.match(holder, prefix_hashes(turn2, BLOCK)).blocks == 5
         routed.clear()
-        assert complete(cluster, turn2) == answer2
+        assert complete(cluster, turn2, GREEDY) == answer2
         assert [node for phase, node in routed if phase is Phase.ADMITTING] == [holder]
         assert cluster.node(holder).kv_blocks_reused in (0, 5)  # its next report says 5
         # Placement by uncached tokens (a live setting): turn 3 is 73 of 79 tokens cached on
@@ -104,6 +87,6 @@ def test_a_second_turn_goes_to_the_decode_node_whose_kv_events_hold_the_first(of
             lambda: setattr(cluster.coordinator.config, "local_prefill_max_uncached_tokens", 16)
         )
         routed.clear()
-        assert complete(cluster, turn3) == answer3
+        assert complete(cluster, turn3, GREEDY) == answer3
         assert routed == [(Phase.LOCAL_PREFILL, holder)]
         cluster.wait_until_idle()

@@ -6,11 +6,11 @@ offline engine's token for token. The node's counters reach /metrics."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
-from local_cluster import Cluster
+from local_cluster import Cluster, complete
+from local_cluster import random_tokens as tokens
 
 from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.metrics import Metrics
@@ -23,21 +23,6 @@ BLOCK = 8  # the test cluster's block size
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM(num_kv_blocks=1024, block_size=BLOCK)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 500) for _ in range(n)]
-
-
-def complete(cluster: Cluster, prompt: list[int]) -> list[int]:
-    async def run() -> list[int]:
-        async with CoordinatorClient(cluster.client_addr) as client:
-            out, reason = await client.complete(prompt, GREEDY)
-            assert reason == "length"
-            return out
-
-    return asyncio.run(run())
 
 
 def reported(cluster: Cluster, expected: tuple[int, int]) -> tuple[int, int]:
@@ -64,9 +49,9 @@ def test_a_second_turn_reuses_the_first_turn_s_blocks_and_matches_offline(transp
     turn2 = turn1 + answer1 + tokens(13, seed=2)  # 58 tokens: 7 full blocks and a partial one
     (answer2,) = [o.token_ids for o in offline.generate([turn2], GREEDY)]
     with Cluster(1, 1, transport=transport) as cluster:
-        assert complete(cluster, turn1) == answer1
+        assert complete(cluster, turn1, GREEDY) == answer1
         reported(cluster, (4, 0))  # 29 tokens: 4 blocks received, nothing cached yet
-        assert complete(cluster, turn2) == answer2
+        assert complete(cluster, turn2, GREEDY) == answer2
         # Turn 1's prompt and answer left 44 tokens of KV on the decode node: 5 full blocks of
         # turn 2's 8 are reused, 3 received.
         received, reused = reported(cluster, (4 + 3, 5))
@@ -82,7 +67,7 @@ def test_abort_after_admission_frees_both_sides_and_reuse_off_sends_every_block(
     turn2 = turn1 + answer1 + tokens(13, seed=4)
     (answer2,) = [o.token_ids for o in offline.generate([turn2], GREEDY)]
     with Cluster(1, 1, transport="tcp") as cluster:
-        assert complete(cluster, turn1) == answer1
+        assert complete(cluster, turn1, GREEDY) == answer1
         reported(cluster, (4, 0))
 
         async def abort_turn2() -> int:
@@ -101,6 +86,6 @@ def test_abort_after_admission_frees_both_sides_and_reuse_off_sends_every_block(
         cluster.wait_until_idle()  # every block back on both nodes
         # The switch off (it is live): every block is sent, none reused, same output.
         cluster.loop_call(lambda: setattr(cluster.coordinator.config, "decode_prefix_reuse", False))
-        assert complete(cluster, turn2) == answer2
+        assert complete(cluster, turn2, GREEDY) == answer2
         reported(cluster, (4 + 3 + 8, 5))
         cluster.wait_until_idle()
