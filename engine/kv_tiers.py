@@ -237,12 +237,9 @@ class KVTiers:
         writes enter the disk tier, and each ended load's on_end is called."""
         self._collect_stores()
         self._collect_disk_writes()
+        done, self._loads = _split_ended(self._loads)
         ended = []
-        still = []
-        for job in self._loads:
-            if not job.future.done():
-                still.append(job)
-                continue
+        for job in done:
             self.release(job.hits)
             exc = job.future.exception()
             loaded, error = job.future.result() if exc is None else (0, repr(exc))
@@ -256,16 +253,12 @@ class KVTiers:
             self.stats.loads += 1
             self.stats.load_seconds += time.monotonic() - job.started
             ended.append((job.on_end, loaded))
-        self._loads = still
         for on_end, loaded in ended:
             on_end(loaded)
 
     def _collect_stores(self) -> None:
-        still = []
-        for job in self._stores:
-            if not job.future.done():
-                still.append(job)
-                continue
+        done, self._stores = _split_ended(self._stores)
+        for job in done:
             error = job.future.exception()
             self.block_manager.free([block for block, _, _, _ in job.entries])
             copies = iter(job.future.result() if error is None else ())
@@ -280,14 +273,10 @@ class KVTiers:
                     self._write_down(next(copies), block_hash, key)
             if error is not None:
                 self._failed(f"KV host tier copy: {error!r}", len(job.entries))
-        self._stores = still
 
     def _collect_disk_writes(self) -> None:
-        still = []
-        for job in self._disk_writes:
-            if not job.future.done():
-                still.append(job)
-                continue
+        done, self._disk_writes = _split_ended(self._disk_writes)
+        for job in done:
             error = job.future.exception()
             if error is None:
                 self.disk.commit(job.block_hash, job.key)
@@ -295,7 +284,6 @@ class KVTiers:
             else:
                 self.disk.abandon(job.block_hash)
                 self._failed(f"KV disk tier write: {error!r}")
-        self._disk_writes = still
 
     def _failed(self, why: str, count: int = 1) -> None:
         self.stats.failures += count
@@ -403,6 +391,14 @@ class KVTiers:
                 return i, str(exc)
             self._copy([(kv[:, :, block], staging)], ready)
         return len(blocks), None
+
+
+def _split_ended(jobs: list) -> tuple[list, list]:
+    """(jobs whose copy ended, jobs still in flight), each job's future read once."""
+    ended, still = [], []
+    for job in jobs:
+        (ended if job.future.done() else still).append(job)
+    return ended, still
 
 
 def _remove(paths: list[str]) -> None:
