@@ -9,7 +9,6 @@ round trip (encode, decode back into a `StepPlan`) timed side by side in one pro
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import pickle
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from pdserve.bench.compare import machine
+from pdserve.bench import provenance
 from pdserve.engine.step_plan import StepPlan
 
 
@@ -102,6 +101,14 @@ def best_us(fn, arg, calls: int, repeats: int = 5) -> float:  # noqa: ANN001
     return round(min(times) * 1e6, 1)
 
 
+def docs_table(results: dict) -> str:
+    """The docs' table of a results file (`python -m pdserve.bench.docs` renders it)."""
+    rows = ["| plan | bytes | pickle µs | msgspec µs |", "| --- | ---: | ---: | ---: |"]
+    for name, row in results["plans"].items():
+        rows.append(f"| {name} | {row['bytes']:,} | {row['pickle_us']} | {row['msgspec_us']} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m pdserve.bench.plan_codec",
@@ -111,14 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
-    results = {
-        "command": "python -m pdserve.bench.plan_codec " + " ".join(sys.argv[1:]),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
-        "plans": {},
-    }
-    print("| plan | bytes | pickle µs | msgspec µs |")
-    print("| --- | ---: | ---: | ---: |")
+    record = provenance.start(sys.argv)
+    plans = {}
     for name, shape in PLANS.items():
         step = plan(*shape)
         assert msgspec_round_trip(step) == pickle_round_trip(step) == step
@@ -127,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             "pickle_us": best_us(pickle_round_trip, step, args.calls),
             "msgspec_us": best_us(msgspec_round_trip, step, args.calls),
         }
-        results["plans"][name] = row
-        print(f"| {name} | {row['bytes']:,} | {row['pickle_us']} | {row['msgspec_us']} |")
+        plans[name] = row
+    results = provenance.finish(record) | {"plans": plans}
+    print(docs_table(results))
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
