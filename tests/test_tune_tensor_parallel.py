@@ -12,7 +12,12 @@ from pdserve.tune.deployment import Deployment
 from pdserve.tune.metrics import SLO
 from pdserve.tune.model_shape import DTYPE_BYTES, PRESETS, ModelShape
 from pdserve.tune.profile import GroupModel, Profile
-from pdserve.tune.report import candidates_table, cluster_file, coordinator_config
+from pdserve.tune.report import (
+    candidates_table,
+    cluster_file,
+    coordinator_config,
+    search_results,
+)
 from pdserve.tune.roofline import (
     DEVICES,
     Assumptions,
@@ -124,7 +129,7 @@ def test_the_search_picks_the_known_best_pair_of_tensor_parallel_sizes():
     }
     assert pairs == {(2, 1), (1, 1)}
     assert any(e.deployment.colocated for e in result.ranked)  # the baseline
-    table = candidates_table(result.ranked, 4)
+    table = candidates_table(search_results(result, top=5))
     assert "| 1P x TP2 + 2D x TP1 | 2 / 1 |" in table.splitlines()[2]
     # Hosts of 3 GPUs take no group of 2: TP 1 alone, where 3P + 1D is best.
     result = search(

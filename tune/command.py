@@ -108,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPUs a host: node sizes (TP) must divide it; the cluster file's hosts",
     )
     s.add_argument("--no-plot", action="store_true", help="no goodput.png")
+    s.add_argument(
+        "--json-out",
+        type=Path,
+        default=None,
+        help="also write tune.json here, with the run's provenance (bench/results/)",
+    )
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="tune_command")
     p = sub.add_parser(
@@ -341,11 +347,19 @@ def _workload(args: argparse.Namespace):  # noqa: ANN202
 
 
 def run_search(args: argparse.Namespace) -> int:
+    from pdserve.bench import provenance
     from pdserve.tune.metrics import SLO, summarize
     from pdserve.tune.model_shape import model_shape
     from pdserve.tune.profile import Profile
-    from pdserve.tune.report import candidates_table, plot_curves, serve_command, write_outputs
-    from pdserve.tune.search import CEILING, SearchSpace, curves, search
+    from pdserve.tune.report import (
+        opening,
+        outcome,
+        plot_curves,
+        search_results,
+        serve_command,
+        write_outputs,
+    )
+    from pdserve.tune.search import SearchSpace, curves, search
     from pdserve.tune.simulator import Simulation
 
     missing = [
@@ -370,13 +384,16 @@ def run_search(args: argparse.Namespace) -> int:
     for name in ("coordinator", "prefill_node", "decode_node", "engine", "kv_transfer"):
         logging.getLogger(f"pdserve.{name}").setLevel(logging.WARNING)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if not args.no_progress else None
-    print(f"profile: {profile.source}")
-    print(f"workload: {len(workload)} requests, {workload.description}")
-    print(
-        f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms for "
-        f"{slo.attainment:.0%} of requests; {args.devices} devices, nodes of "
-        f"{'/'.join(map(str, profile.tp_sizes))} ({args.gpus_per_host} a host)"
-    )
+    results = provenance.start(["pdserve", *sys.argv[1:]]) | {
+        "profile": profile.source,
+        "num_requests": len(workload),
+        "workload": workload.description,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
+        "devices": args.devices,
+        "tp_sizes": profile.tp_sizes,
+        "gpus_per_host": args.gpus_per_host,
+    }
+    print(opening(results))
     space = SearchSpace.quick() if args.quick else SearchSpace()
     result = search(
         profile,
@@ -395,27 +412,12 @@ def run_search(args: argparse.Namespace) -> int:
         for e in top:
             run = Simulation(e.deployment, profile).run(workload.at_rate(args.rate))
             at[e.deployment] = summarize(run.outcomes, slo, args.rate)
-    where = f"at {args.rate:g} req/s" if args.rate else "at each one's goodput"
-    print(
-        f"\nbest of {result.num_simulations} simulations in {result.seconds:.0f} s "
-        f"(latencies {where}; goodput: the highest rate with {slo.attainment:.0%} within the SLO)\n"
-    )
-    print(candidates_table(top, args.devices, at))
-    if any(e.burst for e in top):
-        print(
-            f"\nwarning: >= marks a deployment that met the SLO even at {CEILING:g} times its "
-            f"throughput bound: {len(workload)} requests arrive as one burst it absorbs; give "
-            "more requests (--num-requests) to measure a sustained rate"
-        )
-    elif (short := _short_span(workload, slo, result.best.goodput)) is not None:
-        span, typical = short
-        print(
-            f"\nwarning: at {result.best.goodput:.3g} req/s the {len(workload)} requests arrive "
-            f"over {span:.0f} s, less than 3 times the {typical:.0f} s a request of mean length "
-            "may take within the SLO: a queue that grows slowly never reaches the target, which "
-            "favours deployments bound by a queue (prefill); give more requests "
-            "(--num-requests) for a sustained rate"
-        )
+    results |= search_results(result, args.top, at, args.rate)
+    results["warning"] = _warning(top, workload, slo, result.best.goodput)
+    # At the winner's goodput: how long the requests take to arrive, and what a request of the
+    # mean output length may take within the SLO (the warning's figures).
+    span = _arrival_span(workload, slo, result.best.goodput)
+    results["arrivals_span_s"], results["request_budget_s"] = span or (None, None)
     out = Path(args.out_dir)
     best = result.best
     written = write_outputs(
@@ -440,22 +442,56 @@ def run_search(args: argparse.Namespace) -> int:
         plot = plot_curves(runs, slo, out / "goodput.png", title)
         if plot is not None:
             written.append(plot)
-    (out / "tune.json").write_text(json.dumps(_results(result, profile, slo, workload), indent=1))
     written.append(out / "tune.json")
-    print(f"\n{serve_command(best.deployment, str(out / 'pdserve.toml'))}")
-    print("wrote " + ", ".join(str(p) for p in written))
+    results["serve_command"] = serve_command(best.deployment, str(out / "pdserve.toml"))
+    results["written"] = [str(p) for p in written]
+    results = provenance.finish(results)
+    (out / "tune.json").write_text(json.dumps(results, indent=1) + "\n")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+    print("\n" + outcome(results))
     return 0
+
+
+def _warning(top, workload, slo, goodput: float) -> str | None:  # noqa: ANN001
+    """The search's warning: a deployment that absorbed the workload as one burst, or arrivals
+    too short at the winner's goodput to measure a sustained rate; None when neither."""
+    from pdserve.tune.search import CEILING
+
+    if any(e.burst for e in top):
+        return (
+            f">= marks a deployment that met the SLO even at {CEILING:g} times its "
+            f"throughput bound: {len(workload)} requests arrive as one burst it absorbs; give "
+            "more requests (--num-requests) to measure a sustained rate"
+        )
+    if (short := _short_span(workload, slo, goodput)) is not None:
+        span, typical = short
+        return (
+            f"at {goodput:.3g} req/s the {len(workload)} requests arrive "
+            f"over {span:.0f} s, less than 3 times the {typical:.0f} s a request of mean length "
+            "may take within the SLO: a queue that grows slowly never reaches the target, which "
+            "favours deployments bound by a queue (prefill); give more requests "
+            "(--num-requests) for a sustained rate"
+        )
+    return None
+
+
+def _arrival_span(workload, slo, rate: float) -> tuple[float, float] | None:  # noqa: ANN001
+    """(span, typical): how long the workload's arrivals at `rate` take, and what a request of
+    the mean output length may take within the SLO; None without a rate or two requests."""
+    if rate <= 0 or len(workload) < 2:
+        return None
+    span = float(workload.offsets[-1] - workload.offsets[0]) / rate
+    typical = slo.ttft_s + slo.tpot_s * max(0.0, workload.mean_output_len - 1)
+    return span, typical
 
 
 def _short_span(workload, slo, rate: float) -> tuple[float, float] | None:  # noqa: ANN001
     """(span, typical) when the workload's arrivals at `rate` span less than 3 times what a
     request of the mean output length may take within the SLO (over a rate the deployment cannot
     sustain, a batch fills and a queue grows over about that long); else None."""
-    if rate <= 0 or len(workload) < 2:
-        return None
-    span = float(workload.offsets[-1] - workload.offsets[0]) / rate
-    typical = slo.ttft_s + slo.tpot_s * max(0.0, workload.mean_output_len - 1)
-    return (span, typical) if span < 3 * typical else None
+    found = _arrival_span(workload, slo, rate)
+    return found if found is not None and found[0] < 3 * found[1] else None
 
 
 def _served_model(model: str | None) -> str | None:
@@ -469,25 +505,3 @@ def _served_model(model: str | None) -> str | None:
     if path.is_file():  # a config.json: its checkpoint directory
         path = path.parent
     return str(path) if path.is_dir() else None
-
-
-def _results(result, profile, slo, workload) -> dict:  # noqa: ANN001
-    def evaluation(e) -> dict:  # noqa: ANN001
-        s = e.at_goodput
-        return {
-            "deployment": e.deployment.label,
-            "goodput": e.full_goodput,
-            "probes": [{"rate": p.rate * e.scale, "attainment": p.attainment} for p in e.probes],
-            "at_goodput": s.to_dict() if s is not None else None,
-        }
-
-    return {
-        "profile": profile.source,
-        "workload": workload.description,
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
-        "devices": result.devices,
-        "seconds": result.seconds,
-        "simulations": result.num_simulations,
-        "ranked": [evaluation(e) for e in result.ranked],
-        "screened": [evaluation(e) for e in result.screened],
-    }

@@ -5,40 +5,160 @@ rate, and the winner as files pdserve reads as they are: the coordinator's confi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.tune.deployment import Deployment
 from pdserve.tune.metrics import SLO, Summary
 from pdserve.tune.profile import Profile
-from pdserve.tune.search import Evaluation
+from pdserve.tune.search import Evaluation, SearchResult
 
 
-def _ms(summary: Summary | None, key: str) -> str:
+def _ms(summary: dict | None, key: str) -> str:
     if summary is None:
         return "-"
-    d = getattr(summary, key)
-    return " / ".join("-" if math.isnan(d[p]) else f"{d[p]:.0f}" for p in ("p50", "p90", "p99"))
+    d = summary[key]
+    return " / ".join(
+        "-" if d[p] is None or math.isnan(d[p]) else f"{d[p]:.0f}" for p in ("p50", "p90", "p99")
+    )
 
 
-def candidates_table(
-    ranked: Sequence[Evaluation], devices: int, at: dict[Deployment, Summary] | None = None
-) -> str:
+# --- the results a search hands back, and their tables ------------------------------------------
+
+
+def evaluation_results(e: Evaluation, shown: Summary | None = None) -> dict:
+    """One evaluation as the results file keeps it: the deployment, its goodput on every device,
+    its probes, and the run its latencies are shown from (at goodput unless `shown`)."""
+    d = e.deployment
+    s = shown if shown is not None else e.at_goodput
+    return {
+        "deployment": d.label,
+        "placement": d.placement,
+        "tp": d.tp,
+        "settings": asdict(d),
+        "devices": d.devices,
+        "scale": e.scale,
+        "goodput": e.full_goodput,
+        "burst": e.burst,
+        "probes": [{"rate": p.rate * e.scale, "attainment": p.attainment} for p in e.probes],
+        "at_goodput": e.at_goodput.to_dict() if e.at_goodput is not None else None,
+        "shown": s.to_dict() if s is not None else None,
+    }
+
+
+def search_results(
+    result: SearchResult,
+    top: int,
+    at: dict[Deployment, Summary] | None = None,
+    rate: float | None = None,
+) -> dict:
+    """What `pdserve tune` found, as its results file keeps it: every final candidate (the
+    first `top` are the table's), every placement screened on a slice."""
+    return {
+        "devices": result.devices,
+        "seconds": result.seconds,
+        "simulations": result.num_simulations,
+        "top": top,
+        "latencies_at_rate": rate,
+        "ranked": [evaluation_results(e, (at or {}).get(e.deployment)) for e in result.ranked],
+        "screened": [evaluation_results(e) for e in result.screened],
+    }
+
+
+def candidates_table(results: dict, per: str = "device", top: int | str | None = None) -> str:
     """Best first: placement, knobs, goodput (and per device), latency percentiles at the
-    goodput rate (or at the rate given, in `at`)."""
+    goodput rate (or at the rate given). `per` names a device in the header ("GPU")."""
     head = (
         "| # | placement | TP (P / D) | chunk | max seqs | watermark | goodput (req/s) "
-        "| per device | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |"
+        f"| per {per} | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |"
     )
     rows = [head, "|" + " --- |" * 10]
-    for i, e in enumerate(ranked, 1):
-        d = e.deployment
-        summary = (at or {}).get(d, e.at_goodput)
+    count = int(top) if top is not None else results.get("top", len(results["ranked"]))
+    for i, e in enumerate(results["ranked"][:count], 1):
+        d = e["settings"]
         rows.append(
-            f"| {i} | {d.placement} | {d.tp} | {d.max_num_batched_tokens} | {d.max_num_seqs} "
-            f"| {d.admission_watermark:g} | {'>= ' if e.burst else ''}{e.goodput:.2f} "
-            f"| {e.goodput / devices:.3f} "
-            f"| {_ms(summary, 'ttft_ms')} | {_ms(summary, 'tpot_ms')} |"
+            f"| {i} | {e['placement']} | {e['tp']} | {d['max_num_batched_tokens']} "
+            f"| {d['max_num_seqs']} | {d['admission_watermark']:g} "
+            f"| {'>= ' if e['burst'] else ''}{e['goodput']:.2f} "
+            f"| {e['goodput'] / results['devices']:.3f} "
+            f"| {_ms(e['shown'], 'ttft_ms')} | {_ms(e['shown'], 'tpot_ms')} |"
+        )
+    return "\n".join(rows)
+
+
+def opening(results: dict) -> str:
+    """What `pdserve tune` prints before it searches: the profile, the workload, the SLO."""
+    slo = results["slo"]
+    return "\n".join(
+        [
+            f"profile: {results['profile']}",
+            f"workload: {results['num_requests']} requests, {results['workload']}",
+            f"SLO: TTFT <= {slo['ttft_s'] * 1e3:g} ms and TPOT <= {slo['tpot_s'] * 1e3:g} ms for "
+            f"{slo['attainment']:.0%} of requests; {results['devices']} devices, nodes of "
+            f"{'/'.join(map(str, results['tp_sizes']))} ({results['gpus_per_host']} a host)",
+        ]
+    )
+
+
+def outcome(results: dict) -> str:
+    """What `pdserve tune` prints after it searched: the table, its warning, the serve command."""
+    rate = results.get("latencies_at_rate")
+    where = f"at {rate:g} req/s" if rate else "at each one's goodput"
+    lines = [
+        f"best of {results['simulations']} simulations in {results['seconds']:.0f} s "
+        f"(latencies {where}; goodput: the highest rate with "
+        f"{results['slo']['attainment']:.0%} within the SLO)",
+        "",
+        candidates_table(results),
+    ]
+    if results.get("warning"):
+        lines += ["", f"warning: {results['warning']}"]
+    if results.get("serve_command"):
+        lines += ["", results["serve_command"]]
+    if results.get("written"):
+        lines.append("wrote " + ", ".join(results["written"]))
+    return "\n".join(lines)
+
+
+def transcript(results: dict) -> str:
+    """A search's console, as `pdserve tune` printed it: its command, then what it printed."""
+    command = results.get("command", "pdserve tune")
+    return "\n".join(["```console", f"$ {command}", opening(results), "", outcome(results), "```"])
+
+
+def _per_gpu(e: dict, devices: int) -> str:
+    return f"{e['goodput'] / devices:.2f}"
+
+
+def _target(ms: float) -> str:
+    return f"{ms / 1e3:g} s" if ms >= 1000 else f"{ms:g} ms"
+
+
+def slo_table(*runs: dict) -> str:
+    """One row per search of the same devices under another SLO: the pick (and any candidate
+    tied with it at the shown precision), its goodput per GPU against colocated workers'."""
+    rows = [
+        "| TTFT / TPOT target (p90) | pick | TP (P / D) | goodput per GPU (req/s) "
+        "| colocated workers per GPU (TP) | pick / colocated |",
+        "|" + " --- |" * 6,
+    ]
+    for r in runs:
+        devices = r["devices"]
+        best = r["ranked"][0]
+        tied = [e for e in r["ranked"][1:] if _per_gpu(e, devices) == _per_gpu(best, devices)]
+        pick = ", tied with ".join(e["placement"] for e in [best, *tied])
+        tp = ", or ".join(e["tp"] for e in [best, *tied])
+        together = next((e for e in r["ranked"] if e["settings"]["colocated"]), None)
+        if together is None:
+            colocated, ratio = "-", "-"
+        else:
+            s = together["settings"]
+            colocated = f"{_per_gpu(together, devices)} ({s['decode']} x TP{s['decode_tp']})"
+            ratio = f"{best['goodput'] / together['goodput']:.2f}"
+        slo = r["slo"]
+        target = f"{_target(slo['ttft_s'] * 1e3)} / {_target(slo['tpot_s'] * 1e3)}"
+        rows.append(
+            f"| {target} | {pick} | {tp} | {_per_gpu(best, devices)} | {colocated} | {ratio} |"
         )
     return "\n".join(rows)
 
