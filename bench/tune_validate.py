@@ -36,6 +36,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.bench import provenance
 from pdserve.bench.serving.bench_model import ensure_bench_model
 from pdserve.tune.arrivals import arrival_offsets
 from pdserve.tune.deployment import Deployment
@@ -258,14 +259,21 @@ def verdict(points: list[Point], aim: float, max_other_cores: float) -> tuple[in
     return PASSED, f"verdict: every error within {aim:.0%} and the ranking holds"
 
 
-def table(points: list[Point]) -> str:
+def points_of(results: dict) -> list[Point]:
+    """The points a results file holds."""
+    return [Point(p["system"], p["rate"], p["predicted"], p["measured"]) for p in results["points"]]
+
+
+def docs_table(results: dict) -> str:
+    """Each prediction beside its measurement, from a results file (`--json`); the command
+    prints the same."""
     rows = [
         "| configuration | rate (req/s) | goodput predicted / measured (req/s) | error "
         "| TTFT p50 predicted / measured (ms) | error | TPOT p50 predicted / measured (ms) "
         "| error | SLO met predicted / measured | other processes' CPU (cores) |",
         "|" + " --- |" * 10,
     ]
-    for p in points:
+    for p in points_of(results):
         pr, me = p.predicted, p.measured
         rows.append(
             f"| {p.system} | {p.rate:g} | {pr['goodput']:.2f} / {me['goodput']:.2f} "
@@ -278,6 +286,19 @@ def table(points: list[Point]) -> str:
             f"| {'-' if me.get('other_cores') is None else format(me['other_cores'], '.2f')} |"
         )
     return "\n".join(rows)
+
+
+def summary_line(results: dict) -> str:
+    """The worst error of each kind and whether the ranking held."""
+    points = points_of(results)
+    wrong, ranked = reversed_pairs(points, results["aim"])
+    order = "tied" if not ranked else "different" if wrong else "same"
+    worst = {k: max(p.error(k) for p in points) for k in ERRORS}
+    return (
+        f"tune validation: goodput error max {worst['goodput']:.0%}, TTFT p50 error max "
+        f"{worst['ttft_ms.p50']:.0%}, TPOT p50 error max {worst['tpot_ms.p50']:.0%}, "
+        f"ranking {order}"
+    )
 
 
 def uptime() -> str:
@@ -325,13 +346,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.25,
         help="other processes' CPU during a measurement beyond which no verdict is given",
     )
-    p.add_argument("--json", default=None, help="also write every figure here")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write every figure here, with the run's provenance and its verdict "
+        "(bench/results/tune_validate.json renders the docs' table)",
+    )
     p.add_argument("--work-dir", default=None, help="configs and logs (default: a temp dir)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    record = provenance.start(
+        sys.argv if argv is None else ["python", "-m", "pdserve.bench.tune_validate", *argv]
+    )
     started = time.monotonic()
     model = args.model or str(ensure_bench_model())
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-tune-validate-"))
@@ -399,39 +428,23 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print(f"# load after: {uptime()}; {(time.monotonic() - started) / 60:.1f} min")
-    print(table(points))
-    wrong, ranked = reversed_pairs(points, args.aim)
-    order = "tied" if not ranked else "different" if wrong else "same"
-    worst = {k: max(p.error(k) for p in points) for k in ERRORS}
-    print(
-        f"tune validation: goodput error max {worst['goodput']:.0%}, TTFT p50 error max "
-        f"{worst['ttft_ms.p50']:.0%}, TPOT p50 error max {worst['tpot_ms.p50']:.0%}, "
-        f"ranking {order}"
-    )
     status, line = verdict(points, args.aim, args.max_other_cores)
+    results = provenance.finish(record) | {
+        "profile": profile.to_dict(),
+        "picked": picked.label,
+        "aim": args.aim,
+        "max_other_cores": args.max_other_cores,
+        "minutes": round((time.monotonic() - started) / 60, 1),
+        "verdict": {"status": status, "line": line},
+        "points": [
+            {"system": p.system, "rate": p.rate, "predicted": p.predicted, "measured": p.measured}
+            for p in points
+        ],
+    }
+    print(docs_table(results))
+    print(summary_line(results))
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "command": "python -m pdserve.bench.tune_validate "
-                    + " ".join(argv or sys.argv[1:]),
-                    "profile": profile.to_dict(),
-                    "picked": picked.label,
-                    "aim": args.aim,
-                    "verdict": {"status": status, "line": line},
-                    "points": [
-                        {
-                            "system": p.system,
-                            "rate": p.rate,
-                            "predicted": p.predicted,
-                            "measured": p.measured,
-                        }
-                        for p in points
-                    ],
-                },
-                indent=1,
-            )
-        )
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(line)
     return status
 

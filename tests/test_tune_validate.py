@@ -14,7 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.bench.tune_validate import MISSED, PASSED, REFUSED, Point, reversed_pairs, verdict
+from pdserve.bench.tune_validate import (
+    MISSED,
+    PASSED,
+    REFUSED,
+    Point,
+    docs_table,
+    reversed_pairs,
+    verdict,
+)
 
 ROOT = Path(__file__).parent.parent
 
@@ -100,6 +108,10 @@ def test_the_validation_command_runs_end_to_end(tmp_path):
     assert verdict_line.startswith(starts[out.returncode]), verdict_line
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved["verdict"] == {"status": out.returncode, "line": verdict_line}
+    # The results file names its run, and the docs' table is what the command printed.
+    assert saved["command"].startswith("python -m pdserve.bench.tune_validate --quick")
+    assert saved["commit"] and saved["machine"]["cpu"] and saved["load"]["after"]
+    assert docs_table(saved) in out.stdout
     picked = re.search(r"^# tune picks: .* \((.+)\); ", out.stdout, re.M).group(1)
     # 1P+1D, 2 colocated and tune's pick, which may be one of those two: a row each at the rate.
     names = {"1P+1D", "2 colocated", picked}

@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -413,6 +414,9 @@ def run_search(args: argparse.Namespace) -> int:
             run = Simulation(e.deployment, profile).run(workload.at_rate(args.rate))
             at[e.deployment] = summarize(run.outcomes, slo, args.rate)
     results |= search_results(result, args.top, at, args.rate)
+    # CPU time of the search, its simulation processes included (they have ended: joined).
+    used = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    results["cpu_seconds"] = sum(u.ru_utime + u.ru_stime for u in used)
     results["warning"] = _warning(top, workload, slo, result.best.goodput)
     # At the winner's goodput: how long the requests take to arrive, and what a request of the
     # mean output length may take within the SLO (the warning's figures).
