@@ -389,6 +389,8 @@ def run_search(args: argparse.Namespace) -> int:
         "profile": profile.source,
         "num_requests": len(workload),
         "workload": workload.description,
+        "mean_prompt_len": workload.mean_prompt_len,
+        "mean_output_len": workload.mean_output_len,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
         "devices": args.devices,
         "tp_sizes": profile.tp_sizes,
