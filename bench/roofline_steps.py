@@ -68,7 +68,8 @@ def node_steps(profile: Profile, decodes: list[tuple], prefills: list[tuple]) ->
 
 def _step_label(s: dict) -> str:
     if s["kind"] == "decode":
-        return f"decode step: {s['count']} sequences at {s['length']:,} tokens"
+        seqs = "1 sequence" if s["count"] == 1 else f"{s['count']} sequences"
+        return f"decode step: {seqs} at {s['length']:,} tokens"
     word = s.get("word") or "prompt"
     if s["count"] == 1:
         return f"one {s['length']:,}-token {word}"
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         "model": shape.name,
         "device": args.device,
         "mla": shape.is_mla,
+        "parameters": shape.num_params,
+        "weight_bytes": shape.weight_bytes(profile.dtype),
+        "kv_bytes_per_token": shape.kv_bytes_per_token(profile.dtype),
+        "transfer_gbps_per_gpu": Assumptions().transfer_gbps,
         "profile": profile.source,
         "nodes": node_steps(profile, args.decode, args.prefill),
     }
@@ -198,4 +203,46 @@ def rate_sentence(results: dict, decode: str, prefill: str) -> str:
         f"In the profile, a decode step of {seqs} sequences at {context:,} tokens of context: "
         f"{' and '.join(parts_d)}; {prompts} prompts of {length:,} tokens take "
         f"{' and '.join(parts_f)}."
+    )
+
+
+def latent_sentence(results: dict) -> str:
+    """What the context reads and a prompt's handoff cost at each node size (MLA: the latent,
+    whole on every GPU)."""
+    nodes = results["nodes"]
+    decode = [next(s for s in n["steps"] if s["kind"] == "decode") for n in nodes]
+    prompt = next(s for s in nodes[0]["steps"] if s["kind"] == "prefill")
+    reads = {f"{s['context_read_s'] * 1e3:.1f}" for s in decode}
+    what = "latent" if results["mla"] else "KV"
+    small, large = decode[0], decode[-1]
+    return (
+        f"The {what} takes {results['kv_bytes_per_token'] / 1e3:.0f} KB a token. Every GPU "
+        f"reads the whole {what} of a decode step's context: "
+        f"{' / '.join(sorted(reads))} ms at every size, "
+        f"{small['context_read_s'] / small['seconds']:.0%} of a {nodes[0]['size']}-GPU node's "
+        f"step and {large['context_read_s'] / large['seconds']:.0%} of a {nodes[-1]['size']}-GPU "
+        f"node's. A prefill node sends a prompt's {what} at one GPU's "
+        f"{results['transfer_gbps_per_gpu']:g} GB/s ({prompt['transfer_wire_s'] * 1e3:.1f} ms for "
+        f"{prompt['length']:,} tokens, plus {prompt['transfer_latency_s'] * 1e3:.1f} ms) whatever "
+        "its size."
+    )
+
+
+def speedup_sentence(results: dict) -> str:
+    """How much faster the largest node steps than the smallest, for how many more GPUs."""
+    small, large = results["nodes"][0], results["nodes"][-1]
+    parts = []
+    for a, b in zip(small["steps"], large["steps"]):
+        parts.append(f"{_step_label(a)} {a['seconds'] / b['seconds']:.1f} times faster")
+    return (
+        f"{large['size']} GPUs a node against {small['size']} make a "
+        f"{', a '.join(parts)}, for {large['size'] // small['size']} times the GPUs."
+    )
+
+
+def size_sentence(results: dict) -> str:
+    """The model's parameters and weights, in the profile's dtype."""
+    return (
+        f"{results['model']}: {results['parameters'] / 1e9:.1f} B parameters, "
+        f"{results['weight_bytes'] / 1e9:.0f} GB of weights."
     )

@@ -340,3 +340,108 @@ def write_outputs(
     path.write_text(cluster_file(e, profile, model, gpus_per_host, config.name))
     written.append(path)
     return written
+
+
+# --- sentences of the docs' worked examples, from a search's results ----------------------------
+
+
+def _colocated(results: dict) -> dict | None:
+    return next((e for e in results["ranked"] if e["settings"]["colocated"]), None)
+
+
+def _seconds(ms: float) -> str:
+    return f"{ms / 1e3:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def pick_sentence(results: dict, per: str = "GPU") -> str:
+    """The pick, its goodput in all and a device, against colocated workers'."""
+    devices = results["devices"]
+    best = results["ranked"][0]
+    text = (
+        f"**Pick**: {best['placement']}, predicted {best['goodput']:.0f} requests a second "
+        f"({best['goodput'] / devices:.1f} a {per})"
+    )
+    together = _colocated(results)
+    if together is None or together is best:
+        return text + "."
+    mine, theirs = best["shown"]["ttft_ms"]["p99"], together["shown"]["ttft_ms"]["p99"]
+    return text + (
+        f", {best['goodput'] / together['goodput']:.2f} times colocated workers "
+        f"({together['placement']}: {together['goodput'] / devices:.1f} a {per}, with a TTFT p99 "
+        f"of {_seconds(theirs)} against {_seconds(mine)} at their goodput)."
+    )
+
+
+def screened_sentence(results: dict) -> str:
+    """Each disaggregated (prefill TP, decode TP) pair screened: its best split on its slice and
+    the goodput it reached there, scaled to every device."""
+    best: dict[tuple[int, int], dict] = {}
+    for e in results["screened"]:
+        s = e["settings"]
+        if s["colocated"]:
+            continue
+        key = (s["prefill_tp"], s["decode_tp"])
+        if key not in best or e["goodput"] > best[key]["goodput"]:
+            best[key] = e
+    ranked = sorted(best.values(), key=lambda e: -e["goodput"])
+    slices = ", ".join(f"{e['placement']} on {e['devices']} GPUs" for e in ranked)
+    rates = " and ".join(f"{e['goodput']:.0f}" for e in ranked)
+    return (
+        f"On their slices ({slices}), the (prefill TP, decode TP) pairs screened reached "
+        f"{rates} req/s scaled to {results['devices']} GPUs."
+    )
+
+
+def span_sentence(results: dict) -> str:
+    """How long the requests take to arrive at the pick's goodput, against what a request may
+    take within the SLO: the tuner's warning, or why it gave none."""
+    rate, n = results["ranked"][0]["goodput"], results["num_requests"]
+    span, budget = results["arrivals_span_s"], results["request_budget_s"]
+    text = (
+        f"At {rate:.0f} req/s the {n:,} requests arrive over {span:.0f} s, "
+        f"{'less' if span < 3 * budget else 'more'} than 3 times the {budget:.0f} s a request of "
+        f"mean length may take within this SLO"
+    )
+    if span < 3 * budget:
+        needed = round(3 * budget * rate, -3)
+        text += (
+            f"; a sustained figure needs about {needed:,.0f} requests "
+            f"(3 x {budget:.0f} s at {rate:.0f} req/s)"
+        )
+    return text + "."
+
+
+def spans_table(*runs: dict) -> str:
+    """For each search of the same devices under another SLO: how long its requests take to
+    arrive at the pick's goodput, against what a request may take within the SLO."""
+    rows = [
+        "| TTFT / TPOT target (p90) | arrivals at the pick's goodput (s) "
+        "| a request of mean length within the SLO (s) | the tuner warns | search (s) |",
+        "|" + " --- |" * 5,
+    ]
+    for r in runs:
+        slo = r["slo"]
+        target = f"{_target(slo['ttft_s'] * 1e3)} / {_target(slo['tpot_s'] * 1e3)}"
+        span, budget = r["arrivals_span_s"], r["request_budget_s"]
+        rows.append(
+            f"| {target} | {span:.0f} | {budget:.0f} | {'yes' if r.get('warning') else 'no'} "
+            f"| {r['seconds']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def search_time_sentence(results: dict) -> str:
+    """How long the search took, in what."""
+    screened = results["screened"]
+    slices = sorted({(e["devices"], e["shown"]["num_requests"]) for e in screened if e["shown"]})
+    tokens = results["num_requests"] * results["mean_output_len"]
+    cpu = results.get("cpu_seconds")
+    cpu_text = f", CPU {cpu / 60:.1f} min" if cpu is not None else ""
+    return (
+        f"{results['seconds'] / 60:.1f} min{cpu_text}: {results['simulations']} simulations "
+        f"({len(screened)} placements screened on slices of "
+        f"{' and '.join(str(d) for d, _ in slices)} GPUs with "
+        f"{' and '.join(f'{n:,}' for _, n in slices)} requests, {len(results['ranked'])} finals "
+        f"on all {results['devices']} GPUs with all {results['num_requests']:,} requests, "
+        f"{tokens / 1e6:.1f} million generated tokens a probe that the deployment sustains)."
+    )
