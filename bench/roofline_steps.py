@@ -219,9 +219,9 @@ def latent_sentence(results: dict) -> str:
         f"The {what} takes {results['kv_bytes_per_token'] / 1e3:.0f} KB a token. Every GPU "
         f"reads the whole {what} of a decode step's context: "
         f"{' / '.join(sorted(reads))} ms at every size, "
-        f"{small['context_read_s'] / small['seconds']:.0%} of a {nodes[0]['size']}-GPU node's "
-        f"step and {large['context_read_s'] / large['seconds']:.0%} of a {nodes[-1]['size']}-GPU "
-        f"node's. A prefill node sends a prompt's {what} at one GPU's "
+        f"{small['context_read_s'] / small['seconds']:.0%} of the step of a node of "
+        f"{nodes[0]['size']} GPU{'s' if nodes[0]['size'] > 1 else ''} and {large['context_read_s'] / large['seconds']:.0%} of one of "
+        f"{nodes[-1]['size']}. A prefill node sends a prompt's {what} at one GPU's "
         f"{results['transfer_gbps_per_gpu']:g} GB/s ({prompt['transfer_wire_s'] * 1e3:.1f} ms for "
         f"{prompt['length']:,} tokens, plus {prompt['transfer_latency_s'] * 1e3:.1f} ms) whatever "
         "its size."
@@ -233,16 +233,20 @@ def speedup_sentence(results: dict) -> str:
     small, large = results["nodes"][0], results["nodes"][-1]
     parts = []
     for a, b in zip(small["steps"], large["steps"]):
-        parts.append(f"{_step_label(a)} {a['seconds'] / b['seconds']:.1f} times faster")
+        if a["kind"] == "decode":
+            what = f"a decode step of {a['count']} sequences at {a['length']:,} tokens"
+        else:
+            what = _step_label(a)
+        parts.append(f"{what} {a['seconds'] / b['seconds']:.1f} times")
     return (
-        f"{large['size']} GPUs a node against {small['size']} make a "
-        f"{', a '.join(parts)}, for {large['size'] // small['size']} times the GPUs."
+        f"Nodes of {large['size']} GPUs against nodes of {small['size']} make "
+        f"{', '.join(parts)} faster, for {large['size'] // small['size']} times the GPUs."
     )
 
 
 def size_sentence(results: dict) -> str:
     """The model's parameters and weights, in the profile's dtype."""
     return (
-        f"{results['model']}: {results['parameters'] / 1e9:.1f} B parameters, "
+        f"{results['model']}: {results['parameters'] / 1e9:.3g} B parameters, "
         f"{results['weight_bytes'] / 1e9:.0f} GB of weights."
     )

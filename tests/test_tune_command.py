@@ -20,7 +20,7 @@ from pdserve.tune.measure import StepGrid, measure_profile
 from pdserve.tune.metrics import SLO
 from pdserve.tune.model_shape import PRESETS
 from pdserve.tune.profile import Profile
-from pdserve.tune.report import cluster_file, coordinator_config
+from pdserve.tune.report import candidates_table, cluster_file, coordinator_config, outcome
 from pdserve.tune.search import Evaluation
 from pdserve.tune.step_model import StepShape, StepTimeModel
 from pdserve.tune.transfer_model import TransferModel
@@ -283,10 +283,16 @@ def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path, capsys, mo
             "--no-progress",
             "--out-dir",
             str(out),
+            "--json-out",
+            str(tmp_path / "results.json"),
         ]
     )
     assert code == 0
     printed = capsys.readouterr().out
+    # The results file names its run, and what the command printed is its render.
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["command"].startswith("pdserve ") and saved["commit"] and saved["load"]["after"]
+    assert candidates_table(saved) in printed and outcome(saved) in printed
     # 150 requests arrive over a few seconds: a sustained rate would need more, and it says so.
     assert "give more requests (--num-requests)" in printed
     results = json.loads((out / "tune.json").read_text())

@@ -445,3 +445,12 @@ def search_time_sentence(results: dict) -> str:
         f"on all {results['devices']} GPUs with all {results['num_requests']:,} requests, "
         f"{tokens / 1e6:.1f} million generated tokens a probe that the deployment sustains)."
     )
+
+
+def workload_sentence(results: dict) -> str:
+    """The searched workload's size and mean lengths."""
+    return (
+        f"The search's {results['num_requests']:,} requests ({results['workload']}): prompts of "
+        f"{results['mean_prompt_len']:,.0f} tokens and outputs of "
+        f"{results['mean_output_len']:,.0f} on average."
+    )
