@@ -362,7 +362,15 @@ def pick_sentence(results: dict, per: str = "GPU") -> str:
         f"({best['goodput'] / devices:.1f} a {per})"
     )
     together = _colocated(results)
-    if together is None or together is best:
+    if together is best:  # colocated workers won: against the best disaggregated deployment
+        apart = next((e for e in results["ranked"] if not e["settings"]["colocated"]), None)
+        if apart is None:
+            return text + "."
+        return text + (
+            f", {best['goodput'] / apart['goodput']:.2f} times {apart['placement']} "
+            f"({apart['goodput']:.0f}, {apart['goodput'] / devices:.1f} a {per})."
+        )
+    if together is None:
         return text + "."
     mine, theirs = best["shown"]["ttft_ms"]["p99"], together["shown"]["ttft_ms"]["p99"]
     return text + (
