@@ -69,7 +69,8 @@ def node_steps(profile: Profile, decodes: list[tuple], prefills: list[tuple]) ->
 def _step_label(s: dict) -> str:
     if s["kind"] == "decode":
         seqs = "1 sequence" if s["count"] == 1 else f"{s['count']} sequences"
-        return f"decode step: {seqs} at {s['length']:,} tokens"
+        tokens = "1 token" if s["length"] == 1 else f"{s['length']:,} tokens"
+        return f"decode step: {seqs} at {tokens}"
     word = s.get("word") or "prompt"
     if s["count"] == 1:
         return f"one {s['length']:,}-token {word}"
@@ -88,7 +89,9 @@ def docs_table(results: dict) -> str:
             head.append(f"of which {reads}")
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for node in results["nodes"]:
-        name = f"1 {results['device'].upper()}" if node["size"] == 1 else f"TP {node['size']}"
+        name = (
+            f"1 {results['roofline_device'].upper()}" if node["size"] == 1 else f"TP {node['size']}"
+        )
         cells = [name, f"{node['kv_tokens']:,}"]
         for s in node["steps"]:
             cells.append(f"{s['seconds'] * 1e3:.1f} ms")
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = roofline_profile(shape, args.device, tp_sizes=sizes)
     results = provenance.finish(record) | {
         "model": shape.name,
-        "device": args.device,
+        "roofline_device": args.device,
         "mla": shape.is_mla,
         "parameters": shape.num_params,
         "weight_bytes": shape.weight_bytes(profile.dtype),
@@ -174,7 +177,7 @@ def allreduce_sentence(results: dict, decode: str, prefill: str) -> str:
     )
     matmul = " or ".join(f"{s['matmul_s'] * 1e3:.0f} ms" for s in f)
     return (
-        f"For {results['model']} on {results['device'].upper()}s, a decode step of {seqs} "
+        f"For {results['model']} on {results['roofline_device'].upper()}s, a decode step of {seqs} "
         f"sequences spends {latency_text} on all-reduce latencies and "
         f"{each([s['allreduce_bytes_s'] for s in d])} on their bytes; a {length:,}-token "
         f"prefill chunk {each([s['allreduce_latency_s'] + s['allreduce_bytes_s'] for s in f])}, "

@@ -55,7 +55,7 @@ def test_a_roofline_profile_of_deepseek_v2_lite_keeps_its_latent_on_every_gpu():
 
     profile = roofline_profile(model_shape("deepseek-v2-lite"), "h100")
     nodes = roofline_steps.node_steps(profile, [(128, 3000, "")], [(1, 2670, "prompt")])
-    results = {"device": "h100", "mla": True, "nodes": nodes}
+    results = {"roofline_device": "h100", "mla": True, "nodes": nodes}
     table = roofline_steps.docs_table(results).splitlines()
     assert table[0].startswith("| node | KV room (tokens) | decode step: 128 sequences at 3,000")
     assert table[2].startswith("| 1 H100 | 1,176,288 | 18.2 ms | 4.8 ms |")

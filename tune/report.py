@@ -444,14 +444,15 @@ def search_time_sentence(results: dict) -> str:
     slices = sorted({(e["devices"], e["shown"]["num_requests"]) for e in screened if e["shown"]})
     tokens = results["num_requests"] * results["mean_output_len"]
     cpu = results.get("cpu_seconds")
-    cpu_text = f", CPU {cpu / 60:.1f} min" if cpu is not None else ""
+    cpu_text = f" ({cpu / 60:.1f} min of CPU)" if cpu is not None else ""
     return (
-        f"{results['seconds'] / 60:.1f} min{cpu_text}: {results['simulations']} simulations "
-        f"({len(screened)} placements screened on slices of "
+        f"The search took {results['seconds'] / 60:.1f} min{cpu_text}: "
+        f"{results['simulations']} simulations ({len(screened)} placements screened on slices of "
         f"{' and '.join(str(d) for d, _ in slices)} GPUs with "
         f"{' and '.join(f'{n:,}' for _, n in slices)} requests, {len(results['ranked'])} finals "
-        f"on all {results['devices']} GPUs with all {results['num_requests']:,} requests, "
-        f"{tokens / 1e6:.1f} million generated tokens a probe that the deployment sustains)."
+        f"on all {results['devices']} GPUs with all {results['num_requests']:,} requests). A "
+        f"final's probe at a rate the deployment sustains generates {tokens / 1e6:.1f} million "
+        "tokens."
     )
 
 
