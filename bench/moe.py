@@ -28,7 +28,7 @@ import torch
 
 from pdserve.bench.kernels import graph_time_ms
 from pdserve.bench.model_step import copy_gbps, matmul_tflops, median_ms
-from pdserve.bench.offline_throughput import machine
+from pdserve.bench.provenance import machine
 from pdserve.engine import cpu_linear
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.llama import MLP
