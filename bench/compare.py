@@ -241,6 +241,92 @@ def docs_long_requests(results: dict) -> str:
     return long_requests_table(results["sweeps"])
 
 
+def _point(results: dict, system: str, variant: str, rate: float) -> dict | None:
+    for sweep in results["sweeps"]:
+        if sweep["system"] == system and sweep["variant"] == variant:
+            for point in sweep["points"]:
+                if point["config"]["rate"] == rate:
+                    return point["summary"]
+    return None
+
+
+def docs_handoff(
+    results: dict, before: str = "disaggregated-between-steps", after: str = "disaggregated"
+) -> str:
+    """The docs' table of the KV handoff between steps (`before`) and beside them (`after`):
+    per workload, rate and kind of request, the gap from first to second token and P99 TPOT."""
+    rows = [
+        "| workload | rate (req/s) | kind | first-to-second token P50 / P99 (ms), between steps "
+        "| immediate | P99 TPOT (ms), between steps | immediate |",
+        "| --- | ---: | --- | --- | --- | ---: | ---: |",
+    ]
+    for sweep in results["sweeps"]:
+        if sweep["system"] != before:
+            continue
+        for point in sweep["points"]:
+            rate = point["config"]["rate"]
+            other = _point(results, after, sweep["variant"], rate)
+            for kind in ("short", "long"):
+                a = point["summary"]["by_kind"].get(kind)
+                b = (other or {}).get("by_kind", {}).get(kind)
+                if not a or not b or not a["count"]:
+                    continue
+                gap = lambda k: f"{k['first_itl_ms']['p50']:.1f} / {k['first_itl_ms']['p99']:.1f}"  # noqa: E731
+                rows.append(
+                    f"| {sweep['variant']} | {rate:g} | {kind} | {gap(a)} | {gap(b)} "
+                    f"| {a['tpot_ms']['p99']:.1f} | {b['tpot_ms']['p99']:.1f} |"
+                )
+    return "\n".join(rows)
+
+
+def docs_handoff_all(
+    results: dict, before: str = "disaggregated-between-steps", after: str = "disaggregated"
+) -> str:
+    """All requests of the mixed workload, `before` → `after` at each rate: P99 TPOT, SLO
+    attainment, P99 TTFT; and the short requests' P99 TPOT, mixed over short-only."""
+    rates = [p["config"]["rate"] for s in results["sweeps"] if s["system"] == before
+             for p in s["points"] if s["variant"] == "mixed"]  # fmt: skip
+    lines = []
+    for rate in rates:
+        a, b = _point(results, before, "mixed", rate), _point(results, after, "mixed", rate)
+        if a is None or b is None:
+            continue
+        ratios = []
+        for system in (before, after):
+            mixed = _point(results, system, "mixed", rate)
+            short = _point(results, system, "short-only", rate)
+            if mixed and short:
+                m, s = (x["by_kind"]["short"]["tpot_ms"]["p99"] for x in (mixed, short))
+                ratios.append(f"{m / s:.2f}x")
+        lines.append(
+            f"- {rate:g} req/s, mixed, all requests, between steps → immediate: P99 TPOT "
+            f"{a['tpot_ms']['p99']:.1f} → {b['tpot_ms']['p99']:.1f} ms; SLO attainment "
+            f"{a['slo_attainment']:.0%} → {b['slo_attainment']:.0%}; P99 TTFT "
+            f"{a['ttft_ms']['p99']:.0f} → {b['ttft_ms']['p99']:.0f} ms; short requests' P99 "
+            f"TPOT over short-only {' → '.join(ratios)}"
+        )
+    return "\n".join(lines)
+
+
+def docs_goodput_runs(first: dict, second: dict) -> str:
+    """Goodput of two runs of the same sweep side by side, per system, workload and rate."""
+    rows = [
+        "| system | workload | rate (req/s) | goodput, earlier run (req/s) | goodput, run shown "
+        "(req/s) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for sweep in second["sweeps"]:
+        for point in sweep["points"]:
+            rate = point["config"]["rate"]
+            earlier = _point(first, sweep["system"], sweep["variant"], rate)
+            e = f"{earlier['goodput']:.2f}" if earlier else "n/a"
+            rows.append(
+                f"| {sweep['system']} | {sweep['variant']} | {rate:g} | {e} "
+                f"| {point['summary']['goodput']:.2f} |"
+            )
+    return "\n".join(rows)
+
+
 def markdown(results: dict) -> str:
     """Everything the run shows, as the docs render it."""
     parts = [docs_table(results), docs_interference(results), docs_aims(results)]
