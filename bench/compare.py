@@ -327,12 +327,50 @@ def docs_goodput_runs(first: dict, second: dict) -> str:
     return "\n".join(rows)
 
 
+def docs_streaming(
+    *results: dict,
+    off: str = "disaggregated-no-streaming",
+    on: str = "disaggregated-streaming",
+) -> str:
+    """The docs' table of layer-wise KV streaming off and on, a row per results file and rate:
+    the long requests' TTFT and gap from first to second token, and the coordinator's mean time
+    from a first token to the decode node's first over the sweep (every request's, which in a
+    workload with short requests is mostly theirs)."""
+    rows = [
+        "| workload | long requests | TTFT P50 / P99 (ms), off | on | first-to-second token "
+        "P50 / P99 (ms), off | on | first token to decode start, mean (ms), off | on |",
+        "| --- | ---: | --- | --- | --- | --- | ---: | ---: |",
+    ]
+    for r in results:
+        sweeps = {s["system"]: s for s in r["sweeps"]}
+        if off not in sweeps or on not in sweeps:
+            continue
+        variant = sweeps[off]["variant"]
+        for point in sweeps[off]["points"]:
+            rate = point["config"]["rate"]
+            a = point["summary"]["by_kind"]["long"]
+            b = (_point(r, on, variant, rate) or {}).get("by_kind", {}).get("long")
+            if not b:
+                continue
+            pair = lambda k, m: f"{k[m]['p50']:.0f} / {k[m]['p99']:.0f}"  # noqa: E731
+            gap = lambda k: f"{k['first_itl_ms']['p50']:.1f} / {k['first_itl_ms']['p99']:.1f}"  # noqa: E731
+            scope = "" if variant == "long-only" else " (all requests)"
+            handoff = [sweeps[x].get("kv_handoff") for x in (off, on)]
+            start = [f"{h['mean_ms']:.1f}{scope}" if h else "n/a" for h in handoff]
+            rows.append(
+                f"| {variant}, {rate:g} req/s | {a['count']} | {pair(a, 'ttft_ms')} "
+                f"| {pair(b, 'ttft_ms')} | {gap(a)} | {gap(b)} | {start[0]} | {start[1]} |"
+            )
+    return "\n".join(rows)
+
+
 def markdown(results: dict) -> str:
     """Everything the run shows, as the docs render it."""
     parts = [docs_table(results), docs_interference(results), docs_aims(results)]
     if any(s["system"].endswith("streaming") for s in results["sweeps"]):
         parts.append(docs_long_requests(results))
-    return "\n\n".join(parts)
+    # A table with no rows (no pair of workloads to compare) is left out.
+    return "\n\n".join(p for p in parts if p and p.count("\n") != 1)
 
 
 def floats(text: str) -> list[float]:
