@@ -203,6 +203,10 @@ def describe(results: dict[str, Any]) -> dict[str, str]:
         before = f"{host['load_average'][0]:.2f}"
     if not before and isinstance(results.get("load_average"), (list, tuple)):
         before = f"{results['load_average'][0]:.2f}"
+    if not before and isinstance(results.get("load_average"), dict):  # {"before": [1, 5, 15]...}
+        la = results["load_average"]
+        before = f"{la['before'][0]:.2f}" if la.get("before") else ""
+        after = after or (f"{la['after'][0]:.2f}" if la.get("after") else "")
     if before and after:
         load_text = f"load average {before} before, {after} after"
     elif before:
