@@ -412,7 +412,8 @@ def security_table(results: dict) -> str:
             cells.append(f"{by_mode[m]['GB/s']:.2f}")
             if m != modes[0]:
                 cells.append(_pct(_vs(by_mode[m])))
-        cells += [rows[0]["raw"], f"{rows[0]['raw GB/s']:.2f}"]
+        raw_gbs = rows[0]["raw GB/s"]
+        cells += [rows[0]["raw"], f"{raw_gbs:.2f}" if raw_gbs else "-"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
