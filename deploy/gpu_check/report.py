@@ -421,6 +421,28 @@ DETAILS = {
 }
 
 
+def _step(results: dict[str, Any], name: str) -> StepResult:
+    """A step of a results.json, as the run recorded it."""
+    step = next((s for s in results["steps"] if s["name"] == name), None)
+    if step is None:
+        raise ValueError(f"the run has no {name} step")
+    return StepResult(**step)
+
+
+def docs_table(results: dict[str, Any], step: str, part: str = "") -> str:
+    """One step's table of a results.json for the docs (`python -m pdserve.bench.docs`): the
+    kernels' or model steps' `decode` or `prefill` table, the serving step's transports."""
+    details = {
+        "kernels": details_kernels,
+        "model_step": details_model_step,
+        "serving": details_serving,
+    }[step](_step(results, step))
+    tables = "\n".join(details).split("\n\n")
+    tables = [t for t in tables if t.startswith("|")]
+    index = {"": 0, "decode": 0, "prefill": 1}[part]
+    return tables[index]
+
+
 def render(run: dict[str, Any], results: list[StepResult]) -> str:
     lines = first_screen(run, results)
     lines += ["", "---", "", "## Steps"]
