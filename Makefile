@@ -57,7 +57,7 @@ $(VLLM_STAMP):
 # --- a GPU host without a package registry (README: "On a host without internet") ---------------
 # The GPU check's interpreter: the venv's where there is one, else the host's python3 (with torch).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-# Where the report goes; the device tool's $(OUT) when it sets one.
+# Where the report goes (report.md, results.json, logs.tar.gz): OUT=DIR to choose.
 OUT ?= gpu-report
 
 # On a connected machine: the pinned wheels (deploy/gpu-wheels.txt) into .whl/, checked complete.
