@@ -553,3 +553,38 @@ def test_the_serving_steps_float32_yardstick_tells_rounding_from_a_wrong_token(t
     wrong = [[rng.randrange(vocab) for _ in out] for out in greedy]
     gaps = float32_gaps(model, prompts, wrong, device="cpu")
     assert sorted(gaps)[len(gaps) // 2] > BF16_TOLERANCE_NATS
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("bench_steps", ["kernels"]),
+        ("bench_steps", ["model_step"]),
+        ("bench_steps", ["moe"]),
+        ("tiles", []),
+        ("serving", []),
+    ],
+)
+def test_each_gpu_steps_code_runs_on_cpu_up_to_its_first_cuda_call(
+    tmp_path, monkeypatch, module, argv
+):
+    """With the device boundary faked (torch believes a GPU is there), each step's own code runs
+    until CUDA itself refuses: what breaks is the missing GPU, not a name, a type or an import."""
+    import importlib
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU: the check itself runs this step")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    step = importlib.import_module(f"pdserve.deploy.gpu_check.{module}")
+    record = tmp_path / "record.json"
+    try:
+        code = step.main([*argv, "--json", str(record), "--work", str(tmp_path)])
+        why = json.loads(record.read_text())["failures"][0]["what"]
+    except Exception as exc:  # noqa: BLE001 (the steps without a catch-all raise)
+        code, why = 1, f"{type(exc).__name__}: {exc}"
+    assert code == 1
+    assert re.search(r"CUDA|cuda|NVIDIA", why) and not re.match(
+        r"(Name|Type|Import|Attribute)Error", why
+    ), why
