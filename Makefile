@@ -24,8 +24,10 @@ test-compiled: install
 	PDSERVE_TEST_COMPILE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_parity.py \
 		tests/test_continuous_batching.py tests/test_compiled_step.py $(PYTEST_ARGS)
 
+# ruff, and the docs' benchmark tables against their results files (bench.docs).
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(PY) -m pdserve.bench.docs --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info
