@@ -24,8 +24,10 @@ test-compiled: install
 	PDSERVE_TEST_COMPILE=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_parity.py \
 		tests/test_continuous_batching.py tests/test_compiled_step.py $(PYTEST_ARGS)
 
+# ruff, and the docs' benchmark tables against their results files (bench.docs).
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(PY) -m pdserve.bench.docs --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info
@@ -57,7 +59,7 @@ $(VLLM_STAMP):
 # --- a GPU host without a package registry (README: "On a host without internet") ---------------
 # The GPU check's interpreter: the venv's where there is one, else the host's python3 (with torch).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-# Where the report goes; the device tool's $(OUT) when it sets one.
+# Where the report goes (report.md, results.json, logs.tar.gz): OUT=DIR to choose.
 OUT ?= gpu-report
 
 # On a connected machine: the pinned wheels (deploy/gpu-wheels.txt) into .whl/, checked complete.

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import sys
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.bench import provenance
 from pdserve.bench.chaos_cluster import FAULTS_ENV, KV_FAULTS_ENV, ChaosCluster, counters
 from pdserve.bench.chaos_requests import (
     ChaosRequest,
@@ -56,7 +56,6 @@ from pdserve.bench.chaos_requests import (
     request_mix,
     send,
 )
-from pdserve.bench.compare import git, machine
 from pdserve.bench.process_tree import Sessions
 from pdserve.bench.soak import kv_blocks
 from pdserve.cluster.node_options import NodeOptions
@@ -350,24 +349,26 @@ def problems(results: list[PhaseResult]) -> list[str]:
 
 
 def render(results: list[PhaseResult]) -> str:
-    """The Markdown table of every phase."""
+    """The Markdown table of the phases run so far."""
+    return docs_table({"phases": [r.summary() for r in results]})
+
+
+def docs_table(results: dict) -> str:
+    """The docs' table of a results file: a row per phase (`python -m pdserve.bench.docs`)."""
     lines = [
-        "| phase | requests | completed | identical | wrong | failed | unclear | overdue | "
-        "leaked blocks | restarts | integrity failures | anon growth (MiB): most / after warm-up | "
-        "time (s) |",
-        "| --- |" + " ---: |" * 12,
+        "| phase | requests | identical | wrong | failed (clear error) | unclear | overdue | "
+        "leaked blocks | restarts | integrity failures caught | slowest request (s) | phase (s) |",
+        "| --- |" + " ---: |" * 11,
     ]
-    for r in results:
-        integrity = sum(v for k, v in r.counters.items() if "integrity" in k)
-        measured = {k: v for k, v in r.anon_growth_mib.items() if v is not None}
-        most = max(measured.items(), key=lambda kv: kv[1], default=None)
-        grown = f"{most[1]:.1f} ({most[0]})" if most else "-"
-        later = [v for v in r.anon_growth_after_warmup_mib.values() if v is not None]
-        grown += f" / {max(later):.1f}" if later else ""
+    for r in results["phases"]:
+        integrity = sum(v for k, v in r["counters"].items() if "integrity" in k)
+        failed = str(r["total_failed"])
+        if r["failed"]:
+            failed += " (" + ", ".join(r["failed"]) + ")"
         lines.append(
-            f"| {r.phase} | {r.requests} | {r.completed} | {r.identical} | {r.wrong} | "
-            f"{r.total_failed} | {r.unclear} | {r.overdue} | {r.leaked} | "
-            f"{sum(r.restarts.values())} | {integrity:.0f} | {grown} | {r.elapsed_s:.1f} |"
+            f"| {r['phase']} | {r['requests']:,} | {r['identical']:,} | {r['wrong']} | {failed} "
+            f"| {r['unclear']} | {r['overdue']} | {r['leaked']} | {sum(r['restarts'].values())} "
+            f"| {integrity:.0f} | {r['max_request_s']:.1f} | {r['elapsed_s']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -497,8 +498,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[ChaosRequest], list[list[Cho
 def run(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[PhaseResult]]:
     """Every phase asked for: the results file's content and the phases' results."""
     table = phase_table(args.rate, args.fault_seed, args.delay_ms, args.stall_ms)
-    date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    host = machine()  # its load average before the run
+    record = provenance.start(["python", "-m", "pdserve.bench.chaos", *argv])
     started = time.monotonic()
     requests, expected = prepare(args)
     print(
@@ -518,12 +518,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[PhaseResu
             print(f"the baseline failed: {', '.join(skipped) or 'nothing'} skipped", flush=True)
             break
     found = problems(results)
-    result_file = {
-        "command": " ".join(["python -m pdserve.bench.chaos", *argv]),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_files": len(git("status", "--porcelain", "--untracked-files=no").splitlines()),
-        "date": date,
-        "machine": host | {"uptime_after": machine()["uptime_before"]},
+    result_file = provenance.finish(record) | {
         "model": args.model,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rate_scale": RATE_SCALE,
@@ -548,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result_file, results = run(args, argv)
     print()
-    print(render(results))
+    print(docs_table(result_file))
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(result_file, indent=1) + "\n")

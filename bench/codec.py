@@ -18,8 +18,6 @@ import enum
 import functools
 import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -31,6 +29,7 @@ from typing import Any
 import msgpack
 import msgspec
 
+from pdserve.bench import provenance
 from pdserve.cluster.client_messages import Event, client_events
 from pdserve.cluster.codec import Codec
 from pdserve.cluster.node_messages import (
@@ -48,6 +47,8 @@ from pdserve.cluster.sampling_params import SamplingParams
 VOCAB = 128256  # Llama 3's, so token ids take the 3 or 5 msgpack bytes they take on the wire
 TOP_LOGPROBS = 5
 PROMPT_TOKENS = 2048
+# The message whose frame digest is timed alone.
+DIGEST_CASE = "Tokens, 256 seq"
 
 
 class ProtocolError(ValueError):
@@ -232,6 +233,7 @@ class Result:
     encode_ratio: float  # dataclass / msgspec time, the median over rounds
     decode_ratio: float
     asdict_us: float  # of the dataclass encode, `dataclasses.asdict` alone (median)
+    rounds_us: dict[str, list[float]]  # every round's µs per call, by "codec operation"
 
 
 def measure(case: Case, repeats: int, min_loop_s: float) -> Result:
@@ -272,27 +274,37 @@ def measure(case: Case, repeats: int, min_loop_s: float) -> Result:
         ratio("encode"),
         ratio("decode"),
         statistics.median(times[("dataclass", "asdict")]),
+        {f"{codec} {op}": values for (codec, op), values in times.items()},
     )
 
 
-# --- the command ---------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "msgspec": msgspec.__version__,
-        "msgpack": ".".join(map(str, msgpack.version)),
-        "load_average": os.getloadavg(),
+def digest_cost(case: Case, repeats: int, min_loop_s: float) -> dict[str, Any]:
+    """The frame digest's own cost: `Codec.encode` and `Codec.decode` beside msgspec's encoder
+    and decoder alone on the same envelope, alternating within each round as `measure` does."""
+    codec = case.codec
+    envelope = codec._encoder.encode((codec.version, case.message))
+    frame = codec.encode(case.message)
+    ops = {
+        "encode without": lambda: codec._encoder.encode((codec.version, case.message)),
+        "encode with": lambda: codec.encode(case.message),
+        "decode without": lambda: codec._decoder.decode(envelope),
+        "decode with": lambda: codec.decode(frame),
     }
+    numbers = {key: calls_per_loop(fn, min_loop_s) for key, fn in ops.items()}
+    times: dict[str, list[float]] = {key: [] for key in ops}
+    keys = list(ops)
+    for r in range(repeats):
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            times[key].append(_loop(ops[key], numbers[key]) / numbers[key] * 1e6)
+    return {
+        "message": case.name,
+        "bytes": len(frame),
+        "us": {key: statistics.median(values) for key, values in times.items()},
+        "rounds_us": times,
+    }
+
+
+# --- the command ---------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -306,45 +318,126 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    host = machine()
-    print(
-        f"# {host['cpu']}, {host['cpus']} CPUs; python {host['python']}, msgspec "
-        f"{host['msgspec']}, msgpack {host['msgpack']}; load average {host['load_average'][0]:.2f}"
-    )
+    record = provenance.start([__file__, *(sys.argv[1:] if argv is None else argv)])
+    record["machine"] |= {
+        "msgspec": msgspec.__version__,
+        "msgpack": ".".join(map(str, msgpack.version)),
+    }
+    print(f"# {record['command']}")
     print(
         f"# median of {args.repeats} rounds, loops of >= {args.min_loop_ms:g} ms, GC on; "
-        "ratio = dataclass / msgspec time, median over rounds\n"
+        "ratio = dataclass / msgspec time, median over rounds"
     )
-    print(
-        "| message | bytes, dataclass | bytes, msgspec | encode µs, dataclass (asdict) | msgspec "
-        "| ratio | decode µs, dataclass | msgspec | ratio |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    all_cases = cases(args.seed)
     results = []
-    for case in cases(args.seed):
-        r = measure(case, args.repeats, args.min_loop_ms / 1e3)
-        results.append(r)
-        old, new = r.dataclass, r.msgspec
-        print(
-            f"| {r.message} | {old.bytes:,} | {new.bytes:,} | {old.encode_us:,.1f} "
-            f"({r.asdict_us:,.1f}) | "
-            f"{new.encode_us:,.2f} | {r.encode_ratio:,.0f}x | {old.decode_us:,.1f} | "
-            f"{new.decode_us:,.2f} | {r.decode_ratio:,.1f}x |",
-            flush=True,
-        )
-    out = {
-        "command": " ".join(
-            ["python -m pdserve.bench.codec", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "machine": host,
+    for case in all_cases:
+        results.append(measure(case, args.repeats, args.min_loop_ms / 1e3))
+        print(f"# {case.name}: measured", flush=True)
+    digest_case = next(case for case in all_cases if case.name == DIGEST_CASE)
+    out = provenance.finish(record) | {
         "repeats": args.repeats,
         "min_loop_ms": args.min_loop_ms,
         "results": [dataclasses.asdict(r) for r in results],
+        "digest": digest_cost(digest_case, args.repeats, args.min_loop_ms / 1e3),
     }
+    print(docs_table(out))
+    print()
+    print(digest_sentence(out))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return out
+
+
+# --- the docs' table and points (`python -m pdserve.bench.docs` renders them) ---------------------
+
+
+def docs_table(results: dict) -> str:
+    """Bytes and µs per call of each message, dataclass codec beside msgspec."""
+    out = [
+        "| message | bytes, dataclass | bytes, msgspec | encode µs, dataclass (asdict) | msgspec "
+        "| ratio | decode µs, dataclass | msgspec | ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["results"]:
+        old, new = r["dataclass"], r["msgspec"]
+        out.append(
+            f"| {r['message']} | {old['bytes']:,} | {new['bytes']:,} | {old['encode_us']:,.1f} "
+            f"({r['asdict_us']:,.1f}) | {new['encode_us']:,.2f} | {r['encode_ratio']:,.0f}x | "
+            f"{old['decode_us']:,.1f} | {new['decode_us']:,.2f} | {r['decode_ratio']:,.1f}x |"
+        )
+    return "\n".join(out)
+
+
+def _time(us: float) -> str:
+    return f"{us / 1e3:.1f} ms" if us >= 1e3 else f"{us:.3g} µs"
+
+
+def docs_points(results: dict) -> str:
+    """The table's points in words: encoding, decoding and bytes, each from the run's figures."""
+    by = {r["message"]: r for r in results["results"]}
+    big, big_lp = by["Tokens, 256 seq"], by["Tokens, 256 seq, top-5 logprobs"]
+    prefill = by[f"Prefill, {PROMPT_TOKENS} token ids"]
+    enc = [r["encode_ratio"] for r in results["results"]]
+    dec = [r["decode_ratio"] for r in results["results"]]
+    # asdict's share of the dataclass encode, round by round as the ratios are
+    share = {
+        m: statistics.median(
+            a / e
+            for a, e in zip(r["rounds_us"]["dataclass asdict"], r["rounds_us"]["dataclass encode"])
+        )
+        for m, r in by.items()
+    }
+    low, high = min(share, key=share.get), max(share, key=share.get)
+    tokens = [r for m, r in by.items() if m.startswith("Tokens")]
+    size = [r["msgspec"]["bytes"] / r["dataclass"]["bytes"] for r in tokens]
+    lo_dec, hi_dec = (
+        min(by, key=lambda m: by[m]["decode_ratio"]),
+        max(by, key=lambda m: by[m]["decode_ratio"]),
+    )
+    return "\n".join(
+        [
+            f"- **Encoding is where the dataclass codec spends its time**: "
+            f"{_time(big['dataclass']['encode_us'])} for a 256-sequence decode step's `Tokens` "
+            f"({_time(big_lp['dataclass']['encode_us'])} with top-5 logprobs) against "
+            f"{_time(big['msgspec']['encode_us'])} ({_time(big_lp['msgspec']['encode_us'])}) "
+            f"with msgspec, {big['encode_ratio']:.0f}x ({big_lp['encode_ratio']:.0f}x); "
+            f"{min(enc):.0f}x to {max(enc):.0f}x over all the messages. `dataclasses.asdict` is "
+            f"{share[low]:.0%} (the `{low}`) to {share[high]:.0%} (the `{high}`) of it (the "
+            "median over rounds of its time over the whole encode's): in "
+            "Python 3.11 it walks every list and nested dataclass in Python and calls "
+            "`copy.deepcopy` on every leaf value, so the `Prefill`'s "
+            f"{PROMPT_TOKENS:,} token ids cost {_time(prefill['asdict_us'])} before msgpack "
+            "packs them.",
+            f"- **Decoding gains less**, {min(dec):.1f}x (the `{lo_dec}`) to {max(dec):.1f}x "
+            f"(the `{hi_dec}`): both decoders parse msgpack in C, and in that time msgspec also "
+            "checks every field's type, builds the nested structs and checks the frame's "
+            "digest, which the dataclass codec never did.",
+            f"- **Bytes**: `Tokens` frames are {min(size):.0%} to {max(size):.0%} of the "
+            f"baseline's ({big['msgspec']['bytes'] / 1e3:.1f} against "
+            f"{big['dataclass']['bytes'] / 1e3:.1f} kB at 256 sequences), because `TokenItem` "
+            "and `TokenLogprobs` are `array_like` structs (positional arrays) while the baseline "
+            "sends its nested dataclasses as maps with their field names; the other messages "
+            "differ by a few bytes (msgspec's frame carries the 8-byte digest, the baseline's "
+            "envelope its keys).",
+        ]
+    )
+
+
+def digest_sentence(results: dict) -> str:
+    """The frame digest's own cost, in one sentence."""
+    d = results["digest"]
+    us = d["us"]
+    enc = us["encode with"] / us["encode without"] - 1
+    dec = us["decode with"] / us["decode without"] - 1
+    return (
+        f"The digest's own cost, in the same run (`Codec.encode` and `Codec.decode` against "
+        f"msgspec's encoder and decoder alone, on the `{d['message']}` report, "
+        f"{d['bytes'] / 1e3:.1f} kB, medians of {results['repeats']} rounds): encoding "
+        f"{us['encode without']:.1f} µs without it, {us['encode with']:.1f} µs with it "
+        f"({enc:+.0%}); decoding {us['decode without']:.1f} µs and {us['decode with']:.1f} µs "
+        f"({dec:+.0%})."
+    )
 
 
 if __name__ == "__main__":

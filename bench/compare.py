@@ -2,8 +2,8 @@
 starts each pdserve configuration with `pdserve serve`, sweeps the same request rates against it
 (a mostly-short workload with long prompts arriving mid-stream, and the same without them), and
 prints the results table. The results JSON and the figure go to the work directory (or to
---results and --plot); with --write-docs, to bench/results/, docs/serving_sweep.png and the
-results block of docs/benchmarks.md.
+--results and --plot); with --write-docs, to bench/results/serving_compare.json and
+docs/serving_sweep.png, and docs/benchmarks.md is rendered again from its results files.
 
     python -m pdserve.bench.compare
 """
@@ -14,16 +14,15 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
-import platform
-import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from pdserve.bench import docs, provenance
 from pdserve.bench.peers.driver import VLLM_VENV, missing_peer
+
+# Kept importable from here for the benchmarks that took them from this module.
 from pdserve.bench.serve_load import HelpFormatter
 from pdserve.bench.serving.bench_model import BENCH_NAME, ensure_bench_model
 from pdserve.bench.serving.plots import plot_sweeps
@@ -47,7 +46,6 @@ RESULTS, PLOT, DOC = (
     "docs/serving_sweep.png",
     "docs/benchmarks.md",
 )
-BEGIN, END = "<!-- serving-results:begin -->", "<!-- serving-results:end -->"
 
 # The same node settings for every system; prefix caching stays on (prompts are random, so no
 # request shares a prefix with another).
@@ -113,42 +111,6 @@ def workloads(args: argparse.Namespace) -> dict[str, SyntheticWorkload]:
 
 def num_requests(args: argparse.Namespace, rate: float) -> int:
     return max(args.min_requests, round(rate * args.duration_s))
-
-
-def git(*args: str) -> str:
-    """What `git args...` prints in the checkout ("" where there is none)."""
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True)
-    except OSError:
-        return ""
-    return out.stdout.strip()
-
-
-def machine() -> dict:
-    def run(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in run(["lscpu"]).splitlines()
-            if line.startswith("Model name")
-        ),
-        platform.processor(),
-    )
-    import torch
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "uptime_before": run(["uptime"]),
-    }
 
 
 async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
@@ -243,42 +205,171 @@ def compact(results: dict) -> dict:
     return rounded(results)  # type: ignore[return-value]
 
 
-def markdown(results: dict, args: argparse.Namespace, doc: Path) -> str:
-    sweeps, m = results["sweeps"], results["machine"]
-    systems = list(dict.fromkeys(s["system"] for s in sweeps))
-    static = "colocated-static" if "colocated-static" in systems else None
-    lines = [
-        f"Measured {results['date']} on {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, "
-        f"torch {m['torch']} (CPU), every process on the same cores.",
-        f"Load before: `{m['uptime_before']}`; after: `{m['uptime_after']}`.",
-        "",
-        f"Command: `{results['command']}` ({results['elapsed_s'] / 60:.1f} min). "
-        f"SLO: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms. "
-        f"Requests per rate: {args.duration_s:g} s of arrivals, at least {args.min_requests}. "
-        "Every token streamed in its own chunk (`logprobs: 0`).",
-        "",
-        f"![serving sweep]({os.path.relpath(args.plot, doc.parent)})",
-        "",
-        results_table(sweeps),
-        "",
-        interference_table(sweeps, systems),
-        "",
-        *aims(sweeps, "disaggregated", "colocated", static, args.latency_limits_ms),
+def settings_line(results: dict) -> str:
+    """The run's SLO and request counts, as the docs print them above its tables."""
+    st = results["settings"]
+    return (
+        f"SLO: TTFT <= {st['slo_ttft_ms']:g} ms and TPOT <= {st['slo_tpot_ms']:g} ms. "
+        f"Requests per rate: {st['duration_s']:g} s of arrivals, at least {st['min_requests']}. "
+        f"{results['elapsed_s'] / 60:.1f} min in all. Every token streamed in its own chunk "
+        "(`logprobs: 0`)."
+    )
+
+
+def docs_table(results: dict) -> str:
+    """The docs' results table: a row per system, workload and rate."""
+    return settings_line(results) + "\n\n" + results_table(results["sweeps"])
+
+
+def docs_interference(results: dict) -> str:
+    """The docs' table of the short requests' P99 TPOT, mixed against short-only."""
+    sweeps = results["sweeps"]
+    return interference_table(sweeps, list(dict.fromkeys(s["system"] for s in sweeps)))
+
+
+def docs_aims(results: dict) -> str:
+    """The issue's aims as measured ratios, a line each."""
+    sweeps = results["sweeps"]
+    static = "colocated-static" if any(s["system"] == "colocated-static" for s in sweeps) else None
+    limits = results["settings"].get("latency_limits_ms", [1000.0, 2000.0, 3000.0])
+    return "\n".join(aims(sweeps, "disaggregated", "colocated", static, limits))
+
+
+def docs_long_requests(results: dict) -> str:
+    """The docs' table of the long requests (layer-wise KV streaming off and on)."""
+    return long_requests_table(results["sweeps"])
+
+
+def _point(results: dict, system: str, variant: str, rate: float) -> dict | None:
+    for sweep in results["sweeps"]:
+        if sweep["system"] == system and sweep["variant"] == variant:
+            for point in sweep["points"]:
+                if point["config"]["rate"] == rate:
+                    return point["summary"]
+    return None
+
+
+def docs_handoff(
+    results: dict, before: str = "disaggregated-between-steps", after: str = "disaggregated"
+) -> str:
+    """The docs' table of the KV handoff between steps (`before`) and beside them (`after`):
+    per workload, rate and kind of request, the gap from first to second token and P99 TPOT."""
+    rows = [
+        "| workload | rate (req/s) | kind | first-to-second token P50 / P99 (ms), between steps "
+        "| immediate | P99 TPOT (ms), between steps | immediate |",
+        "| --- | ---: | --- | --- | --- | ---: | ---: |",
     ]
-    if any(s["system"].endswith("streaming") for s in sweeps):
-        lines += ["", long_requests_table(sweeps)]
+    for sweep in results["sweeps"]:
+        if sweep["system"] != before:
+            continue
+        for point in sweep["points"]:
+            rate = point["config"]["rate"]
+            other = _point(results, after, sweep["variant"], rate)
+            for kind in ("short", "long"):
+                a = point["summary"]["by_kind"].get(kind)
+                b = (other or {}).get("by_kind", {}).get(kind)
+                if not a or not b or not a["count"]:
+                    continue
+                gap = lambda k: f"{k['first_itl_ms']['p50']:.1f} / {k['first_itl_ms']['p99']:.1f}"  # noqa: E731
+                rows.append(
+                    f"| {sweep['variant']} | {rate:g} | {kind} | {gap(a)} | {gap(b)} "
+                    f"| {a['tpot_ms']['p99']:.1f} | {b['tpot_ms']['p99']:.1f} |"
+                )
+    return "\n".join(rows)
+
+
+def docs_handoff_all(
+    results: dict, before: str = "disaggregated-between-steps", after: str = "disaggregated"
+) -> str:
+    """All requests of the mixed workload, `before` → `after` at each rate: P99 TPOT, SLO
+    attainment, P99 TTFT; and the short requests' P99 TPOT, mixed over short-only."""
+    rates = [p["config"]["rate"] for s in results["sweeps"] if s["system"] == before
+             for p in s["points"] if s["variant"] == "mixed"]  # fmt: skip
+    lines = []
+    for rate in rates:
+        a, b = _point(results, before, "mixed", rate), _point(results, after, "mixed", rate)
+        if a is None or b is None:
+            continue
+        ratios = []
+        for system in (before, after):
+            mixed = _point(results, system, "mixed", rate)
+            short = _point(results, system, "short-only", rate)
+            if mixed and short:
+                m, s = (x["by_kind"]["short"]["tpot_ms"]["p99"] for x in (mixed, short))
+                ratios.append(f"{m / s:.2f}x")
+        lines.append(
+            f"- {rate:g} req/s, mixed, all requests, between steps → immediate: P99 TPOT "
+            f"{a['tpot_ms']['p99']:.1f} → {b['tpot_ms']['p99']:.1f} ms; SLO attainment "
+            f"{a['slo_attainment']:.0%} → {b['slo_attainment']:.0%}; P99 TTFT "
+            f"{a['ttft_ms']['p99']:.0f} → {b['ttft_ms']['p99']:.0f} ms; short requests' P99 "
+            f"TPOT over short-only {' → '.join(ratios)}"
+        )
     return "\n".join(lines)
 
 
-def update_doc(doc: Path, block: str) -> None:
-    """Replace the results block of the doc's Serving section (created if missing)."""
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    fenced = f"{BEGIN}\n{block}\n{END}"
-    if BEGIN in text and END in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: fenced, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + f"\n\n## Serving\n\n{fenced}\n"
-    doc.write_text(text)
+def docs_goodput_runs(first: dict, second: dict) -> str:
+    """Goodput of two runs of the same sweep side by side, per system, workload and rate."""
+    rows = [
+        "| system | workload | rate (req/s) | goodput, earlier run (req/s) | goodput, run shown "
+        "(req/s) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for sweep in second["sweeps"]:
+        for point in sweep["points"]:
+            rate = point["config"]["rate"]
+            earlier = _point(first, sweep["system"], sweep["variant"], rate)
+            e = f"{earlier['goodput']:.2f}" if earlier else "n/a"
+            rows.append(
+                f"| {sweep['system']} | {sweep['variant']} | {rate:g} | {e} "
+                f"| {point['summary']['goodput']:.2f} |"
+            )
+    return "\n".join(rows)
+
+
+def docs_streaming(
+    *results: dict,
+    off: str = "disaggregated-no-streaming",
+    on: str = "disaggregated-streaming",
+) -> str:
+    """The docs' table of layer-wise KV streaming off and on, a row per results file and rate:
+    the long requests' TTFT and gap from first to second token, and the coordinator's mean time
+    from a first token to the decode node's first over the sweep (every request's, which in a
+    workload with short requests is mostly theirs)."""
+    rows = [
+        "| workload | long requests | TTFT P50 / P99 (ms), off | on | first-to-second token "
+        "P50 / P99 (ms), off | on | first token to decode start, mean (ms), off | on |",
+        "| --- | ---: | --- | --- | --- | --- | ---: | ---: |",
+    ]
+    for r in results:
+        sweeps = {s["system"]: s for s in r["sweeps"]}
+        if off not in sweeps or on not in sweeps:
+            continue
+        variant = sweeps[off]["variant"]
+        for point in sweeps[off]["points"]:
+            rate = point["config"]["rate"]
+            a = point["summary"]["by_kind"]["long"]
+            b = (_point(r, on, variant, rate) or {}).get("by_kind", {}).get("long")
+            if not b:
+                continue
+            pair = lambda k, m: f"{k[m]['p50']:.0f} / {k[m]['p99']:.0f}"  # noqa: E731
+            gap = lambda k: f"{k['first_itl_ms']['p50']:.1f} / {k['first_itl_ms']['p99']:.1f}"  # noqa: E731
+            scope = "" if variant == "long-only" else " (all requests)"
+            handoff = [sweeps[x].get("kv_handoff") for x in (off, on)]
+            start = [f"{h['mean_ms']:.1f}{scope}" if h else "n/a" for h in handoff]
+            rows.append(
+                f"| {variant}, {rate:g} req/s | {a['count']} | {pair(a, 'ttft_ms')} "
+                f"| {pair(b, 'ttft_ms')} | {gap(a)} | {gap(b)} | {start[0]} | {start[1]} |"
+            )
+    return "\n".join(rows)
+
+
+def markdown(results: dict) -> str:
+    """Everything the run shows, as the docs render it."""
+    parts = [docs_table(results), docs_interference(results), docs_aims(results)]
+    if any(s["system"].endswith("streaming") for s in results["sweeps"]):
+        parts.append(docs_long_requests(results))
+    # A table with no rows (no pair of workloads to compare) is left out.
+    return "\n\n".join(p for p in parts if p and p.count("\n") != 1)
 
 
 def floats(text: str) -> list[float]:
@@ -288,6 +379,9 @@ def floats(text: str) -> list[float]:
 def length_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
+
+
+PROG = "pdserve.bench.compare"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,9 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--write-docs",
         action="store_true",
-        help="write the results to bench/results/serving_compare.json, the figure to "
-        "docs/serving_sweep.png and the table into docs/benchmarks.md (unless "
-        "--results or --plot say otherwise)",
+        help="write the results to bench/results/serving_compare.json and the figure to "
+        "docs/serving_sweep.png (unless --results or --plot say otherwise), and render "
+        "docs/benchmarks.md again from its results files",
     )
     p.add_argument("--no-doc", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument(
@@ -388,8 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def outputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path | None]:
-    """Where the results JSON, the figure and the doc's results block go: the paths given, else
-    the work directory and no doc; with --write-docs, the repository's files."""
+    """Where the results JSON and the figure go, and the doc rendered again from the results
+    files: the paths given, else the work directory and no doc; with --write-docs, the
+    repository's files (the doc's blocks read bench/results/serving_compare.json)."""
     if args.write_docs:
         results, plot, doc = REPO_ROOT / RESULTS, REPO_ROOT / PLOT, REPO_ROOT / DOC
     else:
@@ -402,19 +497,21 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in args.systems and (why := missing_peer("vllm", args.peer_venv)):
         raise SystemExit(f"pdserve.bench.compare: error: {why}")
     started = time.monotonic()
-    results: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
-    results["command"] = "python -m pdserve.bench.compare " + " ".join(argv or sys.argv[1:])
-    results["settings"] = {k: v for k, v in vars(args).items()}
+    record = provenance.start(sys.argv if argv is None else ["python", "-m", PROG, *argv])
+    settings = dict(vars(args))
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     print(f"configs, logs and results in {work}", flush=True)
     results_path, plot_path, doc = outputs(args, work)
     args.results, args.plot = str(results_path), str(plot_path)
     if args.model == BENCH_NAME:
         args.model = str(ensure_bench_model())
-    results["model"] = args.model
-    results["sweeps"] = asyncio.run(compare(args, work))
-    results["machine"]["uptime_after"] = machine()["uptime_before"]
-    results["elapsed_s"] = time.monotonic() - started
+    sweeps = asyncio.run(compare(args, work))
+    results = provenance.finish(record) | {
+        "settings": settings,
+        "model": args.model,
+        "sweeps": sweeps,
+        "elapsed_s": time.monotonic() - started,
+    }
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(compact(results), default=str))
     title = (
@@ -422,10 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         f"and short-only (dashed)"
     )
     plot_sweeps(results["sweeps"], args.plot, title)
-    block = markdown(results, args, doc or REPO_ROOT / DOC)
-    print(block)
+    print(markdown(json.loads(Path(args.results).read_text())))
     if doc is not None:
-        update_doc(doc, block)
+        docs.main([str(doc.relative_to(REPO_ROOT))])
     print(f"wrote {args.results}, {args.plot}" + (f", {doc}" if doc else ""))
     return 0
 

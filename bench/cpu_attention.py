@@ -4,21 +4,22 @@ are shuffled, as a serving pool's are, at one thread and at all of them.
 
     .venv/bin/python -m pdserve.bench.cpu_attention
     git show REV:kernels/csrc/paged_attention_cpu.c > /tmp/old.c
-    .venv/bin/python -m pdserve.bench.cpu_attention --other-source /tmp/old.c --threads 1
+    .venv/bin/python -m pdserve.bench.cpu_attention --other-source /tmp/old.c --threads 1 \\
+        --json-out bench/results/cpu_attention.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.bench import kernels
+from pdserve.bench import kernels, provenance
 from pdserve.bench.model_step import median_ms
 from pdserve.kernels import attention_ref, paged_attention_cpu
 
@@ -67,6 +68,22 @@ def measure(shape: str, batch: int, context: int, threads: int, other, reps: int
     return Row(shape, batch, context, threads, mine, theirs, ref)
 
 
+def docs_table(results: dict) -> str:
+    """The rows as the docs show them: µs per call of each way, and the others over the kernel."""
+    other = results.get("other")
+    head = "| shape | batch | context | threads | kernel µs |"
+    head += f" {other} µs | {other} / kernel |" if other else ""
+    lines = [head + " torch ref µs | ref / kernel |", "| --- |" + " ---: |" * (8 if other else 6)]
+    for r in results["rows"]:
+        vs = f" {r['other_us']:.1f} | {r['other_us'] / r['kernel_us']:.2f}x |" if other else ""
+        lines.append(
+            f"| {r['shape']} | {r['batch']} | {r['context']} | {r['threads']} | "
+            f"{r['kernel_us']:.1f} |{vs} {r['reference_us']:.1f} | "
+            f"{r['reference_us'] / r['kernel_us']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
@@ -75,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=_ints, default=[1, torch.get_num_threads()])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--other-source", type=Path, help="another version of the kernel's C source")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json-out", type=Path, help="the results file")
     args = p.parse_args(argv)
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
@@ -90,31 +107,26 @@ def main(argv: list[str] | None = None) -> int:
         if other is None:
             p.error(f"{args.other_source} did not build")
     print(
-        f"# {platform.processor() or platform.machine()}, torch {torch.__version__} "
-        f"({torch.backends.cpu.get_cpu_capability()}), float32, block {BLOCK_SIZE}, "
-        "blocks shuffled over the pool"
+        f"# float32, block {BLOCK_SIZE}, blocks shuffled over the pool; "
+        f"torch {torch.backends.cpu.get_cpu_capability()}",
+        flush=True,
     )
-    name = args.other_source.name if other else ""
-    other_col = f" {name} µs | {name} / kernel |" if other else ""
-    print(
-        f"| shape | batch | context | threads | kernel µs |{other_col} torch ref µs | ref / kernel |"
-    )
-    print("| --- |" + " ---: |" * (8 if other else 6))
+    record = provenance.start(sys.argv if argv is None else [__file__, *argv])
     rows = []
     for shape in shapes:
         for context in args.contexts:
             for batch in args.batches:
                 for threads in args.threads:
-                    r = measure(shape, batch, context, threads, other, args.reps)
-                    rows.append(r)
-                    vs = f" {r.other_us:.1f} | {r.other_us / r.kernel_us:.2f}x |" if other else ""
-                    print(
-                        f"| {shape} | {batch} | {context} | {threads} | {r.kernel_us:.1f} |{vs} "
-                        f"{r.reference_us:.1f} | {r.reference_us / r.kernel_us:.2f}x |",
-                        flush=True,
-                    )
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+                    rows.append(measure(shape, batch, context, threads, other, args.reps))
+                    print(f"{shape} batch {batch} context {context} threads {threads}", flush=True)
+    results = provenance.finish(record) | {
+        "other": args.other_source.stem if other else None,
+        "reps": args.reps,
+        "rows": [asdict(r) for r in rows],
+    }
+    print(docs_table(results))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -13,7 +13,6 @@ figures come from fresh processes, one per way, calling every row count of `--me
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from pdserve.bench.compare import machine
+from pdserve.bench import provenance
 from pdserve.engine import cpu_linear
 
 # pdserve-stories: qkv, o, gate_up, down and lm_head as (out, in).
@@ -122,6 +121,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def docs_table(results: dict, rows: str = "1,17,100,300,1000,2000") -> str:
+    """Microseconds per call, padded / as the rows come, at the given row counts; then the first
+    call's time and the memory gained, in a sentence each."""
+    counts = rows.split(",")
+    times, memory = results["times_us"], results["memory_mib"]
+    lines = [
+        "| shape | "
+        + " | ".join(f"{int(m):,} row{'s' if m != '1' else ''}" for m in counts)
+        + " |",
+        "| --- |" + " ---: |" * len(counts),
+    ]
+    for shape, by_rows in times.items():
+        cells = [
+            f"{by_rows[m]['padded']:.0f} / {by_rows[m]['unpadded']:.0f} "
+            f"({by_rows[m]['padded'] / by_rows[m]['unpadded']:.2f}x)"
+            for m in counts
+        ]
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+
+    def first(group: list[str]) -> str:
+        calls = [times[shape][m]["first_unpadded"] for shape in times for m in group]
+        return f"{min(calls):.0f}-{max(calls):.0f}"
+
+    small = [m for m in counts if int(m) <= 100]
+    spans = [f"{first(small)} at {small[0]} to {small[-1]} rows"] if small else []
+    spans += [f"{first([m])} at {int(m):,}" for m in counts if int(m) > 100]
+    used = "; ".join(
+        f"{shape} {mem['padded']:.1f} / {mem['unpadded']:.1f}" for shape, mem in memory.items()
+    )
+    rows_max = results.get("memory_rows", 1024)
+    lines += [
+        "",
+        "The first call at a row count as it comes (oneDNN builds its kernel), microseconds: "
+        + ", ".join(spans)
+        + ".",
+        "",
+        f"Memory gained calling every row count 1-{rows_max:,} once (MiB), padded / as the rows "
+        f"come: {used}.",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     if not torch.backends.mkldnn.is_available():
         print("this torch build has no oneDNN")
@@ -130,17 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     shapes = args.shape or STORIES_SHAPES
     rows = [int(r) for r in args.rows.split(",")]
-    commit = subprocess.run(
-        ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    record = provenance.start(sys.argv if argv is None else [__file__, *argv])
     results: dict = {
-        "command": "python -m pdserve.bench.cpu_linear "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": commit,
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine() | {"cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "threads": args.threads,
         "times_us": {},
         "memory_mib": {},
@@ -156,20 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         results["times_us"][shape] = {}
         for m in rows:
             t = time_rows(weight, m, args.repeat)
-            results["times_us"][shape][m] = t
-            ratio = t["padded"] / t["unpadded"]
-            print(
-                f"| {shape} | {m} | {t['padded']} | {t['unpadded']} | {t['f_linear']} | "
-                f"{ratio:.2f} | {t['first_unpadded']} |"
-            )
-    print(f"\nMiB gained calling every row count 1..{args.memory_rows} once (fresh process each)")
-    print("| shape | padded | unpadded |")
-    print("| --- | ---: | ---: |")
+            results["times_us"][shape][str(m)] = t
+            print(f"{shape}, {m} rows: {t}", flush=True)
     for shape in shapes:
         mem = {way: memory_child(way, shape, args.memory_rows) for way in ("padded", "unpadded")}
         results["memory_mib"][shape] = mem
-        print(f"| {shape} | {mem['padded']} | {mem['unpadded']} |")
-    results["machine"]["uptime_after"] = machine()["uptime_before"]
+    results = provenance.finish(record) | results | {"memory_rows": args.memory_rows}
+    print(docs_table(results, rows=",".join(str(r) for r in rows)))
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

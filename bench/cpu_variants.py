@@ -5,7 +5,7 @@ median, and the machine's load. `--load N` runs N busy-loop processes for the wh
 competing load: one per core takes every core).
 
     .venv/bin/python -m pdserve.bench.cpu_variants --variant t2=cpu_threads:2 \\
-        --variant t1-bound=cpu_threads:1,cpu_bind:0 --rounds 3 --load 2
+        --variant t1-bound=cpu_threads:1,cpu_bind:0 --rounds 3 --load 2 --json-out out.json
 
 A variant is NAME=KEY:VALUE,KEY:VALUE... of EngineConfig settings (values as TOML would read
 them: 1, true, text).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -26,13 +25,8 @@ import time
 from pathlib import Path
 
 from pdserve import SOURCE_ROOT
-from pdserve.bench.offline_throughput import (
-    blocks_for,
-    machine,
-    make_workload,
-    model_config,
-    write_model,
-)
+from pdserve.bench import provenance
+from pdserve.bench.offline_throughput import blocks_for, make_workload, model_config, write_model
 from pdserve.bench.peers.models import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +152,24 @@ WORKLOAD_KEYS = (
 )
 
 
+def docs_table(results: dict, compare: str = "true") -> str:
+    """Each variant's output tokens/s per round, their median and, unless `compare=false`, the
+    median over the first variant's."""
+    variants = results["variants"]
+    first = next(iter(variants.values()))["median"]
+    vs = compare != "false"
+    head = "| variant | tok/s per round | median |" + (
+        f" vs {next(iter(variants))} |" if vs else ""
+    )
+    lines = [head, "| --- | --- | ---: |" + (" ---: |" if vs else "")]
+    for name, v in variants.items():
+        line = (
+            f"| {name} | {', '.join(f'{x:.0f}' for x in v['tokens_per_s'])} | {v['median']:.0f} |"
+        )
+        lines.append(line + (f" {v['median'] / first:.2f}x |" if vs else ""))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     if args.child:
@@ -166,11 +178,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     variants = [parse_variant(v) for v in args.variant] or [("default", {})]
     cfg = model_config(args)
     workload = {k: getattr(args, k) for k in WORKLOAD_KEYS}
-    command = "python -m pdserve.bench.cpu_variants " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
-    print(f"command: {command}")
-    print(f"machine: {machine()}")
+    record = provenance.start(sys.argv if argv is None else [__file__, *argv])
+    print(f"command: {record['command']}")
     print(
         f"model: {num_parameters(cfg) / 1e6:.1f}M parameters, float32; load: {args.load} "
         f"busy-loop processes"
@@ -205,23 +214,23 @@ def main(argv: list[str] | None = None) -> dict | None:
         for proc in busy:
             proc.kill()
             proc.wait()
-    print(f"\n| variant | settings | tok/s per round | median | vs {variants[0][0]} |")
-    print("| --- | --- | --- | --- | --- |")
-    first = statistics.median(x["tokens_per_s"] for x in results[variants[0][0]])
-    summary = {}
-    for name, settings in variants:
-        rates = [x["tokens_per_s"] for x in results[name]]
-        med = statistics.median(rates)
-        summary[name] = {"settings": settings, "tokens_per_s": rates, "median": med}
-        shown = ", ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
-        print(
-            f"| {name} | {shown} | {', '.join(f'{x:.0f}' for x in rates)} | {med:.0f} "
-            f"| {med / first:.2f}x |"
-        )
-    print(f"load average at the end: {os.getloadavg()}")
-    out = {"command": command, "machine": machine(), "load": args.load, "variants": summary}
+    summary = {
+        name: {
+            "settings": settings,
+            "tokens_per_s": [x["tokens_per_s"] for x in results[name]],
+            "median": statistics.median(x["tokens_per_s"] for x in results[name]),
+            "rounds": results[name],
+        }
+        for name, settings in variants
+    }
+    out = provenance.finish(record) | {
+        "competing_load": args.load,
+        "model_parameters": num_parameters(cfg),
+        "variants": summary,
+    }
+    print("\n" + docs_table(out))
     if args.json_out:
-        args.json_out.write_text(json.dumps(out, indent=2))
+        args.json_out.write_text(json.dumps(out, indent=1) + "\n")
     return out
 
 

@@ -133,12 +133,17 @@ def source_line(path: str, results: Any) -> str:
     )
 
 
-def render_block(block: Block, root: Path, previous: Block | None) -> list[str]:
+def render_block(block: Block, root: Path, following: Block | None) -> list[str]:
+    """The block's lines: its table, and under it the run's line, unless the next block is of
+    the same files in the same section (then the line comes once, under the last of them)."""
     fn = resolve(block.function)
     results = [load_results(f, root) for f in block.files]
-    body = fn(*results, **dict(block.options)).strip("\n")
+    try:
+        body = fn(*results, **dict(block.options)).strip("\n")
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise DocsError(f"{block.function} cannot render {', '.join(block.files)}: {e!r}") from e
     out = body.split("\n")
-    if previous is None or previous.key != block.key:
+    if following is None or following.key != block.key:
         out.append("")
         out += [source_line(f, r) for f, r in zip(block.files, results)]
     return out
@@ -148,11 +153,11 @@ def render(text: str, root: Path = REPO_ROOT) -> str:
     """The doc with every block rendered again."""
     lines = text.split("\n")
     blocks = find_blocks(lines)
-    out, at, previous = [], 0, None
-    for block in blocks:
+    out, at = [], 0
+    for block, following in zip(blocks, [*blocks[1:], None]):
         out += lines[at : block.start + 1]
-        out += render_block(block, root, previous)
-        at, previous = block.end, block
+        out += render_block(block, root, following)
+        at = block.end
     out += lines[at:]
     return "\n".join(out)
 

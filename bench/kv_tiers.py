@@ -14,18 +14,15 @@ copy run back to back, in alternating order.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pdserve.bench.compare import git, machine
+from pdserve.bench import provenance
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.kv_cache import KVLayout, KVPool
@@ -136,13 +133,15 @@ def measure(rig: Rig, repeats: int) -> dict:
     }
 
 
-def table(rows: list[dict]) -> str:
+def docs_table(results: dict) -> str:
+    """The docs' table of a results file: per copy size, the tiers' write-down and load-back
+    bandwidth beside a plain copy's (`python -m pdserve.bench.docs` renders it)."""
     lines = [
         "| blocks | MiB | write down GB/s | plain copy GB/s | of plain | load back GB/s | "
         "plain copy GB/s | of plain |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in rows:
+    for r in results["rows"]:
         lines.append(
             f"| {r['blocks']} | {r['gb'] * 1e9 / 2**20:.0f} | {r['store_gbps']:.2f} "
             f"| {r['plain_down_gbps']:.2f} | {100 * r['store_of_plain']:.0f} % "
@@ -151,8 +150,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PROG = "pdserve.bench.kv_tiers"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.kv_tiers", description=__doc__)
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__)
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 16, 64], help="blocks per copy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -160,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results file here")
     args = p.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    info = machine()  # with the machine's load before the run
+    record = provenance.start(sys.argv if argv is None else ["python", "-m", PROG, *argv])
     rows = []
     for n in args.blocks:
         rig = Rig(n, args.device, dtype)
@@ -169,21 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(rig, args.repeats))
         finally:
             rig.close()
-    print(table(rows))
+    results = provenance.finish(record) | {
+        "device": args.device,
+        "dtype": dtype,
+        "block_bytes": layout(dtype).bytes_per_block,
+        "rows": rows,
+    }
+    print(docs_table(results))
     if args.out:
-        info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout
-        if args.device.startswith("cuda"):
-            info["gpu"] = torch.cuda.get_device_name()
-        results = {
-            "command": "python -m pdserve.bench.kv_tiers " + shlex.join(sys.argv[1:]),
-            "commit": git("rev-parse", "--short", "HEAD"),
-            "date": started,
-            "machine": info,
-            "device": args.device,
-            "dtype": dtype,
-            "block_bytes": layout(dtype).bytes_per_block,
-            "rows": rows,
-        }
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
 

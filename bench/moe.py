@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench import provenance
 from pdserve.bench.kernels import graph_time_ms
 from pdserve.bench.model_step import copy_gbps, matmul_tflops, median_ms
-from pdserve.bench.offline_throughput import machine
 from pdserve.engine import cpu_linear
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.llama import MLP
@@ -99,6 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    record = provenance.start(sys.argv if argv is None else ["bench/moe.py", *argv])
     cuda = args.device.startswith("cuda")
     shape = SHAPES[args.shape or ("qwen3-30b-a3b" if cuda else "mixtral-55m")]
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
@@ -168,9 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
                     else {},
                 )
             )
-    result = {
-        "device": torch.cuda.get_device_name() if cuda else machine()["cpu"],
-        "machine": machine(),
+    result = provenance.finish(record) | {
+        "device": torch.cuda.get_device_name() if cuda else provenance.cpu_model(),
         "dtype": str(dtype).removeprefix("torch."),
         "shape": dict(zip(("hidden", "expert_width", "experts", "top_k"), shape)),
         "threads": torch.get_num_threads(),
@@ -194,28 +194,57 @@ def render(result: dict) -> str:
         lines.append(
             f"copy {result['copy_gbps']:.0f} GB/s, matmul {result['matmul_tflops']:.0f} TFLOP/s"
         )
+    return "\n".join([*lines, docs_table(result)])
+
+
+def docs_table(result: dict) -> str:
+    """The table of a run: on CUDA the Triton MoE (graph and eager) and the reference beside the
+    dense MLP, in µs; on CPU the reference and the oneDNN-packed path beside the dense MLP run
+    the same two ways, in ms."""
     rows = result["rows"]
-    backends = list(rows[0]["moe_ms"]) if rows else []
-    packed = bool(rows) and rows[0].get("dense_onednn_ms") is not None
-
-    def dense(row: dict, backend: str) -> float:  # the dense MLP run the backend's way
-        return row["dense_onednn_ms"] if backend == "onednn" else row["dense_ms"]
-
-    head = ["tokens", "experts hit", "dense ms"] + (["dense onednn ms"] if packed else [])
-    head += [f"moe {b} ms" for b in backends] + [f"{b} / dense" for b in backends]
-    if result["copy_gbps"]:
-        head += [f"{b} of matmul" for b in backends] + [f"{b} of copy" for b in backends]
-    lines += ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
-    for r in rows:
-        cells = [str(r["tokens"]), str(r["experts_touched"]), f"{r['dense_ms']:.3f}"]
-        if packed:
-            cells.append(f"{r['dense_onednn_ms']:.3f}")
-        cells += [f"{r['moe_ms'][b]:.3f}" for b in backends]
-        cells += [f"{r['moe_ms'][b] / dense(r, b):.2f}" for b in backends]
-        if result["copy_gbps"]:
-            cells += [f"{r['fraction_of_matmul'][b]:.0%}" for b in backends]
-            cells += [f"{r['fraction_of_copy'][b]:.0%}" for b in backends]
-        lines.append("| " + " | ".join(cells) + " |")
+    if result["copy_gbps"]:  # a GPU run
+        head = [
+            "tokens",
+            "experts hit",
+            "dense µs (graph)",
+            "Triton µs (graph)",
+            "Triton µs (eager)",
+            "torch ref µs",
+            "Triton / dense",
+            "of matmul",
+            "of copy",
+        ]
+        body = [
+            [
+                r["tokens"],
+                r["experts_touched"],
+                f"{r['dense_ms'] * 1e3:.0f}",
+                f"{r['moe_ms']['triton'] * 1e3:.0f}",
+                f"{r['moe_ms']['triton_eager'] * 1e3:.0f}",
+                f"{r['moe_ms']['torch'] * 1e3:.0f}",
+                f"{r['moe_ms']['triton'] / r['dense_ms']:.1f}",
+                f"{r['fraction_of_matmul']['triton']:.0%}",
+                f"{r['fraction_of_copy']['triton']:.0%}",
+            ]
+            for r in rows
+        ]
+    else:
+        packed = bool(rows) and rows[0].get("dense_onednn_ms") is not None
+        head = ["tokens", "experts hit", "dense ms"]
+        head += ["dense ms, packed"] if packed else []
+        head += ["MoE ms, torch reference"] + (["MoE ms, packed"] if packed else [])
+        head += ["reference / dense"] + (["packed / dense packed"] if packed else [])
+        body = []
+        for r in rows:
+            cells = [r["tokens"], r["experts_touched"], f"{r['dense_ms']:.3f}"]
+            cells += [f"{r['dense_onednn_ms']:.3f}"] if packed else []
+            cells += [f"{r['moe_ms']['torch']:.3f}"]
+            cells += [f"{r['moe_ms']['onednn']:.3f}"] if packed else []
+            cells += [f"{r['moe_ms']['torch'] / r['dense_ms']:.2f}"]
+            cells += [f"{r['moe_ms']['onednn'] / r['dense_onednn_ms']:.2f}"] if packed else []
+            body.append(cells)
+    lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in body]
     return "\n".join(lines)
 
 

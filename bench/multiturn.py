@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import re
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.compare import git, machine
+from pdserve.bench import provenance
 from pdserve.bench.serve_load import HelpFormatter, length_range
 from pdserve.bench.serving.multiturn import MultiTurnWorkload, TurnResult, run_sessions
 from pdserve.engine.embedded_models import TINY, resolve_model_dir
@@ -142,24 +139,56 @@ def kv_block_bytes(model: str, block_size: int) -> int:
     return KVLayout.for_model(cfg, block_size, "float32").bytes_per_block
 
 
-def format_table(runs: list[dict]) -> str:
+# The docs' name of each mode.
+MODE_NAMES = {
+    "reuse-on": "reuse on",
+    "reuse-off": "reuse off",
+    "tiers": "tiers",
+    "tiers+placement": "tiers + placement",
+}
+
+
+def docs_table(*results: dict, columns: str = "tiers", digits: str = "0") -> str:
+    """The docs' table of one or more results files, a row per mode run: `columns=tiers` with
+    the prompt tokens computed and the blocks loaded from tiers, `columns=reuse` without them and
+    with the run's number (its file's place among `results`); times with `digits` decimals."""
+    tiers, d = columns == "tiers", int(digits)
+    head = ["mode", "requests"]
+    if tiers:
+        head.append("prompt tokens computed")
+    head += ["KV blocks received", "blocks found cached"]
+    if tiers:
+        head.append("blocks loaded from tiers")
+    head += ["KV bytes per request", "TTFT mean / P50 / P90 (ms)"]
+    head.append("first-to-second token mean / P50 / P90 (ms)")
+    if not tiers:
+        head.insert(0, "run")
+    align = {"run": "---", "mode": "---"}
+    align |= {h: "---" for h in head if "(ms)" in h}
     rows = [
-        "| system | requests | prompt tokens computed | KV blocks received | blocks reused | "
-        "blocks loaded from tiers | KV bytes per request | "
-        "TTFT mean / P50 / P90 (ms) | first-to-second token mean / P50 / P90 (ms) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join(align.get(h, "---:") for h in head) + " |",
     ]
-    for r in runs:
-        t, g = r["ttft_ms"], r["first_gap_ms"]
-        rows.append(
-            f"| {r['system']} | {r['requests']} "
-            f"| {r['prompt_tokens_computed']} of {r['prompt_tokens']} "
-            f"| {r['blocks_received']} | {r['blocks_reused']} | {r['tier_blocks_loaded']} "
-            f"| {r['kv_bytes_per_request'] / 1024:.1f} KiB "
-            f"| {t['mean']:.1f} / {t['p50']:.1f} / {t['p90']:.1f} "
-            f"| {g['mean']:.1f} / {g['p50']:.1f} / {g['p90']:.1f} |"
-        )
+
+    def three(t: dict) -> str:
+        return " / ".join(f"{t[q]:.{d}f}" for q in ("mean", "p50", "p90"))
+
+    for number, result in enumerate(results, 1):
+        for r in result["runs"]:
+            cells = [str(number)] if not tiers else []
+            cells += [MODE_NAMES.get(r["system"], r["system"]), str(r["requests"])]
+            if tiers:
+                cells.append(f"{r['prompt_tokens_computed']:,} of {r['prompt_tokens']:,}")
+            cells += [f"{r['blocks_received']:,}", f"{r['blocks_reused']:,}"]
+            if tiers:
+                cells.append(f"{r['tier_blocks_loaded']:,}")
+            cells += [f"{r['kv_bytes_per_request'] / 1024:.1f} KiB", three(r["ttft_ms"])]
+            cells.append(three(r["first_gap_ms"]))
+            rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+PROG = "pdserve.bench.multiturn"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,25 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         output_len=args.output_len,
     )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-multiturn-"))
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    info = machine()
+    record = provenance.start(sys.argv if argv is None else ["python", "-m", PROG, *argv])
     runs = [run_mode(m, args, workload, work) for m in modes]
-    info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     if len(runs) > 1 and any(r["outputs"] != runs[0]["outputs"] for r in runs):
         raise SystemExit("pdserve.bench.multiturn: error: the modes' greedy outputs differ")
-    print(format_table(runs))
+    for r in runs:
+        r.pop("outputs")
+    results = provenance.finish(record) | {"args": vars(args), "runs": runs}
+    columns = "tiers" if any(MODES[m][1] for m in modes) else "reuse"
+    print(docs_table(results, columns=columns, digits="1"))
     if args.json:
-        for r in runs:
-            r.pop("outputs")
-        record = {
-            "command": "python -m pdserve.bench.multiturn " + shlex.join(sys.argv[1:]),
-            "commit": git("rev-parse", "--short", "HEAD"),
-            "date": started,
-            "machine": info,
-            "args": vars(args),
-            "runs": runs,
-        }
-        Path(args.json).write_text(json.dumps(record, indent=1))
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench import provenance
 from pdserve.bench.peers import driver
 from pdserve.bench.peers import models as bench_models
 from pdserve.bench.peers.competing_load import CompetingLoad
@@ -395,25 +395,6 @@ def _progress(total: int, desc: str, enabled: bool) -> Callable[[int], None]:
     return update
 
 
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     w = p.add_argument_group("workload")
@@ -515,9 +496,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = "python -m pdserve.bench.offline_throughput " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
+    record = provenance.start(sys.argv if argv is None else [__file__, *argv])
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
         if args.model:
             model_dir = bench_models.resolve(args.model)
@@ -528,8 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir.mkdir()
             write_model(model_dir, cfg, args.seed)
         workload = make_workload(args)
-        print(f"command: {command}")
-        print(f"machine: {machine()}")
+        print(f"command: {record['command']}")
         print(f"model: {describe_model(cfg)}")
         print(
             f"workload: {len(workload)} requests, prompts {args.min_prompt_len}-"
@@ -544,25 +522,90 @@ def main(argv: list[str] | None = None) -> dict:
                 report = run_peer(args, model_dir, workload, Path(tmp))
             else:
                 report = run_systems(args, model_dir, workload)
-    report = {
-        "command": command,
-        "machine": machine(),
-        "model": cfg | {"num_parameters": bench_models.num_parameters(cfg)},
-        "workload": {
-            "num_requests": len(workload),
-            "prompt_tokens": sum(len(r.prompt) for r in workload),
-            "output_tokens": sum(r.output_len for r in workload),
-        },
-        # (the variants' flags are in the report's "variants")
-        "args": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(args).items()
-            if k != "variants"
-        },
-    } | report
+    report = (
+        provenance.finish(record)
+        | {
+            "torch_threads": torch.get_num_threads(),
+            "model": cfg | {"num_parameters": bench_models.num_parameters(cfg)},
+            "workload": {
+                "num_requests": len(workload),
+                "prompt_tokens": sum(len(r.prompt) for r in workload),
+                "output_tokens": sum(r.output_len for r in workload),
+            },
+            # (the variants' flags are in the report's "variants")
+            "args": {
+                k: (str(v) if isinstance(v, Path) else v)
+                for k, v in vars(args).items()
+                if k != "variants"
+            },
+        }
+        | report
+    )
+    if not args.peer:
+        print("\n" + systems_table(report))
     if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2))
+        args.json_out.write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+# --- the docs' tables -----------------------------------------------------------------------------
+
+DOCS_NAMES = {
+    "hf": "transformers `generate()`, static batches of {hf_batch_size}",
+    "static": "pdserve static (batches of {static_batch_size})",
+    "continuous": "pdserve continuous",
+}
+
+
+def systems_table(results: dict) -> str:
+    """Each system's output tokens/s, time, peak batch and CPU share, then the ratios."""
+    lines = [
+        "| system | output tok/s | time (s) | peak batch | CPU share |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results["results"].items():
+        rate = f"{r['tokens_per_s']:.1f}"
+        lines.append(
+            f"| {DOCS_NAMES[name].format(**results['args'])} | "
+            f"{f'**{rate}**' if name == 'continuous' else rate} | {r['elapsed_s']:.1f} | "
+            f"{r['peak_batch']} | {r['cpu_share']:.0%} |"
+        )
+    ratios = [f"{k.replace('/', ' / ')} = {v:.2f}x" for k, v in results["ratios"].items()]
+    if ratios:
+        ratios[0] = f"**{ratios[0]}**"
+        lines += ["", ", ".join(ratios) + "."]
+    return "\n".join(lines)
+
+
+def _ms(value: float) -> str:
+    return f"{value:.0f} ms" if value >= 10 else f"{value:.2f} ms"
+
+
+def step_loop_table(results: dict) -> str:
+    """The decode profile: time per step and its parts at the profiled number of sequences, and
+    the share outside the model forward."""
+    p = results["decode_profile"]
+    parts = p["parts_ms"]
+    names = {
+        "model": "model forward",
+        "logits": "lm_head (logits)",
+        "schedule": "schedule",
+        "prepare": "prepare (tensors from the scheduler output)",
+        "sample": "sample (greedy)",
+        "postprocess": "postprocess",
+        "other": "rest of step",
+    }
+    outside = p["step_ms"] * p["outside_model_share"]
+    lines = [
+        f"| at {p['num_seqs']} decoding sequences (mean context {p['mean_context']:.0f}) | time |",
+        "| --- | ---: |",
+        f"| step | {_ms(p['step_ms'])} |",
+        *(f"| {label} | {_ms(parts[key])} |" for key, label in names.items()),
+        f"| **outside `ModelRunner.run`** (engine.stats) | {p['outside_forward_share']:.2%} |",
+        f"| **outside model forward + lm_head** | {p['outside_model_share']:.2%} "
+        f"({_ms(outside)}) |",
+    ]
+    return "\n".join(lines)
 
 
 def describe_model(cfg: dict) -> str:

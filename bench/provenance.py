@@ -165,9 +165,30 @@ def _load_average(line: str) -> str:
     return m.group(1) if m else ""
 
 
+def _gpu_check(results: dict[str, Any]) -> dict[str, str]:
+    """A `pdserve.deploy.gpu_check` results.json: its run record and its env step's facts."""
+    run = results["run"]
+    env = next((s for s in results["steps"] if s.get("name") == "env"), {})
+    facts = env.get("data", {}).get("facts", {})
+    smi = facts.get("nvidia_smi", "").split(", ")
+    devices = facts.get("devices") or [{}]
+    name = devices[0].get("name") or (smi[0] if smi[0] else NOT_RECORDED)
+    gpus = f"{facts['gpus']} x {name}" if facts.get("gpus", 1) != 1 else name
+    driver = f" (driver {smi[1]})" if len(smi) > 1 else ""
+    return {
+        "command": run.get("command") or NOT_RECORDED,
+        "commit": facts.get("commit") or NOT_RECORDED,
+        "date": run.get("started") or NOT_RECORDED,
+        "machine": f"{gpus}{driver}, torch {facts.get('torch', NOT_RECORDED)}",
+        "load": f"load {NOT_RECORDED}",
+    }
+
+
 def describe(results: dict[str, Any]) -> dict[str, str]:
     """command, commit, date, machine and load of a results file, each as one short phrase,
     `NOT_RECORDED` where the file does not say."""
+    if isinstance(results.get("run"), dict) and isinstance(results.get("steps"), list):
+        return _gpu_check(results)
     host = results.get("machine") or {}
     command = results.get("command")
     if isinstance(command, list):
@@ -203,6 +224,10 @@ def describe(results: dict[str, Any]) -> dict[str, str]:
         before = f"{host['load_average'][0]:.2f}"
     if not before and isinstance(results.get("load_average"), (list, tuple)):
         before = f"{results['load_average'][0]:.2f}"
+    if not before and isinstance(results.get("load_average"), dict):  # {"before": [1, 5, 15]...}
+        la = results["load_average"]
+        before = f"{la['before'][0]:.2f}" if la.get("before") else ""
+        after = after or (f"{la['after'][0]:.2f}" if la.get("after") else "")
     if before and after:
         load_text = f"load average {before} before, {after} after"
     elif before:

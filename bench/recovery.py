@@ -27,14 +27,13 @@ when a process it started is still running at the end; each is said in its outpu
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from pdserve.bench import provenance
 from pdserve.bench.process_tree import Sessions
 from pdserve.bench.recovery_coordinator import coordinator_kills, supervisor_defaults
 from pdserve.bench.recovery_nodes import node_kills
@@ -78,20 +77,127 @@ def bounding_settings() -> dict[str, float]:
 
 
 def render(summaries: list[KindSummary], aim_check: bool) -> str:
+    """The table of every kind's recovery times."""
+    return docs_table({"summary": [asdict(k) for k in summaries], "aim_check": aim_check})
+
+
+def docs_table(results: dict) -> str:
+    """The docs' table of a results file: per kind of kill, the affected requests' recovery
+    times against the aim (`python -m pdserve.bench.docs` renders it)."""
+
     def s(v: float | None) -> str:
         return "not measured" if v is None else f"{v:.2f}"
 
+    aim_check = results.get("aim_check", "--no-aim-check" not in results.get("command", ""))
     lines = [
         "| kill | kills | affected requests | P50 (s) | max (s) | failed | aim | met |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
-    for k in summaries:
-        met = "not measured" if not k.measured else ("yes" if k.aim_met else "no")
+    for k in results["summary"]:
+        measured = k["p50_s"] is not None
+        met = "yes" if measured and k["max_s"] < k["aim_s"] else "no"
+        met = met if measured else "not measured"
         lines.append(
-            f"| {LABELS[k.kind]} | {k.kills} | {k.affected} | {s(k.p50_s)} | {s(k.max_s)} | "
-            f"{len(k.failed)} | < {k.aim_s:g} s | {met if aim_check else met + ' (unchecked)'} |"
+            f"| {LABELS[k['kind']]} | {k['kills']} | {k['affected']} | {s(k['p50_s'])} "
+            f"| {s(k['max_s'])} | {len(k['failed'])} | < {k['aim_s']:g} s "
+            f"| {met if aim_check else met + ' (unchecked)'} |"
         )
     return "\n".join(lines)
+
+
+def _per_kill(results: dict, kind: str) -> list[tuple[float, float, float, list[int]]]:
+    """(marked dead, first and last affected request served again, their prompt lengths) per
+    kill of `kind`."""
+    out = []
+    for kill in results["kills"]:
+        done = [r for r in kill["requests"] if r["affected"] and r["recovery_s"] is not None]
+        dead = kill["stages"].get("marked_dead_s")
+        if kill["kind"] == kind and done and dead is not None:
+            times = [r["recovery_s"] for r in done]
+            out.append((dead, min(times), max(times), [r["prompt_tokens"] for r in done]))
+    return out
+
+
+def stages_table(results: dict) -> str:
+    """The docs' table of where the time goes: P50 over the kills of each stage, and what
+    bounds it (the settings as the run read them; the spans over its kills)."""
+    st = results["settings"]
+    by_kind = {k["kind"]: k for k in results["summary"]}
+
+    def p50(kind: str, stage: str) -> float | None:
+        return by_kind[kind]["stages_p50_s"].get(stage) if kind in by_kind else None
+
+    grace = f"`disconnect_grace_s` = {st['disconnect_grace_s']:g}"
+    tick = f"(`TICK_S` = {st['coordinator_tick_s']:g})"
+    rows = [
+        "| kill | process gone | marked dead by the coordinator | first token | bound by |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for kind in ("decode", "prefill", "tp-rank", "coordinator"):
+        if kind not in by_kind or by_kind[kind]["p50_s"] is None:
+            continue
+        first = f"{by_kind[kind]['p50_s']:.2f}"
+        spans = _per_kill(results, kind)
+        if kind == "decode":
+            more = [(lo - dead) * 1e3 for dead, lo, _, _ in spans]
+            bound = (
+                f"{grace} from its connections' close, then the coordinator's next tick {tick}; "
+                f"the moved requests' prefill and first token take {min(more):.0f}-"
+                f"{max(more):.0f} ms more"
+            )
+        elif kind == "prefill":
+            counts = [len(p) for *_, p in spans]
+            tokens = [t for *_, p in spans for t in p]
+            bound = (
+                f"the same, then the surviving prefill node prefills the {min(counts)}-"
+                f"{max(counts)} moved prompts ({min(tokens)}-{max(tokens)} tokens) again, after "
+                f"what it had queued itself: the first served again "
+                f"{min(lo - d for d, lo, _, _ in spans):.2f}-{max(lo - d for d, lo, _, _ in spans):.2f} s "
+                f"after the node was marked dead, the last "
+                f"{min(hi - d for d, _, hi, _ in spans):.2f}-{max(hi - d for d, _, hi, _ in spans):.2f} s"
+            )
+        elif kind == "tp-rank":
+            bound = (
+                "its rank 0 ending its process once it sees the rank's exit (a thread waiting on "
+                "the ranks' processes; then the kernel's teardown of the process), then "
+                f"{grace} and the tick"
+            )
+        else:
+            bound = (
+                f"the supervisor's first restart delay (`backoff_s` "
+                f"{st['supervisor_restart_delay_s']}, then its poll), the coordinator's start, "
+                f"the nodes' reset and registration (`heartbeat_interval_s` = "
+                f"{st['heartbeat_interval_s']:g})"
+            )
+        if kind == "coordinator":
+            gone = (
+                f"restarted {p50(kind, 'restarted_s'):.2f}; HTTP answers "
+                f"{p50(kind, 'http_answer_s'):.2f}"
+            )
+            dead = "-"
+        else:
+            gone = f"{p50(kind, 'node_exited_s'):.2f}" + (
+                " (its rank 0)" if kind == "tp-rank" else ""
+            )
+            dead = f"{p50(kind, 'marked_dead_s'):.2f}"
+        rows.append(f"| {LABELS[kind]} | {gone} | {dead} | {first} | {bound} |")
+    return "\n".join(rows)
+
+
+def settings_line(results: dict) -> str:
+    """The settings that bound a recovery, as the run read them from pdserve's defaults."""
+    st = results["settings"]
+    return (
+        "The settings, as the benchmark read them from pdserve's defaults and printed them: "
+        f"`heartbeat_interval_s` {st['heartbeat_interval_s']} (nodes), `heartbeat_timeout_s` "
+        f"{st['heartbeat_timeout_s']}, `disconnect_grace_s` {st['disconnect_grace_s']}, the "
+        f"coordinator's tick {st['coordinator_tick_s']} s, `transfer_timeout_s` "
+        f"{st['transfer_timeout_s']}, `kv_streaming_timeout_s` {st['kv_streaming_timeout_s']}, "
+        f"`max_retries` {st['max_retries']}; the supervisor of `pdserve launch`: restart delay "
+        f"{st['supervisor_restart_delay_s']} s doubling to {st['supervisor_restart_delay_max_s']:g} "
+        f"s, reset after `stable_s` {st['supervisor_stable_s']:g} s of uptime, a permanent error "
+        f"after three deaths within `quick_death_s` {st['supervisor_quick_death_s']:g} s of a start."
+    )
 
 
 def verdict(summaries: list[KindSummary], strays: list, aim_check: bool) -> list[str]:
@@ -105,13 +211,6 @@ def verdict(summaries: list[KindSummary], strays: list, aim_check: bool) -> list
             problems.append(f"{k.kind}: aim missed: max {k.max_s:.2f} s, aim < {k.aim_s:g} s")
     problems += [f"process left running: {pid} {cmd}" for pid, cmd in strays]
     return problems
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,9 +256,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[KindSumma
     )
     workload = Workload(args.model, args.requests, args.max_tokens, args.seed)
     sessions = Sessions()
-    before = uptime()
-    print(f"load before: {before}", flush=True)
-    started = dt.datetime.now(dt.UTC)
+    record = provenance.start(["python", "-m", "pdserve.bench.recovery", *argv])
+    print(f"load before: {record['load']['before']}", flush=True)
     kills: dict[str, list[Kill]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-recovery-") as tmp:
         logs = Path(args.log_dir) if args.log_dir else Path(tmp)
@@ -194,19 +292,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[KindSumma
                 kills[kind] = [Kill(kind, 0, "", [], error=f"{type(exc).__name__}: {exc}")]
         strays = sessions.strays()
         sessions.kill_strays(strays)
-    after = uptime()
-    print(f"load after: {after}", flush=True)
     summaries = [summarize(kind, kills[kind]) for kind in args.kinds]
     problems = verdict(summaries, strays, args.aim_check)
-    from pdserve.bench.compare import git, machine
-
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    result = {
-        "command": " ".join(["python -m pdserve.bench.recovery", *argv]),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_files": len(dirty.splitlines()),
-        "date": started.isoformat(timespec="seconds"),
-        "machine": machine() | {"uptime_before": before, "uptime_after": after},
+    result = provenance.finish(record) | {
         "model": args.model,
         "engine": {"kv_cache_bytes": args.kv_cache_bytes, "block_size": engine.block_size},
         "workload": {
@@ -216,6 +304,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> tuple[dict, list[KindSumma
             "transport": args.transport,
         },
         "settings": settings,
+        "aim_check": args.aim_check,
         "aims_s": {k: AIM_S[k] for k in args.kinds},
         "summary": [asdict(s) for s in summaries],
         "kills": [k.summary() for kind in args.kinds for k in kills[kind]],
@@ -229,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     result, summaries, problems = run(args, argv)
-    print(render(summaries, args.aim_check))
+    print(f"load after: {result['load']['after']}")
+    print(docs_table(result))
     for k in summaries:
         stages = ", ".join(f"{name} {v:.2f}" for name, v in k.stages_p50_s.items())
         print(f"{k.kind}: P50 of the stages (s after the kill): {stages or 'none'}")

@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.compare import machine
+from pdserve.bench import provenance
 from pdserve.bench.serving.process_memory import pdserve_processes, resident_mib
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
@@ -209,13 +206,23 @@ def growth_over_second_half(
 
 def render(samples: list[Sample], kinds: tuple[str, ...] = ("rss", "anon")) -> str:
     """A Markdown table: a row per process and kind of memory, a column per sample."""
+    return memory_table({"samples": [asdict(s) for s in samples]}, kinds=",".join(kinds))
+
+
+def memory_table(results: dict, every: str = "1", kinds: str = "rss,anon") -> str:
+    """The docs' table of a results file: a row per process and kind of memory (`kinds`, comma
+    separated), a column per sample taken after a multiple of `every` measured requests."""
+    step, wanted = int(every), kinds.split(",")
+    samples = [s for s in results["samples"] if s["requests"] % step == 0]
     lines = [
-        "| process | memory | " + " | ".join(f"{s.requests:,}" for s in samples) + " |",
+        "| process | memory | " + " | ".join(f"{s['requests']:,}" for s in samples) + " |",
         "| --- | --- |" + " ---: |" * len(samples),
     ]
-    for name in samples[-1].memory:
-        for kind in kinds:
-            cells = [s.memory[name][kind] if name in s.memory else float("nan") for s in samples]
+    for name in results["samples"][-1]["memory"]:
+        for kind in wanted:
+            cells = [
+                s["memory"][name][kind] if name in s["memory"] else float("nan") for s in samples
+            ]
             lines.append(f"| {name} | {kind} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     return "\n".join(lines)
 
@@ -269,8 +276,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Sample], list[str]]:
         *args.serve_flag,
     )
     system = PdserveSystem("soak", args.prefill_nodes, args.decode_nodes, flags=flags)
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    host = machine()  # its load average before the run
+    record = provenance.start(sys.argv)
     with PdserveServer(system, args.work_dir, model=args.model) as server:
         out = asyncio.run(soak(args, server.base_url, server.proc.pid))
         command = server.command
@@ -288,21 +294,8 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Sample], list[str]]:
         for name, mib in growth.items()
         if mib > args.max_growth_mib
     ]
-    commit = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    result = {
-        "command": "python -m pdserve.bench.soak " + " ".join(sys.argv[1:]),
+    result = provenance.finish(record) | {
         "serve_command": command,
-        "commit": commit,
-        "date": date,
-        "machine": host
-        | {
-            "uptime_after": machine()["uptime_before"],
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        },
         "model": out["model"],
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "processes": out["processes"],
@@ -320,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result, samples, problems = run(args)
     print(f"resident memory (MiB) after N measured requests (warm-up: {args.warmup}):")
-    print(render(samples))
+    print(memory_table(result))
     print(
         "growth over the second half (MiB), private:",
         result["anon_growth_second_half_mib"],

@@ -3,7 +3,7 @@ one run: for each workload and batch size, the decode phase's time per output to
 second with speculation off and on, alternating, the best of `--repeats` each, and the acceptance.
 
     python -m pdserve.bench.speculative                       # the workloads below, batch 1, 8, 32
-    python -m pdserve.bench.speculative --batches 1 --json spec.json
+    python -m pdserve.bench.speculative --batches 1 --json-out spec.json
     python -m pdserve.bench.speculative --method draft_model --draft-layers 1   # a draft model
 
 `--method draft_model` drafts with `--draft` (a checkpoint directory or an embedded model's name of
@@ -28,7 +28,6 @@ after which every request has its first token to the last step.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import random
 import sys
@@ -37,8 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.bench.compare import git
-from pdserve.bench.offline_throughput import machine
+from pdserve.bench import provenance
 from pdserve.bench.peers import models as bench_models
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.embedded_models import resolve_model_dir
@@ -127,7 +125,10 @@ def speculative_config(args: argparse.Namespace, target: str, scratch: Path) -> 
     return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": args.k})
 
 
-def measure(args: argparse.Namespace, workload: str, batch: int, scratch: Path) -> list[Run]:
+def measure(
+    args: argparse.Namespace, workload: str, batch: int, scratch: Path
+) -> tuple[list[Run], list[Run]]:
+    """The best plain and speculative runs of the pair, and every run."""
     model, temperature = WORKLOADS[workload]
     path = model if model.startswith("pdserve-") else str(bench_models.resolve(model))
     spec = speculative_config(args, path, scratch)
@@ -151,6 +152,7 @@ def measure(args: argparse.Namespace, workload: str, batch: int, scratch: Path) 
     for llm in llms.values():  # warm-up
         decode_phase(llm, prompts[:1], [SamplingParams(max_tokens=4, temperature=0)])
     best: dict[bool, Run] = {}
+    every: list[Run] = []
     outputs: dict[bool, list] = {}
     order = [False, True]
     for repeat in range(args.repeats):
@@ -174,11 +176,12 @@ def measure(args: argparse.Namespace, workload: str, batch: int, scratch: Path) 
                 draft_tokens=stats.num_draft_tokens - drafts,
                 accepted_tokens=stats.num_accepted_tokens - accepted,
             )
+            every.append(run)
             if on not in best or run.tpot_ms < best[on].tpot_ms:
                 best[on] = run
     if outputs[True] != outputs[False]:
         raise SystemExit(f"{workload} batch {batch}: speculation changed the tokens")
-    return [best[False], best[True]]
+    return [best[False], best[True]], every
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -199,14 +202,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="the engines' dtype (auto: the device's)")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json-out", "--json", type=Path, default=None, help="the results file")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    runs = []
+    record = provenance.start(sys.argv if argv is None else [__file__, *argv])
+    runs, rounds = [], []
     with tempfile.TemporaryDirectory(prefix="pdserve-drafts-") as scratch:
         for workload in args.workloads.split(","):
             if workload not in WORKLOADS:
@@ -214,36 +217,51 @@ def main(argv: list[str] | None = None) -> dict:
                     f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}"
                 )
             for batch in (int(b) for b in args.batches.split(",")):
-                runs += measure(args, workload, batch, Path(scratch))
-    result = {
-        "command": "python -m pdserve.bench.speculative " + " ".join(argv or sys.argv[1:]),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "date": started,
-        "machine": machine(),
+                best, every = measure(args, workload, batch, Path(scratch))
+                runs += best
+                rounds += every
+    result = provenance.finish(record) | {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "runs": [asdict(r) for r in runs],
+        "runs": [
+            asdict(r) for r in runs
+        ],  # the best of each pair's repeats, plain then speculative
+        "rounds": [asdict(r) for r in rounds],  # every repeat
     }
-    print(render(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    print(docs_table(result))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
-def render(result: dict) -> str:
+def docs_table(result: dict, rates: str = "true") -> str:
+    """Plain against speculative, workload by workload: TPOT, the speed-up, (unless
+    `rates=false`) decode tokens/s, steps and the drafts accepted of those verified."""
+    show_rates = rates != "false"
+    head = "| workload | batch | TPOT ms plain | TPOT ms speculative | speed-up |"
+    head += " decode tok/s plain | decode tok/s speculative |" if show_rates else ""
+    cols = 9 if show_rates else 7
     lines = [
-        "| workload | batch | TPOT ms plain | TPOT ms spec | speed-up | decode tok/s plain | "
-        "decode tok/s spec | steps plain / spec | accepted / drafts |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        head + " steps plain / speculative | drafts accepted |",
+        "| --- |" + " ---: |" * (cols - 1),
     ]
     runs = result["runs"]
     for plain, spec in zip(runs[::2], runs[1::2]):
-        rate = spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else 0.0
+        speedup = plain["tpot_ms"] / spec["tpot_ms"]
+        rates_cells = (
+            f" {plain['decode_tokens_per_s']:.0f} | {spec['decode_tokens_per_s']:.0f} |"
+            if show_rates
+            else ""
+        )
+        drafts = spec["draft_tokens"]
+        accepted = (
+            f"{spec['accepted_tokens']:,} of {drafts:,} ({spec['accepted_tokens'] / drafts:.0%})"
+            if drafts
+            else "none proposed"
+        )
         lines.append(
             f"| {plain['workload']} | {plain['batch']} | {plain['tpot_ms']:.2f} | "
-            f"{spec['tpot_ms']:.2f} | {plain['tpot_ms'] / spec['tpot_ms']:.2f}x | "
-            f"{plain['decode_tokens_per_s']:.0f} | {spec['decode_tokens_per_s']:.0f} | "
-            f"{plain['steps']} / {spec['steps']} | {spec['accepted_tokens']} / "
-            f"{spec['draft_tokens']} ({rate:.0%}) |"
+            f"{spec['tpot_ms']:.2f} | {speedup:.2f}x |{rates_cells} "
+            f"{plain['steps']} / {spec['steps']} | {accepted} |"
         )
     return "\n".join(lines)
 

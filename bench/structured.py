@@ -17,14 +17,13 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from pdserve.bench.compare import machine
+from pdserve.bench import provenance
 from pdserve.bench.peers import models as bench_models
 from pdserve.cluster.structured_output import StructuredOutput
 from pdserve.engine import LLM, SamplingParams
@@ -143,6 +142,76 @@ def compile_ms(llm: LLM, schema: dict) -> float:
     return round((time.perf_counter() - start) * 1e3, 2)
 
 
+COMPILE_LABELS = {
+    "first (builds the tokenizer information)": "the first of a node (builds the tokenizer "
+    "information)",
+    "small schema": "a small schema (2 properties)",
+    "large schema (60 fields)": "a large schema (60 fields)",
+    "small schema again (cached)": "the small schema again (cached)",
+}
+
+
+def _model(results: dict) -> str:
+    return results["settings"]["model"]
+
+
+def ratio_table(*results: dict) -> str:
+    """The docs' table of throughput with and without the constraint, a row per results file."""
+    rows = [
+        "| model | requests | tokens | tok/s without, per round | tok/s with, per round "
+        "| with / without (median) |",
+        "| --- | ---: | ---: | --- | --- | ---: |",
+    ]
+
+    def per_round(r: dict, kind: str) -> str:
+        return " / ".join(f"{x[kind]['tokens_per_s']:,.0f}" for x in r["rounds"])
+
+    for r in results:
+        rows.append(
+            f"| {_model(r)} | {r['settings']['requests']} | {r['rounds'][0]['with']['tokens']:,} "
+            f"| {per_round(r, 'without')} | {per_round(r, 'with')} "
+            f"| {r['ratio_with_over_without']:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def forced_table(*results: dict) -> str:
+    """The docs' table of forced tokens off and on (the strict schema), two rows per file."""
+    rows = [
+        "| forced tokens, strict schema | tokens per forward | steps | tok/s, median of "
+        f"{len(results[0]['forced_tokens']['rounds']['off'])} rounds | on / off (median) "
+        "| outputs |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results:
+        forced = r["forced_tokens"]
+        for name, measured in forced["rounds"].items():
+            med = {k: statistics.median(x[k] for x in measured) for k in measured[0]}
+            ratio = f"{forced['speedup']:.2f}" if name == "on" else ""
+            same = ("the same" if forced["same_outputs"] else "differ") if name == "on" else ""
+            rows.append(
+                f"| {_model(r)}, {name} | {med['tokens_per_forward']:.2f} | {med['steps']:.0f} "
+                f"| {med['tokens_per_s']:,.0f} | {ratio} | {same} |"
+            )
+    return "\n".join(rows)
+
+
+def compile_table(*results: dict) -> str:
+    """The docs' table of grammar compile times, a column per results file."""
+
+    def ms(x: float) -> str:
+        return f"{x:.2f}" if x < 1 else f"{x:.1f}"
+
+    rows = [
+        "| compile | " + " | ".join(f"{_model(r)} ms" for r in results) + " |",
+        "| --- |" + " ---: |" * len(results),
+    ]
+    for key in results[0]["compile_ms"]:
+        cells = " | ".join(ms(r["compile_ms"][key]) for r in results)
+        rows.append(f"| {COMPILE_LABELS.get(key, key)} | {cells} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m pdserve.bench.structured",
@@ -160,13 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
-    results: dict = {
-        "command": "python -m pdserve.bench.structured "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
-        "settings": {k: str(v) for k, v in vars(args).items()},
-    }
+    record = provenance.start(
+        sys.argv if argv is None else ["python", "-m", "pdserve.bench.structured", *argv]
+    )
+    results: dict = {"settings": {k: str(v) for k, v in vars(args).items()}}
     model = (
         args.model if args.model.startswith("pdserve-") else str(bench_models.resolve(args.model))
     )
@@ -209,24 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     results.update(compile_ms=compiles, rounds=rounds, ratio_with_over_without=round(ratio, 3))
     forced = forced_tokens(model, prompts, args.max_tokens, args.rounds)
     results["forced_tokens"] = forced
-    results["machine"]["uptime_after"] = machine()["uptime_before"]
-    print("\n| compile | ms |\n| --- | ---: |")
-    for name, ms in compiles.items():
-        print(f"| {name} | {ms} |")
-    print(
-        f"\nthroughput with / without the constraint (median of {args.rounds} rounds): {ratio:.3f}"
-    )
-    print("\n| forced tokens | tokens per forward | steps | tok/s |\n| --- | ---: | ---: | ---: |")
-    for name, rows in forced["rounds"].items():
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(
-            f"| {name} | {med['tokens_per_forward']:.2f} | {med['steps']:.0f} "
-            f"| {med['tokens_per_s']:.1f} |"
-        )
-    print(
-        f"forced tokens on / off, throughput (median of {args.rounds} rounds): "
-        f"{forced['speedup']:.3f}; outputs the same: {forced['same_outputs']}"
-    )
+    results = provenance.finish(record) | results
+    print(f"\n{ratio_table(results)}\n\n{forced_table(results)}\n\n{compile_table(results)}")
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0 if forced["same_outputs"] else 1

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import pickle
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from pdserve import SOURCE_ROOT
+from pdserve.bench import provenance
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.plan_channel import PlanChannel, plan_capacity
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -100,23 +100,25 @@ def forward_collectives(group: TPGroup, hidden: torch.Tensor, logits: torch.Tens
     group.gather_to_first(logits)
 
 
-def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    """Median of 5 runs of `repeats` calls, in microseconds per call (both ranks run alike)."""
+def timed(fn, repeats: int) -> list[float]:  # noqa: ANN001
+    """5 runs of `repeats` calls after one that warms up, in microseconds per call (both ranks
+    run alike); the figures are their median."""
     runs = []
     for _ in range(6):
         t0 = time.perf_counter()
         for _ in range(repeats):
             fn()
         runs.append((time.perf_counter() - t0) / repeats * 1e6)
-    return statistics.median(runs[1:])  # the first warms up
+    return runs[1:]
 
 
 def run_trials(group: TPGroup, trials: Trials, channel, reader) -> dict:  # noqa: ANN001
     """Both ranks call this; rank 0's figures are returned."""
     first = group.rank == 0
     out: dict = {"plans": [], "collectives": []}
-    barrier_us = timed(group.barrier, trials.repeats)
-    out["barrier_us"] = barrier_us
+    barrier_runs = timed(group.barrier, trials.repeats)
+    barrier_us = statistics.median(barrier_runs)
+    out["barrier_us"], out["barrier_runs_us"] = barrier_us, barrier_runs
     for name, n, context in trials.plans:
         plan = make_plan(name, n, context) if first else None
         size = len(pickle.dumps(plan)) if first else 0
@@ -132,9 +134,20 @@ def run_trials(group: TPGroup, trials: Trials, channel, reader) -> dict:  # noqa
             broadcast_object(group, plan)
             group.barrier()
 
-        shm_us = timed(shm, trials.repeats) - barrier_us
-        gloo_us = timed(gloo, trials.repeats) - barrier_us
-        out["plans"].append({"plan": name, "bytes": size, "shm_us": shm_us, "gloo_us": gloo_us})
+        shm_runs = timed(shm, trials.repeats)
+        gloo_runs = timed(gloo, trials.repeats)
+        out["plans"].append(
+            {
+                "plan": name,
+                "sequences_or_tokens": n,
+                "context": context,
+                "bytes": size,
+                "shm_us": statistics.median(shm_runs) - barrier_us,
+                "gloo_us": statistics.median(gloo_runs) - barrier_us,
+                "shm_runs_us": shm_runs,  # each with the barrier in it
+                "gloo_runs_us": gloo_runs,
+            }
+        )
     for name, hidden_size, layers, vocab in trials.shapes:
         for batch in trials.batches:
             hidden = torch.zeros(batch, hidden_size, device=group.device)
@@ -143,14 +156,18 @@ def run_trials(group: TPGroup, trials: Trials, channel, reader) -> dict:  # noqa
             def step(hidden=hidden, logits=logits, layers=layers) -> None:  # noqa: ANN001
                 forward_collectives(group, hidden, logits, layers)
 
-            us = timed(step, max(1, trials.repeats // 10))
+            runs = timed(step, max(1, trials.repeats // 10))
             out["collectives"].append(
                 {
                     "shape": name,
+                    "hidden": hidden_size,
+                    "layers": layers,
+                    "vocabulary": vocab,
                     "batch": batch,
                     "all_reduces": 2 * layers + 1,
                     "bytes_per_all_reduce": hidden.numel() * hidden.element_size(),
-                    "step_us": us,
+                    "step_us": statistics.median(runs),
+                    "runs_us": runs,
                 }
             )
     return out
@@ -182,6 +199,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    record = provenance.start([__file__, *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
         trials = Trials(args.repeats, args.device, PLANS[:1], SHAPES[:1], BATCHES[:1])
     else:
@@ -218,29 +236,94 @@ def main(argv: list[str] | None = None) -> dict:
         proc.wait(60)
     finally:
         channel.close()  # its file too, however this ends
-    results["machine"] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "device": args.device,
-        "torch": torch.__version__,
-        "load_average": os.getloadavg(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    results["repeats"] = args.repeats
+    results = provenance.finish(record) | {"device": args.device, "repeats": args.repeats} | results
     print(f"TP=2 on {args.device}; barrier (1-element all-reduce): {results['barrier_us']:.0f} us")
-    print(f"{'plan':>14} {'bytes':>9} {'shm us':>8} {'gloo us':>8}")
-    for p in results["plans"]:
-        print(f"{p['plan']:>14} {p['bytes']:>9} {p['shm_us']:>8.0f} {p['gloo_us']:>8.0f}")
-    print(f"{'shape':>10} {'batch':>5} {'all-reduces':>11} {'bytes each':>10} {'step ms':>8}")
-    for c in results["collectives"]:
-        print(
-            f"{c['shape']:>10} {c['batch']:>5} {c['all_reduces']:>11} "
-            f"{c['bytes_per_all_reduce']:>10} {c['step_us'] / 1000:>8.2f}"
-        )
+    print(plans_table(results))
+    print()
+    print(collectives_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
+
+
+# --- the docs' tables (`python -m pdserve.bench.docs` renders them) ------------------------------
+
+
+def _spaced(n: float) -> str:
+    """A whole number with a thin space between thousands, as the docs write them."""
+    return f"{n:,.0f}".replace(",", " ")
+
+
+def _plan_label(row: dict) -> str:
+    name = row["plan"]
+    known = {p[0]: p for p in PLANS}
+    n = row.get("sequences_or_tokens", known.get(name, (name, 0, 0))[1])
+    context = row.get("context", known.get(name, (name, 0, 0))[2])
+    if name.startswith("prefill"):
+        return f"prefill, {n} tokens"
+    return f"decode, {n} sequence{'s' if n != 1 else ''} of {context} tokens"
+
+
+def plans_table(results: dict) -> str:
+    """The plan handoff: pickled bytes, shared-memory channel and gloo broadcast, barrier off."""
+    out = [
+        "| plan | pickled bytes | shared memory µs | gloo broadcast µs |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for row in results["plans"]:
+        out.append(
+            f"| {_plan_label(row)} | {_spaced(row['bytes'])} | {_spaced(row['shm_us'])} | "
+            f"{_spaced(row['gloo_us'])} |"
+        )
+    return "\n".join(out)
+
+
+def collectives_table(results: dict) -> str:
+    """A forward's all-reduces and logits gather at each shape and batch, ms per step."""
+    shapes = {name: (hidden, layers, vocab) for name, hidden, layers, vocab in SHAPES}
+    labels = {"tiny": "tiny", "llama3-8b": "Llama-3-8B"}
+    out = [
+        "| collectives of one forward | batch | all-reduces | bytes each | ms per step |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    seen = set()
+    for row in results["collectives"]:
+        name = row["shape"]
+        label = labels.get(name, name)
+        if name not in seen:
+            hidden, layers, vocab = (
+                (row["hidden"], row["layers"], row["vocabulary"])
+                if "hidden" in row
+                else shapes[name]
+            )
+            label += f" (hidden {hidden}, {layers} layers, vocabulary {vocab})"
+            seen.add(name)
+        out.append(
+            f"| {label} | {row['batch']} | {row['all_reduces']} | "
+            f"{_spaced(row['bytes_per_all_reduce'])} | {row['step_us'] / 1e3:.3g} |"
+        )
+    return "\n".join(out)
+
+
+def barrier_sentence(results: dict) -> str:
+    """The 1-element all-reduce's own time, subtracted from every plan handoff above."""
+    return f"The 1-element all-reduce itself took {results['barrier_us']:.0f} µs."
+
+
+def steps_table(tp1: dict, tp2: dict) -> str:
+    """Whole steps of one model at TP=1 and TP=2 (two `bench.model_step` results files)."""
+    out = ["| step | TP=1 ms | TP=2 ms |", "| --- | ---: | ---: |"]
+    for one, two in zip(tp1["decode"], tp2["decode"]):
+        ms = [r["eager_ms"] if r.get("graph_ms") is None else r["graph_ms"] for r in (one, two)]
+        out.append(
+            f"| decode, batch {one['batch']}, context {one['context']} | {ms[0]:.2f} | "
+            f"{ms[1]:.2f} |"
+        )
+    for one, two in zip(tp1["prefill"], tp2["prefill"]):
+        n, length = one["prompts"], one["prompt_len"]
+        what = f"one {length}-token prompt" if n == 1 else f"{n} prompts of {length} tokens"
+        out.append(f"| prefill, {what} | {one['ms']:.2f} | {two['ms']:.2f} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,14 @@ def test_runs_end_to_end_and_writes_json(tmp_path, capsys):
     out = tmp_path / "codec.json"
     results = bench_codec.main(["--repeats", "1", "--min-loop-ms", "0", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert results["command"].startswith("python -m pdserve.bench.codec --repeats 1")
+    assert results["commit"] and results["load"]["after"] and results["machine"]["msgspec"]
+    assert all(len(r["rounds_us"]["msgspec encode"]) == 1 for r in results["results"])
+    printed = capsys.readouterr().out
+    table = bench_codec.docs_table(results)
+    assert table in printed and "| Tokens, 256 seq | 21,802 |" in table
+    assert "Encoding is where" in bench_codec.docs_points(results)
+    assert bench_codec.digest_sentence(results) in printed
     assert [r["message"] for r in results["results"]] == [case.name for case in CASES]
     for r, case in zip(results["results"], CASES, strict=True):
         old = case.baseline.encode(bench_codec.to_dataclass(case.message))
@@ -86,5 +94,4 @@ def test_runs_end_to_end_and_writes_json(tmp_path, capsys):
         for codec in ("dataclass", "msgspec"):
             assert r[codec]["encode_us"] > 0 and r[codec]["decode_us"] > 0
         assert r["encode_ratio"] > 0 and r["decode_ratio"] > 0 and r["asdict_us"] > 0
-    table = capsys.readouterr().out
-    assert table.count("\n| Tokens, ") == 6
+    assert printed.count("\n| Tokens, ") == 6

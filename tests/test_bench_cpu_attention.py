@@ -29,14 +29,25 @@ def test_decode_inputs_scatter_each_sequence_over_distinct_blocks():
 def test_the_sweep_times_every_version_and_writes_its_rows(tmp_path, capsys):
     out = tmp_path / "rows.json"
     args = ["--shapes", "llama-9m", "--batches", "2", "--contexts", "20", "--threads", "1"]
-    other = ["--other-source", str(paged_attention_cpu.SOURCE), "--reps", "5", "--json", str(out)]
+    other = [
+        "--other-source",
+        str(paged_attention_cpu.SOURCE),
+        "--reps",
+        "5",
+        "--json-out",
+        str(out),
+    ]
     assert cpu_attention.main(args + other) == 0
-    (row,) = json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    assert results["command"].startswith("python -m pdserve.bench.cpu_attention --shapes")
+    assert results["other"] == "paged_attention_cpu"
+    (row,) = results["rows"]
     assert row["shape"] == "llama-9m" and row["batch"] == 2 and row["threads"] == 1
     assert row["kernel_us"] > 0 and row["other_us"] > 0 and row["reference_us"] > 0
     table = capsys.readouterr().out
-    header, rule, line = table.splitlines()[1:4]
+    header, rule, line = table.splitlines()[-3:]
     assert header.count("|") == rule.count("|") == line.count("|")
+    assert table.endswith(cpu_attention.docs_table(results) + "\n")
 
 
 def test_an_unknown_shape_is_refused():

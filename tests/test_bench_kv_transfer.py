@@ -5,7 +5,6 @@ both layouts of a pair are timed in the same rounds, and nothing is written unle
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -71,7 +70,7 @@ def test_both_layouts_of_a_pair_move_over_tcp_and_shm_in_the_same_rounds(capsys)
         assert row["gqa_over_mla_time"] > 0
     assert results["shortened"] == []
     out = capsys.readouterr().out
-    assert "| latent | MLA | 3 | 1 x 1 x 24 (latent) | 144 |" in out
+    assert "| latent | MLA | 3 | 1 × 1 × 24 (latent) | 144 |" in out
 
     short = bench.mla_compare(["tcp"], 64, ["contiguous"], 1, 1 << 20, tiny_pairs(), budget=20_000)
     assert short["transfers"][0]["tokens"] == 16
@@ -107,22 +106,35 @@ def test_the_command_writes_its_results_only_where_told(tmp_path, monkeypatch, c
     ]
 
 
-def test_the_docs_table_is_the_saved_run():
-    repo = Path(__file__).resolve().parents[1]
-    saved = json.loads((repo / "bench/results/kv_transfer_mla.json").read_text())
-    doc = (repo / "docs/benchmarks.md").read_text()
-    section = doc.split("## KV handoff: latent vs GQA bytes per token")[1].split("\n## ")[0]
-    assert saved["commit"] in section and saved["date"] in section
-    assert saved["command"].removeprefix("python ") in section
-    for row in saved["layouts"]:
-        lay = KVLayout.from_dict(row["layout"])
-        assert row["bytes_per_token"] == bench.bytes_per_token(lay)
-        assert f"| {row['model']} | {row['attention']} | {lay.num_layers} |" in section
-        assert f"| {row['bytes_per_token']:,} |" in section
-    for row in saved["transfers"]:
-        m, g = row["mla"], row["gqa"]
-        cells = [row["transport"], row["pattern"], m["model"], f"{m['bytes'] / 2**20:,.0f}"]
-        cells += [f"{m['seconds'] * 1e3:,.0f}", g["model"], f"{g['bytes'] / 2**20:,.0f}"]
-        cells += [f"{g['seconds'] * 1e3:,.0f}", f"{row['gqa_over_mla_bytes']:.2f}x"]
-        cells += [f"{row['gqa_over_mla_time']:.2f}x"]
-        assert f"| {' | '.join(cells)} |" in section
+def test_the_sweep_records_its_run_every_round_and_prints_the_docs_table(tmp_path, capsys):
+    out = tmp_path / "security.json"
+    argv = ["--transports", "tcp", "--blocks", "1", "--repeats", "2", "--patterns", "contiguous"]
+    bench.main([*argv, "--security", "none", "curve", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["command"].startswith("python -m pdserve.bench.kv_transfer --transports tcp")
+    assert saved["commit"] and saved["date"] and saved["load"]["before"] and saved["load"]["after"]
+    assert saved["machine"]["cores"] and "cpu_flags" in saved["machine"]
+    rows = saved["rows"]
+    assert [r["security"] for r in rows] == ["none", "curve"]
+    assert all(len(r["times_s"]) == len(r["raw_times_s"]) == 2 for r in rows)
+    table = bench.security_table(saved)
+    assert table in capsys.readouterr().out
+    assert "| tcp | 1 | contiguous | 2 |" in table and "curve / none" in table
+    assert "of their unencrypted rate" in bench.security_summary(saved)
+
+
+def test_integrity_table_puts_each_point_with_and_without_the_digest_on_one_line():
+    def row(integrity: bool, gbs: float, vs: float) -> dict:
+        return {
+            "transport": "shm",
+            "security": "none",
+            "integrity": integrity,
+            "pattern": "random",
+            "blocks": 16,
+            "MiB": 32.0,
+            "GB/s": gbs,
+            "vs none, integrity on": vs,
+        }
+
+    table = bench.integrity_table({"rows": [row(True, 3.8, 1.0), row(False, 6.29, 1.67)]})
+    assert table.split("\n")[-1] == "| shm | 16 | random | 32 | 3.80 | 6.29 | 167% |"

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.bench.multiturn import build_parser, format_table
+from pdserve.bench.multiturn import build_parser, docs_table
 from pdserve.bench.serving.multiturn import MultiTurnWorkload, Turn, run_session
 from pdserve.cluster.client_messages import Event
 
@@ -65,9 +65,9 @@ def test_the_table_has_a_row_per_system():
         "ttft_ms": {"mean": 1.0, "p50": 1.0, "p90": 2.0},
         "first_gap_ms": {"mean": 3.0, "p50": 3.0, "p90": 4.0},
     }
-    table = format_table([run, {**run, "system": "reuse-off"}])
+    table = docs_table({"runs": [run, {**run, "system": "reuse-off"}]})
     assert (
-        table.count("\n") == 3 and "| reuse-on | 4 | 300 of 400 | 10 | 6 | 5 | 2.0 KiB |" in table
+        table.count("\n") == 3 and "| reuse on | 4 | 300 of 400 | 10 | 6 | 5 | 2.0 KiB |" in table
     )
     assert build_parser().parse_args(["--turns", "4:8"]).turns == (4, 8)
 

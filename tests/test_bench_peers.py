@@ -27,7 +27,15 @@ from pdserve.bench.peers.protocol import (
     runner_argv,
     write_requests,
 )
-from pdserve.bench.peers.rounds import Run, median_tokens_per_s, ratio, round_order, summary, table
+from pdserve.bench.peers.rounds import (
+    Run,
+    docs_table,
+    median_tokens_per_s,
+    ratio,
+    round_order,
+    summary,
+    table,
+)
 from pdserve.bench.peers.variants import (
     DEFAULT,
     Variant,
@@ -140,6 +148,17 @@ def test_the_table_has_a_row_per_round_and_the_medians():
     # CPU share: 3 s of CPU over 2 s on 2 cores; the other 1 s of the machine's, 25%.
     assert "| 75% | 75% | 25%, 25% |" in lines[2]
     assert lines[-1] == "| **median** | **200.0** | **100.0** | **2.00x** | | | | |"
+
+
+def test_the_docs_table_of_a_results_file_is_the_table_of_its_rounds():
+    runs = rounds_of([100.0, 300.0, 200.0], [100.0, 400.0, 100.0], load=1.0)
+    rounds = [
+        {"round": r.round, "load_1m": r.load_1m}
+        | {k: getattr(r.result, k) for k in RoundResult.__slots__}
+        for r in runs
+    ]
+    results = {"machine": {"cores": 2}, "peer": "vllm", "rounds": rounds}
+    assert docs_table(results) == table(runs, "pdserve", "vllm")
 
 
 # --- pdserve's variants -------------------------------------------------------------------------

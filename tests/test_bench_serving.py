@@ -284,18 +284,6 @@ def test_aims_report_tpot_inflation_and_goodput_ratios():
     assert "2.00x" in lines[3]
 
 
-def test_compare_replaces_only_its_results_block_in_the_doc(tmp_path):
-    from pdserve.bench.compare import update_doc
-
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\n## Offline\n\nkeep me\n")
-    update_doc(doc, "first")
-    update_doc(doc, "second")
-    text = doc.read_text()
-    assert "keep me" in text and "second" in text and "first" not in text
-    assert text.count("## Serving") == 1
-
-
 def test_timer_counts_tokens_from_logprobs_when_a_chunk_carries_several():
     timer = CompletionTimer(start=0.0)
     two = {"choices": [{"text": "ab", "finish_reason": None, "logprobs": {"tokens": ["a", "b"]}}]}

@@ -14,13 +14,14 @@ from pdserve.bench.speculative import main
 def test_a_short_run_records_both_sides_and_its_run(method, tmp_path):
     out = tmp_path / "spec.json"
     argv = ["--workloads", "stories", "--batches", "2", "--max-tokens", "48", "--repeats", "1"]
-    argv += ["--method", method, "--json", str(out)]
+    argv += ["--method", method, "--json-out", str(out)]
     if method == "draft_model":
         argv += ["--draft-layers", "1"]
     main(argv)
     results = json.loads(out.read_text())
     assert results["command"].startswith("python -m pdserve.bench.speculative")
     assert results["commit"] and results["date"] and results["machine"]["cpu"]
+    assert len(results["rounds"]) == 2 and results["load"]["after"]
     plain, speculative = sorted(results["runs"], key=lambda r: r["speculative"])
     assert all(r["workload"] == "stories" and r["batch"] == 2 for r in (plain, speculative))
     assert plain["draft_tokens"] == 0 and plain["steps"] == 48

@@ -17,3 +17,10 @@ def test_runs_both_ways_and_the_collectives_on_two_ranks(tmp_path):
     assert {"shm_us", "gloo_us"} <= set(plan) and results["barrier_us"] > 0
     (forward,) = results["collectives"]
     assert forward["all_reduces"] == 5 and forward["step_us"] > 0
+    assert len(forward["runs_us"]) == len(plan["shm_runs_us"]) == len(plan["gloo_runs_us"]) == 5
+    assert results["command"].startswith("python -m pdserve.bench.tp_overhead --quick")
+    assert results["commit"] and results["load"]["after"]
+    assert "| decode, 1 sequence of 512 tokens |" in tp_overhead.plans_table(results)
+    assert "| tiny (hidden 128, 2 layers, vocabulary 512) | 1 | 5 | 512 |" in (
+        tp_overhead.collectives_table(results)
+    )

@@ -195,3 +195,20 @@ def test_packed_experts_give_the_reference_moe(rows):
         assert cpu_linear.pack(moe) == 4 + 2 * 4
         assert moe.experts.w13.numel() == moe.experts.w2.numel() == 0
         torch.testing.assert_close(moe(x, REFERENCE), before, rtol=1e-5, atol=1e-5)
+
+
+def test_the_benchmark_records_its_run_and_prints_the_docs_table(tmp_path, capsys):
+    import json
+
+    from pdserve.bench import cpu_linear as bench
+
+    out = tmp_path / "linear.json"
+    argv = ["--shape", "64x32", "--rows", "1,17,300", "--repeat", "3", "--memory-rows", "4"]
+    assert bench.main([*argv, "--json-out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["command"].startswith("python -m pdserve.bench.cpu_linear --shape 64x32")
+    assert results["load"]["before"] and results["load"]["after"]
+    table = bench.docs_table(results, rows="1,17,300")
+    assert table in capsys.readouterr().out
+    assert table.startswith("| shape | 1 row | 17 rows | 300 rows |")
+    assert "at 1 to 17 rows" in table and "64x32" in table

@@ -24,9 +24,9 @@ from pdserve.deploy.gpu_check.plan import BUDGET_S, LONG, MIN_STEP_S, QUICK, Ste
 from pdserve.deploy.gpu_check.runner import RunSettings, StepResult, run_step
 
 REPO = Path(__file__).resolve().parents[1]
-# The device tool: one command runs 600 s at most; at most 8 files come back, named plainly.
-DEVICE_COMMAND_S = 600
-DEVICE_FILES = 8
+# The check's own limits: it ends within 10 minutes and writes a few plainly named files.
+CHECK_LIMIT_S = 600
+CHECK_FILES = 8
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -42,14 +42,15 @@ def test_each_plan_fits_one_device_run_with_room_for_start_and_report():
     for steps in (QUICK, LONG):
         assert sum(s.box_s for s in steps) <= BUDGET_S
         assert all(s.box_s >= MIN_STEP_S for s in steps)
-    assert BUDGET_S + 45 <= DEVICE_COMMAND_S
+    assert BUDGET_S + 45 <= CHECK_LIMIT_S
 
 
 def test_quick_plan_runs_the_steps_in_the_issues_order_and_gpu_steps_need_cuda():
     order = "install env tests kernels tiles model_step moe serving parity".split()
     assert [s.name for s in QUICK] == order
-    assert all("cuda" in s.needs for s in QUICK[2:])
-    assert not QUICK[0].needs and not QUICK[1].needs
+    assert all("cuda" in s.needs for s in QUICK[3:])
+    # the tests step runs everywhere: without CUDA it lists the CUDA tests as not proven
+    assert not QUICK[0].needs and not QUICK[1].needs and not QUICK[2].needs
 
 
 # --- the wheels and the host --------------------------------------------------------------------
@@ -277,7 +278,7 @@ def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tm
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == ["logs.tar.gz", "report.md", "results.json"]
-    assert len(files) <= DEVICE_FILES and all(PLAIN_NAME.match(f) for f in files)
+    assert len(files) <= CHECK_FILES and all(PLAIN_NAME.match(f) for f in files)
 
     steps = {s["name"]: s for s in json.loads((out / "results.json").read_text())["steps"]}
     assert list(steps) == [s.name for s in QUICK]
@@ -287,10 +288,15 @@ def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tm
     for name in ("tests", "kernels", "tiles", "model_step", "serving", "parity"):
         assert steps[name]["status"] == "skipped"
         assert steps[name]["summary"].startswith("no CUDA device"), steps[name]
+    # every CUDA test of the suite is listed, as not proven here, with why
+    listed = steps["tests"]["data"]["tests"]
+    assert "tests/test_gpu_engine.py" in {n.split("::")[0] for n in listed}
+    assert {t["outcome"] for t in listed.values()} == {"skipped"}
 
     text = (out / "report.md").read_text()
     assert text.startswith("# pdserve GPU check: NOTHING RAN ON A GPU")
-    assert "\nCUDA tests: none proven here (no CUDA device" in text
+    proof = f"\nCUDA tests: 0 proven, 0 failed or not run, {len(listed)} not proven here ("
+    assert proof + f"{len(listed)}: no CUDA device" in text
     assert "| serving | skipped | 0 | no CUDA device" in text
     assert "not measured (model_step skipped: no CUDA device" in text
     assert done.stdout.rstrip().splitlines()[-1].startswith("wrote ")  # the first screen is last
@@ -439,6 +445,11 @@ def test_the_first_screen_counts_what_the_cuda_tests_proved_and_what_one_gpu_can
     assert screen[4] == (
         f"CUDA tests: 2 proven, 2 failed or not run, 3 not proven here (2: {nccl}; 1: {two})"
     )
+    # and the command that proves them where there are GPUs enough
+    assert (
+        screen[6].startswith("Not proven for want of GPUs (3 tests") and "with 2 GPUs" in screen[6]
+    )
+    assert "`python -m pdserve.deploy.gpu_check --out OUT --only install,env,tests`" in screen[6]
     skipped = [StepResult("tests", "tests", "skipped", summary="no CUDA device: hidden")]
     assert report.proof(skipped) == "CUDA tests: none proven here (no CUDA device: hidden)"
     # A serving transport the host cannot run (no CuPy for cuda_ipc) is named as not proven,
@@ -521,3 +532,59 @@ def test_the_parity_step_runs_on_cpu_up_to_its_first_cuda_call(tmp_path, monkeyp
     assert calls == [("triton", parity.CASES[0][1])]  # the first engine, on the GPU
     family = parity.CASES[0][0]
     assert (tmp_path / family / "config.json").is_file()  # its checkpoint was built
+
+
+def test_the_serving_steps_float32_yardstick_tells_rounding_from_a_wrong_token(tmp_path):
+    """The serving step checks its bfloat16 outputs against float32 (not against themselves):
+    float32's own greedy tokens sit 0 nats below its best, random tokens far beyond the
+    tolerance. Run on CPU, the step's function itself."""
+    import random
+
+    from checkpoints import build_checkpoint, hf_greedy
+
+    from pdserve.deploy.gpu_check.serving import BF16_TOLERANCE_NATS, float32_gaps
+
+    model = build_checkpoint("llama", tmp_path / "llama")
+    prompts = [[5, 9, 17, 33, 2], list(range(40, 80))]
+    greedy = hf_greedy(model, prompts, 8)
+    assert max(float32_gaps(model, prompts, greedy, device="cpu")) < 1e-5
+    rng = random.Random(0)
+    vocab = 100  # within every tiny checkpoint's vocabulary
+    wrong = [[rng.randrange(vocab) for _ in out] for out in greedy]
+    gaps = float32_gaps(model, prompts, wrong, device="cpu")
+    assert sorted(gaps)[len(gaps) // 2] > BF16_TOLERANCE_NATS
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("bench_steps", ["kernels"]),
+        ("bench_steps", ["model_step"]),
+        ("bench_steps", ["moe"]),
+        ("tiles", []),
+        ("serving", []),
+    ],
+)
+def test_each_gpu_steps_code_runs_on_cpu_up_to_its_first_cuda_call(
+    tmp_path, monkeypatch, module, argv
+):
+    """With the device boundary faked (torch believes a GPU is there), each step's own code runs
+    until CUDA itself refuses: what breaks is the missing GPU, not a name, a type or an import."""
+    import importlib
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU: the check itself runs this step")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    step = importlib.import_module(f"pdserve.deploy.gpu_check.{module}")
+    record = tmp_path / "record.json"
+    try:
+        code = step.main([*argv, "--json", str(record), "--work", str(tmp_path)])
+        why = json.loads(record.read_text())["failures"][0]["what"]
+    except Exception as exc:  # noqa: BLE001 (the steps without a catch-all raise)
+        code, why = 1, f"{type(exc).__name__}: {exc}"
+    assert code == 1
+    assert re.search(r"CUDA|cuda|NVIDIA", why) and not re.match(
+        r"(Name|Type|Import|Attribute)Error", why
+    ), why

@@ -146,9 +146,11 @@ def test_the_corpus_is_a_function_of_its_seed():
 
 
 def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(tmp_path):
+    import tokenizers
+    import torch.nn.functional as F
     import transformers
 
-    from pdserve.engine.stories.train import Recipe, Shape, train
+    from pdserve.engine.stories.train import Recipe, Shape, StoryModel, token_stream, train
 
     shape = Shape(
         vocab_size=400,
@@ -159,14 +161,14 @@ def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(t
         num_kv_heads=2,
         max_position_embeddings=128,
     )
-    recipe = Recipe(corpus_megabytes=0.2, steps=3, batch_size=2, seq_len=32, threads=1)
+    recipe = Recipe(
+        corpus_megabytes=0.2, steps=12, warmup_steps=1, lr=1e-2, batch_size=4, seq_len=32, threads=1
+    )
     record = train(shape, recipe, tmp_path, plot=tmp_path / "loss.png", progress=False)
-    assert (tmp_path / "loss.png").stat().st_size > 1000 and len(record["losses"]) == 3
+    assert (tmp_path / "loss.png").stat().st_size > 1000 and len(record["losses"]) == 12
     assert json.loads((tmp_path / "training.json").read_text())["final_loss"] > 0
 
     # Its logits, from the bfloat16 weights it saved, are the model transformers loads.
-    from pdserve.engine.stories.train import StoryModel
-
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     mine = StoryModel(shape)
     state = {k: v.float() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
@@ -174,3 +176,20 @@ def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(t
     ids = torch.randint(0, shape.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(mine(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+    # And they are the trained weights: on the corpus the saved model predicts the next token
+    # better than the same shape as training began (the seed's initial weights).
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    docs = corpus(recipe.seed, 20_000, recipe.corpus)
+    window = token_stream(tok, docs)[: 8 * 33].reshape(8, 33)
+
+    def loss(model) -> float:
+        with torch.no_grad():
+            logits = model(window[:, :-1])
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1)
+        ).item()
+
+    torch.manual_seed(recipe.seed)
+    initial = StoryModel(shape)
+    assert loss(mine) < 0.9 * loss(initial)

@@ -94,3 +94,19 @@ def table(runs: list[Run], engine: str, peer: str) -> str:
         "| | | | |"
     )
     return "\n".join(lines)
+
+
+def runs_from_results(results: dict) -> list[Run]:
+    """The runs as a results file of `bench.offline_throughput --peer` holds them."""
+    nproc = (results.get("machine") or {}).get("cores") or results["machine"]["nproc"]
+    fields = RoundResult.__slots__
+    return [
+        Run(r["round"], RoundResult(**{k: r[k] for k in fields if k in r}), r["load_1m"], nproc)
+        for r in results["rounds"]
+    ]
+
+
+def docs_table(results: dict, engine: str = "pdserve") -> str:
+    """`table` of a results file: `engine` (pdserve, or a `--pdserve-variant`'s label) against
+    the peer, round by round."""
+    return table(runs_from_results(results), engine, results["peer"])

@@ -126,3 +126,9 @@ def aims(
                 f"<= {limit:g} ms: {text(c)} vs {text(s)}: {ratio}"
             )
     return lines
+
+
+def sweeps_table(results: dict) -> str:
+    """The results table of a `bench.compare` results file (`python -m pdserve.bench.docs`
+    renders it)."""
+    return results_table(results["sweeps"])

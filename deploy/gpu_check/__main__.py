@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep_work:
             shutil.rmtree(work, ignore_errors=True)
-    # The device tool returns the end of the output: the first screen comes last.
+    # The first screen is printed last, so that the end of the output (a tail of the log) holds it.
     print("\n" + "\n".join(report.first_screen(run, results)))
     print("\nwrote " + ", ".join(str(f) for f in files))
     return 1 if any(r.status in ("failed", "timed out") for r in results) else 0

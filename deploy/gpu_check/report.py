@@ -1,10 +1,11 @@
 """The GPU check's report: a first screen that says what failed, where, and how the key figures
 stand against the aims, then each step's details; beside it the raw JSON and one archive of
-every log. Three files, so that the device tool brings them all back."""
+every log. Three files in --out, nothing else, so that they are easy to copy off the host."""
 
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from collections import Counter
 from collections.abc import Iterable
@@ -90,7 +91,7 @@ def proof(results: list[StepResult]) -> str:
 
 def _tests_proof(results: list[StepResult]) -> str:
     step = next((r for r in results if r.name == "tests"), None)
-    if step is None or step.status == "skipped" or "tests" not in step.data:
+    if step is None or "tests" not in step.data:
         why = step.summary if step is not None else "the tests step was not in the plan"
         return f"CUDA tests: none proven here ({why or step.status})"
     tests = step.data["tests"].values()
@@ -102,6 +103,27 @@ def _tests_proof(results: list[StepResult]) -> str:
         whys = "; ".join(f"{n}: {why}" for why, n in sorted(unproven.items(), key=lambda x: -x[1]))
         line += f", {sum(unproven.values())} not proven here ({whys})"
     return line
+
+
+def more_gpus(results: list[StepResult]) -> str:
+    """The command that proves what this host has too few GPUs for ("" when nothing wants more):
+    the same check's tests step on a host with as many GPUs as the most demanding test needs."""
+    step = next((r for r in results if r.name == "tests"), None)
+    tests = step.data.get("tests", {}) if step is not None else {}
+    needs = [
+        int(m.group(1))
+        for t in tests.values()
+        if t["outcome"] == "skipped"
+        for m in [re.search(r"(\d+) (?:CUDA )?device", t.get("reason", ""))]
+        if m
+    ]
+    if not needs:
+        return ""
+    return (
+        f"Not proven for want of GPUs ({len(needs)} tests: NCCL transfers, tensor parallelism): on "
+        f"a host with {max(needs)} GPUs, `python -m pdserve.deploy.gpu_check --out OUT --only "
+        f"install,env,tests` runs them."
+    )
 
 
 def _cell(text: object) -> str:
@@ -129,6 +151,9 @@ def first_screen(run: dict[str, Any], results: list[StepResult]) -> list[str]:
         proof(results),
         "",
     ]
+    wanting = more_gpus(results)
+    if wanting:
+        lines += [wanting, ""]
     lines += table(
         ["step", "result", "s", "summary"],
         (
@@ -419,6 +444,28 @@ DETAILS = {
     "serving": details_serving,
     "parity": details_parity,
 }
+
+
+def _step(results: dict[str, Any], name: str) -> StepResult:
+    """A step of a results.json, as the run recorded it."""
+    step = next((s for s in results["steps"] if s["name"] == name), None)
+    if step is None:
+        raise ValueError(f"the run has no {name} step")
+    return StepResult(**step)
+
+
+def docs_table(results: dict[str, Any], step: str, part: str = "") -> str:
+    """One step's table of a results.json for the docs (`python -m pdserve.bench.docs`): the
+    kernels' or model steps' `decode` or `prefill` table, the serving step's transports."""
+    details = {
+        "kernels": details_kernels,
+        "model_step": details_model_step,
+        "serving": details_serving,
+    }[step](_step(results, step))
+    tables = "\n".join(details).split("\n\n")
+    tables = [t for t in tables if t.startswith("|")]
+    index = {"": 0, "decode": 0, "prefill": 1}[part]
+    return tables[index]
 
 
 def render(run: dict[str, Any], results: list[StepResult]) -> str:

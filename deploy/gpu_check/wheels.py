@@ -34,7 +34,8 @@ from pathlib import Path
 from pdserve.deploy.gpu_check import deps
 
 WHEEL_DIR = deps.REPO / ".whl"
-# The device tool carries 64 MiB of working tree in all; the repository takes a few.
+# The wheelhouse travels to the GPU host with the working tree: at most 48 MiB, so that the
+# two together stay under 64 MiB.
 WHEELS_BUDGET_BYTES = 48 << 20
 
 
