@@ -119,9 +119,15 @@ def machine() -> dict[str, Any]:
     }
 
 
+# Results and docs written while runs wait for each other are not code a run could have run.
+NOT_CODE = ("bench/results/", "docs/")
+
+
 def uncommitted_files() -> int:
-    """Files that differ from HEAD (modified or new, not ignored): a run of uncommitted code."""
-    return len([ln for ln in git("status", "--porcelain").splitlines() if ln.strip()])
+    """Files that differ from HEAD (modified or new, not ignored), results and docs aside: a run
+    of uncommitted code."""
+    paths = [ln[3:] for ln in git("status", "--porcelain").splitlines() if ln.strip()]
+    return len([p for p in paths if not p.startswith(NOT_CODE)])
 
 
 def start(argv: list[str]) -> dict[str, Any]:
