@@ -301,6 +301,11 @@ def summary_line(results: dict) -> str:
     )
 
 
+def docs_summary(results: dict) -> str:
+    """The run's summary and verdict lines, as the command prints them last."""
+    return f"`{summary_line(results)}`\n\n`{results['verdict']['line']}`"
+
+
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

@@ -52,6 +52,18 @@ def test_one_colocated_node_with_constant_steps_gives_the_hand_computed_ttft_and
     assert outcome.tpot_s == pytest.approx(STEP_S, rel=1e-12)
 
 
+def test_a_served_steps_overhead_lengthens_every_step_by_it():
+    # What a served step takes beyond the model (measured against a real server) is one more
+    # constant in every step: the prefill's and each decode's.
+    overhead = 0.003
+    p = profile(frontend_s=0.005, step_overhead_s=overhead)
+    _, result = run(Deployment(0, 1, colocated=True), [SimRequest(0.0, 32, 5)], p)
+    (outcome,) = result.outcomes
+    assert outcome.ttft_s == pytest.approx(HOP_S + STEP_S + overhead + HOP_S + 0.005, rel=1e-12)
+    assert outcome.tpot_s == pytest.approx(STEP_S + overhead, rel=1e-12)
+    assert Profile.from_dict(p.to_dict()).step_overhead_s == overhead
+
+
 def test_a_request_arriving_mid_step_waits_for_the_step_to_end():
     # The second arrives 4 ms into the first's prefill step: its Generate is handled when that
     # step ends, and it is prefilled alongside the first's first decode.

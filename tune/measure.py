@@ -249,8 +249,11 @@ def cpu_name() -> str:
 
 
 def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int = 12) -> Profile:
-    """What serving over HTTP adds to TTFT on this machine: lone short requests to a real
-    `pdserve serve` (one colocated worker), against the same requests simulated without it."""
+    """What serving over HTTP adds on this machine: lone short requests to a real `pdserve serve`
+    (one colocated worker), against the same requests simulated without it. Their median TPOT
+    gives each step's time beyond the modeled one (`step_overhead_s`: the node's loop, the
+    coordinator and the front end passing each token on); then, with it, their median TTFT what
+    the front end adds to the first token (`frontend_s`)."""
     import asyncio
     import math
     import tempfile
@@ -265,7 +268,7 @@ def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int 
     from pdserve.tune.simulator import Simulation
     from pdserve.tune.workload import SimRequest
 
-    specs = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(4, 4)).sample(
+    specs = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(32, 32)).sample(
         num_requests + 2, seed=7
     )
     config = {"num_kv_blocks": profile.kv_blocks} if profile.kv_blocks_setting else {}
@@ -275,18 +278,30 @@ def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int 
             s.base_url, rate=math.inf, max_concurrency=1, progress=False, extra_body={"logprobs": 0}
         )
         run = asyncio.run(run_load(specs[2:], cfg, ServingSLO(1.0, 1.0), specs[:2]))
-    measured = [r["ttft"] for r in run["requests"] if r["success"]]
+    served = [r for r in run["requests"] if r["success"]]
     lone = [
         SimRequest(i * 0.5, s.prompt_len, s.output_len, tuple(s.prompt))
         for i, s in enumerate(specs[2:])
     ]
-    bare = replace(profile, frontend_s=0.0)
-    simulated = Simulation(Deployment(0, 1, colocated=True), bare).run(lone).outcomes
+
+    def simulated(p: Profile) -> list:
+        return Simulation(Deployment(0, 1, colocated=True), p).run(lone).outcomes
+
+    bare = replace(profile, frontend_s=0.0, step_overhead_s=0.0)
+    step_overhead = max(
+        0.0,
+        statistics.median(r["tpot"] for r in served)
+        - statistics.median(o.tpot_s for o in simulated(bare)),
+    )
+    stepped = replace(bare, step_overhead_s=step_overhead)
     frontend = max(
-        0.0, statistics.median(measured) - statistics.median(o.ttft_s for o in simulated)
+        0.0,
+        statistics.median(r["ttft"] for r in served)
+        - statistics.median(o.ttft_s for o in simulated(stepped)),
     )
     return replace(
-        profile,
+        stepped,
         frontend_s=frontend,
-        source=f"{profile.source}; HTTP front end {frontend * 1e3:.1f} ms of TTFT, measured",
+        source=f"{profile.source}; HTTP front end {frontend * 1e3:.1f} ms of TTFT and "
+        f"{step_overhead * 1e3:.2f} ms a step beyond the engine's, measured",
     )

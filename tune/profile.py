@@ -61,6 +61,9 @@ class Profile:
     kv_blocks_setting: bool = False
     hop_s: float = 0.0002  # one message between the coordinator and a node
     frontend_s: float = 0.0  # a client's request in and its first token out, through HTTP
+    # What a served engine step takes beyond the modeled one (the node's loop, its reports, the
+    # coordinator and the front end passing each token on), measured against a real server.
+    step_overhead_s: float = 0.0
     heartbeat_interval_s: float = 0.5
     fit: list[dict] = field(default_factory=list)  # measured points beside the model's times
 
@@ -106,6 +109,7 @@ class Profile:
             "kv_blocks_setting": self.kv_blocks_setting,
             "hop_s": self.hop_s,
             "frontend_s": self.frontend_s,
+            "step_overhead_s": self.step_overhead_s,
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "step": self.step.to_dict(),
             "transfer": self.transfer.to_dict(),
@@ -130,6 +134,7 @@ class Profile:
             kv_blocks_setting=bool(d.get("kv_blocks_setting", False)),
             hop_s=float(d.get("hop_s", 0.0002)),
             frontend_s=float(d.get("frontend_s", 0.0)),
+            step_overhead_s=float(d.get("step_overhead_s", 0.0)),
             heartbeat_interval_s=float(d.get("heartbeat_interval_s", 0.5)),
             fit=list(d.get("fit", [])),
         )

@@ -57,13 +57,14 @@ class ModeledExecutor:
     """The executor of a simulated engine: the step's duration from the step-time model, and a
     token for every sequence whose chunk reached its end."""
 
-    def __init__(self, model: StepTimeModel) -> None:
+    def __init__(self, model: StepTimeModel, overhead_s: float = 0.0) -> None:
         self.model = model
+        self.overhead_s = overhead_s  # a served step's time beyond the model's
         self.duration = 0.0  # of the last step
 
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         rows: list[int] = []
-        self.duration = self.model.time(StepShape.of(out, rows))
+        self.duration = self.model.time(StepShape.of(out, rows)) + self.overhead_s
         return SampledTokens(rows, [SAMPLED_TOKEN] * len(rows), [None] * len(rows))
 
 
@@ -165,7 +166,7 @@ class Simulation:
             p.model.vocab_size,
             p.model.max_position_embeddings,
             eos_token_ids=(),
-            executor=ModeledExecutor(p.step),
+            executor=ModeledExecutor(p.step, p.step_overhead_s),
         )
 
     def _build_nodes(self) -> None:
