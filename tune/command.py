@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json-out",
         type=Path,
         default=None,
-        help="also write tune.json here, with the run's provenance (bench/results/)",
+        help="also write tune.json here, with the run's provenance (default: unset, not written)",
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub = parser.add_subparsers(dest="tune_command")
