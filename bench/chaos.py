@@ -44,7 +44,6 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench import provenance
 from pdserve.bench.chaos_cluster import FAULTS_ENV, KV_FAULTS_ENV, ChaosCluster, counters
 from pdserve.bench.chaos_requests import (
     ChaosRequest,
@@ -62,6 +61,7 @@ from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.schema import defaults
 from pdserve.engine.embedded_models import TINY, model_name
 from pdserve.engine.llm import LLM
+from pdserve.tune import provenance
 
 # The PDSERVE_FAULTS kinds, one phase each, and the fraction of --rate each gets: stall and kill
 # act per node step, and a step is far more frequent than a message that matters.

@@ -29,7 +29,6 @@ from typing import Any
 import msgpack
 import msgspec
 
-from pdserve.bench import provenance
 from pdserve.cluster.client_messages import Event, client_events
 from pdserve.cluster.codec import Codec
 from pdserve.cluster.node_messages import (
@@ -43,6 +42,7 @@ from pdserve.cluster.node_messages import (
     reports,
 )
 from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.tune import provenance
 
 VOCAB = 128256  # Llama 3's, so token ids take the 3 or 5 msgpack bytes they take on the wire
 TOP_LOGPROBS = 5

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.bench import docs, provenance
+from pdserve.bench import docs
 from pdserve.bench.peers.driver import VLLM_VENV, missing_peer
 
 # Kept importable from here for the benchmarks that took them from this module.
@@ -34,6 +34,7 @@ from pdserve.bench.serving.report import (
 )
 from pdserve.bench.serving.sweep import run_sweep
 from pdserve.bench.serving.vllm_server import VllmServer
+from pdserve.tune import provenance
 from pdserve.tune.load_generator import LoadConfig
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 from pdserve.tune.serving_metrics import SLO

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench import kernels, provenance
+from pdserve.bench import kernels
 from pdserve.bench.model_step import median_ms
 from pdserve.kernels import attention_ref, paged_attention_cpu
+from pdserve.tune import provenance
 
 # name: (query heads, KV heads, head_dim), as the peer benchmark's models.
 SHAPES = {"llama-9m": (8, 4, 32), "llama-50m": (8, 4, 64), "qwen3-25m": (6, 2, 128)}

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from pdserve.bench import provenance
 from pdserve.engine import cpu_linear
+from pdserve.tune import provenance
 
 # pdserve-stories: qkv, o, gate_up, down and lm_head as (out, in).
 STORIES_SHAPES = ["384x256", "256x256", "1536x256", "256x768", "782x256"]

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from pdserve import SOURCE_ROOT
-from pdserve.bench import provenance
 from pdserve.bench.offline_throughput import blocks_for, make_workload, model_config, write_model
 from pdserve.bench.peers.models import num_parameters
+from pdserve.tune import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 BUSY_LOOP = "while True:\n    pass\n"

@@ -10,7 +10,7 @@ results files it reads:
 The function is `pdserve.bench.soak.memory_table`; it is called with each file's parsed JSON,
 in order, and the `key=value` options as keyword arguments (strings), and returns markdown. Under
 what it returns goes one line per file naming the run: its command, commit, date, machine and
-load, as the file records them (`bench.provenance.describe`), "not recorded" where it does not.
+load, as the file records them (`tune.provenance.describe`), "not recorded" where it does not.
 
     python -m pdserve.bench.docs            # renders every block in place
     python -m pdserve.bench.docs --check    # exits 1 naming each block that differs from its
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.provenance import NOT_RECORDED, describe
+from pdserve.tune.provenance import NOT_RECORDED, describe
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The docs whose every table is checked.

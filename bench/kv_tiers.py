@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench import provenance
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.kv_tiers import KVTiers
+from pdserve.tune import provenance
 
 
 def layout(dtype: str) -> KVLayout:

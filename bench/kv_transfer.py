@@ -44,9 +44,9 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.bench import provenance
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.kv_transfer.shm import map_pool
+from pdserve.tune import provenance
 from pdserve.tune.transfer_probe import SECURITY, TransferProbe
 
 LLAMA3_8B = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")

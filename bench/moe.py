@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench import provenance
 from pdserve.bench.kernels import graph_time_ms
 from pdserve.bench.model_step import copy_gbps, matmul_tflops, median_ms
 from pdserve.engine import cpu_linear
@@ -35,6 +34,7 @@ from pdserve.engine.models.llama import MLP
 from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.tp_shard import TPShard
 from pdserve.kernels.ops import REFERENCE, select_ops
+from pdserve.tune import provenance
 
 SHAPES = {
     # hidden, expert width, experts, top-k

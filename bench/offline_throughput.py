@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench import provenance
 from pdserve.bench.peers import driver
 from pdserve.bench.peers import models as bench_models
 from pdserve.bench.peers.competing_load import CompetingLoad
 from pdserve.bench.peers.protocol import RoundRequest, RoundResult, machine_cpu_seconds
 from pdserve.bench.peers.rounds import summary, table
 from pdserve.bench.peers.variants import DEFAULT_LABEL, parse_variants
+from pdserve.tune import provenance
 
 SYSTEMS = ("hf", "static", "continuous")
 SYSTEM_NAMES = {

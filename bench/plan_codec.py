@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from pdserve.bench import provenance
 from pdserve.engine.step_plan import StepPlan
+from pdserve.tune import provenance
 
 
 class WirePlan(msgspec.Struct, array_like=True):

@@ -33,7 +33,6 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from pdserve.bench import provenance
 from pdserve.bench.process_tree import Sessions
 from pdserve.bench.recovery_coordinator import coordinator_kills, supervisor_defaults
 from pdserve.bench.recovery_nodes import node_kills
@@ -52,6 +51,7 @@ from pdserve.coordinator import coordinator as coordinator_module
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded_models import default_model
+from pdserve.tune import provenance
 
 # --- the settings that bound the figures -------------------------------------------------------
 

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.bench import provenance
+from pdserve.tune import provenance
 from pdserve.tune.model_shape import model_shape
 from pdserve.tune.profile import Profile
 from pdserve.tune.roofline import TP_SIZES, Assumptions, roofline_profile

@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench import provenance
 from pdserve.bench.serving.process_memory import pdserve_processes, resident_mib
+from pdserve.tune import provenance
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -36,11 +36,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.bench import provenance
 from pdserve.bench.peers import models as bench_models
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.embedded_models import resolve_model_dir
 from pdserve.engine.weights import checkpoint_files
+from pdserve.tune import provenance
 
 WORKLOADS = {
     # name: (model, temperature)

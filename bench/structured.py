@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.bench import provenance
 from pdserve.bench.peers import models as bench_models
 from pdserve.cluster.structured_output import StructuredOutput
 from pdserve.engine import LLM, SamplingParams
+from pdserve.tune import provenance
 
 APP_SCHEMA = {
     "type": "object",

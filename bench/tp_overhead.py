@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from pdserve import SOURCE_ROOT
-from pdserve.bench import provenance
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.plan_channel import PlanChannel, plan_capacity
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -38,6 +37,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_plan import StepPlan
 from pdserve.engine.tp_group import TPGroup, host_store
 from pdserve.engine.tp_shard import TPShard
+from pdserve.tune import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16

@@ -36,8 +36,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench import provenance
 from pdserve.bench.serving.bench_model import ensure_bench_model
+from pdserve.tune import provenance
 from pdserve.tune.arrivals import arrival_offsets
 from pdserve.tune.deployment import Deployment
 from pdserve.tune.load_generator import LoadConfig, run_load

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from pdserve.bench import docs, provenance
+from pdserve.bench import docs
+from pdserve.tune import provenance
 
 PLAN = {
     "command": "python -m pdserve.bench.plan_codec --json-out x.json",

@@ -39,7 +39,9 @@ def test_a_killed_decode_node_is_found_by_its_connection_s_close_not_the_heartbe
 
         assert asyncio.run(run()) == expected
         # The grace, then the coordinator's next tick (0.1 s); a loaded machine's delays beside.
+        # The clock starts once kill_mid_output has reaped the process, which may be a few tens of
+        # milliseconds after its connection closed and the grace began.
         grace = config.disconnect_grace_s
-        assert grace <= found[0] < grace + 1.0, f"decode-0 found dead {found[0]:.2f} s after"
+        assert grace - 0.1 <= found[0] < grace + 1.0, f"decode-0 found dead {found[0]:.2f} s after"
         assert cluster.coordinator.nodes.nodes["decode-1"].alive
         cluster.wait_until_idle()

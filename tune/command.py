@@ -348,7 +348,7 @@ def _workload(args: argparse.Namespace):  # noqa: ANN202
 
 
 def run_search(args: argparse.Namespace) -> int:
-    from pdserve.bench import provenance
+    from pdserve.tune import provenance
     from pdserve.tune.metrics import SLO, summarize
     from pdserve.tune.model_shape import model_shape
     from pdserve.tune.profile import Profile
