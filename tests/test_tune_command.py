@@ -152,6 +152,23 @@ def test_a_profile_from_bench_model_step_uses_the_rates_the_device_reached(tmp_p
     assert p.step.base_s == pytest.approx((8.0 - 15.0 / 2030.0 * 1e3) * 1e-3)
 
 
+def test_a_profile_times_its_steps_at_the_threads_it_states():
+    """The grid runs at `threads` math threads, as the nodes it models do, and keeps them: the
+    engine's default (one per core) and its thread governor would time other steps."""
+    import torch
+
+    from pdserve.tune.measure import step_engine
+
+    before = torch.get_num_threads()
+    try:
+        engine = step_engine(None, "cpu", "float32", StepGrid.quick(), threads=1)
+        assert torch.get_num_threads() == 1
+        assert engine.config.cpu_threads == 1 and not engine.config.cpu_adaptive_threads
+        engine.close()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_measured_profile_fits_real_engine_steps():
     p = measure_profile(
         None, grid=StepGrid.quick(), kv_blocks=300, transfer=TransferModel(0.001, 1e9)

@@ -68,9 +68,16 @@ class StepGrid:
         return out
 
 
-def step_engine(model_dir: str | None, device: str, dtype: str, grid: StepGrid) -> LLMEngine:
+def step_engine(
+    model_dir: str | None, device: str, dtype: str, grid: StepGrid, threads: int | None = None
+) -> LLMEngine:
     """An engine with room for the grid's largest step, and no prefix caching (every timed
-    sequence computes all it is given)."""
+    sequence computes all it is given). On a CPU it runs `threads` math threads (unset: the
+    engine's default, one per core) and keeps them: the thread governor, which would change them
+    with the machine's load between the grid's steps, is off."""
+    cpu = {}
+    if device == "cpu":
+        cpu = {"cpu_threads": threads, "cpu_adaptive_threads": False}
     largest = max(
         sum(count * (-(-(context + new + 1) // 16)) for count, context, new in groups)
         for groups, _ in grid.points(1 << 30)
@@ -84,6 +91,7 @@ def step_engine(model_dir: str | None, device: str, dtype: str, grid: StepGrid) 
             max_num_seqs=max(max(grid.decode_batches), max(d for d, _ in grid.mixed) + 1, 8),
             max_num_batched_tokens=1 << 20,
             enable_prefix_caching=False,
+            **cpu,
         )
     )
 
@@ -194,7 +202,7 @@ def measure_profile(
         torch.set_num_threads(threads)
     grid = grid or StepGrid()
     dtype = dtype or EngineConfig(device=device).resolved_dtype()
-    engine = step_engine(model_dir, device, dtype, grid)
+    engine = step_engine(model_dir, device, dtype, grid, threads)
     shape = ModelShape.from_config(engine.model.config, engine.model_dir.name)
     shapes, seconds, labels = measure_steps(engine, grid, progress)
     step = fit(shapes, seconds)
