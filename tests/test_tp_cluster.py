@@ -125,9 +125,11 @@ def test_a_killed_rank_of_a_decode_node_moves_its_requests_elsewhere_unchanged(c
     assert asyncio.run(run_with_kill()) == expected
     assert cluster.group.procs["decode-1"].wait(30) != 0  # its rank 0 went down with the rank
     assert not cluster.node("decode-1").alive
-    # Rank 0 ends the node at once; its connections' close has it dead after the grace (0.5 s),
-    # long before heartbeat_timeout_s (3 s). A loaded machine's delays beside.
+    # Rank 0 ends the node at once (without it, it would wait out the 30 s above); its
+    # connections' close has it dead after the grace (0.5 s), long before heartbeat_timeout_s
+    # (3 s). A loaded machine's delays beside: on CI rank 0 took 1.1 s to exit after the node
+    # was found dead at 0.6 s, so its bound is loose.
     grace = cluster.config.disconnect_grace_s
-    assert times["exited"] < 1.0, times
+    assert times["exited"] < 5.0, times
     assert times["dead"] < grace + 1.0, times
     cluster.wait_until_idle()
