@@ -21,8 +21,6 @@ from pathlib import Path
 
 from pdserve.bench import docs
 from pdserve.bench.peers.driver import VLLM_VENV, missing_peer
-
-# Kept importable from here for the benchmarks that took them from this module.
 from pdserve.bench.serve_load import HelpFormatter
 from pdserve.bench.serving.bench_model import BENCH_NAME, ensure_bench_model
 from pdserve.bench.serving.plots import plot_sweeps
