@@ -17,12 +17,16 @@ import json
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 from pdserve.bench import docs
 from pdserve.bench.peers.driver import VLLM_VENV, missing_peer
+from pdserve.bench.peers.rounds import round_order
 from pdserve.bench.serve_load import HelpFormatter
+from pdserve.bench.serving import served_rounds
 from pdserve.bench.serving.bench_model import BENCH_NAME, ensure_bench_model
+from pdserve.bench.serving.cpu_use import CPUUse
 from pdserve.bench.serving.plots import plot_sweeps
 from pdserve.bench.serving.report import (
     aims,
@@ -112,48 +116,108 @@ def num_requests(args: argparse.Namespace, rate: float) -> int:
     return max(args.min_requests, round(rate * args.duration_s))
 
 
+# Not run unless named: what `pdserve tune` picks for two workers on this machine, for each
+# workload at the sweep's highest rate and the run's SLO (its profile measured first, unless
+# --tune-profile gives one), served from the config file it writes.
+TUNED = "tuned"
+
+
+def tuned_systems(args: argparse.Namespace, work: Path, loads: dict) -> dict[str, PdserveSystem]:
+    """The tuned configuration of each workload run, by workload."""
+    from pdserve.bench.tune_validate import machine_profile, tune_pick
+    from pdserve.tune.metrics import SLO as TuneSLO
+    from pdserve.tune.profile import Profile
+
+    if args.tune_profile:
+        profile = Profile.load(args.tune_profile)
+    else:
+        print("== measuring this machine's profile for pdserve tune", flush=True)
+        profile = machine_profile(args.model, args.tune_quick)
+        profile.save(work / "profile.json")
+    slo = TuneSLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    rate, seed = args.rates[-1], args.seed + len(args.rates) - 1  # the sweep's last point
+    systems = {}
+    for variant in args.variants:
+        specs = loads[variant].sample(num_requests(args, rate), seed)
+        out = work / f"tune-{variant}"
+        d, written = tune_pick(profile, specs, rate, seed, slo, args.tune_quick, out, args.model)
+        config = {**NODE_CONFIG, **tomllib.loads(written.read_text())}
+        systems[variant] = PdserveSystem(
+            f"{TUNED}-{variant}", d.prefill, d.decode, d.colocated, config
+        )
+        print(f"== tuned for {variant}: {d.label} ({written})", flush=True)
+    return systems
+
+
+def servers(name: str, args: argparse.Namespace, work: Path, tuned: dict) -> list[tuple]:
+    """(workloads, a function that makes the server) to run for one system: the tuned one has a
+    server per workload. Each server takes its port when made, just before it starts."""
+    if name in PEER_SYSTEMS:
+        peer = NODE_CONFIG["max_num_seqs"], args.peer_venv
+        return [(args.variants, lambda: VllmServer(work, args.model, *peer))]
+    if name == TUNED:
+        return [
+            ([v], lambda v=v: PdserveServer(tuned[v], work, model=args.model))
+            for v in args.variants
+        ]
+    system = dataclasses.replace(SYSTEMS[name], config={**NODE_CONFIG, **SYSTEMS[name].config})
+    return [(args.variants, lambda: PdserveServer(system, work, model=args.model))]
+
+
 async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
     loads = workloads(args)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     warmup = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(8, 8)).sample(
         4, args.seed + 1_000_003
     )
+    tuned = tuned_systems(args, work_dir, loads) if TUNED in args.systems else {}
     sweeps = []
-    for name in args.systems:
-        started = time.monotonic()
-        if name in PEER_SYSTEMS:
-            server = VllmServer(work_dir, args.model, NODE_CONFIG["max_num_seqs"], args.peer_venv)
-        else:
-            config = {**NODE_CONFIG, **SYSTEMS[name].config}
-            system = dataclasses.replace(SYSTEMS[name], config=config)
-            server = PdserveServer(system, work_dir, model=args.model)
-        with server:
-            print(f"== {name}: {' '.join(server.command)}", flush=True)
-            # logprobs: every token in its own chunk, even one that is not yet a whole character.
-            cfg = LoadConfig(
-                server.base_url,
-                seed=args.seed,
-                progress=not args.no_progress,
-                extra_body={"logprobs": 0},
-            )
-            for variant in args.variants:
-                workload = loads[variant]
-                handoffs_before = handoff_histogram(server)
-                sweep = await run_sweep(
-                    lambda seed, rate, w=workload: w.sample(num_requests(args, rate), seed),
-                    args.rates,
-                    cfg,
-                    slo,
-                    label=f"{name} ({variant})",
-                    warmup_specs=warmup,
-                    system=name,
-                    variant=variant,
-                )
-                sweep["command"] = server.command
-                sweep["kv_handoff"] = handoff_delta(handoffs_before, handoff_histogram(server))
-                sweeps.append(sweep)
-        print(f"== {name} done in {time.monotonic() - started:.0f} s", flush=True)
+    for rnd, order in enumerate(round_order(args.systems, args.rounds), 1):
+        for name in order:
+            started = time.monotonic()
+            for variants, make in servers(name, args, work_dir, tuned):
+                with make() as server:
+                    print(f"== round {rnd}, {name}: {' '.join(server.command)}", flush=True)
+                    for variant in variants:
+                        sweep = await sweep_one(
+                            args, server, name, variant, loads, slo, warmup, rnd
+                        )
+                        sweeps.append(sweep)
+            print(f"== round {rnd}, {name} done in {time.monotonic() - started:.0f} s", flush=True)
     return sweeps
+
+
+async def sweep_one(args, server, name, variant, loads, slo, warmup, rnd) -> dict:  # noqa: ANN001
+    """One system's sweep of one workload, on a server already up."""
+    # logprobs: every token in its own chunk, even one that is not yet a whole character.
+    cfg = LoadConfig(
+        server.base_url, seed=args.seed, progress=not args.no_progress, extra_body={"logprobs": 0}
+    )
+    workload = loads[variant]
+    samples = Path(args.work_dir) / "cpu_samples"
+
+    def cpu(rate: float) -> CPUUse:
+        label = f"r{rnd}-{name}-{variant}-{rate:g}"
+        return CPUUse(server.proc.pid, samples, args.cpu_samples_hz, label)
+
+    handoffs_before = handoff_histogram(server)
+    sweep = await run_sweep(
+        lambda seed, rate, w=workload: w.sample(num_requests(args, rate), seed),
+        args.rates,
+        cfg,
+        slo,
+        label=f"{name} ({variant}), round {rnd}",
+        warmup_specs=warmup,
+        system=name,
+        variant=variant,
+        cpu=cpu,
+    )
+    sweep["round"] = rnd
+    sweep["command"] = server.command
+    sweep["kv_handoff"] = handoff_delta(handoffs_before, handoff_histogram(server))
+    if name == TUNED:
+        sweep["config"] = server.system.config
+    return sweep
 
 
 def handoff_histogram(server: object) -> tuple[float, float] | None:
@@ -364,6 +428,8 @@ def docs_streaming(
 
 def markdown(results: dict) -> str:
     """Everything the run shows, as the docs render it."""
+    if results["settings"].get("rounds", 1) > 1:
+        return served_rounds.markdown(results)
     parts = [docs_table(results), docs_interference(results), docs_aims(results)]
     if any(s["system"].endswith("streaming") for s in results["sweeps"]):
         parts.append(docs_long_requests(results))
@@ -390,11 +456,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--systems",
         nargs="+",
-        choices=[*SYSTEMS, *PEER_SYSTEMS],
+        choices=[*SYSTEMS, TUNED, *PEER_SYSTEMS],
         default=DEFAULT_SYSTEMS,
         metavar="SYSTEM",
-        help=f"systems to run, of {', '.join([*SYSTEMS, *PEER_SYSTEMS])} (vllm: "
+        help=f"systems to run, of {', '.join([*SYSTEMS, TUNED, *PEER_SYSTEMS])} (tuned: what "
+        "`pdserve tune` picks for two workers here, per workload, at the highest rate; vllm: "
         "vLLM's OpenAI server on its CPU backend, from `make bench-peers`)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times every system runs, in the given order in odd rounds and reversed in even "
+        "ones (default: 1)",
+    )
+    p.add_argument(
+        "--cpu-samples-hz",
+        type=int,
+        default=0,
+        help="sample every process of each system with py-spy at this rate for the split of "
+        "its CPU by kind of work (samples under the results' folder, cpu_samples/); default 0: "
+        "each process's CPU time only",
+    )
+    p.add_argument(
+        "--tune-profile",
+        default=None,
+        help="the profile `pdserve tune` searches with, for --systems tuned (default: unset, "
+        "measured on this machine first)",
+    )
+    p.add_argument(
+        "--tune-quick",
+        action="store_true",
+        help="a few profile points and a small search for tuned: checks the command itself",
     )
     p.add_argument(
         "--peer-venv", type=Path, default=VLLM_VENV, help="vLLM's virtualenv, for --systems vllm"
@@ -500,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(vars(args))
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     print(f"configs, logs and results in {work}", flush=True)
+    work.mkdir(parents=True, exist_ok=True)
+    args.work_dir = str(work)
     results_path, plot_path, doc = outputs(args, work)
     args.results, args.plot = str(results_path), str(plot_path)
     if args.model == BENCH_NAME:

@@ -100,6 +100,41 @@ def sim_requests(specs: list[RequestSpec], rate: float, seed: int) -> list[SimRe
     ]
 
 
+def machine_profile(model: str, quick: bool, transfer: TransferModel | None = None) -> Profile:
+    """This machine's profile as the serving benchmarks' nodes run: one torch thread each
+    (SINGLE_THREAD_ENV), the benchmarks' KV pool; with the front end's per-step overhead unless
+    quick."""
+    profile = measure_profile(
+        model,
+        device="cpu",
+        threads=1,
+        grid=StepGrid.quick() if quick else StepGrid(),
+        kv_blocks=NUM_KV_BLOCKS,
+        transfer=transfer,
+    )
+    return profile if quick else measure_frontend(profile, model)
+
+
+def tune_pick(
+    profile: Profile,
+    specs: list[RequestSpec],
+    rate: float,
+    seed: int,
+    slo: SLO,
+    quick: bool,
+    out_dir: Path,
+    model: str,
+) -> tuple[Deployment, Path]:
+    """What `pdserve tune` picks for two workers on these requests at this rate (arriving as
+    the load generator sends them), and the coordinator config it writes for the pick (in
+    out_dir)."""
+    space = SearchSpace.quick() if quick else SearchSpace()
+    requests = from_requests(sim_requests(specs, rate, seed), "the serving benchmark's")
+    found = search(profile, requests, slo, 2, space=space, base=BASE, processes=1)
+    # The pick runs from the config pdserve tune writes, as it is.
+    return found.best.deployment, write_outputs(found.best, profile, slo, 2, out_dir, model, 8)[0]
+
+
 def system_for(name: str, d: Deployment) -> PdserveSystem:
     config = {"num_kv_blocks": NUM_KV_BLOCKS, **d.engine_settings(), **d.coordinator_settings()}
     return PdserveSystem(name, d.prefill, d.decode, d.colocated, config)
@@ -375,40 +410,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile = Profile.load(args.profile)
     else:
-        # One torch thread, as every node of the serving benchmark runs (SINGLE_THREAD_ENV).
         transfer = None
         if args.transfer_gbps is not None:
             latency = args.transfer_latency_ms / 1e3
             transfer = TransferModel(latency, args.transfer_gbps * 1e9, "tcp")
-        profile = measure_profile(
-            model,
-            device="cpu",
-            threads=1,
-            grid=StepGrid.quick() if args.quick else StepGrid(),
-            kv_blocks=NUM_KV_BLOCKS,
-            transfer=transfer,
-        )
-        if not args.quick:
-            profile = measure_frontend(profile, model)
+        profile = machine_profile(model, args.quick, transfer)
         profile.save(work / "profile.json")
     print(f"# profile: {profile.source}", flush=True)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     # What pdserve tune picks for two workers here, on the same workload at the middle rate.
     rate = args.rates[len(args.rates) // 2]
-    sample = sim_requests(requests_at(args, rate, args.seed), rate, args.seed)
-    space = SearchSpace.quick() if args.quick else SearchSpace()
-    found = search(
-        profile,
-        from_requests(sample, "the serving benchmark's"),
-        slo,
-        2,
-        space=space,
-        base=BASE,
-        processes=1,
+    specs = requests_at(args, rate, args.seed)
+    picked, written = tune_pick(
+        profile, specs, rate, args.seed, slo, args.quick, work / "tune", model
     )
-    picked = found.best.deployment
-    # The pick runs from the coordinator config pdserve tune writes, as it is.
-    written = write_outputs(found.best, profile, slo, 2, work / "tune", model, 8)[0]
     systems = {"1P+1D": BASE, "2 colocated": BASE.with_(prefill=0, decode=2, colocated=True)}
     name = next((n for n, d in systems.items() if d == picked), "tune's pick")
     systems[name] = picked

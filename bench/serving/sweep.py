@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from pdserve.bench.serving.cpu_use import CPUUse
 from pdserve.tune.load_generator import LoadConfig, format_summary, run_load
 from pdserve.tune.serving_metrics import SLO
 from pdserve.tune.serving_workload import RequestSpec
@@ -22,14 +23,21 @@ async def run_sweep(
     system: str | None = None,
     variant: str = "",
     verbose: bool = True,
+    cpu: Callable[[float], CPUUse] | None = None,
 ) -> dict:
     """`sample(seed, rate)` gives one point's requests. Returns {"label", "system", "variant", "points"}
-    with one `run_load` result per rate, in the order given."""
+    with one `run_load` result per rate, in the order given; with `cpu(rate)`, each result's
+    "cpu" is where the server's CPU went during it (`CPUUse.end`)."""
     points = []
     for i, rate in enumerate(rates):
         point_cfg = dataclasses.replace(cfg, rate=rate, seed=cfg.seed + i)
         warm = warmup_specs if i == 0 else ()
+        use = cpu(rate) if cpu is not None else None
+        if use is not None:
+            use.begin()
         run = await run_load(sample(cfg.seed + i, rate), point_cfg, slo, warm)
+        if use is not None:
+            run["cpu"] = use.end(run["summary"]["output_tokens"])
         if verbose:
             print(f"== {label} @ {rate:g} req/s\n{format_summary(run['summary'])}", flush=True)
         points.append(run)
