@@ -21,6 +21,7 @@ import tomllib
 from pathlib import Path
 
 from pdserve.bench import docs
+from pdserve.bench.peers.competing_load import CompetingLoad
 from pdserve.bench.peers.driver import VLLM_VENV, missing_peer
 from pdserve.bench.peers.rounds import round_order
 from pdserve.bench.serve_load import HelpFormatter
@@ -172,18 +173,23 @@ async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
     )
     tuned = tuned_systems(args, work_dir, loads) if TUNED in args.systems else {}
     sweeps = []
-    for rnd, order in enumerate(round_order(args.systems, args.rounds), 1):
-        for name in order:
-            started = time.monotonic()
-            for variants, make in servers(name, args, work_dir, tuned):
-                with make() as server:
-                    print(f"== round {rnd}, {name}: {' '.join(server.command)}", flush=True)
-                    for variant in variants:
-                        sweep = await sweep_one(
-                            args, server, name, variant, loads, slo, warmup, rnd
-                        )
-                        sweeps.append(sweep)
-            print(f"== round {rnd}, {name} done in {time.monotonic() - started:.0f} s", flush=True)
+    # The competing load (if any) from the first server's start to the last one's end; not
+    # while the tuner's profile is measured.
+    with CompetingLoad(args.competing_load):
+        for rnd, order in enumerate(round_order(args.systems, args.rounds), 1):
+            for name in order:
+                started = time.monotonic()
+                for variants, make in servers(name, args, work_dir, tuned):
+                    with make() as server:
+                        print(f"== round {rnd}, {name}: {' '.join(server.command)}", flush=True)
+                        for variant in variants:
+                            sweeps.append(
+                                await sweep_one(
+                                    args, server, name, variant, loads, slo, warmup, rnd
+                                )
+                            )
+                elapsed = time.monotonic() - started
+                print(f"== round {rnd}, {name} done in {elapsed:.0f} s", flush=True)
     return sweeps
 
 
@@ -469,6 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="times every system runs, in the given order in odd rounds and reversed in even "
         "ones (default: 1)",
+    )
+    p.add_argument(
+        "--competing-load",
+        type=int,
+        default=0,
+        help="processes that each keep a core busy while the systems serve, as other work on "
+        "a shared host does (default: 0)",
     )
     p.add_argument(
         "--cpu-samples-hz",

@@ -213,4 +213,8 @@ def settings_line(results: dict) -> str:
         f"SLO: TTFT <= {st['slo_ttft_ms']:g} ms and TPOT <= {st['slo_tpot_ms']:g} ms. "
         f"Requests per rate: {st['duration_s']:g} s of arrivals, at least {st['min_requests']}. "
         f"{st.get('rounds', 1)} rounds, {results['elapsed_s'] / 60:.1f} min in all."
+    ) + (
+        f" {n} competing busy-loop process(es) while the systems served."
+        if (n := st.get("competing_load"))
+        else ""
     )
