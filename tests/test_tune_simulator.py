@@ -288,3 +288,15 @@ def test_a_simulation_is_deterministic():
     a = run(Deployment(1, 2), workload.at_rate(20.0), p)[1].outcomes
     b = run(Deployment(1, 2), workload.at_rate(20.0), p)[1].outcomes
     assert a == b
+
+
+def test_requests_with_their_own_times_are_a_workload_at_one_request_per_second():
+    from pdserve.tune.workload import from_requests
+
+    # Five requests at 8 per second (0.125 s apart): their own rate is 8, and at_rate says
+    # requests per second as it does for a synthetic workload or a trace.
+    given = [SimRequest(i * 0.125, 10, 5) for i in range(5)]
+    w = from_requests(given, "five")
+    assert w.trace_rate == pytest.approx(8.0)
+    assert [r.arrival_s for r in w.at_rate(8.0)] == pytest.approx([0, 0.125, 0.25, 0.375, 0.5])
+    assert [r.arrival_s for r in w.at_rate(2.0)] == pytest.approx([0, 0.5, 1.0, 1.5, 2.0])

@@ -204,10 +204,15 @@ def load_trace(path: str | Path) -> Workload:
     order = np.argsort(times, kind="stable")
     times_arr = np.asarray(times)[order]
     requests = [requests[i] for i in order]
-    span = times_arr[-1] - times_arr[0]
-    rate = (len(times_arr) - 1) / span if span > 0 else 1.0
-    offsets = (times_arr - times_arr[0]) * rate  # at one request per second
+    offsets, rate = _at_one_per_second(times_arr)
     return Workload(requests, offsets, f"trace {path.name}", trace_rate=rate)
+
+
+def _at_one_per_second(times: np.ndarray) -> tuple[np.ndarray, float]:
+    """Sorted arrival times (s) as offsets at one request per second, and their own rate."""
+    span = times[-1] - times[0] if len(times) else 0.0
+    rate = (len(times) - 1) / span if span > 0 else 1.0
+    return (times - times[0]) * rate, rate
 
 
 def approximate_token_count(text: str) -> int:
@@ -265,6 +270,7 @@ def load_sharegpt(
 
 
 def from_requests(requests: list[SimRequest], description: str) -> Workload:
-    """Requests with their own arrival times, taken as they are at `at_rate(1)`."""
-    offsets = np.asarray([r.arrival_s for r in requests], dtype=float)
-    return Workload(list(requests), offsets, description)
+    """Requests with their own arrival times (in order), kept in shape as a trace's are:
+    `at_rate(r)` gives them at r requests per second (at `trace_rate`, their own times)."""
+    offsets, rate = _at_one_per_second(np.asarray([r.arrival_s for r in requests], dtype=float))
+    return Workload(list(requests), offsets, description, trace_rate=rate)
