@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels import attention_ref
+from pdserve.kernels import attention_ref, prefill_attention_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -133,15 +133,52 @@ def paged_attention(
         return attention_ref.paged_attention(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len
         )
-    num_tokens, num_heads, head_dim = query.shape
-    if num_tokens == 0:
+    if query.shape[0] == 0:
         return torch.empty_like(query)
-    _, block_size, num_kv_heads, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV pool must be contiguous")
+    starts = query_start_loc.cpu().to(torch.int64)
+    lens = seq_lens.cpu()
+    q_lens = starts[1:] - starts[:-1]
+    long = (q_lens >= prefill_attention_cpu.MIN_QUERY_TOKENS).nonzero().flatten().tolist()
+    if not long:
+        return _in_place(lib, query, k_cache, v_cache, block_tables, lens, starts, scale)
+    # Long prefill chunks through SDPA, a sequence at a time; every other row (decodes, short
+    # chunks) through the C kernel in one call.
+    out = torch.empty_like(query)
+    for i in long:
+        a, b = int(starts[i]), int(starts[i + 1])
+        out[a:b] = prefill_attention_cpu.prefill_attention(
+            query[a:b], k_cache, v_cache, block_tables[i], int(lens[i]), scale
+        )
+    rest = sorted(set(range(len(q_lens))) - set(long))
+    if rest:
+        rows = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in rest])
+        keep = torch.tensor(rest)
+        sub_starts = torch.zeros(len(rest) + 1, dtype=torch.int64)
+        sub_starts[1:] = torch.cumsum(q_lens[keep], 0)
+        out[rows] = _in_place(
+            lib, query[rows], k_cache, v_cache, block_tables[keep], lens[keep], sub_starts, scale
+        )
+    return out
+
+
+def _in_place(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The C kernel over every row, reading the pages where they lie."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     q = query.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
-    seq, limit = _token_positions(seq_lens.cpu(), query_start_loc.cpu().to(torch.int64), num_tokens)
+    seq, limit = _token_positions(seq_lens, query_start_loc, num_tokens)
     out = torch.empty_like(q)
     lib.paged_attention_f32(
         q.data_ptr(),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from paged_inputs import paged_inputs
 
-from pdserve.kernels import attention_ref, paged_attention_cpu
+from pdserve.kernels import attention_ref, paged_attention_cpu, prefill_attention_cpu
 from pdserve.kernels.ops import select_ops
 
 pytestmark = pytest.mark.skipif(
@@ -76,3 +76,40 @@ def test_the_cpu_backend_is_chosen_on_cpu_and_other_dtypes_use_the_reference():
     torch.testing.assert_close(
         paged_attention_cpu.paged_attention(**inputs), attention_ref.paged_attention(**inputs)
     )
+
+
+LONG = prefill_attention_cpu.MIN_QUERY_TOKENS
+LONG_CASES = {
+    # Long chunks go through SDPA, the rest through the C kernel, in the same batch.
+    "prefill-long": ([LONG + 30], [LONG + 30]),
+    "long-chunk-after-context": ([3 * LONG], [LONG + 5]),
+    "long-beside-decodes": ([40, 2 * LONG, 9, LONG], [1, 2 * LONG, 3, LONG]),
+}
+
+
+@pytest.mark.parametrize("case", LONG_CASES)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)])
+def test_long_prefill_chunks_match_the_reference(case, heads):
+    context, queries = LONG_CASES[case]
+    inputs = paged_inputs(context, queries, heads, 32, 16, torch.float32, seed=5)
+    want = attention_ref.paged_attention(**inputs)
+    got = paged_attention_cpu.paged_attention(**inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_chunk_goes_through_sdpa_and_reads_only_its_pages(monkeypatch):
+    calls = []
+    real = prefill_attention_cpu.prefill_attention
+    monkeypatch.setattr(
+        prefill_attention_cpu, "prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    inputs = paged_inputs([LONG + 3, 5], [LONG, 1], (4, 2), 32, 16, torch.float32, seed=6)
+    before = paged_attention_cpu.paged_attention(**inputs)
+    assert calls == [1]  # the long chunk; the decode went to the C kernel
+    used = set(inputs["block_tables"][0, : -(-(LONG + 3) // 16)].tolist())
+    used |= {inputs["block_tables"][1, 0].item()}
+    for block in range(inputs["k_cache"].shape[0]):
+        if block not in used:
+            inputs["k_cache"][block] = float("nan")
+            inputs["v_cache"][block] = float("nan")
+    torch.testing.assert_close(paged_attention_cpu.paged_attention(**inputs), before)

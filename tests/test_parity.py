@@ -9,7 +9,8 @@ from conftest import COMPILE, random_prompts
 from pdserve.engine import LLM, SamplingParams
 
 NEW_TOKENS = 32
-PROMPT_LENGTHS = [3, 16, 29, 50]
+# 150: long enough for the CPU attention's prefill path (SDPA), whole and in chunks.
+PROMPT_LENGTHS = [3, 16, 29, 50, 150]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,19 @@ def test_paged_path_is_exact_for_any_block_size(reference, block_size):
     blocks = 1024 // block_size
     llm = LLM(
         str(model_dir), block_size=block_size, num_kv_blocks=blocks, device="cpu", compile=COMPILE
+    )
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    )
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_long_prompts_prefilled_in_chunks_after_their_context_match_transformers(reference):
+    # 80 tokens a step: the 150-token prompt is prefilled as 80 tokens, then 70 after those 80
+    # (both long enough for the CPU attention's SDPA path, the second with a shifted diagonal).
+    model_dir, prompts, expected = reference("llama")
+    llm = LLM(
+        str(model_dir), num_kv_blocks=64, max_num_batched_tokens=80, device="cpu", compile=COMPILE
     )
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
