@@ -1,7 +1,7 @@
 """The backends of the op table (`Ops`) the engine calls, one chosen once at start-up.
 
 `torch` (the reference, debugging) is always available; `triton` kernels, when present, register
-themselves for CUDA tensors; `cpu` is the reference with paged attention from a C kernel.
+themselves for CUDA tensors; `cpu` is the reference with paged attention from a C kernel and rotary without copies.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ REFERENCE = Ops(
 def cpu_ops() -> Ops | None:
     """The reference with paged attention from the C kernel that reads KV pages in place; None
     where the kernel cannot be built."""
-    from pdserve.kernels import paged_attention_cpu
+    from pdserve.kernels import paged_attention_cpu, rotary_cpu
 
     if not paged_attention_cpu.available():
         return None
@@ -35,6 +35,7 @@ def cpu_ops() -> Ops | None:
         REFERENCE,
         name="cpu",
         paged_attention=paged_attention_cpu.paged_attention,
+        apply_rotary=rotary_cpu.apply_rotary,
         latent_attention=mla_ref.latent_attention_via(paged_attention_cpu.paged_attention),
     )
 
