@@ -41,7 +41,8 @@ def test_a_run_in_rounds_alternates_systems_serves_the_tuned_config_and_times_th
 
 
 def _point(goodput: float, tpot_p99: float, rate: float = 2.0) -> dict:
-    return {"config": {"rate": rate}, "summary": {"goodput": goodput, "tpot_ms": {"p99": tpot_p99}}}
+    summary = {"goodput": goodput, "tpot_ms": {"p99": tpot_p99}, "itl_ms": {"p50": 1.5}}
+    return {"config": {"rate": rate}, "summary": summary}
 
 
 def _results(tuned: list[float], vllm: list[float], tpot=(10.0, 20.0)) -> dict:

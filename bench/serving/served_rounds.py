@@ -57,16 +57,17 @@ def _layout(results: dict) -> tuple[list[str], list[str], list[float]]:
 def docs_rounds(results: dict, lead: str = "tuned", peer: str = "vllm") -> str:
     """Goodput (req/s) per workload and rate: each system's median over the rounds with its
     range, `lead`'s ratio to `peer` (median of the rounds' ratios, with their range), both
-    systems' median P99 TPOT, and the most CPU other processes took during any of the point's
-    runs."""
+    systems' median P99 TPOT and P50 gap between chunks (near 0 where tokens come in bursts),
+    and the most CPU other processes took during any of the point's runs."""
     systems, variants, rates = _layout(results)
     by = points(results)
     rounds = len({s.get("round", 1) for s in results["sweeps"]})
     head = [f"{_name(s)} goodput" for s in systems]
     lines = [
         f"| workload | rate (req/s) | {' | '.join(head)} | {_name(lead)} / {_name(peer)} "
-        f"| P99 TPOT (ms), {_name(lead)} / {_name(peer)} | other processes (cores, most) |",
-        "| --- | ---: | " + " | ".join("---:" for _ in systems) + " | ---: | ---: | ---: |",
+        f"| P99 TPOT (ms), {_name(lead)} / {_name(peer)} | P50 ITL (ms), {_name(lead)} / "
+        f"{_name(peer)} | other processes (cores, most) |",
+        "| --- | ---: | " + " | ".join("---:" for _ in systems) + " | ---: | ---: | ---: | ---: |",
     ]
     for variant in variants:
         for rate in rates:
@@ -78,11 +79,12 @@ def docs_rounds(results: dict, lead: str = "tuned", peer: str = "vllm") -> str:
                 )
             r = ratios(results, lead, peer, variant, rate)
             ratio = _spread(r, unit="x") if r else "n/a"
-            tpot = []
+            tpot, itl = [], []
             for s in (lead, peer):
-                runs = by.get((s, variant, rate), {})
-                values = [p["summary"]["tpot_ms"]["p99"] for p in runs.values()]
-                tpot.append(f"{statistics.median(values):.1f}" if values else "n/a")
+                runs = by.get((s, variant, rate), {}).values()
+                for out, key in ((tpot, ("tpot_ms", "p99")), (itl, ("itl_ms", "p50"))):
+                    values = [p["summary"][key[0]][key[1]] for p in runs]
+                    out.append(f"{statistics.median(values):.1f}" if values else "n/a")
             others = [
                 p["cpu"]["others_cores"]
                 for s in systems
@@ -92,7 +94,7 @@ def docs_rounds(results: dict, lead: str = "tuned", peer: str = "vllm") -> str:
             busy = f"{max(others):.2f}" if others else "n/a"
             lines.append(
                 f"| {variant} | {rate:g} | {' | '.join(cells)} | {ratio} | {' / '.join(tpot)} "
-                f"| {busy} |"
+                f"| {' / '.join(itl)} | {busy} |"
             )
     note = f"Medians over {rounds} rounds, the range in brackets."
     return note + "\n\n" + "\n".join(lines)
@@ -163,7 +165,7 @@ def docs_cpu(results: dict, rate: float | None = None, variant: str = "mixed") -
     from /proc), ZeroMQ's I/O threads as measured, and the rest split as py-spy's samples of
     its Python threads split."""
     systems, _, rates = _layout(results)
-    rate = rates[-1] if rate is None else rate
+    rate = rates[-1] if rate is None else float(rate)  # a docs marker's option is text
     columns = []
     for system in systems:
         for role, r in sorted(_pooled(results, system, variant, rate).items()):
