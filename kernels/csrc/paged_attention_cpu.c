@@ -71,11 +71,12 @@ static inline __attribute__((always_inline)) void attend(
   }
 }
 
-void paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                         const int32_t *block_tables, int64_t table_stride,
-                         const int64_t *token_seq, const int64_t *token_limit, float *out,
-                         int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+/* Not inlined into the batch entry point below: both run this one compiled body. */
+__attribute__((noinline)) void paged_attention_f32(
+    const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+    int64_t table_stride, const int64_t *token_seq, const int64_t *token_limit, float *out,
+    int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int num_threads) {
   const int64_t g = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim; /* floats per cached token */
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
