@@ -113,3 +113,41 @@ def test_a_long_chunk_goes_through_sdpa_and_reads_only_its_pages(monkeypatch):
             inputs["k_cache"][block] = float("nan")
             inputs["v_cache"][block] = float("nan")
     torch.testing.assert_close(paged_attention_cpu.paged_attention(**inputs), before)
+
+
+def test_token_positions_are_derived_in_the_kernel_not_per_layer_in_python(monkeypatch):
+    # Every layer of every step called it: a handful of tensor ops per layer (issue 36).
+    def refuse(*args, **kwargs):
+        raise AssertionError("token positions computed in Python")
+
+    monkeypatch.setattr(paged_attention_cpu, "_token_positions", refuse)
+    for context, queries in CASES.values():
+        inputs = paged_inputs(context, queries, (4, 2), 32, 16, torch.float32, seed=5)
+        want = attention_ref.paged_attention(**inputs)
+        torch.testing.assert_close(
+            paged_attention_cpu.paged_attention(**inputs), want, rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize(
+    "starts",
+    [[0, 1, 3, 2], [0, 1, 2, 3, 4], [1, 2, 3]],  # (falling, too many tokens, not from 0)
+)
+def test_query_offsets_that_do_not_cover_the_tokens_in_order_are_refused(starts):
+    inputs = paged_inputs([5, 6, 7], [1, 1, 1], (2, 2), 16, 4, torch.float32, seed=0)
+    inputs["query_start_loc"] = torch.tensor(starts, dtype=torch.int64)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention_cpu.paged_attention(**inputs)
+
+
+def test_a_kernel_built_from_a_source_without_the_batch_entry_point_still_serves(tmp_path):
+    # A side-by-side benchmark builds an older version of the source (bench/cpu_attention.py).
+    source = paged_attention_cpu.SOURCE.read_text()
+    older = tmp_path / "paged_attention_cpu.c"
+    older.write_text(source[: source.index("/* The same, from the batch's")])
+    library = paged_attention_cpu.build(older)
+    assert not hasattr(library, "paged_attention_f32_batch")
+    inputs = paged_inputs([70, 1, 16, 31], [1, 1, 16, 5], (4, 2), 32, 16, torch.float32, seed=6)
+    want = attention_ref.paged_attention(**inputs)
+    got = paged_attention_cpu.paged_attention(**inputs, library=library)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

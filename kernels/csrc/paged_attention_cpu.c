@@ -12,6 +12,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline __attribute__((always_inline)) void attend(
     const float *restrict qh, const float *restrict k_cache, const float *restrict v_cache,
@@ -70,11 +71,12 @@ static inline __attribute__((always_inline)) void attend(
   }
 }
 
-void paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                         const int32_t *block_tables, int64_t table_stride,
-                         const int64_t *token_seq, const int64_t *token_limit, float *out,
-                         int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+/* Not inlined into the batch entry point below: both run this one compiled body. */
+__attribute__((noinline)) void paged_attention_f32(
+    const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+    int64_t table_stride, const int64_t *token_seq, const int64_t *token_limit, float *out,
+    int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int num_threads) {
   const int64_t g = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim; /* floats per cached token */
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
@@ -100,4 +102,36 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
       }
     }
   }
+}
+
+/* The same, from the batch's sequence lengths (context after this step) and query start offsets
+ * (num_seqs + 1 of them): each token's sequence and limit are derived here, once per call, rather
+ * than by a handful of tensor ops in Python for every layer of every step. Returns 0, or -1 when
+ * the offsets do not cover exactly num_tokens tokens in order (nothing written), -2 when out of
+ * memory. */
+int paged_attention_f32_batch(const float *q, const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, int64_t table_stride,
+                              const int64_t *seq_lens, const int64_t *query_start_loc,
+                              int64_t num_seqs, float *out, int64_t num_tokens, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale, int num_threads) {
+  if (query_start_loc[0] != 0 || query_start_loc[num_seqs] != num_tokens) return -1;
+  for (int64_t s = 0; s < num_seqs; s++)
+    if (query_start_loc[s + 1] < query_start_loc[s]) return -1;
+  int64_t *token_seq = malloc(2 * (size_t)(num_tokens > 0 ? num_tokens : 1) * sizeof(int64_t));
+  if (token_seq == NULL) return -2;
+  int64_t *token_limit = token_seq + num_tokens;
+  for (int64_t s = 0; s < num_seqs; s++) {
+    const int64_t start = query_start_loc[s], end = query_start_loc[s + 1];
+    const int64_t first = seq_lens[s] - (end - start) + 1; /* the limit of its first token */
+    for (int64_t i = start; i < end; i++) {
+      token_seq[i] = s;
+      token_limit[i] = first + (i - start);
+    }
+  }
+  paged_attention_f32(q, k_cache, v_cache, block_tables, table_stride, token_seq, token_limit, out,
+                      num_tokens, num_heads, num_kv_heads, head_dim, block_size, scale,
+                      num_threads);
+  free(token_seq);
+  return 0;
 }
