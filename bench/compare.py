@@ -165,13 +165,14 @@ def servers(name: str, args: argparse.Namespace, work: Path, tuned: dict) -> lis
     return [(args.variants, lambda: PdserveServer(system, work, model=args.model))]
 
 
-async def compare(args: argparse.Namespace, work_dir: Path) -> list[dict]:
+async def compare(args: argparse.Namespace, work_dir: Path, tuned: dict) -> list[dict]:
+    """Every system's sweeps, round by round; `tuned`: the tuned system's configuration per
+    workload (`tuned_systems`, measured before: its profile runs a server of its own)."""
     loads = workloads(args)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     warmup = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(8, 8)).sample(
         4, args.seed + 1_000_003
     )
-    tuned = tuned_systems(args, work_dir, loads) if TUNED in args.systems else {}
     sweeps = []
     # The competing load (if any) from the first server's start to the last one's end; not
     # while the tuner's profile is measured.
@@ -612,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     args.results, args.plot = str(results_path), str(plot_path)
     if args.model == BENCH_NAME:
         args.model = str(ensure_bench_model())
-    sweeps = asyncio.run(compare(args, work))
+    tuned = tuned_systems(args, work, workloads(args)) if TUNED in args.systems else {}
+    sweeps = asyncio.run(compare(args, work, tuned))
     results = provenance.finish(record) | {
         "settings": settings,
         "model": args.model,
