@@ -190,7 +190,8 @@ def docs_cpu(results: dict, rate: float | None = None, variant: str = "mixed") -
         cells = [f"{s[kind]:.3f}" if s.get(kind) else ("–" if s else "n/a") for s in split]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     samples = [sum(r["samples"].values()) for _, r in columns]
-    lines.append("| py-spy samples | " + " | ".join(str(n) for n in samples) + " |")
+    if any(samples):
+        lines.append("| py-spy samples | " + " | ".join(str(n) for n in samples) + " |")
     totals = defaultdict(float)
     for column, r in columns:
         totals[column.split(":")[0]] += r["ms_per_token"]
