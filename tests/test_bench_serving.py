@@ -290,3 +290,26 @@ def test_timer_counts_tokens_from_logprobs_when_a_chunk_carries_several():
     for now, data in [(0.1, json.dumps(two)), (0.2, chunk("c")), (0.3, "[DONE]")]:
         timer.on_event(data, now)
     assert timer.result(RequestSpec("x", 1, 3), 0.0, 0.3).output_len == 3
+
+
+def test_sse_lines_end_only_at_cr_lf_or_crlf_even_split_across_chunks():
+    import asyncio
+
+    from pdserve.tune.completion_stream import sse_lines
+
+    async def lines(chunks: list[str]) -> list[str]:
+        async def gen():
+            for c in chunks:
+                yield c
+
+        return [line async for line in sse_lines(gen())]
+
+    # A payload with U+2028, U+0085 and a form feed unescaped (valid JSON, as vLLM's server
+    # sends it) is one line; str.splitlines would cut it in four.
+    text = 'data: {"text": "a\u2028b\x85c\x0cd"}'
+    assert asyncio.run(lines([text + "\r\n", "\r\n"])) == [text, ""]
+    # CRLF split between two chunks is one line end; a lone CR or LF is one too.
+    assert asyncio.run(lines(["data: 1\r", "\ndata: 2\rdata: 3\n", "\n"])) == [
+        "data: 1", "data: 2", "data: 3", "",
+    ]  # fmt: skip
+    assert asyncio.run(lines(["data: 4"])) == ["data: 4"]

@@ -6,8 +6,9 @@ whose text is not yet a whole character; asking for `logprobs` makes them send e
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -15,6 +16,25 @@ from pdserve.tune.serving_metrics import RequestResult
 from pdserve.tune.serving_workload import RequestSpec
 
 DONE = "[DONE]"
+# Server-Sent Events end a line with CRLF, LF or CR, and with nothing else: a JSON payload may
+# hold U+2028, U+0085 or a form feed unescaped, which str.splitlines (and httpx's aiter_lines)
+# would take for line ends.
+LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of an event stream from its text as it arrives, without their line ends."""
+    pending = ""
+    async for chunk in chunks:
+        pending += chunk
+        # A CR at the very end may be the first half of a CRLF: it waits for the next chunk.
+        held = "\r" if pending.endswith("\r") else ""
+        *lines, pending = LINE_END.split(pending[: len(pending) - len(held)])
+        pending += held
+        for line in lines:
+            yield line
+    if pending:
+        yield pending.rstrip("\r")
 
 
 class SSEDecoder:
@@ -144,7 +164,7 @@ async def send_completion(
                 timer.error = f"HTTP {response.status_code}: {text[:300]}"
             else:
                 decoder = SSEDecoder()
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response.aiter_text()):
                     data = decoder.feed(line)
                     if data is not None:
                         timer.on_event(data, clock())
