@@ -241,7 +241,7 @@ class CPUUse:
                 proc.kill()
                 proc.wait()
             if out.exists():
-                samples[pid] = split_samples(out.read_text())
+                samples[pid] = split_samples(out.read_text(errors="replace"))  # a torn read
         roles: dict[str, dict] = {}
         for pid in {**self._before, **after}:
             a, b = self._before.get(pid), after.get(pid)
