@@ -277,12 +277,9 @@ def compact(results: dict) -> dict:
 
 def settings_line(results: dict) -> str:
     """The run's SLO and request counts, as the docs print them above its tables."""
-    st = results["settings"]
     return (
-        f"SLO: TTFT <= {st['slo_ttft_ms']:g} ms and TPOT <= {st['slo_tpot_ms']:g} ms. "
-        f"Requests per rate: {st['duration_s']:g} s of arrivals, at least {st['min_requests']}. "
-        f"{results['elapsed_s'] / 60:.1f} min in all. Every token streamed in its own chunk "
-        "(`logprobs: 0`)."
+        f"{served_rounds.slo_line(results)} {results['elapsed_s'] / 60:.1f} min in all. "
+        "Every token streamed in its own chunk (`logprobs: 0`)."
     )
 
 

@@ -96,7 +96,7 @@ def docs_rounds(results: dict, lead: str = "tuned", peer: str = "vllm") -> str:
                 f"| {variant} | {rate:g} | {' | '.join(cells)} | {ratio} | {' / '.join(tpot)} "
                 f"| {' / '.join(itl)} | {busy} |"
             )
-    note = f"Medians over {rounds} rounds, the range in brackets."
+    note = f"Medians over {rounds} rounds, the range in brackets." if rounds > 1 else "One round."
     return note + "\n\n" + "\n".join(lines)
 
 
@@ -210,14 +210,20 @@ def markdown(results: dict) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def settings_line(results: dict) -> str:
+def slo_line(results: dict) -> str:
+    """The run's SLO and requests per rate, as the docs print them above its tables."""
     st = results["settings"]
     return (
         f"SLO: TTFT <= {st['slo_ttft_ms']:g} ms and TPOT <= {st['slo_tpot_ms']:g} ms. "
-        f"Requests per rate: {st['duration_s']:g} s of arrivals, at least {st['min_requests']}. "
-        f"{st.get('rounds', 1)} rounds, {results['elapsed_s'] / 60:.1f} min in all."
-    ) + (
-        f" {n} competing busy-loop process(es) while the systems served."
-        if (n := st.get("competing_load"))
-        else ""
+        f"Requests per rate: {st['duration_s']:g} s of arrivals, at least {st['min_requests']}."
     )
+
+
+def settings_line(results: dict) -> str:
+    st = results["settings"]
+    rounds = st.get("rounds", 1)
+    line = f"{slo_line(results)} {rounds} round{'s' * (rounds > 1)}, "
+    line += f"{results['elapsed_s'] / 60:.1f} min in all."
+    if n := st.get("competing_load"):
+        line += f" {n} competing busy-loop process{'es' * (n > 1)} while the systems served."
+    return line
