@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="sample every process of each system with py-spy at this rate for the split of "
-        "its CPU by kind of work (samples under the results' folder, cpu_samples/); default 0: "
+        "its CPU by kind of work (raw samples in the work directory's cpu_samples/); default 0: "
         "each process's CPU time only",
     )
     p.add_argument(

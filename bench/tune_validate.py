@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.serving.bench_model import ensure_bench_model
+from pdserve.bench.serving.cpu_use import CPUUse
 from pdserve.tune import provenance
 from pdserve.tune.arrivals import arrival_offsets
 from pdserve.tune.deployment import Deployment
@@ -157,50 +158,6 @@ def measured_summary(summary: dict, other_cores: float | None) -> dict:
     }
 
 
-class CPUWatch:
-    """The CPU time the machine's other processes took while a run measured (Linux): every
-    core's busy time (/proc/stat) less that of the deployment's processes and this one. The
-    simulator models the deployment alone; on a shared machine, this is what it cannot see."""
-
-    def __init__(self, root_pid: int) -> None:
-        self.root_pid = root_pid
-        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.start: tuple[float, float, float] | None = None
-
-    def _busy(self) -> float:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return (sum(fields[:8]) - fields[3] - fields[4]) / self.tick  # less idle and iowait
-
-    def _tree(self, pid: int) -> float:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            return 0.0
-        own = (int(stat[11]) + int(stat[12])) / self.tick
-        return own + sum(self._tree(int(c)) for c in children)
-
-    def _now(self) -> tuple[float, float, float]:
-        ours = self._tree(self.root_pid) + time.process_time()
-        return self._busy(), ours, time.monotonic()
-
-    def begin(self) -> None:
-        try:
-            self.start = self._now()
-        except OSError:
-            self.start = None
-
-    def other_cores(self) -> float | None:
-        """Cores' worth of CPU the other processes used since `begin`."""
-        if self.start is None:
-            return None
-        busy, ours, at = self._now()
-        elapsed = at - self.start[2]
-        others = (busy - self.start[0]) - (ours - self.start[1])
-        return max(0.0, others) / elapsed if elapsed > 0 else None
-
-
 async def measure(
     name: str,
     d: Deployment,
@@ -225,10 +182,13 @@ async def measure(
         for i, rate in enumerate(args.rates):
             cfg.rate, cfg.seed = rate, args.seed + i
             specs = requests_at(args, rate, args.seed + i)
-            watch = CPUWatch(server.proc.pid)
+            # The CPU the machine's other processes took meanwhile: the simulator models the
+            # deployment alone, so on a shared machine that is load it cannot foresee.
+            watch = CPUUse(server.proc.pid, work)
             watch.begin()
             run = await run_load(specs, cfg, slo, warmup if i == 0 else ())
-            out[rate] = measured_summary(run["summary"], watch.other_cores())
+            other = watch.end(run["summary"]["output_tokens"])["others_cores"]
+            out[rate] = measured_summary(run["summary"], other)
     return out
 
 

@@ -220,8 +220,8 @@ class CPUUse:
                 "--full-filenames",
             ]
             cmd += ["--rate", str(self.sample_rate_hz), "--output", str(out)]
-            log = open(self.work_dir / f"{self.label}-{pid}.log", "wb")  # noqa: SIM115
-            self._spies[pid] = (subprocess.Popen(cmd, stdout=log, stderr=log), out)
+            with open(self.work_dir / f"{self.label}-{pid}.log", "wb") as log:
+                self._spies[pid] = (subprocess.Popen(cmd, stdout=log, stderr=log), out)
 
     def end(self, tokens: int) -> dict:
         """{"wall_s", "tokens", "machine_cpu_s", "load_generator_cpu_s", "others_cores",
