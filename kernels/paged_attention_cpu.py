@@ -144,6 +144,11 @@ def paged_attention(
         return torch.empty_like(query)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV pool must be contiguous")
+    if max_query_len is not None and max_query_len < prefill_attention_cpu.MIN_QUERY_TOKENS:
+        # Decodes and short chunks only (the step's plan knows): no per-sequence look.
+        return _in_place(
+            lib, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        )
     starts = query_start_loc.cpu().to(torch.int64)
     lens = seq_lens.cpu()
     q_lens = starts[1:] - starts[:-1]
@@ -180,18 +185,17 @@ def _in_place(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The C kernel over every row, reading the pages where they lie (seq_lens and
-    query_start_loc: int64 CPU tensors)."""
+    """The C kernel over every row, reading the pages where they lie."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     q = query.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)
+    lens = seq_lens.to("cpu", torch.int64).contiguous()
+    starts = query_start_loc.to("cpu", torch.int64).contiguous()
     if hasattr(lib, "paged_attention_f32_batch"):
         # Each token's sequence and limit derived in C: `_token_positions`' tensor ops cost about
         # 17 us for every layer of every step, an eighth of a small decode batch's attention.
-        lens = seq_lens.to("cpu", torch.int64).contiguous()
-        starts = query_start_loc.to("cpu", torch.int64).contiguous()
         if not 0 <= len(starts) - 1 <= len(lens):
             raise ValueError("query_start_loc must hold one offset per sequence and one more")
         failed = lib.paged_attention_f32_batch(
@@ -217,7 +221,7 @@ def _in_place(
         if failed:
             raise ValueError("query_start_loc must rise from 0 to the number of query tokens")
         return out
-    seq, limit = _token_positions(seq_lens, query_start_loc, num_tokens)
+    seq, limit = _token_positions(lens, starts, num_tokens)
     lib.paged_attention_f32(
         q.data_ptr(),
         k_cache.data_ptr(),
