@@ -125,8 +125,11 @@ class Cluster:
         return self.coordinator.nodes.nodes[node_id]
 
     def wait_until_idle(self, timeout_s: float = 30.0) -> None:
-        """Until every live node reports all its KV blocks free and nothing running, in a load
-        snapshot taken after this call (an older one may predate the work being waited for)."""
+        """Until every live node reports all its KV blocks free and nothing running, in the
+        second load snapshot or later to arrive after this call. A node sets a snapshot at most
+        once a heartbeat interval and its heartbeat thread sends the latest, so on a loaded
+        machine even that one can predate a short run: counters are waited for themselves
+        (`wait_for_report`)."""
         deadline = time.monotonic() + timeout_s
         seen = {n.node_id: n.load_seq for n in self.coordinator.nodes.alive()}
         while time.monotonic() < deadline:
@@ -143,6 +146,17 @@ class Cluster:
             time.sleep(0.1)
         state = {n.node_id: (n.free_blocks, n.num_blocks, n.running, n.waiting) for n in nodes}
         raise AssertionError(f"nodes not idle after {timeout_s}s: {state}")
+
+    def wait_for_report(self, node_id: str, condition, what: str, timeout_s: float = 30.0):  # noqa: ANN001, ANN201
+        """The node's state once a load report makes condition(state) true (counters a test
+        reads arrive with a report: an idle node's report may still predate the work)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            node = self.coordinator.nodes.nodes.get(node_id)
+            if node is not None and condition(node):
+                return node
+            time.sleep(0.05)
+        raise AssertionError(f"waited {timeout_s:.0f} s for {what} from {node_id}")
 
     def kill(self, node_id: str) -> None:
         proc = self.group.procs[node_id]

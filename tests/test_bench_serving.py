@@ -235,7 +235,7 @@ def test_load_against_a_fake_server_measures_its_pace(fake_server: str):
     specs = SyntheticWorkload(short_output_len=(5, 8)).sample(6, seed=0)
     specs.append(RequestSpec("", 0, 4))  # the fake server refuses an empty prompt
     cfg = LoadConfig(fake_server, rate=math.inf, max_concurrency=4, progress=False)
-    run = asyncio.run(run_load(specs, cfg, SLO(1.0, 0.1)))
+    run = asyncio.run(run_load(specs, cfg, SLO(60.0, 5.0)))  # met unless it failed
     assert run["config"]["model"] == "fake"
     s = run["summary"]
     assert (s["completed"], s["failed"], s["output_len_mismatches"]) == (6, 1, 0)
@@ -243,7 +243,10 @@ def test_load_against_a_fake_server_measures_its_pace(fake_server: str):
     for r in run["requests"][:6]:
         assert r["ttft"] >= 0.05
         assert len(r["itl"]) == r["output_len"] - 1
-        assert 0.009 <= r["tpot"] < 0.05
+        # At least the server's pace (no upper bound: a loaded machine only slows it), and the
+        # gaps lie within the stream's time after its first token.
+        assert r["tpot"] >= 0.009
+        assert sum(r["itl"]) <= r["latency"] - r["ttft"] + 1e-6
     assert s["ttft_ms"]["p50"] >= 50 and s["slo_attainment"] == pytest.approx(6 / 7)
 
 
