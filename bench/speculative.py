@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import tempfile
@@ -130,6 +131,7 @@ def measure(
 ) -> tuple[list[Run], list[Run]]:
     """The best plain and speculative runs of the pair, and every run."""
     model, temperature = WORKLOADS[workload]
+    model = args.target or model
     path = model if model.startswith("pdserve-") else str(bench_models.resolve(model))
     spec = speculative_config(args, path, scratch)
     llms = {
@@ -184,6 +186,24 @@ def measure(
     return [best[False], best[True]], every
 
 
+def describe_model(name: str) -> dict:
+    """A model the run names: its directory, parameter count and, for one trained by
+    `pdserve.engine.stories.train`, its shape and recipe (so the figure names how it was made)."""
+    from safetensors import safe_open
+
+    path = resolve_model_dir(name) if name.startswith("pdserve-") else Path(name)
+    parameters = 0
+    for file in checkpoint_files(path):
+        with safe_open(str(file), "pt") as f:
+            parameters += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    out = {"path": str(path), "parameters": parameters}
+    training = path / "training.json"
+    if training.is_file():
+        record = json.loads(training.read_text())
+        out["training"] = {k: record.get(k) for k in ("shape", "recipe", "seconds", "final_loss")}
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pdserve.bench.speculative", description=__doc__.split("\n")[0]
@@ -197,6 +217,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, help="draft_model: the draft (unset: --draft-layers)")
     p.add_argument(
         "--draft-layers", type=int, default=1, help="draft_model: the target's first N layers"
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="every workload's target model (a checkpoint directory or a model's name; unset: "
+        "each workload's own), e.g. one trained with pdserve.engine.stories.train",
     )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -222,6 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
                 rounds += every
     result = provenance.finish(record) | {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "models": {
+            role: describe_model(name)
+            for role, name in (("target", args.target), ("draft", args.draft))
+            if name
+        },
         "runs": [
             asdict(r) for r in runs
         ],  # the best of each pair's repeats, plain then speculative

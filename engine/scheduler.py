@@ -295,8 +295,6 @@ class Scheduler:
                 # The rejected drafts' KV is dropped: the tokens it holds are not the sequence's.
                 seq.draft_token_ids = []
                 accepted = len(extra)
-                seq.num_drafts_verified += num_drafts
-                seq.num_drafts_accepted += accepted
                 seq.num_computed_tokens += item.num_new_tokens - num_drafts + accepted
             else:
                 seq.num_computed_tokens += item.num_new_tokens
@@ -318,6 +316,7 @@ class Scheduler:
                 # What the proposer saw past the accepted drafts is not the sequence's.
                 valid = min(num_before + len(extra), seq.num_tokens)
                 self.proposer.rollback(seq, valid)
+                seq.draft_pacing.record(num_drafts, len(extra), seq.num_output_tokens)
             # A stop among the accepted drafts leaves KV past the sequence's last token.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             self._cache(seq, num_drafts)

@@ -7,6 +7,7 @@ import enum
 from typing import Any
 
 from pdserve.cluster.sampling_params import SamplingParams
+from pdserve.engine.draft_pacing import DraftPacing
 
 
 class SequenceStatus(enum.Enum):
@@ -50,8 +51,7 @@ class Sequence:
         # Tokens proposed to follow token_ids, verified by the step they are scheduled in
         # (`pdserve.engine.speculation`); not part of the sequence until accepted.
         self.draft_token_ids: list[int] = []
-        self.num_drafts_verified = 0  # of this sequence, since it started decoding here
-        self.num_drafts_accepted = 0
+        self.draft_pacing = DraftPacing()  # its drafts so far, since it started decoding here
         self.ngram_index: Any = None  # the n-gram proposer's index of token_ids
         # The draft_model proposer's KV of this sequence: its blocks in the draft's pool, and how
         # many of token_ids (then of its drafts) have draft KV there.

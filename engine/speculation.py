@@ -16,7 +16,7 @@ it, as rejection sampling would.
 Sequences that speculate: running decodes (one token to compute), not a prefill node's, and
 without logprobs, penalties or a structured output (each of those reads the sequence's tokens up to
 the sampled position); the others decode as always, in the same batch. How many drafts a sequence
-proposes follows its own acceptance so far (`draft_limit`), unless the config's `adaptive` is off.
+proposes follows its own acceptance so far (`pdserve.engine.draft_pacing`), unless the config's `adaptive` is off.
 
 The scheduler asks a `Proposer` in two phases: `limit` (how many drafts a sequence may take, so
 its blocks and the step's tokens are reserved before anything is proposed), then `draft` for every
@@ -46,7 +46,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     method: str = "ngram"
-    # pdserve's own key: each sequence's draft limit follows its acceptance (`draft_limit`)
+    # pdserve's own key: each sequence's draft limit follows its acceptance (`DraftPacing`)
     adaptive: bool = True
     # draft_model: its checkpoint directory or embedded model's name (given alone, the method is
     # draft_model, as in vLLM)
@@ -161,7 +161,7 @@ def speculation_limit(seq: Sequence, k: int, adaptive: bool) -> int:
     if not can_speculate(seq.params, seq.prefill_only, seq.constraint is not None):
         return 0
     if adaptive:
-        k = draft_limit(k, seq.num_drafts_verified, seq.num_drafts_accepted, seq.num_output_tokens)
+        k = seq.draft_pacing.limit(k, seq.num_output_tokens)
     return max(k, 0)
 
 
@@ -210,29 +210,6 @@ class NgramProposer:
 
     def release(self, seq: Sequence) -> None:
         pass
-
-
-# A sequence's draft limit follows its own acceptance once this many of its drafts were verified.
-ADAPT_AFTER = 8
-# Below this acceptance a sequence proposes nothing, but for one draft every PROBE_EVERY steps.
-MIN_ACCEPTANCE = 0.1
-PROBE_EVERY = 8
-
-
-def draft_limit(k: int, proposed: int, accepted: int, steps: int) -> int:
-    """How many drafts a sequence may propose this step, given its drafts verified so far and
-    how many of them were accepted: k at first; then about the run of drafts its acceptance rate
-    r predicts (r / (1 - r) accepted in a row, on average) plus one, so that a sequence whose
-    drafts mostly fail stops paying to verify them (a verified draft costs a row of the step's
-    forward whether it is kept or not); below MIN_ACCEPTANCE, one probe every PROBE_EVERY steps."""
-    if proposed < ADAPT_AFTER:
-        return k
-    rate = accepted / proposed
-    if rate < MIN_ACCEPTANCE:
-        return 1 if steps % PROBE_EVERY == 0 else 0
-    if rate >= 1.0:
-        return k
-    return min(k, int(rate / (1.0 - rate)) + 1)
 
 
 def can_speculate(params: SamplingParams, prefill_only: bool, constrained: bool) -> bool:

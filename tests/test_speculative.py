@@ -18,7 +18,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.block_manager import hash_block_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor import verify
-from pdserve.engine.speculation import NgramProposer, SpeculativeConfig, accepted, draft_limit
+from pdserve.engine.speculation import NgramProposer, SpeculativeConfig, accepted
 
 # Every decoding sequence proposes up to 4 drafts each step (no adaptive limit), so that the
 # tests verify many.
@@ -75,16 +75,6 @@ def test_a_kept_index_proposes_what_a_scan_of_the_whole_context_finds():
             assert proposer.propose(tokens, 3, index) == want
             assert proposer.propose(tokens, 3) == want  # a fresh index
             tokens += [rng.randrange(6) for _ in range(rng.choice([1, 1, 3]))]
-
-
-def test_a_sequences_draft_limit_follows_its_acceptance():
-    assert draft_limit(4, proposed=7, accepted=0, steps=3) == 4  # too few verified to judge
-    assert draft_limit(4, proposed=10, accepted=10, steps=3) == 4
-    assert draft_limit(4, proposed=10, accepted=8, steps=3) == 4  # 0.8 / 0.2 + 1 = 5 runs
-    assert draft_limit(4, proposed=10, accepted=6, steps=3) == 2  # 1.5 in a row, and one more
-    assert draft_limit(4, proposed=10, accepted=3, steps=3) == 1
-    assert draft_limit(4, proposed=20, accepted=1, steps=3) == 0  # 5%: it stops proposing
-    assert draft_limit(4, proposed=20, accepted=1, steps=16) == 1  # but for a probe now and then
 
 
 def test_a_sequence_keeps_its_drafts_up_to_the_first_the_target_disagrees_with():
