@@ -131,6 +131,7 @@ class Engine:
             config.scheduling_policy,
             proposer=proposer,
             num_speculative_tokens=speculation.num_speculative_tokens if speculation else 0,
+            disable_speculation_above=speculation.disable_by_batch_size if speculation else None,
             max_model_len=self.max_model_len,
         )
         if config.max_model_len and config.max_model_len > capacity:

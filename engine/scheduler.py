@@ -54,14 +54,18 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         max_model_len: int | None = None,
         tiers: KVTiers | None = None,
+        disable_speculation_above: int | None = None,
     ) -> None:
         """proposer: speculative decoding's (with num_speculative_tokens, the most a step
-        verifies per sequence, and max_model_len, which drafts stay within). tiers: the KV tiers
-        under the pool, which a waiting sequence's prefix is loaded back from."""
+        verifies per sequence, max_model_len, which drafts stay within, and
+        disable_speculation_above, the most running sequences a step that verifies drafts may
+        have). tiers: the KV tiers under the pool, which a waiting sequence's prefix is loaded
+        back from."""
         self.block_manager = block_manager
         self.tiers = tiers
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.disable_speculation_above = disable_speculation_above
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -123,12 +127,16 @@ class Scheduler:
         # sequence that may speculate reserves blocks and tokens for its drafts here; they are
         # proposed for all of them at once after the loop.
         reserved: list[tuple[ScheduledSeq, int]] = []
+        speculates = self.proposer is not None and (
+            self.disable_speculation_above is None
+            or len(self.running) <= self.disable_speculation_above
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             num_drafts = 0
-            if self.proposer is not None and seq.num_uncomputed_tokens == 1:
+            if speculates and seq.num_uncomputed_tokens == 1:
                 num_drafts = self._draft_room(seq, budget - 1)
                 num_new += num_drafts
             allocated = self._allocate(seq, num_new)

@@ -53,6 +53,9 @@ class SpeculativeConfig:
     model: str | None = None
     # vLLM's key, accepted at 1 only: the draft runs whole on rank 0, whatever the target's size
     draft_tensor_parallel_size: int = 1
+    # vLLM's key: a step whose batch holds more running sequences than this verifies no drafts
+    # (where extra rows cost a step much, as on a CPU, speculation pays at small batches only)
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:

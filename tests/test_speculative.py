@@ -88,6 +88,7 @@ def test_a_sequence_keeps_its_drafts_up_to_the_first_the_target_disagrees_with()
     ("text", "message"),
     [
         ("{", "is not JSON"),
+        ('{"num_speculative_tokens": 2, "disable_by_batch_size": 0}', "positive integer"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not supported"),
         ('{"method": "draft_model", "num_speculative_tokens": 2}', "'draft_model' needs model"),
         (
@@ -167,6 +168,32 @@ def test_speculation_gives_the_tokens_of_plain_decoding(temperature):
     assert stats.num_accepted_tokens > 0
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # some rejected
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+
+
+def test_a_batch_over_disable_by_batch_size_verifies_no_drafts():
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 20, 48, 64)
+    ]
+    plain, _ = run("pdserve-stories", [STORY] * 4, params)
+    # The model drafting for itself: every step that may verify drafts does.
+    config = json.dumps(
+        {"model": "pdserve-stories", "num_speculative_tokens": 2, "disable_by_batch_size": 2}
+    )
+    llm = LLM("pdserve-stories", device="cpu", speculative_config=config)
+    engine, ids = llm.engine, llm.tokenizer.encode(STORY)
+    for i, p in enumerate(params):
+        engine.add_request(str(i), ids, p)
+    out: dict[str, list[int]] = {str(i): [] for i in range(4)}
+    drafts_by_batch: dict[int, int] = {}
+    while engine.has_unfinished():
+        running, before = len(engine.scheduler.running), engine.stats.num_draft_tokens
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        drafts_by_batch[running] = drafts_by_batch.get(running, 0)
+        drafts_by_batch[running] += engine.stats.num_draft_tokens - before
+    assert [out[str(i)] for i in range(4)] == plain
+    assert drafts_by_batch[4] == drafts_by_batch[3] == 0  # over 2 running: plain steps
+    assert drafts_by_batch[2] > 0 and drafts_by_batch[1] > 0
 
 
 def test_rejected_drafts_leave_no_blocks_and_never_reach_the_prefix_cache():
