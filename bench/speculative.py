@@ -67,6 +67,7 @@ class Run:
     steps: int
     draft_tokens: int
     accepted_tokens: int
+    model: str = ""  # the target's directory or name
 
 
 def prompts_for(workload: str, llm: LLM, batch: int, prompt_len: int, seed: int) -> list:
@@ -177,6 +178,7 @@ def measure(
                 steps=stats.num_steps - steps,
                 draft_tokens=stats.num_draft_tokens - drafts,
                 accepted_tokens=stats.num_accepted_tokens - accepted,
+                model=path,
             )
             every.append(run)
             if on not in best or run.tpot_ms < best[on].tpot_ms:

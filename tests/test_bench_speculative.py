@@ -27,3 +27,25 @@ def test_a_short_run_records_both_sides_and_its_run(method, tmp_path):
     assert plain["draft_tokens"] == 0 and plain["steps"] == 48
     # The trained model's drafts were proposed and verified, and some kept: fewer steps.
     assert speculative["accepted_tokens"] > 0 and speculative["steps"] < 48
+
+
+def test_a_run_with_a_target_of_its_own_names_both_models(tmp_path):
+    from pdserve.bench.speculative import first_layers_checkpoint
+    from pdserve.engine.embedded_models import resolve_model_dir
+
+    stories = resolve_model_dir("pdserve-stories")
+    target = first_layers_checkpoint(stories, tmp_path / "target", 3)
+    (target / "training.json").write_text(json.dumps({"shape": {"num_layers": 3}, "seconds": 1}))
+    draft = first_layers_checkpoint(stories, tmp_path / "draft", 1)
+    out = tmp_path / "spec.json"
+    argv = ["--workloads", "stories", "--batches", "1", "--max-tokens", "24", "--repeats", "1"]
+    argv += ["--method", "draft_model", "--target", str(target), "--draft", str(draft)]
+    main([*argv, "--json-out", str(out)])
+    results = json.loads(out.read_text())
+    models = results["models"]
+    assert models["target"]["path"] == str(target) and models["draft"]["path"] == str(draft)
+    assert models["target"]["training"]["shape"] == {"num_layers": 3}
+    assert models["target"]["parameters"] > models["draft"]["parameters"] > 0
+    assert {r["model"] for r in results["runs"]} == {str(target)}
+    speculative = next(r for r in results["runs"] if r["speculative"])
+    assert speculative["draft_tokens"] > 0
