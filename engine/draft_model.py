@@ -76,6 +76,18 @@ def draft_layout(model: LlamaForCausalLM, config: EngineConfig) -> KVLayout:
     return KVLayout.for_model(model.config, config.block_size, config.resolved_dtype())
 
 
+def draft_pool_share(
+    model: LlamaForCausalLM, config: EngineConfig, spec: SpeculativeConfig
+) -> tuple[int, int]:
+    """What the draft's pool takes of the target's KV budget (`ModelShard`): bytes per target
+    block (a pool of as many blocks as the target's), or bytes reserved first (a pool of
+    draft_num_kv_blocks); the target's explicit num_kv_blocks leaves the budget alone."""
+    bytes_per_block = draft_layout(model, config).bytes_per_block
+    if spec.draft_num_kv_blocks is None:
+        return bytes_per_block, 0
+    return 0, bytes_per_block * spec.draft_num_kv_blocks
+
+
 class DraftModelProposer:
     """The `Proposer` of the draft_model method: the draft model, its KV pool and block manager,
     and per sequence a draft block table and the count of its tokens whose draft KV is computed
@@ -88,7 +100,8 @@ class DraftModelProposer:
         config: EngineConfig,
         spec: SpeculativeConfig,
     ) -> None:
-        """num_blocks: the draft pool's size (as many blocks as the target's pool holds)."""
+        """num_blocks: the draft pool's size (draft_num_kv_blocks, or as many blocks as the
+        target's pool holds)."""
         device = config.rank_device(0)
         self.layout = draft_layout(model, config)
         self.pool = KVPool(self.layout, num_blocks, device)
@@ -102,10 +115,11 @@ class DraftModelProposer:
         # Catch-up tokens per step, at most (long prompts arriving at once prefill over steps).
         self.max_catch_up = config.max_num_batched_tokens
         logger.info(
-            "speculative decoding: draft model %s, %d KV blocks of %d bytes",
+            "speculative decoding: draft model %s, %d KV blocks of %d bytes (%s)",
             spec.model,
             num_blocks,
             self.layout.bytes_per_block,
+            "draft_num_kv_blocks" if spec.draft_num_kv_blocks else "as many as the target's",
         )
 
     # --- the scheduler's interface (`pdserve.engine.speculation.Proposer`) -------------------

@@ -3,7 +3,9 @@ decoding, greedy and seeded, with a draft that agrees with the target about half
 the target drafting for itself (every greedy draft kept); the drafts are the draft model's own
 greedy continuations (its KV caught up and rolled back exactly); preemption, chunked prefill and
 aborts leave no block of either pool behind; a draft of another vocabulary is refused, naming
-the difference; the scheduler gives back what it reserved for drafts not proposed."""
+the difference; the scheduler gives back what it reserved for drafts not proposed; the draft's
+pool takes draft_num_kv_blocks of the budget where given, and a pool too small for every sequence
+leaves the rest decoding plainly."""
 
 from __future__ import annotations
 
@@ -31,10 +33,16 @@ SEEDED = [
 ]
 
 
-def spec(model: str, k: int = 4) -> str:
+def spec(model: str, k: int = 4, **keys: object) -> str:
     # No adaptive limit: every speculating sequence takes k drafts a step.
     return json.dumps(
-        {"method": "draft_model", "model": model, "num_speculative_tokens": k, "adaptive": False}
+        {
+            "method": "draft_model",
+            "model": model,
+            "num_speculative_tokens": k,
+            "adaptive": False,
+            **keys,
+        }
     )
 
 
@@ -199,3 +207,39 @@ def test_a_tensor_parallel_target_drafts_on_rank_0(plain, draft_dir):
         assert llm.engine.stats.num_accepted_tokens > 0
         assert all_blocks_free(llm)
     assert tokens == plain["greedy"][:2]
+
+
+# --- the draft's pool: its size, and its prefix cache --------------------------------------------
+
+
+def test_draft_num_kv_blocks_sizes_the_draft_pool_and_the_target_takes_the_rest():
+    budget = 16 << 20
+    llm = LLM(TARGET, device="cpu", kv_cache_bytes=budget, speculative_config=spec(TARGET))
+    target, draft = llm.engine.block_manager, llm.engine.proposer.block_manager
+    per_target = llm.engine.layout.bytes_per_block
+    per_draft = llm.engine.proposer.layout.bytes_per_block
+    # Unset: as many blocks as the target's, out of the same budget.
+    assert draft.num_blocks == target.num_blocks == budget // (per_target + per_draft)
+    sized = spec(TARGET, draft_num_kv_blocks=100)
+    llm = LLM(TARGET, device="cpu", kv_cache_bytes=budget, speculative_config=sized)
+    assert llm.engine.proposer.block_manager.num_blocks == 100
+    assert llm.engine.proposer.pool.num_blocks == 100
+    assert llm.engine.block_manager.num_blocks == (budget - 100 * per_draft) // per_target
+    # The target's explicit num_kv_blocks: the draft's pool is just its own size.
+    llm = LLM(TARGET, device="cpu", num_kv_blocks=50, speculative_config=sized)
+    assert llm.engine.block_manager.num_blocks == 50
+    assert llm.engine.proposer.block_manager.num_blocks == 100
+    whole = spec(TARGET, draft_num_kv_blocks=budget // per_draft)
+    with pytest.raises(ValueError, match="leaves no block .* draft_num_kv_blocks"):
+        LLM(TARGET, device="cpu", kv_cache_bytes=budget, speculative_config=whole)
+
+
+def test_a_draft_pool_too_small_for_every_sequence_leaves_the_rest_decoding_plainly(
+    plain, draft_dir
+):
+    small = spec(draft_dir, draft_num_kv_blocks=9)  # 72 draft tokens
+    llm = LLM(TARGET, device="cpu", speculative_config=small, block_size=8)
+    assert [o.token_ids for o in llm.generate(plain["prompts"], GREEDY)] == plain["greedy"]
+    stats = llm.engine.stats
+    assert 0 < stats.num_accepted_tokens and stats.num_draft_tokens < 100
+    assert all_blocks_free(llm)
