@@ -166,6 +166,11 @@ def measure(
                 stats.num_draft_tokens,
                 stats.num_accepted_tokens,
             )
+            draft_cache = getattr(llms[on].engine.proposer, "block_manager", None)
+            if draft_cache is not None:
+                # Each run catches the draft up with its prompts as new requests do, not from
+                # the draft's prefix cache of the warm-up and earlier repeats.
+                draft_cache.reset_prefix_cache()
             seconds, outs = decode_phase(llms[on], prompts, params)
             outputs[on] = outs
             decoded = sum(len(o) - 1 for o in outs)

@@ -138,8 +138,9 @@ class EngineConfig:
         '2-4 tokens in its context; \'{"method": "draft_model", "model": "DIR", '
         '"num_speculative_tokens": 4}\' verifies up to 4 tokens a step proposed greedily by a '
         "draft model of the same vocabulary (a checkpoint directory or an embedded model's name) on "
-        "rank 0, whose KV pool has as many blocks as the node's, out of the same budget "
-        "(unset: off)",
+        "rank 0, whose KV pool has as many blocks as the node's, out of the same budget, or "
+        '"draft_num_kv_blocks" blocks where given (the node\'s pool takes the rest), and caches '
+        "prefixes as the node's does (unset: off)",
     )
 
     def __post_init__(self) -> None:

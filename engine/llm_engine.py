@@ -21,7 +21,7 @@ from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine import cpu_threads
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.draft_model import DraftModelProposer, draft_layout, load_draft_model
+from pdserve.engine.draft_model import DraftModelProposer, draft_pool_share, load_draft_model
 from pdserve.engine.embedded_models import model_name, resolve_model_dir
 from pdserve.engine.grammar import Constraint, Grammars
 from pdserve.engine.kv_cache import KVLayout, KVPool
@@ -421,6 +421,8 @@ class LLMEngine(Engine):
         if speculation is not None and speculation.method == "draft_model":
             # Before the target's pool is sized: the draft's weights take device memory first.
             draft_model = load_draft_model(speculation, config, self.model_dir)
+        # What the draft's pool takes of the target's KV budget.
+        draft_share = draft_pool_share(draft_model, config, speculation) if draft_model else (0, 0)
         self.ranks = None
         group = None
         self._placement_before: cpu_threads.CpuPlacement | None = None
@@ -465,8 +467,8 @@ class LLMEngine(Engine):
                 shard,
                 group,
                 pool_factory,
-                # The draft's pool has as many blocks as the target's, out of the same budget.
-                draft_layout(draft_model, config).bytes_per_block if draft_model else 0,
+                shared_bytes_per_block=draft_share[0],
+                reserved_bytes=draft_share[1],
             )
         except BaseException as exc:
             if self._placement_before is not None:  # this process's threads as they were
@@ -486,7 +488,8 @@ class LLMEngine(Engine):
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
         proposer = None
         if draft_model is not None:
-            proposer = DraftModelProposer(draft_model, self.shard.num_blocks, config, speculation)
+            num_draft_blocks = speculation.draft_num_kv_blocks or self.shard.num_blocks
+            proposer = DraftModelProposer(draft_model, num_draft_blocks, config, speculation)
         super().__init__(
             config,
             layout,

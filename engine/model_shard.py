@@ -36,12 +36,16 @@ class ModelShard:
         group: TPGroup | None = None,
         pool_factory: PoolFactory | None = None,
         shared_bytes_per_block: int = 0,
+        reserved_bytes: int = 0,
     ) -> None:
         """pool_factory(layout, num_blocks) makes the KV pool of this rank's heads (e.g. a KV
         receiver's, in shared memory); by default a plain tensor on the device.
         shared_bytes_per_block: another pool of as many blocks takes this many bytes per block
-        out of the same budget (a draft model's, on rank 0)."""
+        out of the same budget (a draft model's, on rank 0). reserved_bytes: another pool of a
+        size of its own takes this many bytes of the budget first (a draft model's, sized by
+        its draft_num_kv_blocks). Neither applies where config.num_kv_blocks is given."""
         self.shared_bytes_per_block = shared_bytes_per_block
+        self.reserved_bytes = reserved_bytes
         self.config = config
         self.shard = shard
         self.group = group
@@ -84,6 +88,14 @@ class ModelShard:
             budget = int(free * self.config.gpu_memory_utilization)
         else:
             budget = (self.config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // self.shard.size
+        if self.reserved_bytes:
+            if budget - self.reserved_bytes < self.layout.bytes_per_block:
+                raise ValueError(
+                    f"the KV budget of {budget} bytes leaves no block of {self.layout} once "
+                    f"{self.reserved_bytes} bytes are taken for the draft model's pool "
+                    "(speculative_config draft_num_kv_blocks)"
+                )
+            budget -= self.reserved_bytes
         return max(0, budget // (self.layout.bytes_per_block + self.shared_bytes_per_block))
 
     def _compile(self) -> None:

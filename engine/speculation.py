@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 METHODS = ("ngram", "draft_model")
 NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+DRAFT_MODEL_KEYS = ("model", "draft_tensor_parallel_size", "draft_num_kv_blocks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,9 @@ class SpeculativeConfig:
     # vLLM's key: a step whose batch holds more running sequences than this verifies no drafts
     # (where extra rows cost a step much, as on a CPU, speculation pays at small batches only)
     disable_by_batch_size: int | None = None
+    # pdserve's own key: the draft's KV pool in blocks, the target's taking the rest of the budget
+    # (unset: as many blocks as the target's pool, out of the same budget)
+    draft_num_kv_blocks: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -96,7 +100,7 @@ class SpeculativeConfig:
                     "whole on rank 0"
                 )
         else:
-            draft_only = [key for key in ("model", "draft_tensor_parallel_size") if key in raw]
+            draft_only = [key for key in DRAFT_MODEL_KEYS if key in raw]
             if draft_only:
                 raise ValueError(
                     f"speculative_config {draft_only[0]} is the draft_model method's, not ngram's"

@@ -108,6 +108,22 @@ def test_a_sequence_keeps_its_drafts_up_to_the_first_the_target_disagrees_with()
             '"draft_tensor_parallel_size": 2}',
             "draft_tensor_parallel_size must be 1",
         ),
+        (
+            '{"num_speculative_tokens": 2, "draft_num_kv_blocks": 64}',
+            "draft_num_kv_blocks is the draft_model method's",
+        ),
+        (
+            '{"model": "pdserve-tiny", "num_speculative_tokens": 2, "draft_num_kv_blocks": 0}',
+            "draft_num_kv_blocks must be a positive integer",
+        ),
+        (
+            '{"model": "pdserve-tiny", "num_speculative_tokens": 2, "draft_num_kv_blocks": 1.5}',
+            "draft_num_kv_blocks must be a positive integer",
+        ),
+        (
+            '{"model": "pdserve-tiny", "num_speculative_tokens": 2, "draft_num_kv_blocks": true}',
+            "draft_num_kv_blocks must be a positive integer",
+        ),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"num_speculative_tokens": 0}', "must be a positive integer"),
         ('{"num_speculative_tokens": 2, "lookahead": 1}', "unknown key 'lookahead'"),
@@ -120,6 +136,15 @@ def test_a_sequence_keeps_its_drafts_up_to_the_first_the_target_disagrees_with()
 def test_a_malformed_speculative_config_is_refused_where_it_is_given(text, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=text)
+
+
+def test_the_draft_pool_size_is_a_key_of_the_draft_model_method():
+    text = '{"model": "pdserve-tiny", "num_speculative_tokens": 2, "draft_num_kv_blocks": 64}'
+    assert SpeculativeConfig.parse(text).draft_num_kv_blocks == 64
+    assert (
+        SpeculativeConfig.parse(text.replace(', "draft_num_kv_blocks": 64', "")).draft_num_kv_blocks
+        is None
+    )
 
 
 def test_verification_samples_each_position_from_the_targets_distribution():
