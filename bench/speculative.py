@@ -118,13 +118,16 @@ def first_layers_checkpoint(model_dir: Path, out_dir: Path, num_layers: int) -> 
 
 
 def speculative_config(args: argparse.Namespace, target: str, scratch: Path) -> str:
+    config: dict = {"method": args.method, "num_speculative_tokens": args.k}
+    if args.disable_by_batch_size is not None:
+        config["disable_by_batch_size"] = args.disable_by_batch_size
     if args.method == "ngram":
-        return json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
+        return json.dumps(config)
     draft = args.draft
     if draft is None:
         out = scratch / f"{Path(target).name}-first-{args.draft_layers}"
         draft = str(first_layers_checkpoint(resolve_model_dir(target), out, args.draft_layers))
-    return json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": args.k})
+    return json.dumps({**config, "model": draft})
 
 
 def measure(
@@ -230,6 +233,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="every workload's target model (a checkpoint directory or a model's name; unset: "
         "each workload's own), e.g. one trained with pdserve.engine.stories.train",
+    )
+    p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the speculative config's disable_by_batch_size (unset: speculate at any batch)",
     )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

@@ -49,3 +49,12 @@ def test_a_run_with_a_target_of_its_own_names_both_models(tmp_path):
     assert {r["model"] for r in results["runs"]} == {str(target)}
     speculative = next(r for r in results["runs"] if r["speculative"])
     assert speculative["draft_tokens"] > 0
+
+
+def test_disable_by_batch_size_reaches_the_engines(tmp_path):
+    out = tmp_path / "spec.json"
+    argv = ["--workloads", "stories", "--batches", "1,2", "--max-tokens", "32", "--repeats", "1"]
+    main([*argv, "--disable-by-batch-size", "1", "--json-out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    drafts = {r["batch"]: r["draft_tokens"] for r in runs if r["speculative"]}
+    assert drafts[1] > 0 and drafts[2] == 0  # two running: over the limit, plain steps
