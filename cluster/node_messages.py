@@ -119,6 +119,9 @@ class Heartbeat(Message, tag="heartbeat"):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # A draft model's tokens (since start): computed to catch its KV up, and found in its cache
+    spec_draft_catch_up_tokens: int = 0
+    spec_draft_cached_tokens: int = 0
     kv_integrity_failures: int = 0  # decode nodes: sends whose pages failed their digest check
     # Its KV event stream (the one its registration named) and the records of it not yet
     # acknowledged, oldest first, a bounded number of hashes per report.

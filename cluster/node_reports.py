@@ -59,6 +59,8 @@ def engine_heartbeat(
         spec_draft_tokens=load.spec_draft_tokens,
         spec_accepted_tokens=load.spec_accepted_tokens,
         spec_accepted_per_position=load.spec_accepted_per_position,
+        spec_draft_catch_up_tokens=load.spec_draft_catch_up_tokens,
+        spec_draft_cached_tokens=load.spec_draft_cached_tokens,
         pending_transfers=pending_transfers,
         kv_error=kv_error,
         kv_tiers=tier_report(load.kv_tiers, load.kv_tier_blocks),

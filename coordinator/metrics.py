@@ -137,6 +137,18 @@ class ClusterCollector:
             "Accepted draft tokens by their position among a step's drafts (0: the first)",
             labels=["node", "position"],
         )
+        catch_up = CounterMetricFamily(
+            "pdserve_spec_decode_draft_catch_up_tokens",
+            "Tokens a node's draft model computed to catch its KV up with its sequences (after a "
+            "handoff, the prompt; since it started)",
+            labels=["node"],
+        )
+        draft_cached = CounterMetricFamily(
+            "pdserve_spec_decode_draft_cached_tokens",
+            "Tokens a node's draft model found in its own prefix cache instead of computing them "
+            "(since it started)",
+            labels=["node"],
+        )
         tiers = tier_families()
         computed = CounterMetricFamily(
             "pdserve_prefill_tokens_computed",
@@ -161,6 +173,9 @@ class ClusterCollector:
                 accepted.add_metric([node.node_id], node.spec_accepted_tokens)
                 for position, count in enumerate(node.spec_accepted_per_position):
                     per_position.add_metric([node.node_id, str(position)], count)
+            if node.spec_draft_catch_up_tokens:
+                catch_up.add_metric([node.node_id], node.spec_draft_catch_up_tokens)
+                draft_cached.add_metric([node.node_id], node.spec_draft_cached_tokens)
             if node.kv_tiers is not None:
                 add_tiers(tiers, node.node_id, node.kv_tiers)
             if node.role is NodeRole.DECODE:
@@ -202,6 +217,8 @@ class ClusterCollector:
         yield drafts
         yield accepted
         yield per_position
+        yield catch_up
+        yield draft_cached
         yield index
         yield from tiers.values()
         yield computed

@@ -46,6 +46,8 @@ class NodeState:
     spec_draft_tokens: int = 0  # speculative decoding's verified drafts (since it started)
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # by draft position
+    spec_draft_catch_up_tokens: int = 0  # a draft model's tokens computed to catch its KV up
+    spec_draft_cached_tokens: int = 0  # and those its prefix cache held (since it started)
     kv_tiers: KVTierReport | None = None  # its KV tiers below the pool (since it started)
     prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
 
@@ -109,6 +111,8 @@ class NodeRegistry:
         node.spec_draft_tokens = msg.spec_draft_tokens
         node.spec_accepted_tokens = msg.spec_accepted_tokens
         node.spec_accepted_per_position = list(msg.spec_accepted_per_position)
+        node.spec_draft_catch_up_tokens = msg.spec_draft_catch_up_tokens
+        node.spec_draft_cached_tokens = msg.spec_draft_cached_tokens
         node.kv_tiers = msg.kv_tiers
         node.prefill_tokens_computed = msg.prefill_tokens_computed
         node.reserved_blocks = 0

@@ -80,6 +80,9 @@ class EngineLoad:
     spec_draft_tokens: int = 0  # speculative decoding's verified drafts (since start)
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # A draft model's prompt tokens: computed to catch its KV up, and taken from its prefix cache
+    spec_draft_catch_up_tokens: int = 0
+    spec_draft_cached_tokens: int = 0
     kv_tiers: TierStats | None = None  # the KV tiers under the pool, if any (since start)
     kv_tier_blocks: dict[str, int] = field(default_factory=dict)  # blocks each tier holds now
     prefill_tokens_computed: int = 0  # prompt tokens whose KV steps computed (since start)
@@ -284,6 +287,9 @@ class Engine:
             spec_draft_tokens=self.stats.num_draft_tokens,
             spec_accepted_tokens=self.stats.num_accepted_tokens,
             spec_accepted_per_position=list(self.stats.accepted_per_position),
+            # A draft model's proposer counts these (n-gram lookup has no draft KV).
+            spec_draft_catch_up_tokens=getattr(self.proposer, "num_catch_up_tokens", 0),
+            spec_draft_cached_tokens=getattr(self.proposer, "num_cached_tokens", 0),
             kv_tiers=tiers.stats if tiers is not None else None,
             kv_tier_blocks=tiers.num_blocks() if tiers is not None else {},
             prefill_tokens_computed=sched.num_prefill_tokens_computed,
