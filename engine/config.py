@@ -140,7 +140,8 @@ class EngineConfig:
         "draft model of the same vocabulary (a checkpoint directory or an embedded model's name) on "
         "rank 0, whose KV pool has as many blocks as the node's, out of the same budget, or "
         '"draft_num_kv_blocks" blocks where given (the node\'s pool takes the rest), and caches '
-        "prefixes as the node's does (unset: off)",
+        'prefixes as the node\'s does; "disable_by_batch_size": N verifies no drafts in a step '
+        "whose batch runs more than N sequences (unset: off)",
     )
 
     def __post_init__(self) -> None:

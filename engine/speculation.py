@@ -16,7 +16,8 @@ it, as rejection sampling would.
 Sequences that speculate: running decodes (one token to compute), not a prefill node's, and
 without logprobs, penalties or a structured output (each of those reads the sequence's tokens up to
 the sampled position); the others decode as always, in the same batch. How many drafts a sequence
-proposes follows its own acceptance so far (`pdserve.engine.draft_pacing`), unless the config's `adaptive` is off.
+proposes follows its own acceptance so far (`pdserve.engine.draft_pacing`), unless the config's
+`adaptive` is off.
 
 The scheduler asks a `Proposer` in two phases: `limit` (how many drafts a sequence may take, so
 its blocks and the step's tokens are reserved before anything is proposed), then `draft` for every
