@@ -62,10 +62,18 @@ def counters(base_url: str) -> dict[str, int]:
     return {key: total(name) for key, name in COUNTERS.items()}
 
 
-def settle(base_url: str, seconds: float = 1.5) -> dict[str, int]:
-    """Counters once the nodes' next load reports are in (they come every 0.5 s)."""
-    time.sleep(seconds)
-    return counters(base_url)
+def settle(base_url: str, quiet_s: float = 2.0, timeout_s: float = 60.0) -> dict[str, int]:
+    """Counters once the nodes' load reports (every 0.5 s) have stopped changing them for
+    quiet_s: on a loaded machine a node's report can lag the work it counts by more than a
+    fixed wait (a run once read half its prompt tokens after a 1.5 s sleep)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = counters(base_url), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = counters(base_url)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
 
 
 def run_mode(name: str, args: argparse.Namespace, workload: MultiTurnWorkload, work: Path) -> dict:
