@@ -120,7 +120,14 @@ class NodeLink:
         """The snapshot the heartbeat thread reports from now on (its seq is set here)."""
         self._last_load = time.monotonic()
         seq = (self._load.seq + 1) if self._load is not None else 1
-        self._load = msgspec.structs.replace(load, node_id=self.node_id, seq=seq)
+        link = self.session.session
+        self._load = msgspec.structs.replace(
+            load,
+            node_id=self.node_id,
+            seq=seq,
+            link_session=link.session,
+            link_sent=link.next_seq - 1,
+        )
         if self._heartbeats.ident is None and not self._stopped.is_set():
             self._heartbeats.start()  # once: it lives until close()
 

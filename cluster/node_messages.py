@@ -12,7 +12,8 @@ import msgspec
 from pdserve.cluster.codec import Codec, Message
 from pdserve.cluster.sampling_params import SamplingParams
 
-NODE_PROTOCOL_VERSION = 4  # 3: frames end with a digest; 4: KV event streams
+NODE_PROTOCOL_VERSION = 5  # 3: frames end with a digest; 4: KV event streams; 5: load reports
+# carry their link fence (link_session, link_sent) and a draft model's catch-up counts
 
 
 class NodeRole(enum.StrEnum):
@@ -119,9 +120,6 @@ class Heartbeat(Message, tag="heartbeat"):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
-    # A draft model's tokens (since start): computed to catch its KV up, and found in its cache
-    spec_draft_catch_up_tokens: int = 0
-    spec_draft_cached_tokens: int = 0
     kv_integrity_failures: int = 0  # decode nodes: sends whose pages failed their digest check
     # Its KV event stream (the one its registration named) and the records of it not yet
     # acknowledged, oldest first, a bounded number of hashes per report.
@@ -129,6 +127,13 @@ class Heartbeat(Message, tag="heartbeat"):
     kv_events: list[KVEventRecord] = []
     kv_tiers: KVTierReport | None = None  # its KV tiers below the pool, if it has any
     prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
+    # Its main link's session and how many messages it had sent there when the snapshot was
+    # taken: a snapshot whose count reaches a message the coordinator received postdates it.
+    link_session: int = 0
+    link_sent: int = 0
+    # A draft model's tokens (since start): computed to catch its KV up, and found in its cache
+    spec_draft_catch_up_tokens: int = 0
+    spec_draft_cached_tokens: int = 0
 
 
 class HandoffReady(Message, tag="handoff_ready"):

@@ -401,6 +401,15 @@ class Coordinator:
             for identity, *rest in self._node_faults.arrive(frames, skip=1):
                 self._on_node_frames(identity, rest)
 
+    def received_from(self, identity: bytes) -> tuple[int, int]:
+        """The link session of the node behind identity, and how many of its messages were
+        handed on (0, 0 if none): a load snapshot that counts as many sent (`Heartbeat.link_sent`
+        in that session) was taken after the node sent the last of them. Call on the loop."""
+        session = self._sessions.get(identity)
+        if session is None:
+            return 0, 0
+        return session.peer_session, session.expected - 1
+
     def _on_node_frames(self, identity: bytes, frames: list[bytes]) -> None:
         """One message received from a node socket: bare (one frame), or in a link session."""
         now = time.monotonic()

@@ -50,6 +50,9 @@ class NodeState:
     spec_draft_cached_tokens: int = 0  # and those its prefix cache held (since it started)
     kv_tiers: KVTierReport | None = None  # its KV tiers below the pool (since it started)
     prefill_tokens_computed: int = 0  # prompt tokens whose KV its steps computed (since start)
+    # Of the last snapshot applied: the node's link session, and the messages it had sent there
+    load_link_session: int = 0
+    load_link_sent: int = 0
 
     @property
     def decodes(self) -> bool:
@@ -115,6 +118,8 @@ class NodeRegistry:
         node.spec_draft_cached_tokens = msg.spec_draft_cached_tokens
         node.kv_tiers = msg.kv_tiers
         node.prefill_tokens_computed = msg.prefill_tokens_computed
+        node.load_link_session = msg.link_session
+        node.load_link_sent = msg.link_sent
         node.reserved_blocks = 0
         node.assigned_prefill_tokens = 0
         return node

@@ -125,17 +125,31 @@ class Cluster:
         return self.coordinator.nodes.nodes[node_id]
 
     def wait_until_idle(self, timeout_s: float = 30.0) -> None:
-        """Until every live node reports all its KV blocks free and nothing running, in the
-        second load snapshot or later to arrive after this call. A node sets a snapshot at most
-        once a heartbeat interval and its heartbeat thread sends the latest, so on a loaded
-        machine even that one can predate a short run: counters are waited for themselves
-        (`wait_for_report`)."""
+        """Until every live node reports all its KV blocks free and nothing running, in a load
+        snapshot the node took after sending every message the coordinator had received from it
+        when this was called (so after the work it reported), and after this call."""
         deadline = time.monotonic() + timeout_s
-        seen = {n.node_id: n.load_seq for n in self.coordinator.nodes.alive()}
+
+        async def fences() -> dict[str, tuple[int, int, int]]:
+            return {
+                n.node_id: (n.load_seq, *self.coordinator.received_from(n.identity))
+                for n in self.coordinator.nodes.alive()
+            }
+
+        seen = self.call(fences())
+
+        def after(n) -> bool:  # noqa: ANN001
+            seq, session, received = seen.get(n.node_id, (-1, 0, 0))
+            if session and n.load_link_session == session:
+                return n.load_seq > seq and n.load_link_sent >= received
+            if session and n.load_link_session:
+                return True  # a new incarnation of the node since the call
+            return n.load_seq > seq  # none of its messages had arrived at the call
+
         while time.monotonic() < deadline:
             nodes = self.coordinator.nodes.alive()
             if nodes and all(
-                n.load_seq > seen.get(n.node_id, -1) + 1  # a snapshot taken after the call
+                after(n)
                 and n.free_blocks == n.num_blocks
                 and n.running == 0
                 and n.waiting == 0
