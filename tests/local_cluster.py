@@ -162,8 +162,8 @@ class Cluster:
         raise AssertionError(f"nodes not idle after {timeout_s}s: {state}")
 
     def wait_for_report(self, node_id: str, condition, what: str, timeout_s: float = 30.0):  # noqa: ANN001, ANN201
-        """The node's state once a load report makes condition(state) true (counters a test
-        reads arrive with a report: an idle node's report may still predate the work)."""
+        """The node's state once its load reports make condition(state) true (the counters a
+        test reads reach the coordinator with those reports)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             node = self.coordinator.nodes.nodes.get(node_id)

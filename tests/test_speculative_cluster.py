@@ -49,7 +49,7 @@ def expected(offline: LLM) -> list[list[int]]:
 
 
 def drafted(node) -> bool:  # noqa: ANN001
-    """An idle node's report counting drafts (the first report after a run may predate it)."""
+    """An idle node's report that counts drafts."""
     return node.spec_draft_tokens > 0 and node.running == 0 and node.waiting == 0
 
 
