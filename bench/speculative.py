@@ -201,7 +201,7 @@ def describe_model(name: str) -> dict:
     `pdserve.engine.stories.train`, its shape and recipe (so the figure names how it was made)."""
     from safetensors import safe_open
 
-    path = resolve_model_dir(name) if name.startswith("pdserve-") else Path(name)
+    path = resolve_model_dir(name) if name.startswith("pdserve-") else bench_models.resolve(name)
     parameters = 0
     for file in checkpoint_files(path):
         with safe_open(str(file), "pt") as f:
@@ -251,6 +251,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     record = provenance.start(sys.argv if argv is None else [__file__, *argv])
+    # Described first: a model named wrongly fails here, not after the whole run.
+    models = {
+        role: describe_model(name)
+        for role, name in (("target", args.target), ("draft", args.draft))
+        if name
+    }
     runs, rounds = [], []
     with tempfile.TemporaryDirectory(prefix="pdserve-drafts-") as scratch:
         for workload in args.workloads.split(","):
@@ -264,11 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
                 rounds += every
     result = provenance.finish(record) | {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "models": {
-            role: describe_model(name)
-            for role, name in (("target", args.target), ("draft", args.draft))
-            if name
-        },
+        "models": models,
         "runs": [
             asdict(r) for r in runs
         ],  # the best of each pair's repeats, plain then speculative

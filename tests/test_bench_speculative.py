@@ -58,3 +58,11 @@ def test_disable_by_batch_size_reaches_the_engines(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     drafts = {r["batch"]: r["draft_tokens"] for r in runs if r["speculative"]}
     assert drafts[1] > 0 and drafts[2] == 0  # two running: over the limit, plain steps
+
+
+def test_a_bench_model_named_as_the_target_is_described(tmp_path):
+    out = tmp_path / "spec.json"
+    argv = ["--target", "llama-9m", "--workloads", "sampled", "--batches", "1", "--repeats", "1"]
+    main([*argv, "--max-tokens", "8", "--json-out", str(out)])
+    target = json.loads(out.read_text())["models"]["target"]
+    assert target["parameters"] > 0 and "llama-9m" in target["path"]
