@@ -59,7 +59,7 @@ from pdserve.bench.process_tree import Sessions
 from pdserve.bench.soak import kv_blocks
 from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.schema import defaults
-from pdserve.engine.embedded_models import TINY, model_name
+from pdserve.engine.embedded.catalog import TINY, model_name
 from pdserve.engine.llm import LLM
 from pdserve.tune import provenance
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve import SOURCE_ROOT
 from pdserve.bench.process_tree import Sessions
 from pdserve.bench.serving.process_memory import pdserve_processes, resident_mib
-from pdserve.engine.embedded_models import EMBEDDED, resolve_model_dir
+from pdserve.engine.embedded.catalog import EMBEDDED, resolve_model_dir
 from pdserve.tune.local_server import SINGLE_THREAD_ENV, free_port, stop_session
 
 # The fault variables a phase sets; every other phase runs with neither, whatever this process's

@@ -16,7 +16,7 @@ from pdserve.bench.soak import WORDS
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.detokenizer import IncrementalDetokenizer, TokenVocabulary
 from pdserve.coordinator.stop_strings import StopStringMatcher
-from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.embedded.catalog import resolve_model_dir
 from pdserve.engine.llm import LLM
 
 # Stop strings that the embedded models' outputs hold often enough for some requests to end on

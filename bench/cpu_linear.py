@@ -1,4 +1,4 @@
-"""The packed linear layers of CPU nodes (`pdserve.engine.cpu_linear`), side by side in one process: their
+"""The packed linear layers of CPU nodes (`pdserve.engine.cpu.linear`), side by side in one process: their
 time per call at each row count against oneDNN called on the rows as they come (what the engine
 did before it padded them) and against F.linear; and the memory oneDNN keeps for the row counts
 each way meets.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from pdserve.engine import cpu_linear
+from pdserve.engine.cpu import linear as cpu_linear
 from pdserve.tune import provenance
 
 # pdserve-stories: qkv, o, gate_up, down and lm_head as (out, in).

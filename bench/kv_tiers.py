@@ -1,6 +1,6 @@
 """KV tier bandwidth: GB/s of writing n blocks of a Llama-3-8B-shaped layout (32 layers x K/V x 16
 tokens x 8 heads x 128 dims) from a node's pool down to its host tier, and of loading them back,
-through the tiers' own code (`pdserve.engine.kv_tiers`: a copy job per batch on the tiers'
+through the tiers' own code (`pdserve.engine.kv.tiers`: a copy job per batch on the tiers'
 thread, collected by a poll, as the step loop does), beside a plain copy of the same bytes
 between the same two tensors (`copy_` of each block, on the calling thread). On a GPU the pool is
 on the device and the host tier pinned; on a CPU both are host memory.
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.host_tier import HostTier
-from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.engine.kv_tiers import KVTiers
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVLayout, KVPool
+from pdserve.engine.kv.host_tier import HostTier
+from pdserve.engine.kv.tiers import KVTiers
 from pdserve.tune import provenance
 
 

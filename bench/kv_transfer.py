@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 from pdserve.kv_transfer.shm import map_pool
 from pdserve.tune import provenance
 from pdserve.tune.transfer_probe import SECURITY, TransferProbe

@@ -36,16 +36,16 @@ import torch
 
 from pdserve import SOURCE_ROOT
 from pdserve.cluster.sampling_params import SamplingParams
-from pdserve.engine.decode_graphs import DecodeGraphs
-from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.engine.loader import build_model
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.execution.decode_graphs import DecodeGraphs
+from pdserve.engine.execution.runner import ModelRunner
+from pdserve.engine.kv.cache import KVLayout, KVPool
+from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.loader import build_model
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.tp_group import TPGroup, host_store
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.group import TPGroup, host_store
+from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.ops import select_ops
 
 PRESETS = {

@@ -28,11 +28,11 @@ import torch
 
 from pdserve.bench.kernels import graph_time_ms
 from pdserve.bench.model_step import copy_gbps, matmul_tflops, median_ms
-from pdserve.engine import cpu_linear
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.cpu import linear as cpu_linear
+from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.llama import MLP
 from pdserve.engine.models.moe import SparseMoE
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.ops import REFERENCE, select_ops
 from pdserve.tune import provenance
 

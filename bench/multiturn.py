@@ -29,9 +29,9 @@ import httpx
 
 from pdserve.bench.serve_load import HelpFormatter, length_range
 from pdserve.bench.serving.multiturn import MultiTurnWorkload, TurnResult, run_sessions
-from pdserve.engine.embedded_models import TINY, resolve_model_dir
-from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.embedded.catalog import TINY, resolve_model_dir
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.models.config import ModelConfig
 from pdserve.tune import provenance
 from pdserve.tune.local_server import PdserveServer, PdserveSystem, free_port
 from pdserve.tune.serving_metrics import percentile

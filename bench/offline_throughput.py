@@ -95,7 +95,7 @@ def model_config(args: argparse.Namespace) -> dict:
 def write_model(out_dir: Path, cfg: dict, seed: int) -> None:
     """A random-weight checkpoint with the pdserve-tiny tokenizer files (prompts are token ids, so
     the tokenizer is only loaded, never used)."""
-    from pdserve.engine.tiny_model import ensure_tiny_model, write_checkpoint
+    from pdserve.engine.embedded.tiny import ensure_tiny_model, write_checkpoint
 
     write_checkpoint(out_dir, cfg, seed)
     tiny = ensure_tiny_model()
@@ -211,7 +211,7 @@ class StepTimer:
     `close()`. The wrappers cost a few perf_counter calls per step."""
 
     def __init__(self, engine) -> None:
-        import pdserve.engine.model_executor as executor_module
+        import pdserve.engine.execution.executor as executor_module
 
         self.engine = engine
         self.profile = StepProfile()

@@ -1,5 +1,5 @@
 """What handing a step's plan to the other tensor-parallel ranks costs in encoding: the pickle the
-engine uses (`pdserve.engine.plan_channel`) against msgspec's msgpack of the same arrays, the
+engine uses (`pdserve.engine.tp.plan_channel`) against msgspec's msgpack of the same arrays, the
 round trip (encode, decode back into a `StepPlan`) timed side by side in one process.
 
     python -m pdserve.bench.plan_codec

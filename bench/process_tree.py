@@ -56,7 +56,7 @@ def rank_pid(node_pid: int, rank: int = 1) -> int | None:
     for pid, cmdline in children(node_pid):
         if f"pdserve-tp-rank{rank}" in cmdline:
             return pid
-    ranks = [pid for pid, cmdline in children(node_pid) if "pdserve.engine.tp_worker" in cmdline]
+    ranks = [pid for pid, cmdline in children(node_pid) if "pdserve.engine.tp.worker" in cmdline]
     return ranks[rank - 1] if len(ranks) >= rank else None  # not titled yet: spawn order
 
 

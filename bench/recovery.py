@@ -50,7 +50,7 @@ from pdserve.cluster.schema import defaults
 from pdserve.coordinator import coordinator as coordinator_module
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.embedded_models import default_model
+from pdserve.engine.embedded.catalog import default_model
 from pdserve.tune import provenance
 
 # --- the settings that bound the figures -------------------------------------------------------

@@ -31,7 +31,7 @@ from pdserve.bench.recovery_record import (
 )
 from pdserve.coordinator.detokenizer import TokenVocabulary
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.embedded.catalog import resolve_model_dir
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.supervisor import Supervisor
 from pdserve.tune.local_server import free_port

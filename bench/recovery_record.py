@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.embedded.catalog import resolve_model_dir
 
 KINDS = ("decode", "prefill", "coordinator", "tp-rank")
 AIM_S = {"decode": 2.0, "prefill": 2.0, "coordinator": 5.0, "tp-rank": 2.0}  # issue 33's aims

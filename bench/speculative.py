@@ -39,8 +39,8 @@ from pathlib import Path
 
 from pdserve.bench.peers import models as bench_models
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.embedded_models import resolve_model_dir
-from pdserve.engine.weights import checkpoint_files
+from pdserve.engine.embedded.catalog import resolve_model_dir
+from pdserve.engine.models.weights import checkpoint_files
 from pdserve.tune import provenance
 
 WORKLOADS = {
@@ -198,7 +198,7 @@ def measure(
 
 def describe_model(name: str) -> dict:
     """A model the run names: its directory, parameter count and, for one trained by
-    `pdserve.engine.stories.train`, its shape and recipe (so the figure names how it was made)."""
+    `pdserve.bench.stories.train`, its shape and recipe (so the figure names how it was made)."""
     from safetensors import safe_open
 
     path = resolve_model_dir(name) if name.startswith("pdserve-") else bench_models.resolve(name)
@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target",
         default=None,
         help="every workload's target model (a checkpoint directory or a model's name; unset: "
-        "each workload's own), e.g. one trained with pdserve.engine.stories.train",
+        "each workload's own), e.g. one trained with pdserve.bench.stories.train",
     )
     p.add_argument(
         "--disable-by-batch-size",

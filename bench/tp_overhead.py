@@ -2,7 +2,7 @@
 on CPU, NCCL on GPU), the model's own compute left out:
 
 - the plan handoff: rank 0 hands a step's plan to rank 1 through the shared-memory channel the
-  engine uses (`engine/plan_channel.py`), or as torch.distributed's broadcast_object_list does it
+  engine uses (`engine/tp/plan_channel.py`), or as torch.distributed's broadcast_object_list does it
   (pickle, broadcast the length, broadcast the bytes), for decode steps of 1 to 256 sequences and
   a 2048-token prefill; each is timed with a 1-element all-reduce that ends the step, whose own
   time (the `barrier` row) is subtracted;
@@ -31,12 +31,12 @@ import torch
 
 from pdserve import SOURCE_ROOT
 from pdserve.cluster.sampling_params import SamplingParams
-from pdserve.engine.plan_channel import PlanChannel, plan_capacity
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_plan import StepPlan
-from pdserve.engine.tp_group import TPGroup, host_store
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.group import TPGroup, host_store
+from pdserve.engine.tp.plan_channel import PlanChannel, plan_capacity
+from pdserve.engine.tp.shard import TPShard
 from pdserve.tune import provenance
 
 REPO = Path(__file__).resolve().parents[1]

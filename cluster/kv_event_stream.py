@@ -42,7 +42,7 @@ def unpack_hashes(data: bytes) -> list[int]:
 
 
 class EventSource(Protocol):
-    """The engine's event log (`pdserve.engine.kv_events.KVEvents`): batches with `stored`,
+    """The engine's event log (`pdserve.engine.kv.events.KVEvents`): batches with `stored`,
     `tier` and `hashes`, oldest first, each drained once."""
 
     def drain(self) -> list[Any]: ...

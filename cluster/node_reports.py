@@ -69,7 +69,7 @@ def engine_heartbeat(
 
 
 def tier_report(stats: Any, blocks: dict[str, int]) -> KVTierReport | None:
-    """A node's KV tier counters (`pdserve.engine.kv_tiers.TierStats`) as they travel."""
+    """A node's KV tier counters (`pdserve.engine.kv.tiers.TierStats`) as they travel."""
     if stats is None:
         return None
     return KVTierReport(

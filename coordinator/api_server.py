@@ -35,7 +35,7 @@ from pdserve.coordinator.serving import OpenAIServing
 from pdserve.coordinator.serving_chat import OpenAIServingChat
 from pdserve.coordinator.serving_completion import OpenAIServingCompletion
 from pdserve.coordinator.serving_tokenization import OpenAIServingTokenization
-from pdserve.engine.embedded_models import model_name
+from pdserve.engine.embedded.catalog import model_name
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.node_messages import TransferDone
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_tiers import KVTiers
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.tiers import KVTiers
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer.base import KVReceiver, TransferResult, TransportFailed
 

@@ -35,10 +35,10 @@ from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.decode_node.handoff import DecodeHandoff
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.tp_shard import kv_head_ranges
+from pdserve.engine.tp.shard import kv_head_ranges
 from pdserve.kv_transfer.base import KVReceiver, TransferResult, TransportFailed
 
 logger = logging.getLogger(__name__)

@@ -156,7 +156,7 @@ class EngineConfig:
                 f"tensor_parallel_size {self.tensor_parallel_size}"
             )
         if self.cpu_bind is not None and self.cpu_bind != "auto":
-            from pdserve.engine.cpu_threads import parse_cores
+            from pdserve.engine.cpu.threads import parse_cores
 
             parse_cores(self.cpu_bind)
 
@@ -164,7 +164,7 @@ class EngineConfig:
         """The parsed speculative_config, or None when speculation is off."""
         if self.speculative_config is None:
             return None
-        from pdserve.engine.speculation import SpeculativeConfig
+        from pdserve.engine.spec_decode.speculation import SpeculativeConfig
 
         return SpeculativeConfig.parse(self.speculative_config)
 

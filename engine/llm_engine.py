@@ -18,27 +18,31 @@ from typing import Any
 import torch
 
 from pdserve.cluster.sampling_params import SamplingParams
-from pdserve.engine import cpu_threads
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.draft_model import DraftModelProposer, draft_pool_share, load_draft_model
-from pdserve.engine.embedded_models import model_name, resolve_model_dir
+from pdserve.engine.cpu import threads as cpu_threads
+from pdserve.engine.cpu.thread_governor import CpuTimes, ThreadGovernor
+from pdserve.engine.embedded.catalog import model_name, resolve_model_dir
+from pdserve.engine.execution.executor import Executor, ModelExecutor, SampledTokens, StepStats
 from pdserve.engine.grammar import Constraint, Grammars
-from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.engine.kv_events import KVEvents
-from pdserve.engine.kv_tiers import KVTiers, TierStats, tiers_for
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_executor import Executor, ModelExecutor, SampledTokens, StepStats
-from pdserve.engine.model_shard import ModelShard, PoolFactory
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVLayout, KVPool
+from pdserve.engine.kv.events import KVEvents
+from pdserve.engine.kv.tiers import KVTiers, TierStats, tiers_for
+from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.speculation import NgramProposer, Proposer
-from pdserve.engine.thread_governor import CpuTimes, ThreadGovernor
+from pdserve.engine.spec_decode.draft_model import (
+    DraftModelProposer,
+    draft_pool_share,
+    load_draft_model,
+)
+from pdserve.engine.spec_decode.speculation import NgramProposer, Proposer
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.tp_executor import TPExecutor
-from pdserve.engine.tp_group import TPGroup
-from pdserve.engine.tp_ranks import RankProcesses, TPGroupFailed
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.executor import TPExecutor
+from pdserve.engine.tp.group import TPGroup
+from pdserve.engine.tp.model_shard import ModelShard, PoolFactory
+from pdserve.engine.tp.ranks import RankProcesses, TPGroupFailed
+from pdserve.engine.tp.shard import TPShard
 
 # Forced tokens appended after one sampled token, at most (bounds a step's host time).
 MAX_FORCED_TOKENS = 64

@@ -12,12 +12,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_tiers import KVTiers
-    from pdserve.engine.speculation import Proposer
+    from pdserve.engine.kv.tiers import KVTiers
+    from pdserve.engine.spec_decode.speculation import Proposer
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import enum
 from typing import Any
 
 from pdserve.cluster.sampling_params import SamplingParams
-from pdserve.engine.draft_pacing import DraftPacing
+from pdserve.engine.spec_decode.pacing import DraftPacing
 
 
 class SequenceStatus(enum.Enum):
@@ -49,7 +49,7 @@ class Sequence:
         # The output's constraint (`pdserve.engine.grammar.Constraint`), if the request has one.
         self.constraint: Any = None
         # Tokens proposed to follow token_ids, verified by the step they are scheduled in
-        # (`pdserve.engine.speculation`); not part of the sequence until accepted.
+        # (`pdserve.engine.spec_decode.speculation`); not part of the sequence until accepted.
         self.draft_token_ids: list[int] = []
         self.draft_pacing = DraftPacing()  # its drafts so far, since it started decoding here
         self.ngram_index: Any = None  # the n-gram proposer's index of token_ids

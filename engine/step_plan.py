@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.scheduler import SchedulerOutput
 
 

@@ -34,7 +34,7 @@ import importlib
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
 
 # name -> (module, receiver class, sender class); modules load on first use (cupy stays optional)

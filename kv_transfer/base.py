@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.kv.cache import KVPool
 
 
 class TransportFailed(RuntimeError):

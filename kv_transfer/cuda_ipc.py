@@ -13,7 +13,7 @@ import socket as pysocket
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.receiver import ZmqReceiver
 from pdserve.kv_transfer.sender import Outgoing, Peer, ZmqSender

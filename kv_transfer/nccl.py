@@ -15,7 +15,7 @@ import time
 import torch
 import zmq
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer.pages import Chunk
 from pdserve.kv_transfer.protocol import Hello, Pages, ProtocolError, control
 from pdserve.kv_transfer.receiver import Payload, ZmqReceiver

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 from pdserve.kernels import kv_pages
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from msgspec import Meta
 
 from pdserve.cluster.codec import Codec, Message, ProtocolError
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 
 # 2: msgspec structs in the cluster codec's [version, message] envelope; 3: head slices (`heads`);
 # 4: page digests (`Hello.integrity`, `Pages.digest`, `Done.digest`)

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pdserve.cluster.codec import ProtocolError
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult
 from pdserve.kv_transfer.rank_messages import (
     RankCancel,

@@ -23,7 +23,7 @@ import zmq
 from pdserve.cluster.codec import MalformedLog, ProtocolError, peer_name
 from pdserve.cluster.faults import FAULTS_POLL_MS, message_faults
 from pdserve.cluster.keys import ClusterKeys, close_server
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.arrivals import Arrivals, Expected, Unit, UnitState
 from pdserve.kv_transfer.base import KVReceiver, TransferResult

@@ -30,7 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdserve.cluster.codec import MalformedLog, ProtocolError
 from pdserve.cluster.faults import FAULTS_POLL_MS, message_faults
 from pdserve.cluster.keys import HANDSHAKE_FAILED, ClusterKeys
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.base import KVSender, TransferResult
 from pdserve.kv_transfer.channel import CommandThread, check_security, configure, secure_dealer

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
 from pdserve.kv_transfer.head_routes import HeadRange, HeadRoute, route_heads
 from pdserve.kv_transfer.rank_endpoint import LocalRankLink, RankLink, RankLinks, RankWorker

@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.integrity import XXH3, copy_and_digest
 from pdserve.kv_transfer.protocol import Written

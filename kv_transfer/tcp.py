@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.integrity import XXH3, digest_frames, gather_and_digest
 from pdserve.kv_transfer.pages import Chunk

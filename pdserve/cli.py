@@ -18,7 +18,7 @@ from pdserve.cluster.node_options import PLACEMENT, SECURITY, TRACING, NodeOptio
 from pdserve.cluster.schema import add_flags, from_args, names, values_from_args
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
-from pdserve.engine.embedded_models import EMBEDDED
+from pdserve.engine.embedded.catalog import EMBEDDED
 from pdserve.tune.command import DESCRIPTION as TUNE_DESCRIPTION
 from pdserve.tune.command import add_arguments as add_tune_arguments
 

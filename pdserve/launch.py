@@ -14,7 +14,7 @@ from pathlib import Path
 from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.schema import to_flags
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
-from pdserve.engine.cpu_threads import available_cores, node_bindings
+from pdserve.engine.cpu.threads import available_cores, node_bindings
 
 PR_SET_PDEATHSIG = 1
 

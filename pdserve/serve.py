@@ -21,7 +21,7 @@ from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.coordinator.serving import OpenAIServing
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
-from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.embedded.catalog import resolve_model_dir
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 

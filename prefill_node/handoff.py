@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.node_messages import TransferDone
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVPool
 from pdserve.kv_transfer.base import KVSender
 
 logger = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ from pdserve.cluster.node_messages import (
 from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
-from pdserve.engine.model_shard import ModelShard
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.tp_shard import kv_head_ranges
+from pdserve.engine.tp.model_shard import ModelShard
+from pdserve.engine.tp.shard import kv_head_ranges
 from pdserve.kv_transfer.base import KVSender
 from pdserve.prefill_node.handoff import PrefillHandoff
 from pdserve.prefill_node.handoff_socket import HandoffSocket

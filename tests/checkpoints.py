@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

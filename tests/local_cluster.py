@@ -19,7 +19,7 @@ from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.engine.config import EngineConfig, RoleTensorParallel
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 from pdserve.launch import NodeGroup, NodeSpec, local_nodes
 
 

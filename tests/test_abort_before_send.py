@@ -30,7 +30,7 @@ from pdserve.decode_node.handoff import HandoffState
 from pdserve.decode_node.worker import DecodeNode
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import make_receiver
 

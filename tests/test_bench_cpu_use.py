@@ -26,13 +26,13 @@ LOOP = ["<module> (pdserve/__main__.py:5)", "run (cluster/node_loop.py:153)"]
 def test_a_sample_inside_the_models_forward_is_forward_whatever_it_calls():
     frames = [
         *LOOP,
-        "run_plan (engine/model_runner.py:105)",
+        "run_plan (engine/execution/runner.py:105)",
         "forward (engine/models/llama.py:202)",
     ]
     assert classify([*frames, "__call__ (torch/_ops.py:1)"]) == FORWARD
     assert classify([*frames, "paged_attention (kernels/paged_attention_cpu.py:9)"]) == FORWARD
     # The same kernel outside the model (the runner preparing a step) is not.
-    runner = [*LOOP, "run_plan (engine/model_runner.py:105)"]
+    runner = [*LOOP, "run_plan (engine/execution/runner.py:105)"]
     assert classify([*runner, "_token_positions (kernels/paged_attention_cpu.py:9)"]) == (
         "step preparation"
     )

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pdserve.bench import kv_transfer as bench
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pdserve.bench import model_step
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.kernels.ops import select_ops
 

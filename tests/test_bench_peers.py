@@ -43,7 +43,7 @@ from pdserve.bench.peers.variants import (
     parse_variant,
     parse_variants,
 )
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 

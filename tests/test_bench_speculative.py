@@ -31,7 +31,7 @@ def test_a_short_run_records_both_sides_and_its_run(method, tmp_path):
 
 def test_a_run_with_a_target_of_its_own_names_both_models(tmp_path):
     from pdserve.bench.speculative import first_layers_checkpoint
-    from pdserve.engine.embedded_models import resolve_model_dir
+    from pdserve.engine.embedded.catalog import resolve_model_dir
 
     stories = resolve_model_dir("pdserve-stories")
     target = first_layers_checkpoint(stories, tmp_path / "target", 3)

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import pdserve.engine.block_manager as block_manager_module
-from pdserve.engine.block_manager import BlockManager
+import pdserve.engine.kv.block_manager as block_manager_module
+from pdserve.engine.kv.block_manager import BlockManager
 
 BS = 4
 # Shared prompt heads so that prefixes repeat: two share a first block and then diverge.

@@ -22,7 +22,7 @@ from test_http_api import free_port, wait_until
 
 import pdserve
 from pdserve.cli import HelpFormatter, build_parser, escape_controls
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 PDSERVE = [sys.executable, "-m", "pdserve"]

@@ -36,7 +36,7 @@ from pdserve.cluster.keys import (
 from pdserve.cluster.node_messages import NodeRole, Register, reports
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import pytest
 from checkpoints import hf_greedy
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.compiled_step import bucket, compile_unavailable
+from pdserve.engine.execution.compiled_step import bucket, compile_unavailable
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 NEW_TOKENS = 8
@@ -39,7 +39,7 @@ def test_compiled_greedy_equals_eager_and_transformers(checkpoint_dir, caplog, f
     model_dir = checkpoint_dir(family)
     expected = hf_greedy(model_dir, PROMPTS, NEW_TOKENS)
     eager, _ = _greedy(model_dir)
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.model_shard"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.tp.model_shard"):
         compiled, llm = _greedy(model_dir, compile=True)
     assert llm.engine.runner.compiled is not None
     assert "model step compiled in" in caplog.text
@@ -79,10 +79,10 @@ def test_compiled_engines_of_other_shapes_in_one_process_each_equal_transformers
 
 
 def test_without_a_compiler_the_step_runs_eagerly_saying_why(checkpoint_dir, caplog, monkeypatch):
-    from pdserve.engine import compiled_step
+    from pdserve.engine.execution import compiled_step
 
     monkeypatch.setattr(compiled_step.shutil, "which", lambda name: None)
-    with caplog.at_level(logging.WARNING, logger="pdserve.engine.model_shard"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.tp.model_shard"):
         tokens, llm = _greedy(checkpoint_dir("llama"), compile=True)
     assert llm.engine.runner.compiled is None
     assert "no C++ compiler" in caplog.text and "runs eagerly" in caplog.text
@@ -92,8 +92,8 @@ def test_without_a_compiler_the_step_runs_eagerly_saying_why(checkpoint_dir, cap
 def test_a_shape_that_fails_to_compile_runs_eagerly_from_then_on(checkpoint_dir, caplog):
     import torch
 
-    from pdserve.engine.compiled_step import CompiledStep
-    from pdserve.engine.forward_batch import AttentionBatch
+    from pdserve.engine.execution.compiled_step import CompiledStep
+    from pdserve.engine.execution.forward_batch import AttentionBatch
 
     llm = LLM(str(checkpoint_dir("llama")), device="cpu", num_kv_blocks=8)
     runner = llm.engine.runner
@@ -113,7 +113,7 @@ def test_a_shape_that_fails_to_compile_runs_eagerly_from_then_on(checkpoint_dir,
     )
     with (
         torch.inference_mode(),
-        caplog.at_level(logging.WARNING, logger="pdserve.engine.compiled_step"),
+        caplog.at_level(logging.WARNING, logger="pdserve.engine.execution.compiled_step"),
     ):
         got = step(ids, positions, batch)
         want = runner.model(ids, positions, batch, runner.pool, runner.ops)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pdserve.engine import LLM, SamplingParams, cpu_linear
-from pdserve.engine.models.parallel_layers import ParallelLMHead, RowParallelLinear
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.engine.tp.parallel_layers import ParallelLMHead, RowParallelLinear
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
@@ -74,7 +74,7 @@ def test_memory_stays_flat_whatever_the_row_counts():
     # second pass over 1..1024 rows grew the process by over 1 GiB.
     script = textwrap.dedent("""
         import torch
-        from pdserve.engine import cpu_linear
+        from pdserve.engine.cpu import linear as cpu_linear
         torch.set_num_threads(1)
         def rss_mib():
             return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -132,7 +132,7 @@ def test_the_choice_packs_cpu_float32_eager_nodes_only(caplog):
     assert cpu_linear.choose("auto", "cpu", "float32", compiled=False)
     assert cpu_linear.choose("onednn", "cpu", "float32", compiled=False)
     assert not cpu_linear.choose("torch", "cpu", "float32", compiled=False)
-    with caplog.at_level(logging.WARNING, logger="pdserve.engine.cpu_linear"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.cpu.linear"):
         assert not cpu_linear.choose("auto", "cpu", "bfloat16", compiled=False)
         assert not cpu_linear.choose("auto", "cuda:0", "float32", compiled=False)
         assert not caplog.records  # auto falls back quietly
@@ -164,10 +164,10 @@ def test_a_packed_model_generates_the_same_greedy_tokens_as_f_linear():
 def test_packed_experts_give_the_reference_moe(rows):
     # A Qwen2-MoE layer (shared expert and its gate beside 4 routed experts, top-2): packing
     # makes each expert's two matrices oneDNN's and drops the stacked ones.
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.config import ModelConfig
     from pdserve.engine.models.llama import MLP
     from pdserve.engine.models.moe import SparseMoE
-    from pdserve.engine.tp_shard import TPShard
+    from pdserve.engine.tp.shard import TPShard
     from pdserve.kernels.ops import REFERENCE
 
     cfg = ModelConfig.from_dict(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_threads import (
+from pdserve.engine.cpu.threads import (
     format_cores,
     node_bindings,
     parse_cores,
@@ -120,7 +120,7 @@ def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path
     """The weights fail to load after the engine bound its process: the process is unbound."""
     import shutil
 
-    from pdserve.engine.tiny_model import ensure_tiny_model
+    from pdserve.engine.embedded.tiny import ensure_tiny_model
 
     model = tmp_path / "broken"
     shutil.copytree(ensure_tiny_model(), model)

@@ -11,8 +11,13 @@ from conftest import random_prompts
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.decode_graphs import DecodeGraphs, DecodeInputs, capture_sizes, padded_size
-from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.execution.decode_graphs import (
+    DecodeGraphs,
+    DecodeInputs,
+    capture_sizes,
+    padded_size,
+)
+from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.llm_engine import LLMEngine
 
 BLOCK = 4

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pdserve.coordinator.detokenizer import REPLACEMENT, IncrementalDetokenizer, TokenVocabulary
 from pdserve.coordinator.stop_strings import StopStringMatcher
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 from pdserve.engine.tokenizer import Tokenizer
 
 MULTIBYTE = "héllo wörld 日本語 🙂 naïve café"

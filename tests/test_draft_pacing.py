@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from pdserve.engine.draft_pacing import (
+from pdserve.engine.spec_decode.pacing import (
     ADAPT_AFTER,
     MAX_PROBE_INTERVAL,
     PROBE_EVERY,

@@ -14,9 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pdserve.cluster.block_hash import hash_block_tokens
 from pdserve.cluster.sampling_params import SamplingParams
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.draft_model import DraftModelProposer
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.draft_model import DraftModelProposer
 
 BS = 4
 VOCAB = 3  # so that drafts often equal the tokens that follow, and prompts share prefixes

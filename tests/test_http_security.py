@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_http_api import WAIT_S, assert_error_body, free_port, wait_until
 
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 KEY, OTHER_KEY = "sesame-open", "second-key"

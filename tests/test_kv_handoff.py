@@ -11,8 +11,8 @@ import torch
 
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.decode_node.handoff import DecodeHandoff
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import make_receiver
 from pdserve.prefill_node.handoff import HandoffState, PrefillHandoff

@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_kv_transfer import NUM_BLOCKS, random_pool, wait_result
 
-from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.tp_shard import kv_head_ranges
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.tp.shard import kv_head_ranges
 from pdserve.kv_transfer import make_receiver, make_sender
 from pdserve.kv_transfer.head_routes import route_heads
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_kv_transfer import blocks_bits, random_pool, wait_result
 
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 from pdserve.kv_transfer import make_receiver, make_sender, pages
 from pdserve.kv_transfer.faults import ENV, KVFaults
 from pdserve.kv_transfer.integrity import (

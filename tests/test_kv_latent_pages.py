@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.engine.tp_shard import kv_head_ranges
+from pdserve.engine.kv.cache import KVLayout, KVPool
+from pdserve.engine.tp.shard import kv_head_ranges
 from pdserve.kernels import kv_pages
 from pdserve.kv_transfer import (
     KVReceiver,

@@ -20,7 +20,7 @@ from test_kv_transfer import (
 )
 
 from pdserve.cluster.codec import seal
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 from pdserve.kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
 from pdserve.kv_transfer.pages import page_bytes
 from pdserve.kv_transfer.protocol import (

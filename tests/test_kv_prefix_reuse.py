@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_kv_handoff import BLOCKS, Sides
 
-import pdserve.engine.block_manager as block_manager_module
+import pdserve.engine.kv.block_manager as block_manager_module
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from pdserve.cluster.codec import seal
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
     MAX_CONTROL_BYTES,

@@ -29,11 +29,11 @@ from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.request_state import EarlyAdmission, Phase
 from pdserve.decode_node.handoff import DecodeHandoff
 from pdserve.decode_node.handoff import HandoffState as DecodeState
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.tiny_model import ensure_tiny_model
 from pdserve.kv_transfer import make_receiver, make_sender
 from pdserve.kv_transfer.base import KVSender, TransferResult
 from pdserve.prefill_node.handoff import HandoffState as PrefillState

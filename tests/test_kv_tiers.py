@@ -15,10 +15,10 @@ import torch
 from pdserve.cluster.block_hash import prefix_hashes
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.disk_tier import DiskBlockError, DiskTier, read_block, write_block
-from pdserve.engine.host_tier import HostTier
-from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.kv_events import KVEvents
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.kv.disk_tier import DiskBlockError, DiskTier, read_block, write_block
+from pdserve.engine.kv.events import KVEvents
+from pdserve.engine.kv.host_tier import HostTier
 from pdserve.engine.llm_engine import LLMEngine
 
 BLOCK = 4
@@ -114,8 +114,8 @@ def test_a_dead_node_s_disk_tier_is_removed_by_the_next_one_on_the_path(tmp_path
 
     # A process that made a tier directory and was killed before it could remove it.
     code = (
-        "import os, sys; from pdserve.engine.disk_tier import DiskTier; "
-        "from pdserve.engine.kv_cache import KVLayout; "
+        "import os, sys; from pdserve.engine.kv.disk_tier import DiskTier; "
+        "from pdserve.engine.kv.cache import KVLayout; "
         "t = DiskTier(KVLayout(2, 4, 2, 8, 'float32'), sys.argv[1], 1 << 20); "
         "print(t.directory, flush=True); os._exit(0)"
     )
@@ -311,7 +311,7 @@ def test_an_abort_while_loading_frees_every_block_once_the_load_ends():
 
 
 def test_an_unset_host_tier_is_twice_the_pool_on_a_gpu_within_the_host_s_share():
-    from pdserve.engine.kv_tiers import default_host_share, host_tier_bytes
+    from pdserve.engine.kv.tiers import default_host_share, host_tier_bytes
 
     unset, gib = EngineConfig(), 1 << 30
     assert host_tier_bytes(unset, 70 * gib, True, host_share=1000 * gib) == 140 * gib
@@ -342,9 +342,9 @@ def test_tier_settings_are_checked():
 def test_a_handoff_takes_its_prefix_from_the_tiers_and_computes_what_failed(corrupt, tmp_path):
     from pdserve.cluster.sampling_params import SamplingParams as Params
     from pdserve.decode_node.handoff import DecodeHandoff
-    from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.kv_cache import KVPool
-    from pdserve.engine.kv_tiers import KVTiers
+    from pdserve.engine.kv.block_manager import BlockManager
+    from pdserve.engine.kv.cache import KVPool
+    from pdserve.engine.kv.tiers import KVTiers
     from pdserve.engine.sequence import Sequence
     from pdserve.kv_transfer import make_receiver
 

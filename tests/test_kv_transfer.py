@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import (
     KVReceiver,
     KVSender,

@@ -28,7 +28,7 @@ LEVEL = {
     "cluster": 0,
     "kernels": 0,
 }
-KV_TRANSFER_MAY_USE = {"pdserve.engine.kv_cache"}
+KV_TRANSFER_MAY_USE = {"pdserve.engine.kv.cache"}
 
 
 def module_name(path: Path) -> str:

@@ -13,7 +13,7 @@ from conftest import random_prompts
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.model_config import UnsupportedModelError
+from pdserve.engine.models.config import UnsupportedModelError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

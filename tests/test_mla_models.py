@@ -20,7 +20,7 @@ from conftest import FAMILY_NEW_TOKENS, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.model_config import ModelConfig, UnsupportedModelError
+from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.models.moe_router import GroupedRouting, route_grouped
 
 NEW_TOKENS = FAMILY_NEW_TOKENS
@@ -108,7 +108,7 @@ def test_preemption_chunking_and_prefix_hits_change_nothing(family_run, family):
 
 def test_the_cache_holds_one_latent_per_token_and_layer(family_run, caplog):
     model_dir, _, _ = family_run("deepseek_v3")
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.model_shard"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.tp.model_shard"):
         llm = LLM(str(model_dir), num_kv_blocks=32, block_size=16, device="cpu")
     layout = llm.engine.layout
     assert (layout.planes, layout.num_kv_heads, layout.head_dim) == (1, 1, 32 + 8)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pdserve.engine.model_config import ModelConfig, UnsupportedModelError
+from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.models.moe_router import route
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels import moe_ref
 from pdserve.kernels.ops import REFERENCE
 

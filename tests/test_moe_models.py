@@ -15,7 +15,7 @@ from conftest import FAMILY_NEW_TOKENS, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.config import ModelConfig
 
 NEW_TOKENS = FAMILY_NEW_TOKENS
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

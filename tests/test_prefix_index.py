@@ -24,8 +24,8 @@ from pdserve.cluster.node_messages import (
 from pdserve.coordinator.nodes import NodeState
 from pdserve.coordinator.prefix_index import PrefixIndex
 from pdserve.coordinator.routing import TierCosts, choose_by_prefix, kv_load, most_free_blocks
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_events import KVEvents
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.events import KVEvents
 
 # --- the index and the nodes agree ----------------------------------------------------------
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdserve.cluster.codec import ProtocolError
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer.base import TransferResult
 from pdserve.kv_transfer.rank_endpoint import (
     LocalRankLink,

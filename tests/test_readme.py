@@ -18,7 +18,7 @@ import pytest
 from readme_shim import stop_server
 from test_http_api import free_port
 
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

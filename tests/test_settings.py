@@ -184,7 +184,7 @@ def test_a_node_command_parses_back_to_the_same_settings(options, engine, role):
 
 def test_a_node_with_default_settings_gets_no_setting_flags_but_its_keys_and_cores(tmp_path):
     from pdserve.cluster.keys import ClusterKeys
-    from pdserve.engine.cpu_threads import available_cores, node_bindings
+    from pdserve.engine.cpu.threads import available_cores, node_bindings
 
     keys = ClusterKeys.generate().write(tmp_path / "keys")
     (spec,) = [

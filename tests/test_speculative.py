@@ -1,4 +1,4 @@
-"""Speculative decoding by n-gram lookup (`pdserve.engine.speculation`): the tokens of plain
+"""Speculative decoding by n-gram lookup (`pdserve.engine.spec_decode.speculation`): the tokens of plain
 decoding, greedy and seeded, whatever is accepted; verification that samples each position as
 plain decoding would (its distribution checked alone); rejected drafts leave no KV behind, in the
 block table or in the prefix cache; preemption, chunked prefill, aborts and tensor parallelism
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.block_manager import hash_block_tokens
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_executor import verify
-from pdserve.engine.speculation import NgramProposer, SpeculativeConfig, accepted
+from pdserve.engine.execution.executor import verify
+from pdserve.engine.kv.block_manager import hash_block_tokens
+from pdserve.engine.spec_decode.speculation import NgramProposer, SpeculativeConfig, accepted
 
 # Every decoding sequence proposes up to 4 drafts each step (no adaptive limit), so that the
 # tests verify many.

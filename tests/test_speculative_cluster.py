@@ -16,7 +16,7 @@ from local_cluster import Cluster
 from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.embedded.catalog import resolve_model_dir
 
 MODEL = "pdserve-stories"
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'

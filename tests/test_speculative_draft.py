@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (`pdserve.engine.draft_model`): the tokens of plain
+"""Speculative decoding with a draft model (`pdserve.engine.spec_decode.draft_model`): the tokens of plain
 decoding, greedy and seeded, with a draft that agrees with the target about half the time and with
 the target drafting for itself (every greedy draft kept); the drafts are the draft model's own
 greedy continuations (its KV caught up and rolled back exactly); preemption, chunked prefill and
@@ -17,8 +17,8 @@ import torch
 from checkpoints import build_draft_checkpoint
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.embedded_models import resolve_model_dir
+from pdserve.engine.embedded.catalog import resolve_model_dir
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 

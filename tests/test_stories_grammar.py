@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.stories import grammar
-from pdserve.engine.stories.corpus import CHAT_TEMPLATE, corpus, render
-from pdserve.engine.stories.recognizer import (
+from pdserve.bench.stories import grammar
+from pdserve.bench.stories.corpus import CHAT_TEMPLATE, corpus, render
+from pdserve.bench.stories.recognizer import (
     accepts,
     accepts_call,
     read,
@@ -114,7 +114,7 @@ def test_the_server_renders_a_tool_conversation_as_the_corpus_wrote_it():
     """What a client sends (arguments as JSON text, the tool offered) reaches the chat template
     as the training corpus rendered it: the model sees at serving what it learned from."""
     from pdserve.coordinator.openai_protocol import ChatMessage
-    from pdserve.engine.embedded_models import STORIES_DIR
+    from pdserve.engine.embedded.catalog import STORIES_DIR
     from pdserve.engine.tokenizer import Tokenizer
 
     rng = random.Random(8)
@@ -150,7 +150,7 @@ def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(t
     import torch.nn.functional as F
     import transformers
 
-    from pdserve.engine.stories.train import Recipe, Shape, StoryModel, token_stream, train
+    from pdserve.bench.stories.train import Recipe, Shape, StoryModel, token_stream, train
 
     shape = Shape(
         vocab_size=400,

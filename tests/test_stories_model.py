@@ -21,11 +21,11 @@ import regex
 from local_cluster import Cluster
 from test_http_api import free_port, wait_until
 
+from pdserve.bench.stories.recognizer import Reading, _patterns, canonical, read
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.client import CoordinatorClient
 from pdserve.engine import LLM
-from pdserve.engine.embedded_models import STORIES
-from pdserve.engine.stories.recognizer import Reading, _patterns, canonical, read
+from pdserve.engine.embedded.catalog import STORIES
 
 OPENINGS = [
     "Once upon a time",
@@ -229,8 +229,8 @@ def test_the_readme_shows_what_generate_prints(args):
 def test_the_training_command_repeats_the_committed_checkpoints_start(tmp_path):
     """Same seed, same corpus, same tokenizer, same batches: a fresh run's first steps (the warm-up,
     whose learning rates do not depend on the run's length) have the committed run's losses."""
-    from pdserve.engine.embedded_models import STORIES_DIR
-    from pdserve.engine.stories.train import main as train
+    from pdserve.bench.stories.train import main as train
+    from pdserve.engine.embedded.catalog import STORIES_DIR
 
     train(["--out", str(tmp_path), "--steps", "4", "--no-progress"])
     committed = json.loads((STORIES_DIR / "training.json").read_text())

@@ -19,7 +19,7 @@ from checkpoints import hf_greedy
 from conftest import random_prompts
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.tp_ranks import TPGroupFailed
+from pdserve.engine.tp.ranks import TPGroupFailed
 
 NEW_TOKENS = 24
 PROMPT_LENGTHS = [3, 16, 29, 50]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.thread_governor import (
+from pdserve.engine.cpu.thread_governor import (
     HOLD_S,
     MAX_HOLD_S,
     WINDOW_S,
@@ -93,8 +93,8 @@ def test_idle_time_of_the_given_cores_from_proc_stat():
 PROBE = """
 import json, sys, torch
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine import thread_governor
-from pdserve.engine.thread_governor import Window
+from pdserve.engine.cpu import thread_governor
+from pdserve.engine.cpu.thread_governor import Window
 
 contended = sys.argv[1] == "contended"
 # Every window says what the test wants, whatever this machine is doing.

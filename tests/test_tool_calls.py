@@ -14,12 +14,12 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
+from pdserve.bench.stories import grammar
+from pdserve.bench.stories.recognizer import accepts_call, read
 from pdserve.coordinator.structured_request import ConstraintRequestError
 from pdserve.coordinator.tool_call_stream import ToolCallStream
 from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
 from pdserve.coordinator.tool_parsers import PARSERS, ToolCall
-from pdserve.engine.stories import grammar
-from pdserve.engine.stories.recognizer import accepts_call, read
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 WHERE_IS = {

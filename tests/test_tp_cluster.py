@@ -78,7 +78,7 @@ def rank_pids(node_pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         if ppid == node_pid and (
-            b"pdserve-tp-rank" in cmdline or b"pdserve.engine.tp_worker" in cmdline
+            b"pdserve-tp-rank" in cmdline or b"pdserve.engine.tp.worker" in cmdline
         ):
             out.append(int(entry.name))
     return out

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from pdserve.cluster.sampling_params import SamplingParams
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.plan_channel import PlanChannel, PlanTooLarge, PublisherGone
+from pdserve.engine.embedded.tiny import TINY_CONFIG
+from pdserve.engine.models.config import ModelConfig
+from pdserve.engine.models.loader import load_model
+from pdserve.engine.models.weights import CheckpointTensor
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_plan import StepPlan
-from pdserve.engine.tiny_model import TINY_CONFIG
-from pdserve.engine.tp_shard import TPShard, kv_head_ranges
-from pdserve.engine.weights import CheckpointTensor
+from pdserve.engine.tp.plan_channel import PlanChannel, PlanTooLarge, PublisherGone
+from pdserve.engine.tp.shard import TPShard, kv_head_ranges
 
 CONFIG = ModelConfig.from_dict({**TINY_CONFIG, "vocab_size": 501})
 

@@ -30,7 +30,7 @@ from otlp_receiver import ReceivedSpan, grpc_collector, http_collector  # noqa: 
 from pdserve.cli import build_parser  # noqa: E402
 from pdserve.cluster import tracing  # noqa: E402
 from pdserve.cluster_file import load_cluster_file, plan  # noqa: E402
-from pdserve.engine.tiny_model import ensure_tiny_model  # noqa: E402
+from pdserve.engine.embedded.tiny import ensure_tiny_model  # noqa: E402
 from pdserve.kv_transfer.faults import ENV as FAULTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -447,7 +447,7 @@ def test_padded_decode_inputs_through_triton_ops_generate_what_the_reference_doe
     # max_model_len, 4 sequences, then 3 padded to 4 rows (the 4th row left by the larger step
     # becomes slot -1 with one token of context), then 2 and 1.
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.decode_graphs import DecodeGraphs
+    from pdserve.engine.execution.decode_graphs import DecodeGraphs
 
     prompts = [list(range(5, 30)), list(range(40, 47)), list(range(9, 27)), list(range(60, 81))]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 3, 4, 2)]

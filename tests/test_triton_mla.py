@@ -16,8 +16,8 @@ from test_triton_kernels import (
     run_interpreted,
 )
 
-from pdserve.engine.decode_graphs import DecodeInputs
-from pdserve.engine.forward_batch import AttentionBatch
+from pdserve.engine.execution.decode_graphs import DecodeInputs
+from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.kernels import mla_ref
 
 pytest.importorskip("triton")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.models.config import ModelConfig
 from pdserve.tune.deployment import Deployment
 from pdserve.tune.model_shape import DTYPE_BYTES, PRESETS, ModelShape
 from pdserve.tune.roofline import DEVICES, Assumptions, roofline_profile, roofline_step

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.config import ModelConfig
 from pdserve.tune.model_shape import PRESETS, ModelShape
 from pdserve.tune.roofline import Assumptions, roofline_profile
 from pdserve.tune.step_model import StepShape

@@ -78,8 +78,8 @@ def _client_request(frame: bytes):  # noqa: ANN202
 
 @pytest.mark.timeout(10)
 def test_rank_0_stops_waiting_for_a_rank_that_never_joins_its_group():
-    from pdserve.engine.tp_group import TPGroup, host_store
-    from pdserve.engine.tp_shard import TPShard
+    from pdserve.engine.tp.group import TPGroup, host_store
+    from pdserve.engine.tp.shard import TPShard
 
     store = host_store(2)  # rank 1 never comes (alive but stuck on its way, say)
     t0 = time.monotonic()
@@ -124,7 +124,7 @@ def test_the_docs_table_of_bounds_cites_the_constants_as_they_are():
     from pdserve.cluster import link_session, node_link
     from pdserve.coordinator import client
     from pdserve.coordinator.config import CoordinatorConfig
-    from pdserve.engine import tp_group
+    from pdserve.engine.tp import group as tp_group
     from pdserve.kv_transfer import channel, sharded
     from pdserve.serve import NODE_START_TIMEOUT_S
 

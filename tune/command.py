@@ -503,7 +503,7 @@ def _short_span(workload, slo, rate: float) -> tuple[float, float] | None:  # no
 def _served_model(model: str | None) -> str | None:
     """What the cluster file names as its model: an embedded model's name or the checkpoint's
     directory; None (the nodes' default) for a preset or none given."""
-    from pdserve.engine.embedded_models import EMBEDDED
+    from pdserve.engine.embedded.catalog import EMBEDDED
 
     if model is None or model in EMBEDDED:
         return model

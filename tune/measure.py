@@ -17,7 +17,7 @@ import torch
 
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVLayout
+from pdserve.engine.kv.cache import KVLayout
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.tune.model_shape import ModelShape
 from pdserve.tune.profile import Profile
@@ -241,7 +241,7 @@ def pool_blocks(config: EngineConfig, shape: ModelShape) -> int:
     if config.resolved_device().startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         return int(free * config.gpu_memory_utilization) // per_block
-    from pdserve.engine.model_shard import DEFAULT_CPU_KV_BYTES
+    from pdserve.engine.tp.model_shard import DEFAULT_CPU_KV_BYTES
 
     return (config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES) // per_block
 

@@ -19,9 +19,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.engine.embedded_models import EMBEDDED, resolve_model_dir
-from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.embedded.catalog import EMBEDDED, resolve_model_dir
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

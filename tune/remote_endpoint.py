@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer.base import TransferResult
 
 

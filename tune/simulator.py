@@ -36,8 +36,8 @@ from pdserve.coordinator.core import CoordinatorCore, Outbox, SubmitError
 from pdserve.coordinator.request_state import RequestState
 from pdserve.decode_node.worker import DecodeNode
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.execution.executor import SampledTokens
 from pdserve.engine.llm_engine import Engine
-from pdserve.engine.model_executor import SampledTokens
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.prefill_node.worker import PrefillNode
 from pdserve.tune.deployment import Deployment

@@ -9,7 +9,7 @@ import time
 import torch
 
 from pdserve.cluster.keys import ClusterKeys
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import make_sender
 from pdserve.tune.remote_endpoint import RemoteEndpoint, wait_for
 

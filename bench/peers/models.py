@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve import cache_root
-from pdserve.engine.tiny_model import ensure_tiny_model
+from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 VERSION = "1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

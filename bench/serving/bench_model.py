@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve import cache_root
-from pdserve.engine.tiny_model import TINY_CONFIG, ensure_tiny_model, write_checkpoint
+from pdserve.engine.embedded.tiny import TINY_CONFIG, ensure_tiny_model, write_checkpoint
 
 BENCH_NAME = "pdserve-bench"
 BENCH_VERSION = "1"

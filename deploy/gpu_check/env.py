@@ -19,7 +19,7 @@ from pdserve.deploy.gpu_check.record import StepRecord, step_args
 # Modules whose import pulls in every other module of pdserve's import graph, CUDA paths too.
 ENTRY_MODULES = (
     "pdserve.engine.llm",
-    "pdserve.engine.decode_graphs",
+    "pdserve.engine.execution.decode_graphs",
     "pdserve.kernels.triton_ops",
     "pdserve.kernels.kv_pages_triton",
     "kv_transfer",

@@ -57,7 +57,7 @@ def write_model(target: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from pdserve.engine.tiny_model import TINY_CONFIG, ensure_tiny_model, random_llama_weights
+    from pdserve.engine.embedded.tiny import TINY_CONFIG, ensure_tiny_model, random_llama_weights
 
     tiny = ensure_tiny_model()
     target.mkdir(parents=True, exist_ok=True)

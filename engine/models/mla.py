@@ -23,15 +23,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.cpu_linear import Linear
-from pdserve.engine.forward_batch import AttentionBatch
-from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.cpu.linear import Linear
+from pdserve.engine.execution.forward_batch import AttentionBatch
+from pdserve.engine.kv.cache import KVPool
+from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.norm import RMSNorm
-from pdserve.engine.models.parallel_layers import RowParallelLinear
-from pdserve.engine.tp_group import TPGroup
-from pdserve.engine.tp_shard import TPShard
-from pdserve.engine.weights import CheckpointTensor
+from pdserve.engine.models.weights import CheckpointTensor
+from pdserve.engine.tp.group import TPGroup
+from pdserve.engine.tp.parallel_layers import RowParallelLinear
+from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.op_table import Ops
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.cpu_linear import Linear, linear
-from pdserve.engine.model_config import DEEPSEEK_MODEL_TYPES, ModelConfig
+from pdserve.engine.cpu.linear import Linear, linear
+from pdserve.engine.models.config import DEEPSEEK_MODEL_TYPES, ModelConfig
 from pdserve.engine.models.moe_router import GroupedRouting, route, route_grouped
-from pdserve.engine.tp_group import TPGroup
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.group import TPGroup
+from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.moe_ref import grouped_experts
 from pdserve.kernels.op_table import Ops
 

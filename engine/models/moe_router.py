@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.config import ModelConfig
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 
-from pdserve.engine.stories.grammar import NAMES, TEMPLATES, TOOLS, WORDS
+from pdserve.bench.stories.grammar import NAMES, TEMPLATES, TOOLS, WORDS
 
 SLOT_WORDS = {**WORDS, "hero": NAMES, "friend": NAMES, "fkind": WORDS["kind"]}
 _SLOT = re.compile(r"\{(\w+)\}")

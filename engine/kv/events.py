@@ -2,7 +2,7 @@
 in the order they happened, until the node drains them into its next load report.
 
 The device tier's events come from the block manager (a block registered in, or removed from,
-the prefix cache); the host and disk tiers' from `pdserve.engine.kv_tiers`. Consecutive events
+the prefix cache); the host and disk tiers' from `pdserve.engine.kv.tiers`. Consecutive events
 of one kind and tier share a batch.
 """
 

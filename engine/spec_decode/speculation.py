@@ -3,7 +3,7 @@ sequence's next token and every proposed one in one forward (a short chunk over 
 the sequence keeps the proposals up to the first that the target would not have produced, plus the
 target's own token after them. Two proposers: `ngram` proposes the tokens that followed the latest
 earlier occurrence of its last n tokens in its own context (prompt lookup); `draft_model` runs a
-small model of the same vocabulary greedily (`pdserve.engine.draft_model`).
+small model of the same vocabulary greedily (`pdserve.engine.spec_decode.draft_model`).
 
 Verification samples each of the k+1 positions exactly as plain decoding samples its next token
 (greedy: argmax; otherwise the exponential race, seeded rows with the noise keyed by the request's
@@ -16,7 +16,7 @@ it, as rejection sampling would.
 Sequences that speculate: running decodes (one token to compute), not a prefill node's, and
 without logprobs, penalties or a structured output (each of those reads the sequence's tokens up to
 the sampled position); the others decode as always, in the same batch. How many drafts a sequence
-proposes follows its own acceptance so far (`pdserve.engine.draft_pacing`), unless the config's
+proposes follows its own acceptance so far (`pdserve.engine.spec_decode.pacing`), unless the config's
 `adaptive` is off.
 
 The scheduler asks a `Proposer` in two phases: `limit` (how many drafts a sequence may take, so

@@ -10,7 +10,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
 from pdserve.cluster.block_hash import hash_block_tokens
-from pdserve.engine.kv_events import KVEvents
+from pdserve.engine.kv.events import KVEvents
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 

@@ -17,8 +17,8 @@ import logging
 
 import torch
 
-from pdserve.engine.forward_batch import AttentionBatch
-from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.execution.forward_batch import AttentionBatch
+from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.kernels.op_table import Ops
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.engine.tp_group import TPGroup
-from pdserve.engine.tp_shard import TPShard
-from pdserve.engine.weights import iter_checkpoint
+from pdserve.engine.models.weights import iter_checkpoint
+from pdserve.engine.tp.group import TPGroup
+from pdserve.engine.tp.shard import TPShard
 
 
 def build_model(

@@ -2,7 +2,7 @@
 and conversations rendered by the model's own chat template (tool calls and tool results
 included), in a fixed order.
 
-    python -m pdserve.engine.stories.corpus --out stories.txt --megabytes 8   # look at it
+    python -m pdserve.bench.stories.corpus --out stories.txt --megabytes 8   # look at it
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
-from pdserve.engine.stories.grammar import chat_turn, conversation, story
+from pdserve.bench.stories.grammar import chat_turn, conversation, story
 from pdserve.engine.tokenizer import chat_template_environment
 
 BOS, EOS = "<s>", "</s>"

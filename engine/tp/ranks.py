@@ -20,10 +20,10 @@ from typing import Any
 
 from pdserve import SOURCE_ROOT
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.plan_channel import PlanChannel, plan_capacity
 from pdserve.engine.step_plan import StepPlan
-from pdserve.engine.tp_group import host_store
-from pdserve.engine.tp_worker import RankSpec, Stop
+from pdserve.engine.tp.group import host_store
+from pdserve.engine.tp.plan_channel import PlanChannel, plan_capacity
+from pdserve.engine.tp.worker import RankSpec, Stop
 
 REPO_ROOT = SOURCE_ROOT  # what rank processes need on their path
 WATCH_POLL_S = 0.05  # how often the watcher looks where a process's exit cannot be waited on
@@ -69,7 +69,7 @@ class RankProcesses:
             # Descriptors the rank inherits: its plan pipe, and the line to its KV endpoint.
             fds = (inbox.fd,) + ((kv.fd,) if kv is not None else ())
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from pdserve.engine.tp_worker import main; main()"],
+                [sys.executable, "-c", "from pdserve.engine.tp.worker import main; main()"],
                 stdin=subprocess.PIPE,
                 env=env,
                 pass_fds=fds,

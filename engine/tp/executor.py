@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.model_executor import ModelExecutor, StepStats
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.execution.executor import ModelExecutor, StepStats
+from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.tp_ranks import RankProcesses
+from pdserve.engine.tp.ranks import RankProcesses
 
 
 class TPExecutor(ModelExecutor):

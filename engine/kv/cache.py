@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,11 +4,11 @@ checkpoint (bfloat16 safetensors, tokenizer, chat template) that pdserve and `tr
 
     # the committed checkpoint, in two runs (docs/models.md): stories and chat turns from scratch,
     # then on from there with the tool conversations
-    python -m pdserve.engine.stories.train --out /tmp/stories-base --plot docs/stories_training.png
-    python -m pdserve.engine.stories.train --init-from /tmp/stories-base --corpus stories+tools \
+    python -m pdserve.bench.stories.train --out /tmp/stories-base --plot docs/stories_training.png
+    python -m pdserve.bench.stories.train --init-from /tmp/stories-base --corpus stories+tools \
         --windows documents --steps 800 --lr 2e-3 --warmup-steps 30 \
-        --out engine/stories/pdserve-stories --plot docs/stories_tools_training.png
-    python -m pdserve.engine.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
+        --out engine/embedded/pdserve-stories --plot docs/stories_tools_training.png
+    python -m pdserve.bench.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
 
 Same seed, same corpus, same tokenizer, same batches: the loss curve repeats within the noise of
 floating-point summation order.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.stories.corpus import (
+from pdserve.bench.stories.corpus import (
     BOS,
     CHAT_TEMPLATE,
     EOS,
@@ -39,8 +39,8 @@ from pdserve.engine.stories.corpus import (
     corpus,
     render,
 )
-from pdserve.engine.stories.grammar import TOOLS
-from pdserve.engine.stories.recognizer import accepts_call, read, tool_calls
+from pdserve.bench.stories.grammar import TOOLS
+from pdserve.bench.stories.recognizer import accepts_call, read, tool_calls
 
 
 @dataclass(slots=True)
@@ -419,7 +419,7 @@ def plot_losses(losses: list[float], path: Path, record: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m pdserve.engine.stories.train",
+        prog="python -m pdserve.bench.stories.train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

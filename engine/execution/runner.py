@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.compiled_step import CompiledStep
-from pdserve.engine.decode_graphs import DecodeGraphs
-from pdserve.engine.forward_batch import AttentionBatch
-from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.execution.compiled_step import CompiledStep
+from pdserve.engine.execution.decode_graphs import DecodeGraphs
+from pdserve.engine.execution.forward_batch import AttentionBatch
+from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.step_plan import StepPlan

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from pdserve.cluster.block_hash import hash_block_tokens
-from pdserve.engine.block_manager import BlockKey, BlockManager
-from pdserve.engine.disk_tier import DiskBlockError, DiskTier, read_block, write_block
-from pdserve.engine.host_tier import HostTier
-from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.kv.block_manager import BlockKey, BlockManager
+from pdserve.engine.kv.cache import KVPool
+from pdserve.engine.kv.disk_tier import DiskBlockError, DiskTier, read_block, write_block
+from pdserve.engine.kv.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
 

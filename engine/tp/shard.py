@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from collections import OrderedDict
 import torch
 import xxhash
 
-from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.kv_events import KVEvents
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.kv.events import KVEvents
 
 BlockKey = tuple[int | None, tuple[int, ...]]
 MAGIC = b"PDSKV001"

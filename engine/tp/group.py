@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.shard import TPShard
 
 # A collective waits this long for a peer: long enough for the slowest step on a CPU, short
 # enough that a frozen rank does not hold its node forever.

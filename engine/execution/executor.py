@@ -10,10 +10,10 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.speculation import VerifiedRow, accepted
+from pdserve.engine.spec_decode.speculation import VerifiedRow, accepted
 
 
 @dataclass(slots=True)

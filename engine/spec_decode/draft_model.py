@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine import cpu_linear
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.embedded_models import resolve_model_dir
-from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.cpu import linear as cpu_linear
+from pdserve.engine.embedded.catalog import resolve_model_dir
+from pdserve.engine.execution.runner import ModelRunner
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVLayout, KVPool
+from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.loader import load_model
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculation import SpeculativeConfig, speculation_limit
+from pdserve.engine.spec_decode.speculation import SpeculativeConfig, speculation_limit
 from pdserve.engine.step_plan import StepPlan
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels.ops import select_ops
@@ -135,7 +135,7 @@ class DraftModelProposer:
             "on" if config.enable_prefix_caching else "off",
         )
 
-    # --- the scheduler's interface (`pdserve.engine.speculation.Proposer`) -------------------
+    # --- the scheduler's interface (`pdserve.engine.spec_decode.speculation.Proposer`) -------------------
 
     def limit(self, seq: Sequence, k: int) -> int:
         k = speculation_limit(seq, k, self.adaptive)

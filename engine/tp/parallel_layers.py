@@ -2,9 +2,9 @@
 split across ranks, partial outputs summed by an all-reduce), the vocabulary-parallel embedding
 (each rank looks up its rows of the vocabulary, the all-reduce assembles them) and LM head (each
 rank scores its rows, rank 0 gathers the logits). Column-parallel projections need no layer of
-their own: a plain linear layer (`pdserve.engine.cpu_linear.Linear`) over the rank's output rows.
+their own: a plain linear layer (`pdserve.engine.cpu.linear.Linear`) over the rank's output rows.
 
-Every projection runs through `pdserve.engine.cpu_linear.linear`: F.linear, or oneDNN on a weight packed
+Every projection runs through `pdserve.engine.cpu.linear.linear`: F.linear, or oneDNN on a weight packed
 once after loading where the node packs its linear layers (CPU, float32).
 
 Without a group (one rank) each is exactly the plain layer it replaces.
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pdserve.engine.cpu_linear import linear
-from pdserve.engine.tp_group import TPGroup
+from pdserve.engine.cpu.linear import linear
+from pdserve.engine.tp.group import TPGroup
 
 
 class RowParallelLinear(nn.Module):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.plan_channel import PlanInbox, PublisherGone
 from pdserve.engine.step_plan import StepPlan
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.tp.plan_channel import PlanInbox, PublisherGone
+from pdserve.engine.tp.shard import TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +83,13 @@ def run_rank(spec: RankSpec) -> None:
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # as the CLI's processes do
 
-    from pdserve.engine.model_shard import ModelShard
-    from pdserve.engine.tp_group import TPGroup
+    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.tp.model_shard import ModelShard
 
     config = spec.config
     if not config.rank_device(spec.rank).startswith("cuda"):
         # The ranks of a CPU node share its cores: each takes its share.
-        from pdserve.engine import cpu_threads
+        from pdserve.engine.cpu import threads as cpu_threads
 
         place = cpu_threads.placement(
             config.cpu_bind,

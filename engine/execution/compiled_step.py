@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from pdserve.engine.forward_batch import AttentionBatch
-from pdserve.engine.kv_cache import KVPool, layer_planes
+from pdserve.engine.execution.forward_batch import AttentionBatch
+from pdserve.engine.kv.cache import KVPool, layer_planes
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.kernels import mla_ref
 from pdserve.kernels.op_table import Ops

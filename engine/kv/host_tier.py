@@ -2,7 +2,7 @@
 preallocated buffer of slots (pinned where the pool is on a GPU), keyed by the block's chained
 hash, evicted least recently used.
 
-Bookkeeping only, as `BlockManager` is for the device pool: `pdserve.engine.kv_tiers` copies the
+Bookkeeping only, as `BlockManager` is for the device pool: `pdserve.engine.kv.tiers` copies the
 bytes. A slot is reserved before its copy starts and committed when the copy completed; only
 committed slots are found by `lookup`, so a block is never served from a copy that did not
 finish. A pinned slot (a copy reading it is in flight) is never evicted.
@@ -14,8 +14,8 @@ from collections import OrderedDict
 
 import torch
 
-from pdserve.engine.kv_cache import KVLayout
-from pdserve.engine.kv_events import KVEvents
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.kv.events import KVEvents
 
 BlockKey = tuple[int | None, tuple[int, ...]]
 

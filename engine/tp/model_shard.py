@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine import cpu_linear
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVLayout, KVPool
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tp_group import TPGroup
-from pdserve.engine.tp_shard import TPShard
+from pdserve.engine.cpu import linear as cpu_linear
+from pdserve.engine.execution.runner import ModelRunner
+from pdserve.engine.kv.cache import KVLayout, KVPool
+from pdserve.engine.models.loader import load_model
+from pdserve.engine.tp.group import TPGroup
+from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.ops import select_ops
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class ModelShard:
 
     def _compile(self) -> None:
         """Compile the model step, or say in one line why it runs eagerly."""
-        from pdserve.engine.compiled_step import CompiledStep, compile_unavailable
+        from pdserve.engine.execution.compiled_step import CompiledStep, compile_unavailable
 
         why = compile_unavailable(self.device)
         if why is None and self.device.startswith("cuda"):

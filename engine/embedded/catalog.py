@@ -1,5 +1,5 @@
 """The models pdserve carries, and what a missing model means: `pdserve-stories` (trained by
-`python -m pdserve.engine.stories.train`, shipped in the repository; the default) and `pdserve-tiny`
+`python -m pdserve.bench.stories.train`, shipped in the repository; the default) and `pdserve-tiny`
 (random weights, generated on first use; small and fast, for tests). `PDSERVE_MODEL` names the
 model to use when none is given. Importing this module imports no torch."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 STORIES = "pdserve-stories"
 TINY = "pdserve-tiny"
 EMBEDDED = (STORIES, TINY)
-STORIES_DIR = Path(__file__).parent / "stories" / STORIES
+STORIES_DIR = Path(__file__).parent / STORIES
 
 
 def default_model() -> str:
@@ -29,13 +29,13 @@ def resolve_model_dir(model: str | None) -> Path:
     """The checkpoint directory of a model: an embedded one by name, or the directory given."""
     model = model or default_model()
     if model == TINY:
-        from pdserve.engine.tiny_model import ensure_tiny_model
+        from pdserve.engine.embedded.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
     if model == STORIES:
         if not (STORIES_DIR / "model.safetensors").is_file():
             raise FileNotFoundError(
-                f"{STORIES} is not in {STORIES_DIR}: train it with `python -m pdserve.engine.stories.train`"
+                f"{STORIES} is not in {STORIES_DIR}: train it with `python -m pdserve.bench.stories.train`"
             )
         return STORIES_DIR
     path = Path(model).expanduser()
