@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.engine import LLM, SamplingParams, cpu_linear
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cpu import linear as cpu_linear
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 from pdserve.engine.tp.parallel_layers import ParallelLMHead, RowParallelLinear
 

@@ -429,7 +429,8 @@ def test_expert_blocks_hold_each_pair_once_and_one_expert_each(num_tokens, block
 def test_engine_with_triton_ops_generates_what_the_reference_does(tk, monkeypatch):
     # The whole model through the Triton op table (interpreted): chunked prefill, a prefix-cache
     # hit between the two prompts, decode steps and the engine's strided qkv views.
-    from pdserve.engine import LLM, SamplingParams, model_shard
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.tp import model_shard
 
     prompts = [list(range(5, 40)), list(range(5, 21)) + [7, 8, 9]]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

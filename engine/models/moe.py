@@ -27,7 +27,7 @@ from pdserve.kernels.op_table import Ops
 class Experts(nn.Module):
     """Every expert's weights stacked (this rank's columns of each): `w13[e]` is expert e's gate
     projection above its up projection, `w2[e]` its down projection. On a CPU node that packs its
-    linear layers (`engine.cpu_linear.pack`), each expert's two matrices are packed for oneDNN
+    linear layers (`engine.cpu.linear.pack`), each expert's two matrices are packed for oneDNN
     instead (`packed_experts`) and the stacked ones dropped."""
 
     def __init__(self, num_experts: int, width: int, hidden_size: int) -> None:

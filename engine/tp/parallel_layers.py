@@ -29,7 +29,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # set by engine.cpu_linear.pack
+        self.packed: torch.Tensor | None = None  # set by engine.cpu.linear.pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -65,7 +65,7 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(len(rows), hidden_size))
         self.per_rank = -(-vocab_size // group.size) if group is not None else vocab_size
-        self.packed: torch.Tensor | None = None  # set by engine.cpu_linear.pack
+        self.packed: torch.Tensor | None = None  # set by engine.cpu.linear.pack
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [n, vocab] on rank 0; None on the others (which take part)."""
