@@ -18,6 +18,18 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def group_hash(block_hash: int, group: int) -> int:
+    """The key a block of KV group `group` is cached under: group 0's is the block's hash
+    itself (what the coordinator's prefix index and the tiers know), another group's the hash
+    salted with the group, so equal tokens in two groups name two pages."""
+    if group == 0:
+        return block_hash
+    h = hashlib.blake2b(digest_size=16)
+    h.update(block_hash.to_bytes(16, "little"))
+    h.update(group.to_bytes(4, "little"))
+    return int.from_bytes(h.digest(), "little")
+
+
 def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of a prompt's full blocks, as a node's block manager computes them."""
     hashes: list[int] = []

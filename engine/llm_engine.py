@@ -140,6 +140,7 @@ class Engine:
             num_speculative_tokens=speculation.num_speculative_tokens if speculation else 0,
             disable_speculation_above=speculation.disable_by_batch_size if speculation else None,
             max_model_len=self.max_model_len,
+            kv_groups=layout.groups,
         )
         if config.max_model_len and config.max_model_len > capacity:
             logger.warning(
@@ -195,9 +196,7 @@ class Engine:
                 still.append((seq, where))
             elif seq.constraint.error is not None:
                 self.seqs.pop(seq.request_id, None)
-                if seq.block_table:  # an arrived sequence's blocks
-                    self.block_manager.free(seq.block_table)
-                    seq.block_table = []
+                self.scheduler.kv.free(seq)  # an arrived sequence's blocks, if any
                 failed.append(RequestOutput(seq.request_id, [], True, "abort",
                                             error=seq.constraint.error))  # fmt: skip
             else:
@@ -259,9 +258,7 @@ class Engine:
         held = [entry for entry in self._compiling if entry[0] is seq]
         if held:
             self._compiling.remove(held[0])
-            if seq.block_table:
-                self.block_manager.free(seq.block_table)
-                seq.block_table = []
+            self.scheduler.kv.free(seq)
             return True
         self.scheduler.abort(request_id)
         return True

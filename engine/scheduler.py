@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.groups import KVGroups
+from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -55,13 +57,16 @@ class Scheduler:
         max_model_len: int | None = None,
         tiers: KVTiers | None = None,
         disable_speculation_above: int | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         """proposer: speculative decoding's (with num_speculative_tokens, the most a step
         verifies per sequence, max_model_len, which drafts stay within, and
         disable_speculation_above, the most running sequences a step that verifies drafts may
         have). tiers: the KV tiers under the pool, which a waiting sequence's prefix is loaded
-        back from."""
+        back from. kv_groups: the model's layer groups (default: one, every layer full
+        attention)."""
         self.block_manager = block_manager
+        self.kv = KVCacheManager(block_manager, kv_groups or KVGroups.uniform(1))
         self.tiers = tiers
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -112,7 +117,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq.block_table)
+        self.kv.free(seq)
         if self.proposer is not None:
             self.proposer.release(seq)
         self.static_batch.discard(seq.request_id)
@@ -122,7 +127,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
         # Running sequences first, oldest first, so the oldest is never starved. A decoding
         # sequence that may speculate reserves blocks and tokens for its drafts here; they are
         # proposed for all of them at once after the loop.
@@ -164,11 +168,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.policy == "static" and seq.request_id not in self.static_batch:
                 break
-            if not seq.block_table:
-                seq.block_table = bm.allocate_prefix(seq.token_ids)
-                seq.num_computed_tokens = seq.num_cached_tokens = (
-                    len(seq.block_table) * bm.block_size
-                )
+            if not any(seq.block_tables):
+                seq.num_computed_tokens = seq.num_cached_tokens = self.kv.allocate_prefix(seq)
                 if self.tiers is not None and not seq.tiers_looked_up and self._load(seq):
                     continue
             num_new = seq.num_uncomputed_tokens
@@ -178,7 +179,7 @@ class Scheduler:
                 # Give back the prefix blocks it matched: a waiting sequence pins nothing. With
                 # nothing running, the blocks are held by handoffs (prefilled sequences waiting
                 # to be sent, or reserved for arriving KV) and come back when those end.
-                bm.free(seq.block_table)
+                self.kv.free(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
@@ -241,7 +242,6 @@ class Scheduler:
         """Propose the drafts of every sequence that reserved room for them, in one call; give
         back the blocks and tokens of drafts not proposed (each table again holds exactly what
         its tokens need). Returns the tokens given back."""
-        bm = self.block_manager
         drafts = self.proposer.draft([(item.seq, k) for item, k in reserved])
         given_back = 0
         for (item, k), tokens in zip(reserved, drafts):
@@ -252,22 +252,18 @@ class Scheduler:
                 continue
             item.num_new_tokens -= unused
             given_back += unused
-            keep = -(-(seq.num_computed_tokens + item.num_new_tokens) // bm.block_size)
-            if len(seq.block_table) > keep:
-                tail = seq.block_table[keep:]
-                del seq.block_table[keep:]
-                bm.free(tail)
+            self.kv.trim(seq, seq.num_computed_tokens + item.num_new_tokens)
         return given_back
 
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
-        return self.block_manager.allocate_slots(
-            seq.block_table, seq.num_computed_tokens + num_new, seq.num_computed_tokens
+        return self.kv.allocate_slots(
+            seq, seq.num_computed_tokens + num_new, seq.num_computed_tokens
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute preemption: drop its KV and requeue it at the front of the waiting line."""
         self.running.remove(seq)
-        self.block_manager.free(seq.block_table)
+        self.kv.free(seq)
         if self.proposer is not None:
             self.proposer.release(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -339,16 +335,13 @@ class Scheduler:
         return appended
 
     def _cache(self, seq: Sequence, num_drafts: int) -> None:
-        """Register the sequence's filled blocks; after verifying drafts, first give back the
-        blocks that only rejected drafts reached (the table holds what its KV needs, no more)."""
-        bm = self.block_manager
+        """Register the sequence's filled blocks and give back those no later query reads;
+        after verifying drafts, first give back the blocks that only rejected drafts reached
+        (the tables hold what its KV needs, no more)."""
         if num_drafts:
-            keep = -(-seq.num_computed_tokens // bm.block_size)
-            if len(seq.block_table) > keep:
-                tail = seq.block_table[keep:]
-                del seq.block_table[keep:]
-                bm.free(tail)
-        bm.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            self.kv.trim(seq, seq.num_computed_tokens)
+        self.kv.cache_full_blocks(seq)
+        self.kv.release_unread(seq)
 
     def append_forced(self, seq: Sequence, token_id: int, max_model_len: int) -> None:
         """Append a token the sequence's constraint forces (no step sampled it: its KV is

@@ -37,7 +37,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
-        self.block_table: list[int] = []
+        # Its blocks in each KV group (`pdserve.engine.kv.kv_manager`): one table per group of
+        # layers, -1 where a block no query reads went back to the pool.
+        self.block_tables: list[list[int]] = [[]]
+        # The chained hashes of its full blocks, as far as they were needed (prefix caching).
+        self.block_hashes: list[int] = []
         self.finish_reason: str | None = None  # stop | length | abort
         self.num_preemptions = 0
         # On a prefill node: leave the batch after the first token, keeping the blocks.
@@ -59,6 +63,15 @@ class Sequence:
         self.num_draft_computed_tokens = 0
         # Its prefix was looked up in the KV tiers below the pool since it was last admitted.
         self.tiers_looked_up = False
+
+    @property
+    def block_table(self) -> list[int]:
+        """Its table in the first KV group: its only one unless the model mixes layer kinds."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:

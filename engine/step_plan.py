@@ -31,6 +31,10 @@ class StepPlan:
     # Positions whose logits each sampling sequence needs, by sample row: its last one, or a
     # speculating sequence's next token and every draft (1 + drafts); empty: one each.
     sample_counts: list[int] = field(default_factory=list)
+    # A model mixing layer kinds: each further KV group's slots and padded block tables, as
+    # `slots` and `block_tables` are group 0's.
+    group_slots: list[array] = field(default_factory=list)
+    group_tables: list[array] = field(default_factory=list)
 
     @classmethod
     def from_scheduled(cls, out: SchedulerOutput, block_size: int) -> StepPlan:
@@ -69,6 +73,7 @@ class StepPlan:
                 sample_counts.append(1 + len(drafts))
         flat, width = padded_tables(tables)
         speculating = len(sample_counts) != sum(sample_counts)
+        group_slots, group_tables = _further_groups(out, bs, width)
         return cls(
             input_ids,
             positions,
@@ -80,6 +85,8 @@ class StepPlan:
             sample_rows,
             max_query_len,
             sample_counts if speculating else [],
+            group_slots,
+            group_tables,
         )
 
     @classmethod
@@ -137,6 +144,10 @@ class StepPlan:
             seq_lens=_tensor(self.seq_lens),
             query_start_loc=_tensor(self.query_start),
             max_query_len=self.max_query_len,
+            group_slot_mappings=tuple(_tensor(slots) for slots in self.group_slots),
+            group_block_tables=tuple(
+                _tensor(tables).view(-1, self.width) for tables in self.group_tables
+            ),
         )
         return _tensor(self.input_ids), _tensor(self.positions), batch
 
@@ -149,9 +160,33 @@ def _tensor(values: array) -> torch.Tensor:
     return torch.frombuffer(values, dtype=dtype)
 
 
-def padded_tables(tables: list[list[int]]) -> tuple[array, int]:
-    """Block tables as one flat array, each padded with zeros to the longest's width."""
-    width = max(map(len, tables))
+def _further_groups(out: SchedulerOutput, bs: int, width: int) -> tuple[list[array], list[array]]:
+    """The slots and padded tables of every KV group after the first, for the scheduled
+    tokens (none for a model of one group)."""
+    if not out.scheduled or len(out.scheduled[0].seq.block_tables) < 2:
+        return [], []
+    num_groups = len(out.scheduled[0].seq.block_tables)
+    group_slots, group_tables = [], []
+    for g in range(1, num_groups):
+        slots = array("q")
+        tables = []
+        for item in out.scheduled:
+            seq = item.seq
+            table = seq.block_tables[g]
+            start = seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables.append(table)
+        flat, _ = padded_tables(tables, width)
+        group_slots.append(slots)
+        group_tables.append(flat)
+    return group_slots, group_tables
+
+
+def padded_tables(tables: list[list[int]], width: int = 0) -> tuple[array, int]:
+    """Block tables as one flat array, each padded with zeros to the longest's width (or to
+    `width`, if wider)."""
+    width = max([width, *map(len, tables)])
     padding = array("i", bytes(4 * width))
     flat = array("i")
     for table in tables:

@@ -7,7 +7,6 @@ nodes comes back."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from local_cluster import Cluster
@@ -30,12 +29,9 @@ def test_corrupted_handoffs_are_caught_prefilled_again_and_counted(transport, mo
     # Retries enough that no request runs out of them (each fails with p = 0.15).
     with Cluster(1, 1, transport=transport, config=CoordinatorConfig(max_retries=8)) as cluster:
         assert asyncio.run(complete_all(cluster.client_addr, prompts, GREEDY)) == expected
-        node = cluster.node("decode-0")
-        for _ in range(100):  # a report comes every 0.2 s
-            if node.kv_integrity_failures > 0:
-                break
-            time.sleep(0.1)
-        assert node.kv_integrity_failures > 0
+        node = cluster.wait_for_report(
+            "decode-0", lambda n: n.kv_integrity_failures > 0, "a digest failure"
+        )
         text = Metrics(cluster.coordinator).render().decode()
         (line,) = [
             ln
@@ -53,6 +49,7 @@ def test_with_kv_integrity_off_prefill_nodes_send_no_digests(monkeypatch):
     with Cluster(1, 1, node_options={"kv_integrity": False}) as cluster:
         got = asyncio.run(complete_all(cluster.client_addr, prompts, GREEDY))
         assert [len(tokens) for tokens in got] == [GREEDY.max_tokens] * len(prompts)
-        time.sleep(0.5)  # two more reports
-        assert cluster.node("decode-0").kv_integrity_failures == 0
+        # A load report taken after the decode node sent every token it served: it counts every
+        # landing those requests made.
         cluster.wait_until_idle()
+        assert cluster.node("decode-0").kv_integrity_failures == 0

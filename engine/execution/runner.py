@@ -80,6 +80,8 @@ class ModelRunner:
             seq_lens=batch.seq_lens.to(self.device),
             query_start_loc=batch.query_start_loc.to(self.device),
             max_query_len=batch.max_query_len,
+            group_slot_mappings=tuple(s.to(self.device) for s in batch.group_slot_mappings),
+            group_block_tables=tuple(t.to(self.device) for t in batch.group_block_tables),
         )
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

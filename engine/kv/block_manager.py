@@ -7,7 +7,7 @@ blocks are keyed by a hash chained over (parent hash, token ids) (`pdserve.clust
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.cluster.block_hash import hash_block_tokens
 from pdserve.engine.kv.events import KVEvents
@@ -165,6 +165,43 @@ class BlockManager:
             if h not in self._cached:
                 self._register(block, h, (parent, tokens))
             parent = h
+
+    def cached_block(self, h: int, key: BlockKey) -> int | None:
+        """The block registered under hash h if it holds key's content (a hash collision must
+        never hand out another prompt's pages), else None."""
+        block = self._cached.get(h)
+        return block if block is not None and self._key[block] == key else None
+
+    def take(self, blocks: list[int]) -> None:
+        """Take a reference on each of these registered blocks (a prefix hit)."""
+        for block in blocks:
+            self._take(block)
+
+    def cache_hashed_blocks(
+        self,
+        block_table: list[int],
+        num_full: int,
+        hash_of: Callable[[int], int],
+        key_of: Callable[[int], BlockKey],
+    ) -> None:
+        """Register the first num_full blocks of block_table, block i under hash_of(i) holding
+        key_of(i) (a KV group's own hashes); -1 entries, blocks the table gave back, are
+        skipped. As cache_full_blocks, it scans back only to the last block already hashed."""
+        if not self.enable_prefix_caching:
+            return
+        start = num_full
+        while (
+            start > 0 and block_table[start - 1] >= 0 and block_table[start - 1] not in self._hash
+        ):
+            start -= 1
+        for i in range(start, num_full):
+            block = block_table[i]
+            if block < 0:
+                continue
+            h = hash_of(i)
+            self._hash[block] = h
+            if h not in self._cached:
+                self._register(block, h, key_of(i))
 
     def free(self, block_table: list[int]) -> None:
         """Drop block_table's references, tail first so the LRU evicts tails before heads."""

@@ -1,17 +1,22 @@
 """The paged KV pool of one node: one preallocated tensor holding every layer's K and V pages.
 
-Layout: [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], so one layer's
-pages are contiguous (layer-by-layer transfer) and `pool.layer(l)` gives that layer's caches:
-(K, V) with two planes, or (latent,) with one, as multi-head latent attention keeps a single
-"head" of width kv_lora_rank + qk_rope_head_dim per token and no separate value.
+Layout: [slots, planes, num_blocks, block_size, num_kv_heads, head_dim], so one slot's pages are
+contiguous (layer-by-layer transfer) and `pool.layer(l)` gives layer l's caches: (K, V) with two
+planes, or (latent,) with one, as multi-head latent attention keeps a single "head" of width
+kv_lora_rank + qk_rope_head_dim per token and no separate value. A model whose layers are all
+full attention has a slot per layer; one that mixes layer kinds has a slot per layer of its
+largest KV group (`pdserve.engine.kv.groups`), each group's blocks holding its layers' pages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
+from pdserve.engine.kv.groups import KVGroups
+from pdserve.engine.kv.layer_kinds import parse_kind
 from pdserve.engine.models.config import ModelConfig
 
 
@@ -25,6 +30,8 @@ class KVLayout:
     head_dim: int
     dtype: str  # "float32" | "bfloat16" | "float16"
     planes: int = 2  # K and V; 1: MLA's latent alone
+    # Each layer's kind ("full", "sliding 128", "chunked 8192"); empty: every layer full.
+    layer_kinds: tuple[str, ...] = ()
 
     @classmethod
     def for_model(
@@ -32,7 +39,20 @@ class KVLayout:
     ) -> KVLayout:
         """The layout of a model's cache (num_kv_heads: a tensor-parallel rank's share)."""
         heads = cfg.cache_heads if num_kv_heads is None else num_kv_heads
-        return cls(cfg.num_layers, block_size, heads, cfg.cache_head_dim, dtype, cfg.cache_planes)
+        kinds = cfg.layer_kinds if any(k != "full" for k in cfg.layer_kinds) else ()
+        return cls(
+            cfg.num_layers, block_size, heads, cfg.cache_head_dim, dtype, cfg.cache_planes, kinds
+        )
+
+    @property
+    def groups(self) -> KVGroups:
+        """The layers' KV groups: one, of every layer, unless the model mixes layer kinds."""
+        return _groups(self.num_layers, self.layer_kinds)
+
+    @property
+    def num_slots(self) -> int:
+        """Pages one block holds: a layer's each, or the largest group's layers'."""
+        return self.groups.num_slots if self.layer_kinds else self.num_layers
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -43,7 +63,7 @@ class KVLayout:
         """Bytes of one block across all layers and planes."""
         elem = torch.tensor([], dtype=self.torch_dtype).element_size()
         return (
-            self.num_layers
+            self.num_slots
             * self.planes
             * self.block_size
             * self.num_kv_heads
@@ -59,11 +79,15 @@ class KVLayout:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "planes": self.planes,
+            **({"layer_kinds": list(self.layer_kinds)} if self.layer_kinds else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> KVLayout:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if "layer_kinds" in fields:
+            fields["layer_kinds"] = tuple(fields["layer_kinds"])
+        return cls(**fields)
 
     def check_compatible(self, other: KVLayout, ignore: tuple[str, ...] = ()) -> None:
         """Raise ValueError naming the first field (not in `ignore`) where two layouts differ.
@@ -88,8 +112,9 @@ class KVPool:
     ) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
+        self._slot_of = layout.groups.slot_of if layout.layer_kinds else None
         shape = (
-            layout.num_layers,
+            layout.num_slots,
             layout.planes,
             num_blocks,
             layout.block_size,
@@ -104,11 +129,20 @@ class KVPool:
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
         """(K, V) pages of one layer, or (latent,) with one plane."""
-        return layer_planes(self.kv, index)
+        return layer_planes(self.kv, index if self._slot_of is None else self._slot_of[index])
 
     @staticmethod
     def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
         return max(0, budget_bytes // layout.bytes_per_block)
+
+
+@cache
+def _groups(num_layers: int, layer_kinds: tuple[str, ...]) -> KVGroups:
+    if not layer_kinds:
+        return KVGroups.uniform(num_layers)
+    if len(layer_kinds) != num_layers:
+        raise ValueError(f"{len(layer_kinds)} layer kinds for {num_layers} layers")
+    return KVGroups.for_layers([parse_kind(k) for k in layer_kinds])
 
 
 def layer_planes(kv: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:

@@ -79,6 +79,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rotary pairs are (2i, 2i+1), not (i, i + d/2)
+    # Each layer's attention kind as the KV cache sees it ("full", "sliding W", "chunked C",
+    # `pdserve.engine.kv.layer_kinds`); empty: every layer full attention.
+    layer_kinds: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:

@@ -1,0 +1,77 @@
+"""Layers of one kind form a KV group: each group has a block table of its own per sequence, and
+every group draws its blocks from the one pool and its one free list.
+
+A block id names one page in each of the pool's slots (`KVPool` is [slots, planes, blocks, ...]);
+a group's layers are those slots, so a block of a group holds that many layers' pages. Groups of
+equal size keep every page in use: a kind with more layers than another is split into several
+groups, each of the smallest kind's size (the last may be shorter, and leaves slots unused in
+its blocks). A model whose layers are all of one kind is one group whose slots are its layers,
+as before groups existed. Group 0 is full attention where the model has any."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.engine.kv.layer_kinds import FullAttention, LayerKind
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    kind: LayerKind
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroups:
+    groups: tuple[KVGroup, ...]
+    group_of: tuple[int, ...]  # by layer
+    slot_of: tuple[int, ...]  # by layer: its index among its group's layers
+
+    @classmethod
+    def for_layers(cls, kinds: Sequence[LayerKind]) -> KVGroups:
+        if not kinds:
+            raise ValueError("a model has at least one attention layer")
+        by_kind: dict[LayerKind, list[int]] = {}
+        for layer, kind in enumerate(kinds):
+            by_kind.setdefault(kind, []).append(layer)
+        order = sorted(by_kind, key=lambda k: (not isinstance(k, FullAttention), by_kind[k][0]))
+        size = min(len(layers) for layers in by_kind.values())
+        groups = [
+            KVGroup(kind, tuple(by_kind[kind][i : i + size]))
+            for kind in order
+            for i in range(0, len(by_kind[kind]), size)
+        ]
+        group_of = [0] * len(kinds)
+        slot_of = [0] * len(kinds)
+        for index, group in enumerate(groups):
+            for slot, layer in enumerate(group.layers):
+                group_of[layer], slot_of[layer] = index, slot
+        return cls(tuple(groups), tuple(group_of), tuple(slot_of))
+
+    @classmethod
+    def uniform(cls, num_layers: int) -> KVGroups:
+        """Every layer full attention: one group, a slot per layer."""
+        return cls.for_layers([FullAttention()] * num_layers)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_slots(self) -> int:
+        """Pages a block holds: the largest group's layers."""
+        return max(len(g.layers) for g in self.groups)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.group_of)
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's kind, by layer."""
+        return tuple(self.groups[g].kind for g in self.group_of)
+
+    @property
+    def is_uniform(self) -> bool:
+        return self.num_groups == 1

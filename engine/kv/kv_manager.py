@@ -1,0 +1,178 @@
+"""A sequence's KV blocks in every layer group: what the scheduler asks of the cache (a prefix
+hit, room for new tokens, registering filled blocks, giving back what no query will read).
+
+Every group draws from the one `BlockManager`. A group's table has an entry per block of the
+sequence; a block that no future query of the group reads goes back to the pool and its entry
+becomes -1 (a sliding window's blocks wholly older than the window, a chunked group's blocks
+before the current chunk), so a long sequence holds pages for its full-attention layers only.
+Filled blocks of every group are registered in the prefix cache, keyed by the sequence's chain
+of block hashes salted with the group; a prefix hit is the longest prefix for which every group
+holds what its next query reads."""
+
+from __future__ import annotations
+
+from pdserve.cluster.block_hash import group_hash, hash_block_tokens
+from pdserve.engine.kv.block_manager import BlockKey, BlockManager
+from pdserve.engine.kv.groups import KVGroups
+from pdserve.engine.sequence import Sequence
+
+FREED = -1  # a table entry whose block went back to the pool
+
+
+class KVCacheManager:
+    def __init__(self, block_manager: BlockManager, groups: KVGroups) -> None:
+        self.block_manager = block_manager
+        self.groups = groups
+        self.block_size = block_manager.block_size
+        self._kinds = [g.kind for g in groups.groups]
+
+    @property
+    def num_groups(self) -> int:
+        return self.groups.num_groups
+
+    # --- one sequence --------------------------------------------------------------------------
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Take the longest cached prefix of seq's tokens that every group can serve (leaving
+        at least one token to compute); returns its length in tokens."""
+        bm = self.block_manager
+        self._check_empty(seq)
+        if not bm.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        max_blocks = max(0, (seq.num_tokens - 1) // bs)
+        self._extend_hashes(seq, max_blocks)
+        found = [self._lookup(seq, g, max_blocks) for g in range(self.num_groups)]
+        length = max_blocks
+        while True:  # each group's longest hit within the others'; a fixpoint in a few rounds
+            shortest = min(self._longest_hit(g, found[g], length) for g in range(self.num_groups))
+            if shortest == length:
+                break
+            length = shortest
+        for g, blocks in enumerate(found):
+            first = self._first_read_block(g, length)
+            table = [FREED] * first + blocks[first:length]
+            bm.take(table[first:])
+            seq.block_tables[g] = table
+        bm.prefix_hits += length
+        # Blocks after the hit are not looked up but must be computed: they count as misses.
+        bm.prefix_misses += max_blocks - length
+        return length * bs
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks that allocate_slots(seq, num_tokens) would take, over every group."""
+        per_table = -(-num_tokens // self.block_size)
+        return sum(max(0, per_table - len(table)) for table in self._tables(seq))
+
+    def allocate_slots(self, seq: Sequence, num_tokens: int, num_tokens_held: int) -> bool:
+        """Grow every group's table to hold num_tokens: True if it did, False (and no change)
+        if blocks run out."""
+        bm = self.block_manager
+        tables = self._tables(seq)
+        for table in tables:
+            bm.blocks_needed(table, num_tokens, num_tokens_held)  # checks the table's length
+        if not bm.can_allocate(self.blocks_needed(seq, num_tokens)):
+            return False
+        for table in tables:
+            bm.allocate_slots(table, num_tokens, num_tokens_held)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register each group's blocks that seq's computed tokens have filled."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if seq.num_computed_tokens > seq.num_tokens or num_full > len(self._tables(seq)[0]):
+            raise ValueError(
+                f"{seq.num_computed_tokens} computed tokens do not fit {seq.num_tokens} token "
+                f"ids in a table of {len(seq.block_tables[0])} blocks"
+            )
+        self._extend_hashes(seq, num_full)
+        hashes = seq.block_hashes
+        for g, table in enumerate(self._tables(seq)):
+            bm.cache_hashed_blocks(
+                table,
+                num_full,
+                lambda i, g=g: group_hash(hashes[i], g),
+                lambda i: self._key(seq, i),
+            )
+
+    def release_unread(self, seq: Sequence) -> None:
+        """Give back every block that no query of seq from its next token on will read."""
+        num_blocks = seq.num_computed_tokens // self.block_size
+        for g, table in enumerate(self._tables(seq)):
+            first = self._first_read_block(g, num_blocks, seq.num_computed_tokens)
+            released = [b for b in table[:first] if b != FREED]
+            if released:
+                self.block_manager.free(released)
+                table[:first] = [FREED] * first
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back each table's blocks past those num_tokens need (rejected drafts' KV)."""
+        keep = -(-num_tokens // self.block_size)
+        for table in self._tables(seq):
+            if len(table) > keep:
+                tail = [b for b in table[keep:] if b != FREED]
+                del table[keep:]
+                self.block_manager.free(tail)
+
+    def free(self, seq: Sequence) -> None:
+        """Give back every block of every group; the tables end empty."""
+        for table in self._tables(seq):
+            held = [b for b in table if b != FREED]
+            table.clear()
+            self.block_manager.free(held)
+
+    def num_blocks_held(self, seq: Sequence) -> int:
+        return sum(sum(1 for b in table if b != FREED) for table in self._tables(seq))
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        while len(seq.block_tables) < self.num_groups:
+            seq.block_tables.append([])
+        return seq.block_tables
+
+    def _check_empty(self, seq: Sequence) -> None:
+        if any(self._tables(seq)):
+            raise ValueError(f"{seq.request_id} already holds blocks")
+
+    def _first_read_block(self, g: int, num_blocks: int, position: int | None = None) -> int:
+        """The first block the next query reads, after num_blocks full blocks (or at a given
+        position)."""
+        position = num_blocks * self.block_size if position is None else position
+        return self._kinds[g].first_read(position) // self.block_size
+
+    def _extend_hashes(self, seq: Sequence, num_full: int) -> None:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _key(self, seq: Sequence, i: int) -> BlockKey:
+        """What full block i holds (its parent's hash, its tokens), to verify a hit against."""
+        bs = self.block_size
+        return (seq.block_hashes[i - 1] if i else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _lookup(self, seq: Sequence, g: int, max_blocks: int) -> list[int]:
+        """Group g's cached block for each of the first max_blocks blocks, or FREED."""
+        bm, hashes = self.block_manager, seq.block_hashes
+        found = []
+        for i in range(max_blocks):
+            block = bm.cached_block(group_hash(hashes[i], g), self._key(seq, i))
+            found.append(FREED if block is None else block)
+        return found
+
+    def _longest_hit(self, g: int, found: list[int], limit: int) -> int:
+        """The largest n <= limit such that group g holds every block its query after n
+        blocks reads."""
+        missing_before = [-1] * (limit + 1)  # n -> the last block before n not found, or -1
+        for i in range(limit):
+            missing_before[i + 1] = i if found[i] == FREED else missing_before[i]
+        for n in range(limit, 0, -1):
+            if missing_before[n] < self._first_read_block(g, n):
+                return n
+        return 0
