@@ -1,6 +1,8 @@
 """The story grammar and its recognizer, without a model: everything the grammar generates is
-accepted, near misses are not, the corpus is a function of its seed, and the training script
-writes a checkpoint that `transformers` reads as the model it trained."""
+accepted, near misses are not, the corpus is a function of its seed. And the training script: its
+model (the engine's layers) computes transformers' Llama on the weights it saves, every weight of
+it learns, and a short run writes a checkpoint that `transformers` and pdserve read as the model
+it trained."""
 
 from __future__ import annotations
 
@@ -145,12 +147,92 @@ def test_the_corpus_is_a_function_of_its_seed():
     assert 0.15 < len(called) / len(tools) < 0.35 and not any("<tool_call>" in d for d in a)
 
 
-def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(tmp_path):
-    import tokenizers
-    import torch.nn.functional as F
+def story_model_and_tokenizer(**sizes: int):  # noqa: ANN201
+    """A small StoryModel with random weights from seed 0 (the committed checkpoint's
+    tokenizer, so that `save` has one to write)."""
+    from tokenizers import Tokenizer
+
+    from pdserve.bench.stories.train import Shape, StoryModel
+    from pdserve.engine.embedded.catalog import STORIES_DIR
+
+    tok = Tokenizer.from_file(str(STORIES_DIR / "tokenizer.json"))
+    shape = Shape(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+    )
+    for name, value in sizes.items():
+        setattr(shape, name, value)
+    torch.manual_seed(0)
+    return StoryModel(shape), tok
+
+
+def test_the_training_forward_is_transformers_llama_on_the_weights_it_saves(tmp_path):
+    """The trainer's model is the engine's layers with a causal forward of its own; saved under
+    Hugging Face's names (q, k, v and gate, up split out of the engine's fused projections), its
+    weights give transformers' Llama the logits it computes, to float32 rounding."""
     import transformers
 
-    from pdserve.bench.stories.train import Recipe, Shape, StoryModel, token_stream, train
+    from pdserve.bench.stories.train import save
+
+    model, tok = story_model_and_tokenizer(rope_theta=500.0, rms_norm_eps=1e-6)
+    with torch.no_grad():
+        for param in model.parameters():
+            # Weights large enough for attention to pick positions (rotary and the causal mask
+            # then matter), norms away from one, all in bfloat16's values (what save writes).
+            if param.dim() == 1:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(std=0.2)
+            param.copy_(param.bfloat16().float())
+    save(model, tok, tmp_path, record={})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(
+        0, model.shape.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits)
+
+
+def test_every_weight_of_the_training_model_takes_a_gradient():
+    """Training reaches every weight through the engine's modules (no packed inference copy in
+    the way), and a model whose linear layers are packed for inference is refused."""
+    import torch.nn.functional as F
+
+    from pdserve.bench.stories.train import StoryModel
+    from pdserve.engine.cpu.linear import pack
+
+    model, _ = story_model_and_tokenizer()
+    ids = torch.randint(
+        0, model.shape.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)
+    )
+    logits = model(ids[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+    pack(model.llama)
+    with pytest.raises(ValueError, match="packed"):
+        StoryModel(model.shape, model.llama)
+
+
+def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(tmp_path):
+    import torch.nn.functional as F
+    import transformers
+    from checkpoints import hf_greedy
+
+    from pdserve.bench.stories.train import (
+        Recipe,
+        Shape,
+        StoryModel,
+        load_checkpoint,
+        token_stream,
+        train,
+    )
+    from pdserve.engine import LLM, SamplingParams
 
     shape = Shape(
         vocab_size=400,
@@ -168,18 +250,21 @@ def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(t
     assert (tmp_path / "loss.png").stat().st_size > 1000 and len(record["losses"]) == 12
     assert json.loads((tmp_path / "training.json").read_text())["final_loss"] > 0
 
-    # Its logits, from the bfloat16 weights it saved, are the model transformers loads.
+    # Read back by pdserve's loader, its logits are those of the model transformers loads, and
+    # pdserve serves it with transformers' greedy tokens.
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    mine = StoryModel(shape)
-    state = {k: v.float() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    mine.load_state_dict(state)
+    tok, _, mine = load_checkpoint(tmp_path)
     ids = torch.randint(0, shape.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(mine(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine(ids), hf(ids).logits)
+    prompts = [tok.encode(text).ids for text in ("Once upon a time", "Tom and Lily", "One day")]
+    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=64)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    served = [out.token_ids for out in llm.generate(prompts, greedy)]
+    assert served == hf_greedy(tmp_path, prompts, 16)
 
     # And they are the trained weights: on the corpus the saved model predicts the next token
     # better than the same shape as training began (the seed's initial weights).
-    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     docs = corpus(recipe.seed, 20_000, recipe.corpus)
     window = token_stream(tok, docs)[: 8 * 33].reshape(8, 33)
 

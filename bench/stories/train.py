@@ -1,6 +1,7 @@
-"""Trains `pdserve-stories` from nothing, on the CPU, with plain torch: a byte-level BPE tokenizer
-and a small Llama-architecture model on the story grammar's corpus, saved as a Hugging Face-format
-checkpoint (bfloat16 safetensors, tokenizer, chat template) that pdserve and `transformers` load.
+"""Trains `pdserve-stories` from nothing, on the CPU: a byte-level BPE tokenizer and a small Llama
+on the story grammar's corpus, saved as a Hugging Face-format checkpoint (bfloat16 safetensors,
+tokenizer, chat template) that pdserve and `transformers` load. The model is the engine's own
+(`pdserve.engine.models.llama`); training adds only a forward over whole sequences at once.
 
     # the committed checkpoint, in two runs (docs/models.md): stories and chat turns from scratch,
     # then on from there with the tool conversations
@@ -41,6 +42,11 @@ from pdserve.bench.stories.corpus import (
 )
 from pdserve.bench.stories.grammar import TOOLS
 from pdserve.bench.stories.recognizer import accepts_call, read, tool_calls
+from pdserve.engine.models.config import ModelConfig
+from pdserve.engine.models.llama import Attention, LlamaForCausalLM
+from pdserve.engine.models.loader import build_model, load_model
+from pdserve.engine.models.norm import RMSNorm
+from pdserve.kernels.ops import REFERENCE
 
 
 @dataclass(slots=True)
@@ -61,108 +67,148 @@ class Shape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def config(self) -> dict:
+        """Its fields of the checkpoint's config.json (`save` adds the tokenizer's ids)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+        }
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.s = s
-        d = s.head_dim
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(s.num_heads * d, s.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        s, d = self.s, self.s.head_dim
-        q = self.q_proj(x).view(b, t, s.num_heads, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, s.num_kv_heads, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, s.num_kv_heads, d).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        group = s.num_heads // s.num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Shape:
+        """The shape of a checkpoint the engine read."""
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
 
 
-class MLP(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = Attention(s)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = MLP(s)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+# The torch reference ops: differentiable (the CPU backend's rotary writes through out=, which
+# autograd refuses).
+OPS = REFERENCE
 
 
 class StoryModel(nn.Module):
-    """Llama for training, its parameters named as in Hugging Face checkpoints; the LM head is
-    the embedding (tied)."""
+    """The engine's own Llama (`LlamaForCausalLM`: its embedding, decoder layers with fused
+    qkv_proj and gate_up_proj, norms, rotary table and tied LM head) with the forward training
+    needs: every position of whole sequences at once, attending causally, without a KV pool."""
 
-    def __init__(self, s: Shape) -> None:
+    def __init__(self, shape: Shape, llama: LlamaForCausalLM | None = None) -> None:
+        """Random weights (`init_weights`, from the global generator), or `llama`'s."""
         super().__init__()
-        self.s = s
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.model.layers = nn.ModuleList(Block(s) for _ in range(s.num_layers))
-        self.model.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-        inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2).float() / s.head_dim))
-        angles = torch.outer(torch.arange(s.max_position_embeddings).float(), inv)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        if llama is None:
+            llama = build_model(ModelConfig.from_dict(shape.config()), "float32", "cpu")
+            init_weights(llama)
+        if any(getattr(m, "packed", None) is not None for m in llama.modules()):
+            raise ValueError("its linear layers are packed for inference, without gradients")
+        self.shape = shape
+        self.llama = llama.train()  # the engine's loader hands it over in eval mode
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.shape[1]
-        cos, sin = self.cos[:t], self.sin[:t]
-        x = self.model.embed_tokens(ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.model.norm(x) @ self.model.embed_tokens.weight.T
+        """Logits [batch, tokens, vocab] at every position of `ids` [batch, tokens], each
+        position seeing its sequence up to itself."""
+        llama = self.llama
+        positions = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0])
+        x = llama.embed_tokens(ids)
+        for layer in llama.layers:
+            x = x + causal_attention(
+                layer.self_attn, norm(layer.input_layernorm, x), positions, llama.cos_sin
+            )
+            x = x + layer.mlp(norm(layer.post_attention_layernorm, x), OPS)
+        return llama.compute_logits(norm(llama.norm, x))
 
     @torch.no_grad()
     def greedy(self, ids: list[int], max_new: int, stop: set[int]) -> list[int]:
         """Greedy continuation (no cache: for a quick look at the end of training)."""
         out = list(ids)
         for _ in range(max_new):
-            window = out[-self.s.max_position_embeddings :]
+            window = out[-self.shape.max_position_embeddings :]
             token = int(self(torch.tensor([window]))[0, -1].argmax())
             out.append(token)
             if token in stop:
                 break
         return out[len(ids) :]
+
+
+def norm(layer: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return OPS.rms_norm(x, layer.weight, layer.eps)
+
+
+def causal_attention(
+    attn: Attention, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> torch.Tensor:
+    """The engine's attention layer over whole sequences x [batch, tokens, hidden]: its q, k and
+    v (`Attention.project`), causal attention over them where the engine reads the paged pool,
+    its output projection."""
+    batch, length, _ = x.shape
+    q, k, v = (
+        t.view(batch, length, -1, attn.head_dim).transpose(1, 2)
+        for t in attn.project(x, positions, cos_sin, OPS)
+    )
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale, enable_gqa=True)
+    return attn.o_proj(out.transpose(1, 2).reshape(batch, length, attn.q_size))
+
+
+def checkpoint_tensors(llama: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Its weights under Hugging Face's names, as views of its parameters: qkv_proj split into
+    q_proj, k_proj and v_proj, gate_up_proj into gate_proj and up_proj; no lm_head (tied)."""
+    tensors = {"model.embed_tokens.weight": llama.embed_tokens.weight}
+    for i, layer in enumerate(llama.layers):
+        attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
+        q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+        gate, up = mlp.gate_up_proj.weight.split(mlp.intermediate_size)
+        named = {
+            "input_layernorm": layer.input_layernorm.weight,
+            "self_attn.q_proj": q,
+            "self_attn.k_proj": k,
+            "self_attn.v_proj": v,
+            "self_attn.o_proj": attn.o_proj.weight,
+            "post_attention_layernorm": layer.post_attention_layernorm.weight,
+            "mlp.gate_proj": gate,
+            "mlp.up_proj": up,
+            "mlp.down_proj": mlp.down_proj.weight,
+        }
+        tensors |= {f"{prefix}{name}.weight": tensor for name, tensor in named.items()}
+    tensors["model.norm.weight"] = llama.norm.weight
+    return tensors
+
+
+@torch.no_grad()
+def init_weights(llama: LlamaForCausalLM) -> None:
+    """Norms at one, every matrix from N(0, 0.02), drawn from the global generator in Hugging
+    Face's order and shapes. It first makes, and overwrites, the draws of nn.Embedding's and
+    nn.Linear's default initialisation, as the trainer's earlier model (an nn.Linear a
+    projection) did: so a seed still gives the committed checkpoint's first run its start
+    (tests/test_stories_model.py repeats its first steps)."""
+    tensors = checkpoint_tensors(llama)
+    matrices = [t for t in tensors.values() if t.dim() == 2]
+    matrices[0].normal_()  # the embedding
+    for matrix in matrices[1:]:
+        nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
+    for matrix in matrices:
+        matrix.normal_(std=0.02)
+    for vector in (t for t in tensors.values() if t.dim() == 1):
+        vector.fill_(1.0)
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -308,26 +354,13 @@ def train(shape: Shape, recipe: Recipe, out_dir: Path, plot: Path | None, progre
 
 
 def load_checkpoint(path: Path) -> tuple[object, Shape, StoryModel]:
-    """A checkpoint this script saved: its tokenizer, its shape and its weights (in float32)."""
-    from safetensors.torch import load_file
+    """A checkpoint this script saved: its tokenizer, its shape and its weights (in float32,
+    read by the engine's loader)."""
     from tokenizers import Tokenizer
 
-    config = json.loads((path / "config.json").read_text())
-    shape = Shape(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config["num_key_value_heads"],
-        max_position_embeddings=config["max_position_embeddings"],
-        rope_theta=config["rope_theta"],
-        rms_norm_eps=config["rms_norm_eps"],
-    )
-    model = StoryModel(shape)
-    weights = load_file(str(path / "model.safetensors"))
-    model.load_state_dict({k: v.float() for k, v in weights.items()})
-    return Tokenizer.from_file(str(path / "tokenizer.json")), shape, model
+    llama = load_model(path, "float32", "cpu")
+    model = StoryModel(Shape.of(llama.config), llama)
+    return Tokenizer.from_file(str(path / "tokenizer.json")), model.shape, model
 
 
 def samples(model: StoryModel, tok) -> dict:  # noqa: ANN001
@@ -358,30 +391,15 @@ def samples(model: StoryModel, tok) -> dict:  # noqa: ANN001
 def save(model: StoryModel, tok, out_dir: Path, record: dict) -> None:  # noqa: ANN001
     from safetensors.torch import save_file
 
-    s = model.s
+    s = model.shape
     out_dir.mkdir(parents=True, exist_ok=True)
     eos = [tok.token_to_id(EOS), tok.token_to_id(IM_END)]
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": s.vocab_size,
-        "hidden_size": s.hidden_size,
-        "intermediate_size": s.intermediate_size,
-        "num_hidden_layers": s.num_layers,
-        "num_attention_heads": s.num_heads,
-        "num_key_value_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
-        "max_position_embeddings": s.max_position_embeddings,
-        "rms_norm_eps": s.rms_norm_eps,
-        "rope_theta": s.rope_theta,
-        "hidden_act": "silu",
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": tok.token_to_id(BOS),
-        "eos_token_id": eos,
-    }
+    config = s.config() | {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": eos}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    tensors = {
+        name: tensor.detach().to(torch.bfloat16).contiguous()
+        for name, tensor in checkpoint_tensors(model.llama).items()
+    }
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tok.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {

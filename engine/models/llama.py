@@ -65,15 +65,12 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        batch: AttentionBatch,
-        pool: KVPool,
-        cos_sin: torch.Tensor,
-        ops: Ops,
-    ) -> torch.Tensor:
+    def project(
+        self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens' queries, keys and values, [tokens, heads, head_dim], q and k normed (where
+        the family has it) and rotated: what attention reads, whatever it attends over (the
+        paged pool here; a whole causal sequence in training)."""
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -83,6 +80,18 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        return q, k, v
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        cos_sin: torch.Tensor,
+        ops: Ops,
+    ) -> torch.Tensor:
+        q, k, v = self.project(hidden, positions, cos_sin, ops)
         k_cache, v_cache = pool.layer(self.layer_index)
         ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = ops.paged_attention(
