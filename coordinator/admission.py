@@ -8,22 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.coordinator.nodes import NodeState
-from pdserve.coordinator.routing import most_free_blocks
+from pdserve.coordinator.routing import has_room, most_free_blocks
 
 
 @dataclass(slots=True)
 class Candidate:
     request_id: str
     num_blocks: int  # blocks its prefilled KV takes on a decode node
-
-
-def has_room(node: NodeState, num_blocks: int, watermark: float) -> bool:
-    """Room above the watermark; an idle node takes anything that fits at all, so a sequence
-    bigger than the headroom cannot block the queue forever."""
-    if node.running == 0 and node.reserved_blocks == 0:
-        return node.available_blocks >= num_blocks
-    reserve = int(node.num_blocks * watermark)
-    return node.available_blocks - num_blocks >= reserve
 
 
 class AdmissionQueue:

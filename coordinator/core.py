@@ -38,19 +38,17 @@ from pdserve.cluster.node_messages import (
     TransferDone,
 )
 from pdserve.cluster.sampling_params import SamplingParams
-from pdserve.coordinator.admission import AdmissionQueue, Candidate, has_room
+from pdserve.coordinator.admission import AdmissionQueue, Candidate
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.nodes import NodeRegistry, NodeState
-from pdserve.coordinator.prefix_index import PrefixIndex, PrefixMatch
+from pdserve.coordinator.prefix_index import PrefixIndex
 from pdserve.coordinator.request_state import PENDING_PHASES, EarlyAdmission, Phase, RequestState
 from pdserve.coordinator.routing import (
-    PrefixChoice,
-    TierCosts,
-    choose_by_prefix,
-    kv_load,
-    least_loaded,
-    most_free_blocks,
-    prefill_load,
+    choose_decode_by_prefix,
+    choose_early_decode_node,
+    choose_local_prefill_node,
+    choose_prefill_node,
+    early_blocks,
 )
 
 logger = logging.getLogger(__name__)
@@ -282,13 +280,16 @@ class CoordinatorCore:
     def _dispatch(self, state: RequestState) -> None:
         """Send a request (or its retry) to a prefill node, or to a decode node whole; or hold
         it while no decode node is alive."""
-        if not self.nodes.decode_nodes():
+        decoders = self.nodes.decode_nodes()
+        if not decoders:
             self._wait_for_node(state)
             return
         token_ids = state.resume_token_ids()
         params = state.remaining_params()
         prefillers = self.nodes.prefill_nodes()
-        local = self._local_prefill_node(token_ids, prefillers)
+        local = choose_local_prefill_node(
+            self.config, self.prefix_index, token_ids, decoders, prefillers
+        )
         if local is not None or not prefillers:
             node = local
             if node is None:
@@ -303,10 +304,7 @@ class CoordinatorCore:
             )
             self._notify("routed", state)
             return
-        if self.config.prefill_routing == "prefix_affinity":
-            node = self._choose_by_prefix(token_ids, prefillers, prefill_load, least_loaded).node
-        else:
-            node = least_loaded(prefillers)
+        node = choose_prefill_node(self.config, self.prefix_index, token_ids, prefillers)
         state.prefill_node, state.decode_node = node.node_id, None
         self._enter(state, Phase.PREFILLING)
         node.assigned_prefill_tokens += len(token_ids)
@@ -321,31 +319,15 @@ class CoordinatorCore:
         """Layer-wise KV streaming: admit a long prompt into a decode node as its prefill
         starts, so the prefill node learns where to send each layer before its last chunk runs.
         The Admit carries the prompt alone; the first token follows in StartDecode. False (the
-        request goes today's way) when streaming is off, the prompt is short, sequences wait
-        for admission already (none is overtaken), or no decode node has room now."""
+        request goes today's way) when `routing.choose_early_decode_node` finds none."""
         state.early = EarlyAdmission.NONE
         cfg = self.config
-        if (
-            not cfg.kv_streaming
-            or len(token_ids) < cfg.kv_streaming_min_prompt_tokens
-            or len(self.admission) > 0
-        ):
-            return False
-
-        def blocks(node: NodeState) -> int:  # the prompt's KV and the first token's slot
-            return -(-(len(token_ids) + 1) // node.block_size)
-
-        fitting = [
-            n for n in self.nodes.kv_receivers() if has_room(n, blocks(n), cfg.admission_watermark)
-        ]
-        if cfg.decode_prefix_reuse:  # the decode node holding the longest prefix, load allowing
-            choice = self._choose_by_prefix(token_ids, fitting, kv_load, most_free_blocks)
-            node = choice.node if choice is not None else None
-        else:
-            node = most_free_blocks(fitting)
+        node = choose_early_decode_node(
+            cfg, self.prefix_index, token_ids, self.nodes.kv_receivers(), len(self.admission)
+        )
         if node is None:
             return False
-        node.reserved_blocks += blocks(node)
+        node.reserved_blocks += early_blocks(node, len(token_ids))
         state.decode_node, state.early = node.node_id, EarlyAdmission.ADMITTING
         self._send(
             node,
@@ -362,65 +344,14 @@ class CoordinatorCore:
         )
         return True
 
-    def _choose_by_prefix(
-        self,
-        token_ids: list[int],
-        nodes: list[NodeState],
-        load: Callable[[NodeState], int],
-        fallback_choice: Callable[[list[NodeState]], NodeState | None],
-    ) -> PrefixChoice | None:
-        """The node whose KV tiers save the most of this prompt's compute, load allowing (by
-        the prefix index; `routing.choose_by_prefix`)."""
-        cfg = self.config
-        return choose_by_prefix(
-            self.prefix_index,
-            token_ids,
-            nodes,
-            cfg.prefix_affinity_min_blocks,
-            cfg.prefix_affinity_max_load_ratio,
-            TierCosts(cfg.prefix_host_load_cost, cfg.prefix_disk_load_cost),
-            load=load,
-            fallback_choice=fallback_choice,
-        )
-
-    def _local_prefill_node(
-        self, token_ids: list[int], prefillers: list[NodeState]
-    ) -> NodeState | None:
-        """Conditional disaggregation: the decode node to prefill this prompt itself, or None to
-        send it to a prefill node. Local: when there is no prefill node; when the tokens the
-        chosen decode node would have to compute (those its KV tiers do not hold) are at most
-        local_prefill_max_uncached_tokens; for prompts shorter than conditional_disagg_threshold;
-        when every prefill queue is over its limit."""
-        cfg = self.config
-        nodes = self.nodes.decode_nodes()
-        candidates = [n for n in nodes if n.role is NodeRole.COLOCATED] or nodes
-        if cfg.prefill_routing == "prefix_affinity" or cfg.decode_prefix_reuse:
-            choice = self._choose_by_prefix(token_ids, candidates, kv_load, most_free_blocks)
-        else:
-            node = most_free_blocks(candidates)
-            choice = PrefixChoice(node, PrefixMatch(), 0.0) if node is not None else None
-        if choice is None or not prefillers:
-            return choice.node if choice is not None else None
-        uncached = len(token_ids) - choice.saved_tokens
-        limit = cfg.prefill_queue_limit_tokens
-        if (
-            (0 < uncached <= cfg.local_prefill_max_uncached_tokens and choice.match.blocks)
-            or len(token_ids) < cfg.conditional_disagg_threshold
-            or (limit > 0 and all(n.prefill_load > limit for n in prefillers))
-        ):
-            return choice.node
-        return None
-
     def _choose_decode(self, candidate: Candidate, fitting: list[NodeState]) -> NodeState | None:
-        """With decode prefix reuse: the fitting decode node holding the longest prefix of the
-        sequence's computed tokens, unless it is much fuller (the prefill side's rule)."""
+        """With decode prefix reuse: `routing.choose_decode_by_prefix` over the sequence's
+        computed tokens."""
         state = self.by_wire.get(candidate.request_id)
         if state is None:
             return None
-        choice = self._choose_by_prefix(
-            state.resume_token_ids()[:-1], fitting, kv_load, most_free_blocks
-        )
-        return choice.node if choice is not None else None
+        computed = state.resume_token_ids()[:-1]
+        return choose_decode_by_prefix(self.config, self.prefix_index, computed, fitting)
 
     def _pump_admission(self) -> None:
         receivers = self.nodes.kv_receivers()

@@ -3,7 +3,9 @@
 Prefill: least-loaded (fewest queued prompt tokens) or prefix affinity (the node whose cached
 blocks of the prompt save the most compute, by the cluster's prefix index, unless it is much
 busier). Decode: most free KV blocks, or with decode-side prefix reuse the same rule over the
-blocks each decode node holds, its load being the KV tokens it holds.
+blocks each decode node holds, its load being the KV tokens it holds. Under the coordinator's
+settings: where a prompt is prefilled (conditional disaggregation), which decode node takes it
+early (layer-wise KV streaming) and which one at admission; the core carries the choices out.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.cluster.node_messages import NodeRole
+from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.nodes import NodeState
 from pdserve.coordinator.prefix_index import PrefixIndex, PrefixMatch
 
@@ -24,6 +28,15 @@ def most_free_blocks(nodes: list[NodeState]) -> NodeState | None:
     return max(
         nodes, key=lambda n: (n.available_blocks / max(n.num_blocks, 1), -n.running), default=None
     )
+
+
+def has_room(node: NodeState, num_blocks: int, watermark: float) -> bool:
+    """Room above the watermark; an idle node takes anything that fits at all, so a sequence
+    bigger than the headroom cannot block the queue forever."""
+    if node.running == 0 and node.reserved_blocks == 0:
+        return node.available_blocks >= num_blocks
+    reserve = int(node.num_blocks * watermark)
+    return node.available_blocks - num_blocks >= reserve
 
 
 def prefill_load(node: NodeState) -> int:
@@ -93,3 +106,119 @@ def choose_by_prefix(
         if best is None or (saved, -load(node)) > (best.saved_tokens, -load(best.node)):
             best = PrefixChoice(node, match, saved)
     return best or PrefixChoice(fallback, PrefixMatch(), 0.0)
+
+
+# --- placement under the coordinator's settings ---------------------------------------------------
+
+
+def choose_by_affinity(
+    config: CoordinatorConfig,
+    index: PrefixIndex,
+    token_ids: Sequence[int],
+    nodes: list[NodeState],
+    load: Callable[[NodeState], int],
+    fallback_choice: Callable[[list[NodeState]], NodeState | None],
+) -> PrefixChoice | None:
+    """The node whose KV tiers save the most of this prompt's compute, load allowing
+    (`choose_by_prefix` with the coordinator's prefix affinity settings)."""
+    return choose_by_prefix(
+        index,
+        token_ids,
+        nodes,
+        config.prefix_affinity_min_blocks,
+        config.prefix_affinity_max_load_ratio,
+        TierCosts(config.prefix_host_load_cost, config.prefix_disk_load_cost),
+        load=load,
+        fallback_choice=fallback_choice,
+    )
+
+
+def choose_prefill_node(
+    config: CoordinatorConfig,
+    index: PrefixIndex,
+    token_ids: Sequence[int],
+    prefillers: list[NodeState],
+) -> NodeState | None:
+    """The prefill node for a prompt, by prefill_routing: prefix affinity or least loaded."""
+    if config.prefill_routing == "prefix_affinity":
+        choice = choose_by_affinity(
+            config, index, token_ids, prefillers, prefill_load, least_loaded
+        )
+        return choice.node if choice is not None else None
+    return least_loaded(prefillers)
+
+
+def choose_local_prefill_node(
+    config: CoordinatorConfig,
+    index: PrefixIndex,
+    token_ids: Sequence[int],
+    decoders: list[NodeState],
+    prefillers: list[NodeState],
+) -> NodeState | None:
+    """Conditional disaggregation: the decode node to prefill this prompt itself, or None to
+    send it to a prefill node. Local: when there is no prefill node; when the tokens the
+    chosen decode node would have to compute (those its KV tiers do not hold) are at most
+    local_prefill_max_uncached_tokens; for prompts shorter than conditional_disagg_threshold;
+    when every prefill queue is over its limit."""
+    candidates = [n for n in decoders if n.role is NodeRole.COLOCATED] or decoders
+    if config.prefill_routing == "prefix_affinity" or config.decode_prefix_reuse:
+        choice = choose_by_affinity(config, index, token_ids, candidates, kv_load, most_free_blocks)
+    else:
+        node = most_free_blocks(candidates)
+        choice = PrefixChoice(node, PrefixMatch(), 0.0) if node is not None else None
+    if choice is None or not prefillers:
+        return choice.node if choice is not None else None
+    uncached = len(token_ids) - choice.saved_tokens
+    limit = config.prefill_queue_limit_tokens
+    if (
+        (0 < uncached <= config.local_prefill_max_uncached_tokens and choice.match.blocks)
+        or len(token_ids) < config.conditional_disagg_threshold
+        or (limit > 0 and all(n.prefill_load > limit for n in prefillers))
+    ):
+        return choice.node
+    return None
+
+
+def early_blocks(node: NodeState, num_tokens: int) -> int:
+    """The blocks a prompt admitted early takes on a decode node: its KV and the first token's
+    slot."""
+    return -(-(num_tokens + 1) // node.block_size)
+
+
+def choose_early_decode_node(
+    config: CoordinatorConfig,
+    index: PrefixIndex,
+    token_ids: Sequence[int],
+    receivers: list[NodeState],
+    num_waiting: int,
+) -> NodeState | None:
+    """Layer-wise KV streaming: the decode node to admit a long prompt into as its prefill
+    starts. None (the request goes today's way) when streaming is off, the prompt is short,
+    sequences wait for admission already (num_waiting: none is overtaken), or no decode node
+    has room now."""
+    if (
+        not config.kv_streaming
+        or len(token_ids) < config.kv_streaming_min_prompt_tokens
+        or num_waiting > 0
+    ):
+        return None
+    watermark = config.admission_watermark
+    fitting = [n for n in receivers if has_room(n, early_blocks(n, len(token_ids)), watermark)]
+    if config.decode_prefix_reuse:  # the decode node holding the longest prefix, load allowing
+        choice = choose_by_affinity(config, index, token_ids, fitting, kv_load, most_free_blocks)
+        return choice.node if choice is not None else None
+    return most_free_blocks(fitting)
+
+
+def choose_decode_by_prefix(
+    config: CoordinatorConfig,
+    index: PrefixIndex,
+    computed_token_ids: Sequence[int],
+    fitting: list[NodeState],
+) -> NodeState | None:
+    """With decode prefix reuse: the fitting decode node holding the longest prefix of the
+    sequence's computed tokens, unless it is much fuller (the prefill side's rule)."""
+    choice = choose_by_affinity(
+        config, index, computed_token_ids, fitting, kv_load, most_free_blocks
+    )
+    return choice.node if choice is not None else None

@@ -39,9 +39,8 @@ from pdserve.engine.spec_decode.draft_model import (
 from pdserve.engine.spec_decode.speculation import NgramProposer, Proposer
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.executor import TPExecutor
-from pdserve.engine.tp.group import TPGroup
-from pdserve.engine.tp.model_shard import ModelShard, PoolFactory
-from pdserve.engine.tp.ranks import RankProcesses, TPGroupFailed
+from pdserve.engine.tp.model_shard import PoolFactory
+from pdserve.engine.tp.ranks import RankProcesses, form_shard
 from pdserve.engine.tp.shard import TPShard
 
 # Forced tokens appended after one sampled token, at most (bounds a step's host time).
@@ -431,7 +430,6 @@ class LLMEngine(Engine):
         # What the draft's pool takes of the target's KV budget.
         draft_share = draft_pool_share(draft_model, config, speculation) if draft_model else (0, 0)
         self.ranks = None
-        group = None
         self._placement_before: cpu_threads.CpuPlacement | None = None
         self._governor: ThreadGovernor | None = None  # adaptive intra-op threads (CPU)
         self._cpu_times: CpuTimes | None = None
@@ -445,47 +443,13 @@ class LLMEngine(Engine):
                 self.model_dir, config, mcfg.max_position_embeddings, kv_endpoints
             )
         if on_cpu:
-            # The ranks of a CPU node share its cores (idle OpenMP threads spin): each takes
-            # its share.
-            place = cpu_threads.placement(
-                config.cpu_bind,
-                config.cpu_threads,
-                0,
-                shard.size,
-                cpu_threads.available_cores(),
-            )
-            self._placement_before = cpu_threads.apply(place)
-            logger.info("cpu: %s", place.describe())
-            if config.cpu_adaptive_threads and shard.size == 1 and place.threads > 1:
-                self._governor = ThreadGovernor(place.threads, time.monotonic())
-                self._cpu_times = CpuTimes(place.cores or cpu_threads.available_cores())
+            self._place_on_cpu(config, shard.size)
         try:
-            if self.ranks is not None:
-                group = TPGroup.join(
-                    shard,
-                    config.rank_device(0),
-                    store=self.ranks.store,
-                    check_ranks=self.ranks.check,
-                )
-                self.ranks.formed()
-            self.shard = ModelShard(
-                self.model_dir,
-                config,
-                shard,
-                group,
-                pool_factory,
-                shared_bytes_per_block=draft_share[0],
-                reserved_bytes=draft_share[1],
+            self.shard = form_shard(
+                self.model_dir, config, shard, self.ranks, pool_factory, draft_share
             )
-        except BaseException as exc:
-            if self._placement_before is not None:  # this process's threads as they were
-                cpu_threads.apply(self._placement_before)
-                self._placement_before = None
-            if self.ranks is None or isinstance(exc, TPGroupFailed):
-                raise
-            if isinstance(exc, RuntimeError):  # a collective failed: a rank died
-                raise self.ranks.failure(exc) from exc
-            self.ranks.stop()  # rank 0's own error (a bad checkpoint...), as it is
+        except BaseException:
+            self._restore_cpu_placement()  # this process's threads as they were
             raise
         self.device = self.shard.device
         self.model = self.shard.model
@@ -521,6 +485,24 @@ class LLMEngine(Engine):
         else:
             self.executor = TPExecutor(self.runner, self.stats, self.ranks)
             weakref.finalize(self, self.ranks.stop)
+
+    def _place_on_cpu(self, config: EngineConfig, size: int) -> None:
+        """The ranks of a CPU node share its cores (idle OpenMP threads spin): rank 0 takes its
+        share (`cpu_threads.place_rank`); alone, with adaptive threads, a governor lowers them
+        while other processes hold its cores."""
+        place, self._placement_before = cpu_threads.place_rank(
+            config.cpu_bind, config.cpu_threads, 0, size
+        )
+        logger.info("cpu: %s", place.describe())
+        if config.cpu_adaptive_threads and size == 1 and place.threads > 1:
+            self._governor = ThreadGovernor(place.threads, time.monotonic())
+            self._cpu_times = CpuTimes(place.cores or cpu_threads.available_cores())
+
+    def _restore_cpu_placement(self) -> None:
+        """This process's cores and threads as they were before `_place_on_cpu`."""
+        if self._placement_before is not None:
+            cpu_threads.apply(self._placement_before)
+            self._placement_before = None
 
     def check_alive(self) -> None:
         if self.ranks is not None:
@@ -558,6 +540,4 @@ class LLMEngine(Engine):
         self.grammars.close()
         if self.tiers is not None:
             self.tiers.close()
-        if self._placement_before is not None:
-            cpu_threads.apply(self._placement_before)
-            self._placement_before = None
+        self._restore_cpu_placement()

@@ -15,8 +15,10 @@ import torch
 
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
+from pdserve.kv_transfer.outgoing import Outgoing
 from pdserve.kv_transfer.receiver import ZmqReceiver
-from pdserve.kv_transfer.sender import Outgoing, Peer, ZmqSender
+from pdserve.kv_transfer.sender import ZmqSender
+from pdserve.kv_transfer.sender_peers import Peer
 
 
 def _cupy():

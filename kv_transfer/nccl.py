@@ -16,10 +16,13 @@ import torch
 import zmq
 
 from pdserve.engine.kv.cache import KVLayout, KVPool
+from pdserve.kv_transfer.landing import Payload
+from pdserve.kv_transfer.outgoing import Outgoing, SendFailed
 from pdserve.kv_transfer.pages import Chunk
 from pdserve.kv_transfer.protocol import Hello, Pages, ProtocolError, control
-from pdserve.kv_transfer.receiver import Payload, ZmqReceiver
-from pdserve.kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
+from pdserve.kv_transfer.receiver import ZmqReceiver
+from pdserve.kv_transfer.sender import ZmqSender
+from pdserve.kv_transfer.sender_peers import Peer
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 

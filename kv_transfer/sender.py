@@ -8,11 +8,12 @@ Push transports (tcp, nccl) cut a send into chunks (`pages.plan_chunks`) and str
 transports (shm, cuda_ipc) send Begin, wait for Go, write into the receiver's mapped pool and
 send Done. Every send ends in exactly one TransferResult: ok on the receiver's Ack; failed on
 Nack, timeout, or when the receiver's connection drops (then its socket and buffers are freed).
+Here: the interface, the thread and the results; the peers' lifecycle is `sender_peers.py`, the
+sends' pipeline `send_pipeline.py`, a send's state `outgoing.py`.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import os
@@ -20,82 +21,27 @@ import socket as pysocket
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.cluster.codec import MalformedLog, ProtocolError
+from pdserve.cluster.codec import MalformedLog
 from pdserve.cluster.faults import FAULTS_POLL_MS, message_faults
-from pdserve.cluster.keys import HANDSHAKE_FAILED, ClusterKeys
+from pdserve.cluster.keys import ClusterKeys
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.base import KVSender, TransferResult
-from pdserve.kv_transfer.channel import CommandThread, check_security, configure, secure_dealer
+from pdserve.kv_transfer.channel import CommandThread, check_security
 from pdserve.kv_transfer.integrity import algorithm_for as integrity_algorithm
-from pdserve.kv_transfer.integrity import digest_buffer, digest_pages
-from pdserve.kv_transfer.protocol import (
-    KV_PROTOCOL_VERSION,
-    MAX_CONTROL_BYTES,
-    Abort,
-    Ack,
-    Begin,
-    ControlMessage,
-    Done,
-    Go,
-    Hello,
-    Nack,
-    Pages,
-    Ping,
-    Refuse,
-    Welcome,
-    control,
-)
+from pdserve.kv_transfer.outgoing import Outgoing
+from pdserve.kv_transfer.protocol import KV_PROTOCOL_VERSION, Pages
+from pdserve.kv_transfer.send_pipeline import SendPipeline
+from pdserve.kv_transfer.sender_peers import Peer, SenderPeers
 
 log = logging.getLogger(__name__)
 
 
-class SendFailed(Exception):
-    """A send cannot go on (peer gone, timeout); the message is the TransferResult error."""
-
-
-class SendState(enum.Enum):
-    QUEUED = "queued"  # push: waiting for its turn on the wire
-    AWAITING_GO = "awaiting_go"  # direct: Begin sent, the receiver has not granted the write
-    AWAITING_ACK = "awaiting_ack"  # all pages out (or written): the receiver confirms
-
-
-@dataclass(slots=True)
-class Outgoing:
-    send_id: int
-    transfer_id: str
-    peer_id: str
-    src_blocks: list[int]
-    dst_blocks: list[int]
-    layers: tuple[int, int]
-    timeout_s: float
-    deadline: float
-    ready: Any = None  # CUDA event: the pages are computed (recorded on the caller's stream)
-    state: SendState = SendState.QUEUED
-    heads: tuple[int, int] | None = None  # the KV heads of our pages it sends (None: all)
-    dst_heads: tuple[int, int] | None = None  # the receiver's heads they fill (None: all)
-
-
-@dataclass(slots=True)
-class Peer:
-    peer_id: str
-    info: dict
-    sock: zmq.Socket
-    monitor: zmq.Socket
-    deadline: float  # of the handshake
-    welcomed: bool = False
-    waiting: list[Outgoing] = field(default_factory=list)  # sends made before the Welcome
-    extra: dict = field(default_factory=dict)  # what the transport keeps per peer
-
-
-class ZmqSender(CommandThread, KVSender):
+class ZmqSender(SenderPeers, SendPipeline, CommandThread, KVSender):
     """Sender base: subclasses say how chunks travel (push) or how pages are written (direct)."""
 
     name = "base"
@@ -341,272 +287,7 @@ class ZmqSender(CommandThread, KVSender):
         # also sees the state it left (e.g. no outstanding sends).
         self._hand_out()
 
-    # -- peers -------------------------------------------------------------------------------
-    def _start_connect(self, peer_id: str, info: dict) -> None:
-        old = self._peers.get(peer_id)
-        if old is not None:
-            if old.info == info:
-                return  # already connected or connecting there
-            self._drop_peer(old, f"receiver {peer_id!r} moved to {info.get('address')}")
-        sock = self._ctx.socket(zmq.DEALER)
-        configure(sock, MAX_CONTROL_BYTES)  # only control messages come back
-        # A fresh id per connection: a ROUTER refuses an id it still holds for a dropped one.
-        sock.setsockopt(zmq.ROUTING_ID, f"{self.identity}-{next(self._connections)}".encode())
-        secure_dealer(sock, self.keys, info)
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | HANDSHAKE_FAILED
-        )
-        peer = Peer(peer_id, info, sock, monitor, time.monotonic() + self.connect_timeout_s)
-        self._peers[peer_id] = peer
-        try:
-            self._prepare_peer(peer)
-            sock.connect(info["address"])
-            hello = Hello(
-                self.identity,
-                self.name,
-                self.layout,
-                pysocket.gethostname(),
-                os.getpid(),
-                self.integrity,
-            )
-            sock.send(control.encode(hello))
-        except Exception as e:  # fails the sends waiting for this peer
-            self._drop_peer(peer, f"connecting to {peer_id!r} failed: {e}")
-
-    def _watch(self, peer: Peer) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(peer.monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._drop_peer(peer, f"receiver {peer.peer_id!r} disconnected")
-                return
-            if event["event"] & HANDSHAKE_FAILED:
-                self._drop_peer(
-                    peer,
-                    f"receiver {peer.peer_id!r} refused the handshake: it does not admit "
-                    "this node's cluster keys (every process of a cluster needs the same)",
-                )
-                return
-
-    def _check_peer(self, peer: Peer, out: Outgoing) -> None:
-        """Between chunks of a long send: raise SendFailed if the peer left or time is up."""
-        self._watch(peer)
-        if self._closed:
-            raise SendFailed("sender closed")
-        if self._peers.get(peer.peer_id) is not peer:
-            raise SendFailed(f"receiver {peer.peer_id!r} disconnected")
-        if time.monotonic() > out.deadline:
-            raise SendFailed(f"timed out after {out.timeout_s}s")
-
-    def _drop_peer(self, peer: Peer, why: str) -> None:
-        """Forget a peer: fail its sends, close its socket (freeing queued frames) and memory."""
-        if self._peers.get(peer.peer_id) is peer:
-            del self._peers[peer.peer_id]
-        if not self._closed and self._failure is None:
-            log.warning("%s sender: dropped peer %s: %s", self.name, peer.peer_id, why)
-        for out in [o for o in self._outgoing.values() if o.peer_id == peer.peer_id]:
-            self._finish(out, why)
-        for out in [o for o in self._queue if o.peer_id == peer.peer_id]:
-            self._queue.remove(out)
-        try:
-            self._release_peer(peer)
-        except Exception:  # best effort while tearing down
-            log.exception("%s sender: releasing peer %s", self.name, peer.peer_id)
-        peer.sock.disable_monitor()
-        peer.monitor.close(linger=0)
-        peer.sock.close(linger=0)
-
-    def _drain_peer(self, peer: Peer) -> None:
-        while self._peers.get(peer.peer_id) is peer:
-            try:
-                frames = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if self._message_faults is None:
-                self._on_frames(peer, frames)
-            else:
-                for held_peer, *arrived in self._message_faults.arrive([peer, *frames], skip=1):
-                    self._on_frames(held_peer, arrived)
-
-    def _on_frames(self, peer: Peer, frames: list[bytes]) -> None:
-        if self._peers.get(peer.peer_id) is not peer:
-            return  # (held back by an injected fault, and the peer is gone since)
-        try:
-            self._on_message(peer, control.decode_frames(frames))
-        except ProtocolError as e:  # logged once per receiver, counted after that
-            self._malformed(peer.peer_id, str(e))
-        except Exception:  # a bug, not junk: it must not stop the sender either
-            log.exception("%s sender: handling a message from %s failed", self.name, peer.peer_id)
-
-    def _send_to(self, peer: Peer, msg: ControlMessage) -> None:
-        peer.sock.send(control.encode(msg), flags=zmq.NOBLOCK)
-
-    # -- messages ----------------------------------------------------------------------------
-    def _on_message(self, peer: Peer, msg: ControlMessage) -> None:
-        if isinstance(msg, Welcome):
-            if peer.welcomed:
-                raise ProtocolError("a second Welcome")
-            try:
-                self._welcomed(peer, msg.extra)
-            except Exception as e:  # fails the sends waiting for the handshake
-                self._drop_peer(peer, f"handshake with {peer.peer_id!r} failed: {e!r}")
-                return
-            peer.welcomed = True
-            waiting, peer.waiting = peer.waiting, []
-            for out in waiting:
-                if out.send_id in self._outgoing:
-                    self._start_or_fail(out, peer.info)
-        elif isinstance(msg, Refuse):
-            self._drop_peer(peer, f"refused by receiver {peer.peer_id!r}: {msg.error}")
-        elif isinstance(msg, Ack):
-            out = self._outgoing.get(msg.send_id)
-            if out is not None:
-                self._finish(out, None)
-        elif isinstance(msg, Nack):
-            out = self._outgoing.get(msg.send_id)
-            if out is not None:
-                self._finish(out, f"refused by receiver: {msg.error}")
-        elif isinstance(msg, Go):
-            out = self._outgoing.get(msg.send_id)
-            if out is not None and out.state is SendState.AWAITING_GO:
-                self._do_write(peer, out)
-        elif not isinstance(msg, Ping):
-            raise ProtocolError(f"unexpected {msg.TYPE} from a receiver")
-
-    # -- sends -------------------------------------------------------------------------------
-    def _start_or_fail(self, out: Outgoing, info: dict) -> None:
-        try:
-            self._start_send(out, info)
-        except Exception as e:  # e.g. the Begin could not be queued: this send fails
-            log.exception("%s sender: starting a send of %s failed", self.name, out.transfer_id)
-            self._finish(out, f"send failed: {e}")
-
-    def _start_send(self, out: Outgoing, info: dict) -> None:
-        self._outgoing[out.send_id] = out
-        peer = self._peers.get(out.peer_id)
-        if peer is None:  # dropped since connect() (died, restarted?): handshake again
-            self._start_connect(out.peer_id, info)
-            peer = self._peers.get(out.peer_id)
-            if peer is None:
-                return  # the handshake failed at once and failed this send with it
-        if not peer.welcomed:
-            peer.waiting.append(out)  # started on the Welcome, failed if the handshake fails
-        elif self.direct:
-            out.state = SendState.AWAITING_GO
-            begin = Begin(
-                out.transfer_id,
-                out.send_id,
-                out.layers,
-                out.dst_blocks,
-                out.timeout_s,
-                out.dst_heads,
-            )
-            self._send_to(peer, begin)
-        else:
-            self._queue.append(out)
-
-    def _start_queued(self) -> None:
-        """Push the queued sends, one at a time, checking the sockets between two sends."""
-        if not self._queue:
-            return
-        out = self._queue.popleft()
-        peer = self._peers.get(out.peer_id)
-        if peer is None or out.send_id not in self._outgoing:
-            return
-        try:
-            self._push(peer, out)
-        except SendFailed as e:
-            self._fail_send(peer, out, str(e))
-        except Exception as e:  # a failed gather fails this send, not the sender
-            log.exception("%s sender: push of %s failed", self.name, out.transfer_id)
-            self._fail_send(peer, out, f"send failed: {e}")
-
-    def _push(self, peer: Peer, out: Outgoing) -> None:
-        n = len(out.src_blocks)
-        layout = pages.sliced(self.layout, out.heads or out.dst_heads)
-        chunks = list(pages.plan_chunks(layout, n, out.layers, self.chunk_bytes))
-        if self._stream is None:
-            src = torch.tensor(out.src_blocks, dtype=torch.int64)
-        else:
-            with torch.cuda.stream(self._stream):  # allocated for the stream that reads it
-                src = torch.tensor(out.src_blocks, dtype=torch.int64, device=self.pool.kv.device)
-            self._stream.wait_event(out.ready)
-        for i, chunk in enumerate(chunks):
-            self._check_peer(peer, out)
-            first, last = i == 0, i == len(chunks) - 1
-            header = Pages(
-                out.transfer_id,
-                out.send_id,
-                chunk.layers,
-                chunk.lo,
-                chunk.hi,
-                chunk.nbytes(layout),
-                first,
-                last,
-                out.dst_blocks if first else None,
-                out.layers if first else None,
-                out.timeout_s,
-                heads=out.dst_heads,
-            )
-            self._emit(peer, out, header, chunk, src[chunk.lo : chunk.hi])
-        out.state = SendState.AWAITING_ACK
-
-    def _gather(
-        self,
-        chunk: pages.Chunk,
-        src: torch.Tensor,
-        out: torch.Tensor | None = None,
-        heads: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        """Gather one chunk of pages, only `heads` of each (on the side stream for GPU pools)."""
-        if self._stream is None:
-            return pages.gather(self.pool.kv, src, chunk.layers, out=out, heads=heads)
-        with torch.cuda.stream(self._stream):
-            return pages.gather(self.pool.kv, src, chunk.layers, out=out, heads=heads)
-
-    def _digest(self, data: torch.Tensor) -> int | None:
-        """The digest a chunk of gathered pages carries (None with integrity off)."""
-        if self.integrity is None:
-            return None
-        if self._stream is None:
-            return digest_buffer(data, self.integrity)
-        with torch.cuda.stream(self._stream):
-            return digest_buffer(data, self.integrity)
-
-    def _do_write(self, peer: Peer, out: Outgoing) -> None:
-        try:
-            self._check_peer(peer, out)
-            digest = self._write(peer, out)
-            self._check_peer(peer, out)
-        except SendFailed as e:
-            self._fail_send(peer, out, str(e))
-            return
-        except Exception as e:  # a failed copy fails this send, not the sender
-            log.exception("%s sender: write of %s failed", self.name, out.transfer_id)
-            self._fail_send(peer, out, f"write failed: {e}")
-            return
-        out.state = SendState.AWAITING_ACK
-        self._send_to(peer, Done(out.transfer_id, out.send_id, digest))
-
-    def _digest_pages(self, out: Outgoing) -> int | None:
-        """A direct write's digest of its whole source (None with integrity off)."""
-        if self.integrity is None:
-            return None
-        return digest_pages(self.pool.kv, out.src_blocks, out.layers, out.heads, self.integrity)
-
-    def _fail_send(self, peer: Peer, out: Outgoing, why: str) -> None:
-        """Fail one send and tell the receiver (if it is still there) to fail the transfer."""
-        if out.send_id not in self._outgoing:
-            return
-        self._finish(out, why)
-        if self._peers.get(peer.peer_id) is peer:
-            try:
-                self._send_to(peer, Abort(out.transfer_id, out.send_id, why))
-            except zmq.ZMQError:
-                pass
-
+    # -- results -----------------------------------------------------------------------------
     def _finish(self, out: Outgoing, error: str | None) -> None:
         if self._outgoing.pop(out.send_id, None) is None:
             return

@@ -20,9 +20,11 @@ import torch
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.integrity import XXH3, copy_and_digest
+from pdserve.kv_transfer.outgoing import Outgoing, SendFailed
 from pdserve.kv_transfer.protocol import Written
 from pdserve.kv_transfer.receiver import ZmqReceiver
-from pdserve.kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
+from pdserve.kv_transfer.sender import ZmqSender
+from pdserve.kv_transfer.sender_peers import Peer
 
 SHM_DIR = "/dev/shm"
 # Runs with no site packages: blocks until its stdin (the owner's pipe) closes, then unlinks.

@@ -17,10 +17,13 @@ import zmq
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
 from pdserve.kv_transfer.integrity import XXH3, digest_frames, gather_and_digest
+from pdserve.kv_transfer.landing import Payload
+from pdserve.kv_transfer.outgoing import Outgoing, SendFailed
 from pdserve.kv_transfer.pages import Chunk
 from pdserve.kv_transfer.protocol import MAX_CONTROL_BYTES, Pages, ProtocolError, control
-from pdserve.kv_transfer.receiver import Payload, ZmqReceiver
-from pdserve.kv_transfer.sender import Outgoing, Peer, SendFailed, ZmqSender
+from pdserve.kv_transfer.receiver import ZmqReceiver
+from pdserve.kv_transfer.sender import ZmqSender
+from pdserve.kv_transfer.sender_peers import Peer
 
 
 class StagingRing:

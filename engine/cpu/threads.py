@@ -125,6 +125,15 @@ def available_cores() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
+def place_rank(
+    cpu_bind: str | None, cpu_threads: int | None, rank: int, size: int
+) -> tuple[CpuPlacement, CpuPlacement]:
+    """Place this process, tensor-parallel rank `rank` of a CPU node's `size`, on its share of
+    the cores it may use (`placement`, then `apply`): its placement, and the one it replaced."""
+    place = placement(cpu_bind, cpu_threads, rank, size, available_cores())
+    return place, apply(place)
+
+
 def node_bindings(
     cpu_bind: str | None, sizes: Sequence[int], available: Sequence[int]
 ) -> list[str]:

@@ -1,7 +1,8 @@
 """The other ranks of a tensor-parallel node, as rank 0 sees them: their processes (spawned, one
 per device), the channel that hands them each step's plan, and what happens when one dies: the
 whole group is stopped and rank 0 raises `TPGroupFailed`, naming the rank; a watcher may be told
-at once, without waiting for rank 0's next step."""
+at once, without waiting for rank 0's next step. Rank 0 forms its own shard with them
+(`form_shard`)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from typing import Any
 from pdserve import SOURCE_ROOT
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.step_plan import StepPlan
-from pdserve.engine.tp.group import host_store
+from pdserve.engine.tp.group import TPGroup, host_store
+from pdserve.engine.tp.model_shard import ModelShard, PoolFactory
 from pdserve.engine.tp.plan_channel import PlanChannel, plan_capacity
+from pdserve.engine.tp.shard import TPShard
 from pdserve.engine.tp.worker import RankSpec, Stop
 
 REPO_ROOT = SOURCE_ROOT  # what rank processes need on their path
@@ -171,3 +174,41 @@ def describe_dead(dead: list[tuple[int, int]]) -> str:
     """What to say of ranks that died: (rank, exit code) each."""
     ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
     return f"tensor-parallel {ranks} died; the node's group is down"
+
+
+def form_shard(
+    model_dir: str | Path,
+    config: EngineConfig,
+    shard: TPShard,
+    ranks: RankProcesses | None,
+    pool_factory: PoolFactory | None = None,
+    draft_share: tuple[int, int] = (0, 0),
+) -> ModelShard:
+    """Rank 0's model shard: with other ranks, it first joins the group they form with it (a
+    rank's death seen while joining) and the group's channel file goes. A failure stops the
+    other ranks: a rank's death (a collective failed) is raised as TPGroupFailed naming it,
+    rank 0's own error (a bad checkpoint...) as it is. draft_share: (shared bytes per block,
+    reserved bytes) that a draft model's pool takes of the KV budget."""
+    try:
+        group = None
+        if ranks is not None:
+            group = TPGroup.join(
+                shard, config.rank_device(0), store=ranks.store, check_ranks=ranks.check
+            )
+            ranks.formed()
+        return ModelShard(
+            model_dir,
+            config,
+            shard,
+            group,
+            pool_factory,
+            shared_bytes_per_block=draft_share[0],
+            reserved_bytes=draft_share[1],
+        )
+    except BaseException as exc:
+        if ranks is None or isinstance(exc, TPGroupFailed):
+            raise
+        if isinstance(exc, RuntimeError):  # a collective failed: a rank died
+            raise ranks.failure(exc) from exc
+        ranks.stop()  # rank 0's own error, as it is
+        raise

@@ -91,14 +91,7 @@ def run_rank(spec: RankSpec) -> None:
         # The ranks of a CPU node share its cores: each takes its share.
         from pdserve.engine.cpu import threads as cpu_threads
 
-        place = cpu_threads.placement(
-            config.cpu_bind,
-            config.cpu_threads,
-            spec.rank,
-            spec.size,
-            cpu_threads.available_cores(),
-        )
-        cpu_threads.apply(place)
+        place, _ = cpu_threads.place_rank(config.cpu_bind, config.cpu_threads, spec.rank, spec.size)
         logger.info("cpu: %s", place.describe())
     shard = TPShard(spec.rank, spec.size)
     reader = spec.plans.open()
