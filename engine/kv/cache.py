@@ -11,12 +11,10 @@ largest KV group (`pdserve.engine.kv.groups`), each group's blocks holding its l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
-from pdserve.engine.kv.groups import KVGroups
-from pdserve.engine.kv.layer_kinds import parse_kind
+from pdserve.engine.kv.groups import KVGroups, groups_for
 from pdserve.engine.models.config import ModelConfig
 
 
@@ -47,7 +45,7 @@ class KVLayout:
     @property
     def groups(self) -> KVGroups:
         """The layers' KV groups: one, of every layer, unless the model mixes layer kinds."""
-        return _groups(self.num_layers, self.layer_kinds)
+        return groups_for(self.num_layers, self.layer_kinds)
 
     @property
     def num_slots(self) -> int:
@@ -134,15 +132,6 @@ class KVPool:
     @staticmethod
     def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
         return max(0, budget_bytes // layout.bytes_per_block)
-
-
-@cache
-def _groups(num_layers: int, layer_kinds: tuple[str, ...]) -> KVGroups:
-    if not layer_kinds:
-        return KVGroups.uniform(num_layers)
-    if len(layer_kinds) != num_layers:
-        raise ValueError(f"{len(layer_kinds)} layer kinds for {num_layers} layers")
-    return KVGroups.for_layers([parse_kind(k) for k in layer_kinds])
 
 
 def layer_planes(kv: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:

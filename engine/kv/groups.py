@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
-from pdserve.engine.kv.layer_kinds import FullAttention, LayerKind
+from pdserve.engine.kv.layer_kinds import FullAttention, LayerKind, parse_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +76,13 @@ class KVGroups:
     @property
     def is_uniform(self) -> bool:
         return self.num_groups == 1
+
+
+@cache
+def groups_for(num_layers: int, layer_kinds: tuple[str, ...]) -> KVGroups:
+    """The groups of a model's layers from their kinds' labels (none: every layer full)."""
+    if not layer_kinds:
+        return KVGroups.uniform(num_layers)
+    if len(layer_kinds) != num_layers:
+        raise ValueError(f"{len(layer_kinds)} layer kinds for {num_layers} layers")
+    return KVGroups.for_layers([parse_kind(k) for k in layer_kinds])

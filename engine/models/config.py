@@ -156,13 +156,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json field 'hidden_act' = {act!r} is not supported"
             )
-        mistral_like = model_type in ("mistral", "mixtral")
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", mistral_like):
-            window = cfg["sliding_window"]
-            if window < cfg.get("max_position_embeddings", window):
-                raise UnsupportedModelError(
-                    f"config.json field 'sliding_window' = {window} is not supported"
-                )
+        layer_kinds = _layer_kinds(model_type, cfg)
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("config.json field 'mlp_bias' = true is not supported")
         if cfg.get("quantization_config"):
@@ -222,6 +216,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **_moe_fields(model_type, cfg),
             **mla,
+            layer_kinds=layer_kinds,
         )
 
     @classmethod
@@ -283,6 +278,69 @@ class ModelConfig:
         pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         interpolated = 1.0 / (factor * pos_freqs)
         return interpolated * (1 - extrapolate) + inv * extrapolate
+
+
+# transformers' names of the attention layer kinds in `layer_types`.
+LAYER_TYPES = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+}
+
+
+def _layer_kinds(model_type: str, cfg: dict) -> tuple[str, ...]:
+    """Each layer's kind as the KV cache sees it ("full", "sliding W", "chunked C"), from the
+    config's `layer_types` or, where a config has none, as transformers derives them (every
+    layer of Mistral and Mixtral sliding; Qwen2's and Qwen3's from `max_window_layers` on, with
+    `use_sliding_window`). Empty where every layer is full attention."""
+    num_layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        if not window:
+            return ()
+        if model_type in ("mistral", "mixtral"):
+            types = ["sliding_attention"] * num_layers
+        elif cfg.get("use_sliding_window"):
+            first = cfg.get("max_window_layers", num_layers)
+            types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
+        else:
+            return ()
+    if len(types) != num_layers:
+        raise UnsupportedModelError(
+            f"config.json field 'layer_types' names {len(types)} layers, "
+            f"num_hidden_layers is {num_layers}"
+        )
+    kinds = []
+    for name in types:
+        kind = LAYER_TYPES.get(name)
+        if kind is None:
+            raise UnsupportedModelError(
+                f"config.json field 'layer_types' holds {name!r}, which is not supported "
+                f"(supported: {', '.join(LAYER_TYPES)})"
+            )
+        if kind == "sliding":
+            if not window:
+                raise UnsupportedModelError(
+                    "config.json has sliding layers but no 'sliding_window'"
+                )
+            # A window as long as the context reads every token: full attention.
+            kind = (
+                "full"
+                if window >= cfg.get("max_position_embeddings", window + 1)
+                else f"sliding {window}"
+            )
+        elif kind == "chunked":
+            chunk = cfg.get("attention_chunk_size")
+            if not chunk:
+                raise UnsupportedModelError(
+                    "config.json has chunked layers but no 'attention_chunk_size'"
+                )
+            kind = f"chunked {chunk}"
+        kinds.append(kind)
+    return tuple(kinds) if any(k != "full" for k in kinds) else ()
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -15,6 +15,7 @@ from torch import nn
 from pdserve.engine.cpu.linear import Linear
 from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVPool
+from pdserve.engine.kv.groups import groups_for
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.mla import LatentAttention
 from pdserve.engine.models.moe import SparseMoE
@@ -47,6 +48,10 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
+        # Its KV group's slots and tables, and what its queries read (a window, a chunk).
+        groups = groups_for(cfg.num_layers, cfg.layer_kinds)
+        self.kv_group = groups.group_of[layer_index]
+        self.mask = groups.groups[self.kv_group].kind.kernel_args()
         self.num_heads = len(shard.q_heads(cfg.num_heads))
         self.num_kv_heads = len(shard.kv_heads(cfg.num_kv_heads))
         self.head_dim = cfg.head_dim
@@ -93,16 +98,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project(hidden, positions, cos_sin, ops)
         k_cache, v_cache = pool.layer(self.layer_index)
-        ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        slot_mapping, block_tables = batch.group(self.kv_group)
+        ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
         out = ops.paged_attention(
             q,
             k_cache,
             v_cache,
-            batch.block_tables,
+            block_tables,
             batch.seq_lens,
             batch.query_start_loc,
             self.scale,
             batch.max_query_len,
+            **self.mask,
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
