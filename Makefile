@@ -1,9 +1,10 @@
-# Two commands users need: `make test` and `pdserve serve` / `pdserve generate` (see README).
+# The two commands (README): `make serve` installs what serving needs, when it is missing, and
+# serves the embedded model (make serve ARGS="--max-model-len 1024"); `make test` runs the suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install test test-compiled lint bench clean gpu-wheels gpu-check gpu-check-long bench-peers
+.PHONY: venv install serve test test-compiled lint bench clean gpu-wheels gpu-check gpu-check-long bench-peers
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -13,8 +14,18 @@ $(PY):
 venv: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
 
+# Everything: pdserve with the dev extra (the tests', linters' and benchmarks' tools).
 install: venv
 	$(PY) -m pip install -q -e '.[dev]'
+
+# Serving needs pdserve's runtime dependencies only; installed again when pyproject.toml changes.
+$(VENV)/bin/pdserve: pyproject.toml | venv
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+# The coordinator, one prefill and one decode node on the embedded model; ARGS go to `serve`.
+serve: $(VENV)/bin/pdserve
+	$(VENV)/bin/pdserve serve $(ARGS)
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -70,7 +70,7 @@ def check_model(model: str | None) -> None:
     if HUB_ID.fullmatch(model) and not model.startswith("."):
         raise ValueError(
             f"model {model!r} is not a local directory, and pdserve never downloads: fetch it "
-            f"with `huggingface-cli download {model} --local-dir DIR`, then give DIR"
+            f"with `hf download {model} --local-dir DIR`, then give DIR"
         )
     raise ValueError(f"model directory {model!r} does not exist")
 

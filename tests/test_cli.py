@@ -107,7 +107,7 @@ def test_a_hub_id_is_one_line_that_says_how_to_fetch_it(args):
     res = run(*args)
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.startswith("pdserve: error: ") and res.stderr.count("\n") == 1
-    assert f"huggingface-cli download {HUB_ID} --local-dir DIR" in res.stderr
+    assert f"hf download {HUB_ID} --local-dir DIR" in res.stderr
     assert "never downloads" in res.stderr
 
 

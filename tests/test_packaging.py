@@ -1,7 +1,7 @@
-"""pdserve installs as one package: a wheel adds the import name `pdserve` and nothing else, holds
-what pdserve reads at run time (the embedded model, the C kernel's source), and a clean
-environment with the wheel installed (not editable) generates and serves from outside the
-checkout; the checkout's folders map onto `pdserve.<folder>`."""
+"""pdserve installs as one package: a wheel builds without a warning, adds the import name `pdserve`
+and nothing else, holds what pdserve reads at run time (the embedded model, the C kernel's
+source), and a clean environment with the wheel installed (not editable) generates and serves from
+outside the checkout; the checkout's folders map onto `pdserve.<folder>`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import tomllib
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -59,8 +60,14 @@ def test_a_checkout_imports_every_part_under_pdserve():
     assert Path(out.stdout.strip()) == ROOT / "kv_transfer" / "tcp.py"
 
 
+class Installed(NamedTuple):
+    wheel: Path
+    venv: Path
+    build_output: str  # what pip and setuptools printed while building the wheel
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     """A wheel of the checkout, and a fresh virtualenv with it installed (not editable); the
     test runner's packages (torch and the rest) reach the venv by a path, not by installing."""
     work = tmp_path_factory.mktemp("wheel")
@@ -68,7 +75,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     source = work / "source"
     ignore = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "tests", "docs")
     shutil.copytree(ROOT, source, ignore=ignore)
-    subprocess.run(
+    # -v: pip shows the build backend's output, setuptools' warnings with it. Without
+    # PYTHONDONTWRITEBYTECODE, which makes distutils warn that it skips byte-compiling.
+    build_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    build = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -76,15 +86,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             "wheel",
             "--no-deps",
             "--no-build-isolation",
-            "-q",
+            "-v",
             "-w",
             str(work / "dist"),
             str(source),
         ],
-        check=True,
+        env=build_env,
         capture_output=True,
+        text=True,
         timeout=600,
     )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     (wheel,) = (work / "dist").glob("pdserve-*.whl")
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -109,7 +121,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         capture_output=True,
         timeout=300,
     )
-    return wheel, venv
+    return Installed(wheel, venv, build.stdout + build.stderr)
 
 
 def clean_env(home: Path) -> dict[str, str]:
@@ -117,8 +129,15 @@ def clean_env(home: Path) -> dict[str, str]:
     return env | {"PDSERVE_CACHE": str(home / "cache"), "OMP_NUM_THREADS": "1"}
 
 
+def test_the_wheel_builds_without_a_warning(installed):
+    # setuptools warns and builds on where pyproject.toml and the tree disagree (a folder left out
+    # of `packages`: BuildBackendWarning), and a user's `pip install` prints it.
+    warned = [line for line in installed.build_output.splitlines() if "warning" in line.lower()]
+    assert not warned, "\n".join(warned)
+
+
 def test_the_wheel_adds_only_pdserve_and_carries_its_data(installed):
-    wheel, _ = installed
+    wheel = installed.wheel
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"pdserve"}
     top_level = next(n for n in names if n.endswith("top_level.txt"))
@@ -129,7 +148,7 @@ def test_the_wheel_adds_only_pdserve_and_carries_its_data(installed):
 
 @pytest.mark.timeout(600)
 def test_an_installed_wheel_generates_and_serves_outside_the_checkout(installed, tmp_path):
-    _, venv = installed
+    venv = installed.venv
     python = str(venv / "bin" / "python")
     env = clean_env(tmp_path)
     where = subprocess.run(

@@ -2,12 +2,20 @@
 of its own (a `deploy` link to the repository's): `pdserve serve` stays up in the background for
 the examples after it, as in a second terminal, and Ctrl-C must stop it quietly. An example that
 cannot run here says so in the line before its fence, `<!-- not tested: why -->`, and only those
-may name a placeholder path."""
+may name a placeholder path.
+
+What running them here cannot show is checked by reading them: `make serve` and `make test` (the
+two commands) install, then serve or test; every Python example, in the README or docs/, imports
+pdserve as `pdserve.<part>`, as it must outside the checkout; every client names a model the
+`serve` before it serves; and no file names the hub command huggingface_hub no longer
+ships."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,6 +26,7 @@ import pytest
 from readme_shim import stop_server
 from test_http_api import free_port
 
+import pdserve
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,3 +125,159 @@ def test_every_readme_example_runs_as_written(tmp_path):
     assert ran >= 8
     # Nothing was written where the examples ran.
     assert sorted(p.name for p in home.iterdir()) == ["deploy"]
+
+
+def make_dry_run(target: str, venv: Path, *variables: str) -> list[str]:
+    """The commands `make TARGET` would run in the checkout with its virtualenv at VENV (make -n)."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    res = subprocess.run(
+        ["make", "-n", target, f"VENV={venv}", *variables],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return [line.rstrip() for line in res.stdout.replace(str(venv), ".venv").splitlines()]
+
+
+def test_the_two_commands_are_the_first_example():
+    first = next(e for e in examples() if e.lang == "bash")
+    assert [line.split("#")[0].strip() for line in first.code.splitlines()] == [
+        "make serve",
+        "make test",
+    ]
+
+
+def test_make_serve_on_a_fresh_clone_installs_the_runtime_dependencies_then_serves(tmp_path):
+    commands = make_dry_run("serve", tmp_path / "venv", "ARGS=--max-model-len 1024")
+    assert commands[0] == "python3 -m venv .venv"
+    install = commands.index(".venv/bin/python -m pip install -q -e .")  # not the dev extra
+    assert any("pip install -q torch==" in c for c in commands[:install])
+    assert commands[-1] == ".venv/bin/pdserve serve --max-model-len 1024"
+
+
+def test_make_serve_once_installed_only_serves(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("python", "pdserve"):  # both newer than pyproject.toml
+        (venv / "bin" / tool).touch()
+    commands = make_dry_run("serve", venv)
+    assert not [c for c in commands if "pip install -q -e" in c], commands
+    assert commands[-1] == ".venv/bin/pdserve serve"
+
+
+def test_make_test_installs_the_dev_extra_then_runs_the_suite(tmp_path):
+    commands = make_dry_run("test", tmp_path / "venv")
+    install = commands.index(".venv/bin/python -m pip install -q -e '.[dev]'")
+    assert commands[install + 1].startswith(".venv/bin/python -m pytest")
+
+
+PYTHON_FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_examples() -> list[tuple[str, str]]:
+    """Every Python example of the README and docs/: where it is, and its code."""
+    found = []
+    for doc in [README, *sorted((REPO / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for m in PYTHON_FENCE.finditer(text):
+            found.append((f"{doc.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}", m[1]))
+    return found
+
+
+def test_every_python_example_imports_pdserve_by_its_installed_names():
+    # From the checkout's root `import engine` works too, but nowhere else: an installed pdserve,
+    # or an example pasted into another directory, has pdserve.engine only.
+    found = python_examples()
+    fences = sum(
+        doc.read_text().count("```python") for doc in [README, *(REPO / "docs").glob("*.md")]
+    )
+    assert len(found) == fences, "a Python example the pattern misses"
+    for where, code in found:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            bare = [name for name in names if name.split(".")[0] in pdserve.PARTS]
+            assert not bare, f"{where} imports {bare[0]}: write pdserve.{bare[0]}"
+
+
+# `pdserve serve [MODEL] [FLAGS]` or `make serve [ARGS="FLAGS"]` in a shell example.
+SERVE = re.compile(
+    r"\bpdserve serve\b(?P<args>[^\n]*)|\bmake serve\b(?: ARGS=(?P<make>\"[^\"]*\"|'[^']*'|\S+))?"
+)
+COMMENT = re.compile(r"(?:^|\s)#.*$", re.M)
+# A request's model: in curl's JSON body, or a client's keyword argument.
+MODEL = re.compile(r"""(?:"model":\s*"|\bmodel=["'])(?P<name>[^"']+)""")
+CLIENT = re.compile(r"\bcurl\b|\bOpenAI\(|\bhttpx\.")
+
+
+def served_names(args: list[str]) -> set[str]:
+    """The model names `pdserve serve ARGS` answers to."""
+    model = args[0] if args and not args[0].startswith("-") else None
+    names: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--model":
+            model = args[i + 1]
+        elif arg == "--served-model-name":
+            for name in args[i + 1 :]:
+                if name.startswith("-"):
+                    break
+                names.append(name)
+    if names:
+        return set(names)
+    return {Path(model).name} if model else {"pdserve-stories"}
+
+
+def test_every_client_example_names_a_model_the_serve_before_it_serves():
+    served: set[str] | None = None  # by the latest serve command, in the README's order
+    checked = 0
+    for example in examples():
+        code = example.code.replace("\\\n", " ")  # a shell command on one line
+        if example.lang == "bash":
+            code = COMMENT.sub("", code)
+        events: list[tuple[int, set[str] | str]] = []
+        serves = list(SERVE.finditer(code)) if example.lang == "bash" else []
+        for s in serves:
+            args = s["args"] if s["make"] is None else shlex.split(s["make"])[0]
+            events.append((s.end(), served_names(shlex.split(args or ""))))
+        if CLIENT.search(code):
+            # A model inside a serve command's flags (a draft model) is not a request's.
+            events += [
+                (m.start(), m["name"])
+                for m in MODEL.finditer(code)
+                if not any(s.start() <= m.start() < s.end() for s in serves)
+            ]
+        for _, event in sorted(events, key=lambda e: e[0]):
+            if isinstance(event, set):
+                served = event
+                continue
+            assert served is not None, f"{example} asks for {event!r} before any serve command"
+            assert event in served, (
+                f"{example} asks for {event!r}; the serve before it serves {served}"
+            )
+            checked += 1
+    assert checked >= 2, "the curl examples' models went unseen"
+
+
+# Spelled apart, so that this file passes its own check.
+RETIRED_HUB_COMMAND = "huggingface" + "-cli"
+
+
+def test_no_file_names_the_retired_hub_command():
+    # huggingface_hub's command is `hf` (`hf download`); it no longer installs the old one.
+    skip = {"build", "out", "gpu-report", "__pycache__"}
+    naming = []
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d[0] != "." and d not in skip and not d.endswith(".egg-info")]
+        naming += [
+            str(Path(root, name).relative_to(REPO))
+            for name in files
+            if RETIRED_HUB_COMMAND.encode() in Path(root, name).read_bytes()
+        ]
+    assert not naming, f"{RETIRED_HUB_COMMAND} is `hf` now, still named in {naming}"
