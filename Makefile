@@ -27,8 +27,15 @@ $(VENV)/bin/pdserve: pyproject.toml | venv
 serve: $(VENV)/bin/pdserve
 	$(VENV)/bin/pdserve serve $(ARGS)
 
+# Every tier, in parallel: one pytest-xdist worker per core, each test module on one worker (a
+# cluster test's processes and ports stay with its module). MARKS picks tiers, e.g.
+# MARKS="not cluster and not slow" (the quick tier), MARKS=cluster, MARKS=slow; TEST_WORKERS=0 runs
+# in one process.
+TEST_WORKERS ?= auto
+MARKS ?=
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+		$(if $(MARKS),-m "$(MARKS)") $(PYTEST_ARGS)
 
 # The greedy-parity and step-loop tests with the compiled model step (--compile) in every engine.
 test-compiled: install

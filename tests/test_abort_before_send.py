@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 from conftest import RecordingLink
 from local_cluster import Cluster
@@ -33,6 +34,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.cache import KVLayout
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer import make_receiver
+
+pytestmark = pytest.mark.cluster
 
 LAYOUT = KVLayout(2, 8, 2, 32, "float32")
 

@@ -17,6 +17,8 @@ from pdserve.bench.chaos_cluster import FAULTS_ENV, KV_FAULTS_ENV, ChaosCluster
 from pdserve.bench.chaos_requests import ChaosRequest, Choice, Outcome, difference, send
 from pdserve.cluster.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 REQUESTS = 36
 # The phases run on a cluster here, in two runs: the baseline and corrupted KV pages at a rate
 # high enough that 36 requests meet some; then every PDSERVE_FAULTS kind at once (a kill or

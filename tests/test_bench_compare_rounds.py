@@ -12,6 +12,7 @@ from pdserve.bench import compare
 from pdserve.bench.serving import served_rounds
 
 
+@pytest.mark.cluster
 def test_a_run_in_rounds_alternates_systems_serves_the_tuned_config_and_times_the_cpu(tmp_path):
     argv = ["--systems", "colocated", "tuned", "--variants", "short-only", "--rates", "4"]
     argv += ["--duration-s", "1", "--min-requests", "6", "--rounds", "2", "--tune-quick"]

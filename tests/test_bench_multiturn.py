@@ -72,6 +72,7 @@ def test_the_table_has_a_row_per_system():
     assert build_parser().parse_args(["--turns", "4:8"]).turns == (4, 8)
 
 
+@pytest.mark.cluster
 def test_a_short_run_with_tiers_loads_prefixes_back_and_matches_the_plain_mode(tmp_path):
     """Two servers one after the other (tiers, then reuse on without them), sessions holding
     more KV than a node's pool: the modes' outputs must be equal (the command fails otherwise),

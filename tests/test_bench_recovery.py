@@ -49,6 +49,7 @@ def assert_recovered_with_offline_tokens(kill: Kill, workload: Workload, engine)
         assert r.recovery_s is not None and 0 < r.recovery_s < 60
 
 
+@pytest.mark.cluster
 def test_a_killed_decode_node_s_requests_are_served_again_with_the_offline_tokens(engine, tmp_path):
     # Streams long enough to outlast the kill by far: it lands after 3 tokens of each.
     workload = Workload(MODEL, requests=6, max_tokens=400, seed=1)
@@ -67,6 +68,7 @@ def test_a_killed_decode_node_s_requests_are_served_again_with_the_offline_token
     assert sessions.strays() == []
 
 
+@pytest.mark.cluster
 def test_a_killed_coordinator_is_restarted_and_every_cut_stream_is_served_again(engine, tmp_path):
     workload = Workload(MODEL, requests=4, max_tokens=400, seed=2)
     sessions = Sessions()

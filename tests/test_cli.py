@@ -24,6 +24,8 @@ import pdserve
 from pdserve.cli import HelpFormatter, build_parser, escape_controls
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parent.parent
 PDSERVE = [sys.executable, "-m", "pdserve"]
 HUB_ID = "Qwen/Qwen2.5-0.5B-Instruct"

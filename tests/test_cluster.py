@@ -22,6 +22,8 @@ from pdserve.coordinator.coordinator import SubmitError
 from pdserve.coordinator.request_state import Phase
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from local_cluster import Cluster
 from test_cluster import expected_outputs, make_prompts
 
 from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.cluster
 
 PARAMS = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from local_cluster import Cluster
 from test_cluster import expected_outputs, make_prompts
 from test_tp_cluster import complete_all
@@ -15,6 +16,8 @@ from test_tp_cluster import complete_all
 from pdserve.cluster.faults import ENV
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.cluster
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 FAULTS = "drop=0.04,delay=0.04,duplicate=0.04,reorder=0.04,truncate=0.02,corrupt=0.02,seed=11"

@@ -38,6 +38,8 @@ from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -18,6 +18,8 @@ from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import LLM, SamplingParams
 from pdserve.kv_transfer.faults import ENV
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 

@@ -18,6 +18,8 @@ from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = 8
 POOL = 48  # blocks of 8 per node: 384 tokens

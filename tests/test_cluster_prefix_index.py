@@ -17,6 +17,8 @@ from pdserve.coordinator.metrics import Metrics
 from pdserve.coordinator.request_state import Phase, RequestState
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = 8  # the test cluster's block size
 DECODERS = ("decode-0", "decode-1")

@@ -16,6 +16,8 @@ from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = 8  # the test cluster's block size
 

@@ -17,6 +17,8 @@ from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.request_state import EarlyAdmission
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 STREAMING = CoordinatorConfig(
     heartbeat_timeout_s=3.0,

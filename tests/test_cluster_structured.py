@@ -22,6 +22,8 @@ from pdserve.coordinator.metrics import Metrics
 from pdserve.coordinator.request_state import Phase
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "pdserve-stories"
 SCHEMA = {
     "type": "object",

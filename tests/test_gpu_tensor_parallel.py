@@ -16,7 +16,7 @@ from test_tp_cluster import complete_all
 
 from pdserve.engine import LLM, SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.cluster, pytest.mark.gpu]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 

@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parent.parent
 # Heartbeats often, so a request's KV blocks show in /metrics soon after it starts decoding.
 # max_model_len here is overridden by the flag (2040); num_kv_blocks is not (a flag > the file >

@@ -27,6 +27,8 @@ from test_http_api import WAIT_S, assert_error_body, free_port, wait_until
 
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parent.parent
 KEY, OTHER_KEY = "sesame-open", "second-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -18,6 +18,8 @@ from pydantic import BaseModel, Field
 
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
+pytestmark = pytest.mark.cluster
+
 SCHEMA = {
     "type": "object",
     "properties": {

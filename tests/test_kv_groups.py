@@ -253,7 +253,7 @@ def test_the_scheduler_frees_a_windowed_groups_old_blocks_as_decoding_goes_on():
     scheduler = Scheduler(bm, 4, 64, kv_groups=KVGroups.for_layers([W8, FULL]))
     seq = seq_of(list(range(30)))
     scheduler.add(seq)
-    for step in range(40):
+    for _ in range(40):
         out = scheduler.schedule()
         scheduler.postprocess(out, {0: 5}, max_model_len=1000)
     window = seq.block_tables[1]

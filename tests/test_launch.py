@@ -22,6 +22,8 @@ import pytest
 
 from pdserve.supervisor import cluster_serves
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
 CLUSTER = """
 dtype = "float32"
 block_size = 8

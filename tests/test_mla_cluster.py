@@ -15,6 +15,8 @@ from test_tp_cluster import complete_all
 
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # (family, transport, prefill TP, decode TP)
 CASES = [

@@ -15,6 +15,8 @@ from test_tp_cluster import complete_all
 
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # (family, transport): each family once, Qwen3-MoE (sparse and dense layers) on both transports.
 CASES = [("qwen3_moe", "tcp"), ("qwen3_moe", "shm"), ("mixtral", "tcp"), ("qwen2_moe", "shm")]

@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.bench import soak
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
 # A node that kept one request's KV pages (about 100 KiB here) per request would grow by 20 MiB
 # over the second half; one that met a new oneDNN row count per step, by far more.
 MAX_GROWTH_MIB = 16

@@ -22,6 +22,8 @@ import pytest
 import pdserve
 from pdserve.tune.local_server import free_port
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

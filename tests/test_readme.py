@@ -29,6 +29,8 @@ from test_http_api import free_port
 import pdserve
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 FENCE = re.compile(

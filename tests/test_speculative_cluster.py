@@ -18,6 +18,8 @@ from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.embedded.catalog import resolve_model_dir
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "pdserve-stories"
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 STORIES = [

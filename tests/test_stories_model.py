@@ -27,6 +27,8 @@ from pdserve.coordinator.client import CoordinatorClient
 from pdserve.engine import LLM
 from pdserve.engine.embedded.catalog import STORIES
 
+pytestmark = pytest.mark.cluster
+
 OPENINGS = [
     "Once upon a time",
     "Once upon a time, there was a little",

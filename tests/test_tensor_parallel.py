@@ -21,6 +21,8 @@ from conftest import random_prompts
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tp.ranks import TPGroupFailed
 
+pytestmark = pytest.mark.cluster
+
 NEW_TOKENS = 24
 PROMPT_LENGTHS = [3, 16, 29, 50]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -22,6 +22,8 @@ from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
 from pdserve.coordinator.tool_parsers import PARSERS, ToolCall
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
+pytestmark = pytest.mark.cluster
+
 WHERE_IS = {
     "type": "object",
     "properties": {"character": {"enum": ["cat", "dog", "bird"]}},

@@ -19,6 +19,8 @@ from pdserve.coordinator.client import CoordinatorClient
 from pdserve.coordinator.request_state import Phase
 from pdserve.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # prefill-1 and decode-1 are TP=2 groups; prefill-0 and decode-0 single processes.
 TP2 = {"prefill-1": {"tensor_parallel_size": 2}, "decode-1": {"tensor_parallel_size": 2}}

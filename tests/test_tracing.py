@@ -33,6 +33,8 @@ from pdserve.cluster_file import load_cluster_file, plan  # noqa: E402
 from pdserve.engine.embedded.tiny import ensure_tiny_model  # noqa: E402
 from pdserve.kv_transfer.faults import ENV as FAULTS  # noqa: E402
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parent.parent
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # W3C's example
 

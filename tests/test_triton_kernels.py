@@ -21,6 +21,8 @@ from paged_inputs import paged_inputs
 from pdserve.kernels import attention_ref, moe_ref, norm_ref, rotary_ref
 from pdserve.kernels.moe_align import align_pairs_to_blocks, max_padded_rows
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,6 +20,8 @@ from pdserve.engine.execution.decode_graphs import DecodeInputs
 from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.kernels import mla_ref
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 DTYPES = [torch.float32, torch.bfloat16]

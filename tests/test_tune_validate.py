@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdserve.bench.tune_validate import (
     MISSED,
     PASSED,
@@ -23,6 +25,8 @@ from pdserve.bench.tune_validate import (
     reversed_pairs,
     verdict,
 )
+
+pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).parent.parent
 
