@@ -141,7 +141,28 @@ FAMILIES: dict[str, dict] = {
         rope_interleave=True,
         tie_word_embeddings=False,
     ),
+    # Windowed attention from transformers' own layer_types: Qwen2 with use_sliding_window from
+    # layer 1 on (one full layer, two windowed ones: three KV groups), and Mistral's window on
+    # every layer (one windowed group).
+    "qwen2_sliding": dict(
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=12,
+        max_window_layers=1,
+        tie_word_embeddings=True,
+    ),
+    "mistral_sliding": dict(
+        model_type="mistral",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        sliding_window=12,
+        tie_word_embeddings=False,
+    ),
 }
+WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
