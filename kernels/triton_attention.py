@@ -8,6 +8,11 @@ softmax in base 2. Neither needs a host sync when max_query_len is given, so bot
 in CUDA graphs. Any head_dim works (masked up to a power of two, at least 16, as tl.dot wants);
 block sizes must be powers of two. Decodes that share a step with prefill chunks go through the
 varlen kernel, unsplit.
+
+A layer's sliding window or local chunk (constexprs: a layer's constants, a compile each) starts
+each query's keys at its first visible one: pages before it are never read (they may be freed,
+-1), and a decode costs O(window), its splits planned over the window alone. Sinks (a logit per
+head, no value) start the online softmax, or join the reduce of a split decode.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.attention_ref import check_visibility
+
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # as the kernels read it
 
 # Decode splits: a split covers at least this many tokens, and the split count aims at this many
 # programs per SM so that small batches with long contexts still fill the device.
@@ -27,6 +35,17 @@ MIN_PARTITION_TOKENS = 128
 PROGRAMS_PER_SM = 4
 # SM count assumed off-GPU (under TRITON_INTERPRET) so the interpreter runs the same split plans.
 DEFAULT_SM_COUNT = 132
+
+
+@triton.jit
+def _first_visible_key(position, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+    """`attention_ref.first_visible_keys` of a position (or a tensor of them)."""
+    first = position * 0
+    if WINDOW > 0:
+        first = tl.maximum(first, position - WINDOW + 1)
+    if CHUNK > 0:
+        first = tl.maximum(first, position - position % CHUNK)
+    return first
 
 
 @triton.jit
@@ -89,6 +108,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -111,15 +131,20 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Program (seq, kv head, split): the group's q heads over keys [split * partition, ...)."""
+    """Program (seq, kv head, split): the group's q heads over keys [begin + split * partition,
+    ...), begin: the tile holding the query's first visible key."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition
+    first = _first_visible_key(seq_len - 1, WINDOW, CHUNK)
+    start = first - first % BLOCK_N + split * partition
     end = tl.minimum(start + partition, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -133,8 +158,13 @@ def _decode_split_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS and ONE_SPLIT:  # the sink starts the softmax (split ones join in the reduce)
+        m_i = tl.load(sinks_ptr + heads, mask=head_mask, other=float("-inf")).to(tl.float32)
+        m_i = m_i * _LOG2E
+        l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
@@ -150,7 +180,7 @@ def _decode_split_kernel(
             table_ptr,
             kv_head_offset,
             keys,
-            keys < end,
+            (keys >= first) & (keys < end),
             dims,
             dim_mask,
             stride_cb,
@@ -181,6 +211,7 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     out_ptr,
     stride_ot,
     stride_oh,
@@ -190,12 +221,18 @@ def _decode_reduce_kernel(
     num_splits,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Program (seq, q head): combine the splits' normalized outputs weighted by exp2(lse)."""
+    """Program (seq, q head): combine the splits' normalized outputs weighted by exp2(lse), and
+    the sink's exp2 in the denominator."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    active = tl.cdiv(seq_len, partition)
+    first = _first_visible_key(seq_len - 1, WINDOW, CHUNK)
+    active = tl.cdiv(seq_len - (first - first % BLOCK_N), partition)
     splits = tl.arange(0, BLOCK_S)
     split_mask = splits < active
     dims = tl.arange(0, BLOCK_D)
@@ -203,13 +240,19 @@ def _decode_reduce_kernel(
     base = (seq * num_heads + head) * num_splits
     lse = tl.load(part_lse_ptr + base + splits, mask=split_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        lse_max = tl.maximum(lse_max, sink)
     weights = tl.where(split_mask, tl.math.exp2(lse - lse_max), 0.0)
     parts = tl.load(
         part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    o = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    total = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - lse_max)
+    o = tl.sum(parts * weights[:, None], axis=0) / total
     tl.store(
         out_ptr + seq * stride_ot + head * stride_oh + dims,
         o.to(out_ptr.dtype.element_ty),
@@ -225,6 +268,7 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    sinks_ptr,
     out_ptr,
     scale_log2,
     stride_qt,
@@ -243,11 +287,15 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """Program (q tile, kv head): BLOCK_Q queries of one sequence x the group's q heads (rows of
-    the tile are (query, head) pairs), causal over that sequence's paged context."""
+    the tile are (query, head) pairs), causal over that sequence's paged context from each
+    query's first visible key."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Sequence b owns tiles [qsl[b] // BLOCK_Q + b, ...): find b by binary search, so the grid
@@ -284,18 +332,53 @@ def _prefill_kernel(
         q = q.to(k_cache_ptr.dtype.element_ty)
         if UPCAST_DOT:
             q = q.to(tl.float32)
-        q_pos = prior + query  # each row attends to keys 0 .. q_pos
+        q_pos = prior + query  # each row attends to keys first .. q_pos
+        first = _first_visible_key(q_pos, WINDOW, CHUNK)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink starts each row's softmax
+            m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32)
+            m_i = m_i * _LOG2E
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
         kv_head_offset = kv_head.to(tl.int64) * stride_ch
         kv_end = prior + tl.minimum(q_first + BLOCK_Q, q_len)
-        # Keys below the tile's first query position need no causal mask.
+        kv_first = _first_visible_key(prior + q_first, WINDOW, CHUNK)  # the tile's first key
+        # Keys every row of the tile sees need no mask: from the last row's first key (a tile
+        # up) to the first row's position (a tile down).
+        full_start = _first_visible_key(kv_end - 1, WINDOW, CHUNK)
+        full_start = (full_start + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         full_end = prior + q_first + 1
         full_end = full_end - full_end % BLOCK_N
-        for n0 in range(0, full_end, BLOCK_N):
+        if WINDOW > 0 or CHUNK > 0:  # below them, the edge of the window or chunk
+            for n0 in range(kv_first - kv_first % BLOCK_N, tl.minimum(full_start, kv_end), BLOCK_N):
+                keys = n0 + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = _attend_tile(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    table_ptr,
+                    kv_head_offset,
+                    keys,
+                    (keys >= kv_first) & (keys < kv_end),
+                    dims,
+                    dim_mask,
+                    stride_cb,
+                    stride_cs,
+                    scale_log2,
+                    (keys[None, :] >= first[:, None]) & (keys[None, :] <= q_pos[:, None]),
+                    BLOCK_SIZE,
+                    True,
+                    DOT_PRECISION,
+                    UPCAST_DOT,
+                )
+        for n0 in range(full_start, full_end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _attend_tile(
                 q,
@@ -319,7 +402,8 @@ def _prefill_kernel(
                 DOT_PRECISION,
                 UPCAST_DOT,
             )
-        for n0 in range(full_end, kv_end, BLOCK_N):
+        # Above them, the causal diagonal (every row's first key lies below).
+        for n0 in range(tl.maximum(full_start, full_end), kv_end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _attend_tile(
                 q,
@@ -455,6 +539,20 @@ def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(f"block_size {block_size} is not a power of two")
 
 
+def decode_span(max_context: int, block_n: int, window: int = 0, chunk: int = 0) -> int:
+    """How many keys a decode program's splits may cover: the context, or under a window or a
+    chunk only the keys a query sees from the start of the tile holding its first one."""
+    reach = min((n for n in (window, chunk) if n), default=0)
+    return min(max_context, reach + block_n - 1) if reach else max_context
+
+
+def _sinks_arg(sinks: torch.Tensor | None, query: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The sinks pointer a kernel takes (the query's, unread, without sinks) and HAS_SINKS."""
+    if sinks is None:
+        return query, False
+    return sinks.contiguous(), True
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -465,6 +563,10 @@ def paged_decode_attention(
     out: torch.Tensor,
     partition: int | None = None,
     config: TileConfig | None = None,
+    *,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence (query [B, H, D]) into `out`; `partition` (tokens per split, a
     multiple of config.block_n) overrides the planned split."""
@@ -472,10 +574,14 @@ def paged_decode_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     config = config or decode_config(head_dim, k_cache.dtype)
+    # Host-known shapes only (the table's width, the layer's window or chunk): the same plan on
+    # every replay of a captured graph.
     max_context = max(1, block_tables.shape[1] * block_size)
+    span = decode_span(max_context, config.block_n, window, chunk)
     num_splits, partition = decode_splits(
-        batch * num_kv_heads, max_context, config.block_n, query.device, partition
+        batch * num_kv_heads, span, config.block_n, query.device, partition
     )
+    sinks_ptr, has_sinks = _sinks_arg(sinks, query)
     block_d = _block_d(head_dim)
     one_split = num_splits == 1
     part_out, part_lse = split_partials(out, num_heads, num_splits, block_d)
@@ -485,6 +591,7 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         seq_lens,
+        sinks_ptr,
         out,
         part_out,
         part_lse,
@@ -508,6 +615,9 @@ def paged_decode_attention(
         BLOCK_N=config.block_n,
         BLOCK_D=block_d,
         ONE_SPLIT=one_split,
+        WINDOW=window,
+        CHUNK=chunk,
+        HAS_SINKS=has_sinks,
         **_dot_options(query, k_cache.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -517,6 +627,7 @@ def paged_decode_attention(
             part_out,
             part_lse,
             seq_lens,
+            sinks_ptr,
             out,
             out.stride(0),
             out.stride(1),
@@ -526,6 +637,10 @@ def paged_decode_attention(
             num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            BLOCK_N=config.block_n,
+            WINDOW=window,
+            CHUNK=chunk,
+            HAS_SINKS=has_sinks,
             num_warps=4,
         )
     return out
@@ -541,6 +656,10 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor,
     config: TileConfig | None = None,
+    *,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention, into `out`, of chunks whose earlier tokens (and the chunk's own
     K/V) are in the paged cache."""
@@ -552,6 +671,7 @@ def paged_prefill_attention(
     block_q = block_m // group
     batch = seq_lens.shape[0]
     grid = (num_tokens // block_q + batch, num_kv_heads)
+    sinks_ptr, has_sinks = _sinks_arg(sinks, query)
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -559,6 +679,7 @@ def paged_prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        sinks_ptr,
         out,
         scale * LOG2E,
         query.stride(0),
@@ -577,6 +698,9 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_D=_block_d(head_dim),
+        WINDOW=window,
+        CHUNK=chunk,
+        HAS_SINKS=has_sinks,
         **_dot_options(query, k_cache.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -593,16 +717,22 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    *,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `attention_ref.paged_attention`; returns a new contiguous tensor.
 
     Decode-only batches (max_query_len == 1) take the split-K kernel, any other the varlen one.
     """
     num_tokens = query.shape[0]
+    check_visibility(window, chunk, sinks, query.shape[1])
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
     _check_shapes(query, k_cache, v_cache)
+    local = dict(window=window, chunk=chunk, sinks=sinks)
     if query.stride(-1) != 1:
         query = query.contiguous()
     # The kernels index these with unit strides (no-ops for the runner's tensors).
@@ -612,7 +742,9 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len == 1 and num_tokens == seq_lens.shape[0]:
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return paged_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, out, **local
+        )
     return paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, **local
     )

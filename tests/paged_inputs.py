@@ -43,3 +43,59 @@ def paged_inputs(
         scale=head_dim**-0.5,
         max_query_len=max(query_lens),
     )
+
+
+# What a layer sees, as paged_attention's keyword arguments (`attention_pattern` draws the sinks):
+# window 12 and chunk 16 are divided by block size 4, not by 5, and the window not by 16.
+PATTERNS = {
+    "window": dict(window=12),
+    "chunk": dict(chunk=16),
+    "sinks": dict(sinks=True),
+    "window+sinks": dict(window=12, sinks=True),
+}
+
+
+def attention_pattern(name: str, num_heads: int, device: str = "cpu") -> dict:
+    """PATTERNS[name] with its sinks, if any, drawn for num_heads heads: logits from -1 to 4, of
+    the size of the log-sum-exp of a few to a hundred scores, so they take a real share."""
+    args = dict(PATTERNS[name])
+    if args.pop("sinks", False):
+        gen = torch.Generator().manual_seed(num_heads)
+        args["sinks"] = (torch.rand(num_heads, generator=gen) * 5 - 1).to(device)
+    return args
+
+
+def unseen_blocks(
+    inputs: dict, window: int = 0, chunk: int = 0, sinks: torch.Tensor | None = None
+) -> list[list[int]]:
+    """Each sequence's block-table columns that no query of it sees: the blocks wholly before its
+    first query's first visible key, which a KV manager may free (-1) under a window or chunk.
+    Takes a pattern's arguments whole (sinks change nothing here)."""
+    from pdserve.kernels.attention_ref import first_visible_keys
+
+    block_size = inputs["k_cache"].shape[1]
+    q_lens = (inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1]).cpu()
+    firsts = first_visible_keys(inputs["seq_lens"].cpu() - q_lens, window, chunk)
+    return [list(range(int(first) // block_size)) for first in firsts]
+
+
+def with_unseen_blocks(inputs: dict, fill: float | None, **pattern) -> dict:
+    """`inputs` whose unseen blocks (`unseen_blocks`) are freed (-1), or with `fill`, moved to new
+    pages holding nothing but that value (NaN: any read of them shows)."""
+    tables = inputs["block_tables"].clone()
+    k_cache, v_cache = inputs["k_cache"], inputs["v_cache"]
+    columns = unseen_blocks(inputs, **pattern)
+    if fill is None:
+        for b, cols in enumerate(columns):
+            tables[b, cols] = -1
+    else:
+        extra = sum(len(cols) for cols in columns)
+        num_blocks = k_cache.shape[0]
+        page = torch.full((extra, *k_cache.shape[1:]), fill, dtype=k_cache.dtype)
+        k_cache = torch.cat([k_cache, page.to(k_cache.device)])
+        v_cache = torch.cat([v_cache, page.to(v_cache.device)])
+        for b, cols in enumerate(columns):
+            ids = torch.arange(num_blocks, num_blocks + len(cols), dtype=tables.dtype)
+            tables[b, cols] = ids.to(tables.device)
+            num_blocks += len(cols)
+    return dict(inputs, block_tables=tables, k_cache=k_cache, v_cache=v_cache)

@@ -54,17 +54,29 @@ def _paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     backend: str,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     real = int(query_start_loc[-1])  # the rows past it are padding
     out = torch.zeros_like(query)
     out[:real] = _BACKENDS[backend].paged_attention(
-        query[:real], k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        query[:real],
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        window=window,
+        chunk=chunk,
+        sinks=sinks,
     )
     return out
 
 
 @_paged_attention.register_fake
-def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, backend):
+def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, backend, *rest):
     return torch.empty_like(query)
 
 
@@ -95,9 +107,32 @@ def _opaque_ops(ops: Ops) -> Ops:
     def store_kv(key, value, k_cache, v_cache, slot_mapping):
         torch.ops.pdserve.store_kv(key, value, k_cache, v_cache, slot_mapping, ops.name)
 
-    def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, qsl, scale, _max_q=None):
+    def paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        max_query_len=None,
+        *,
+        window=0,
+        chunk=0,
+        sinks=None,
+    ):
         return torch.ops.pdserve.paged_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, qsl, scale, ops.name
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            ops.name,
+            window,
+            chunk,
+            sinks,
         )
 
     def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
