@@ -27,6 +27,7 @@ from pdserve.engine.grammar import Constraint, Grammars
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.kv.events import KVEvents
+from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.kv.tiers import KVTiers, TierStats, tiers_for
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -117,8 +118,14 @@ class Engine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        capacity = num_blocks * config.block_size
-        self.max_model_len = config.context_limit(max_position_embeddings, num_blocks)
+        # The longest sequence the pool holds: every token's block in each full group, a
+        # window's or chunk's reach and one prefill chunk in each other group.
+        pool_tokens = num_blocks * config.block_size
+        chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else pool_tokens
+        capacity = KVCacheManager(self.block_manager, layout.groups).longest_sequence(
+            num_blocks, chunk, pool_tokens
+        )
+        self.max_model_len = min(config.max_model_len or max_position_embeddings, capacity)
         speculation = config.speculation()
         self.speculation = speculation
         if proposer is None and speculation is not None:

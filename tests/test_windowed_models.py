@@ -55,7 +55,9 @@ def test_chunked_prefill_splitting_windows_matches_transformers(reference, famil
 def test_preempted_sequences_resume_with_transformers_tokens(reference):
     model_dir, prompts, expected = reference("qwen2_sliding")
     # A pool too small for every sequence at once: the newest are preempted and recomputed.
-    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=150, device="cpu")
+    llm = LLM(
+        str(model_dir), block_size=4, num_kv_blocks=80, max_num_batched_tokens=32, device="cpu"
+    )
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == expected

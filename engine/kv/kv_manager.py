@@ -127,6 +127,30 @@ class KVCacheManager:
     def num_blocks_held(self, seq: Sequence) -> int:
         return sum(sum(1 for b in table if b != FREED) for table in self._tables(seq))
 
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks one sequence of num_tokens holds at once, computed in chunks of at
+        most max_chunk tokens: a full group's every block; a windowed or chunked group's blocks
+        under its reach before a chunk and the chunk itself (given back after each step)."""
+        bs = self.block_size
+        whole = -(-num_tokens // bs)
+        total = 0
+        for kind in self._kinds:
+            reach = kind.reach
+            span = num_tokens if reach is None else reach + max_chunk
+            total += min(whole, -(-span // bs) + 1)
+        return total
+
+    def longest_sequence(self, num_blocks: int, max_chunk: int, limit: int) -> int:
+        """The most tokens (up to limit) one sequence may hold in a pool of num_blocks."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.peak_blocks(mid, max_chunk) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     # --- internals ----------------------------------------------------------------------------
 
     def _tables(self, seq: Sequence) -> list[list[int]]:

@@ -16,6 +16,11 @@ class FullAttention:
         """The first key position the query at `position` reads."""
         return 0
 
+    @property
+    def reach(self) -> int | None:
+        """The most tokens before a query that it reads (None: all of them)."""
+        return None
+
     def kernel_args(self) -> dict[str, int]:
         """What the attention op is told of the layer's mask."""
         return {}
@@ -38,6 +43,10 @@ class SlidingWindow:
     def first_read(self, position: int) -> int:
         return max(0, position - self.window + 1)
 
+    @property
+    def reach(self) -> int:
+        return self.window - 1
+
     def kernel_args(self) -> dict[str, int]:
         return {"window": self.window}
 
@@ -58,6 +67,10 @@ class ChunkedLocal:
 
     def first_read(self, position: int) -> int:
         return position - position % self.chunk
+
+    @property
+    def reach(self) -> int:
+        return self.chunk - 1
 
     def kernel_args(self) -> dict[str, int]:
         return {"chunk": self.chunk}
