@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVPool
-from pdserve.kv_transfer.base import KVSender
+from pdserve.kv_transfer.base import KVSend, KVSender
 
 logger = logging.getLogger(__name__)
 
@@ -235,12 +235,14 @@ class PrefillHandoff:
             # moved (a restarted decode node); the send waits for it on the sender's thread.
             sender.connect(route.decode_node, route.receiver_info)
             sender.send(
-                handoff.request_id,
-                route.decode_node,
-                src_blocks,
-                route.dst_blocks,
-                layers=None if whole else layers,
-                timeout_s=route.timeout_s,
+                KVSend(
+                    handoff.request_id,
+                    route.decode_node,
+                    src_blocks,
+                    route.dst_blocks,
+                    layers=None if whole else layers,
+                    timeout_s=route.timeout_s,
+                )
             )
         except Exception as exc:  # a bad peer (or transport) must not take the node down
             logger.warning(
