@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_coordinator_core import BLOCK, PROMPT, cluster
 
+from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.node_messages import (
     Abort,
     Admit,
@@ -28,7 +29,6 @@ from pdserve.cluster.node_messages import (
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.request_state import EarlyAdmission, Phase
 from pdserve.decode_node.handoff import DecodeHandoff
-from pdserve.decode_node.handoff import HandoffState as DecodeState
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVLayout, KVPool
@@ -36,7 +36,6 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import make_receiver, make_sender
 from pdserve.kv_transfer.base import KVSend, KVSender, TransferResult
-from pdserve.prefill_node.handoff import HandoffState as PrefillState
 from pdserve.prefill_node.handoff import PrefillHandoff
 from pdserve.prefill_node.layer_stream import LayerStream
 
@@ -156,7 +155,7 @@ def test_a_route_after_the_prefill_sends_every_layer_at_once():
     for layer in range(LAYOUT.num_layers):
         handoff.layer_done("r1", table, layer)
     handoff.hold("r1", table)
-    assert handoff.handoffs["r1"].state is PrefillState.HELD and sender.sends == []
+    assert handoff.handoffs["r1"].state is HandoffState.HELD and sender.sends == []
     handoff.send("r1", "d0", INFO, [7, 8, 9], 10.0)
     assert [s[1] for s in sender.sends] == [(0, LAYOUT.num_layers)]
     sender.ack_all()
@@ -307,7 +306,7 @@ def test_the_sequence_starts_only_with_every_layer_and_its_first_token(decode, t
     assert decode.handoff.poll() == ([], [])  # layer 0 alone does not complete it
     decode.sender.send(KVSend("r1", "d0", src, dst, layers=(1, LAYOUT.num_layers)))
     arrived, _ = decode.poll_until(
-        lambda a, f: a or decode.handoff.handoffs["r1"].state is DecodeState.ARRIVED
+        lambda a, f: a or decode.handoff.handoffs["r1"].state is HandoffState.ARRIVED
     )
     if token_first:
         assert arrived == [seq]
@@ -332,7 +331,7 @@ def test_a_sender_lost_after_some_layers_fails_the_arrival_and_frees_the_reserva
 def test_an_arrived_sequence_cancelled_before_its_token_is_freed_at_once(decode):
     _, dst = decode.admit_early("r1")
     decode.sender.send(KVSend("r1", "d0", [0, 1, 2], dst))
-    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is DecodeState.ARRIVED)
+    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is HandoffState.ARRIVED)
     assert decode.handoff.cancel("r1")
     assert decode.blocks.num_used_blocks == 0 and not decode.handoff.holds("r1")
 
@@ -350,7 +349,7 @@ def test_an_early_admission_with_reuse_expects_only_the_uncached_blocks(decode):
     assert seq.num_cached_tokens == 8 and decode.handoff.blocks_reused == 2
     decode.sender.send(KVSend("r1", "d0", [2], dst, layers=(0, 2)))
     decode.sender.send(KVSend("r1", "d0", [2], dst, layers=(2, LAYOUT.num_layers)))
-    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is DecodeState.ARRIVED)
+    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is HandoffState.ARRIVED)
     assert decode.handoff.blocks_received == 1
     assert decode.handoff.start("r1", 99) is seq
     assert torch.equal(decode.src.kv[:, :, 2], decode.receiver.pool.kv[:, :, dst[0]])
