@@ -40,8 +40,8 @@ from pdserve.bench.serving.vllm_server import VllmServer
 from pdserve.tune import provenance
 from pdserve.tune.load_generator import LoadConfig
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
-from pdserve.tune.serving_metrics import SLO
 from pdserve.tune.serving_workload import SyntheticWorkload
+from pdserve.tune.slo import SLO
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where --write-docs puts the results, under the repository.
@@ -126,7 +126,6 @@ TUNED = "tuned"
 def tuned_systems(args: argparse.Namespace, work: Path, loads: dict) -> dict[str, PdserveSystem]:
     """The tuned configuration of each workload run, by workload."""
     from pdserve.bench.tune_validate import machine_profile, tune_pick
-    from pdserve.tune.metrics import SLO as TuneSLO
     from pdserve.tune.profile import Profile
 
     if args.tune_profile:
@@ -135,7 +134,7 @@ def tuned_systems(args: argparse.Namespace, work: Path, loads: dict) -> dict[str
         print("== measuring this machine's profile for pdserve tune", flush=True)
         profile = machine_profile(args.model, args.tune_quick)
         profile.save(work / "profile.json")
-    slo = TuneSLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     rate, seed = args.rates[-1], args.seed + len(args.rates) - 1  # the sweep's last point
     systems = {}
     for variant in args.variants:

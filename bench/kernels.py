@@ -14,9 +14,11 @@ import json
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
+
+from pdserve.bench.device_limits import DeviceLimits, Results
 
 # Llama-3-8B attention: 32 q heads over 8 KV heads of 128, bf16 pages of 16 tokens.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -29,7 +31,9 @@ ROTATE_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
-class DecodeResult:
+class AttentionDecode:
+    """Paged decode attention, one query per sequence, against the copy."""
+
     batch: int
     context: int
     triton_graph_us: float  # per step, launched from a CUDA graph (as the decode loop runs it)
@@ -41,7 +45,9 @@ class DecodeResult:
 
 
 @dataclass(slots=True)
-class PrefillResult:
+class AttentionPrefill:
+    """Causal prefill attention against the matmul."""
+
     prompts: int
     prompt_len: int
     triton_ms: float
@@ -76,19 +82,9 @@ def graph_time_ms(fns: list[Callable[[], object]], replays: int = 20) -> float:
     return start.elapsed_time(end) / (replays * len(fns))
 
 
-def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
-    """Device-to-device copy: bytes read plus bytes written per second, in GB/s."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src))
-    return 2 * num_bytes / (ms * 1e-3) / 1e9
-
-
-def matmul_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=DTYPE)
-    b = torch.randn(n, n, device="cuda", dtype=DTYPE)
-    ms = _time_ms(lambda: a @ b)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+def measure_limits() -> DeviceLimits:
+    """The GPU's copy (2 GiB) and bf16 matmul (8192 square), timed as the kernels are."""
+    return DeviceLimits.measure(_time_ms, "cuda", DTYPE, 2 << 30, 8192)
 
 
 def paged_inputs(
@@ -126,7 +122,9 @@ def paged_inputs(
     )
 
 
-def bench_decode(batch: int, context: int, copy_gbps: float, with_reference: bool) -> DecodeResult:
+def bench_decode(
+    batch: int, context: int, limits: DeviceLimits, with_reference: bool
+) -> AttentionDecode:
     from pdserve.kernels import attention_ref
     from pdserve.kernels.triton_ops import TRITON
 
@@ -144,7 +142,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float, with_reference: boo
         _time_ms(lambda: attention_ref.paged_attention(**inputs)) if with_reference else None
     )
     gbps = kv_bytes / (graph_ms * 1e-3) / 1e9
-    return DecodeResult(
+    return AttentionDecode(
         batch=batch,
         context=context,
         triton_graph_us=graph_ms * 1e3,
@@ -152,13 +150,13 @@ def bench_decode(batch: int, context: int, copy_gbps: float, with_reference: boo
         reference_us=None if reference_ms is None else reference_ms * 1e3,
         kv_gb=kv_bytes / 1e9,
         triton_gbps=gbps,
-        fraction_of_copy=gbps / copy_gbps,
+        fraction_of_copy=limits.of_copy(gbps),
     )
 
 
 def bench_prefill(
-    prompts: int, prompt_len: int, matmul: float, with_reference: bool
-) -> PrefillResult:
+    prompts: int, prompt_len: int, limits: DeviceLimits, with_reference: bool
+) -> AttentionPrefill:
     from pdserve.kernels import attention_ref
     from pdserve.kernels.triton_ops import TRITON
 
@@ -171,14 +169,14 @@ def bench_prefill(
     attended = prompt_len * (prompt_len + 1) // 2
     flop = prompts * 4 * NUM_HEADS * HEAD_DIM * attended
     tflops = flop / (triton_ms * 1e-3) / 1e12
-    return PrefillResult(
+    return AttentionPrefill(
         prompts=prompts,
         prompt_len=prompt_len,
         triton_ms=triton_ms,
         reference_ms=reference_ms,
         tflop=flop / 1e12,
         triton_tflops=tflops,
-        fraction_of_matmul=tflops / matmul,
+        fraction_of_matmul=limits.of_matmul(tflops),
     )
 
 
@@ -212,14 +210,14 @@ def main(argv: list[str] | None = None) -> int:
 
     with_reference = not args.no_reference
     device = torch.cuda.get_device_name()
-    copy_gbps = copy_bandwidth_gbps()
-    matmul = matmul_tflops()
+    limits = measure_limits()
     print(
         f"# {device}; torch {torch.__version__}, triton {triton.__version__}, "
         f"python {platform.python_version()}"
     )
     print(
-        f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write); bf16 matmul: {matmul:.0f} TFLOP/s"
+        f"# device-to-device copy: {limits.copy_gbps:.0f} GB/s (read + write); "
+        f"bf16 matmul: {limits.matmul_tflops:.0f} TFLOP/s"
     )
     print(
         f"# attention: {NUM_HEADS} q heads, {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
@@ -234,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     decode = []
     for context in args.contexts:
         for batch in args.batches:
-            r = bench_decode(batch, context, copy_gbps, with_reference)
+            r = bench_decode(batch, context, limits, with_reference)
             torch.cuda.empty_cache()
             decode.append(r)
             ref = "-" if r.reference_us is None else f"{r.reference_us:.1f}"
@@ -249,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     prefill = []
     for prompts in args.prefill_prompts:
-        r = bench_prefill(prompts, args.prompt_len, matmul, with_reference)
+        r = bench_prefill(prompts, args.prompt_len, limits, with_reference)
         torch.cuda.empty_cache()
         prefill.append(r)
         ref = "-" if r.reference_ms is None else f"{r.reference_ms:.2f}"
@@ -259,21 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
+        command = " ".join(["python -m pdserve.bench.kernels", *(argv or sys.argv[1:])])
+        results = Results(device, command, limits, decode, prefill)
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": device,
-                    "command": " ".join(
-                        ["python -m pdserve.bench.kernels", *(argv or sys.argv[1:])]
-                    ),
-                    "copy_gbps": copy_gbps,
-                    "matmul_tflops": matmul,
-                    "decode": [asdict(r) for r in decode],
-                    "prefill": [asdict(r) for r in prefill],
-                },
-                f,
-                indent=2,
-            )
+            json.dump(results.to_dict(), f, indent=2)
     return 0
 
 

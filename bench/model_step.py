@@ -30,11 +30,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from pdserve import SOURCE_ROOT
+from pdserve.bench.device_limits import DeviceLimits, Results
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.execution.decode_graphs import DecodeGraphs
 from pdserve.engine.execution.runner import ModelRunner
@@ -88,7 +89,9 @@ QUICK_SWEEP = {
 
 
 @dataclass(slots=True)
-class DecodeResult:
+class DecodeStep:
+    """A whole decode step, one new token per sequence, against the copy."""
+
     batch: int
     context: int
     graph_ms: float | None  # per step, forward replayed from a CUDA graph (None off CUDA)
@@ -99,7 +102,9 @@ class DecodeResult:
 
 
 @dataclass(slots=True)
-class PrefillResult:
+class PrefillStep:
+    """A whole prefill step against the matmul."""
+
     prompts: int
     prompt_len: int
     ms: float
@@ -166,19 +171,13 @@ def median_ms(fn, device: str, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def copy_gbps(device: str, num_bytes: int, repeats: int) -> float:
-    """A large device-to-device copy: bytes read plus bytes written per second, in GB/s."""
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device, repeats)
-    return 2 * num_bytes / (ms * 1e-3) / 1e9
-
-
-def matmul_tflops(device: str, dtype: torch.dtype, n: int, repeats: int) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = median_ms(lambda: a @ b, device, repeats)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+def measure_limits(
+    device: str, dtype: torch.dtype, copy_bytes: int, matmul_n: int, repeats: int
+) -> DeviceLimits:
+    """The device's copy and matmul, timed as the steps are (`median_ms`)."""
+    return DeviceLimits.measure(
+        lambda fn: median_ms(fn, device, repeats), device, dtype, copy_bytes, matmul_n
+    )
 
 
 # --- steps --------------------------------------------------------------------------------------
@@ -251,9 +250,9 @@ def bench_decode(
     batch: int,
     context: int,
     max_model_len: int,
-    copy: float,
+    limits: DeviceLimits,
     repeats: int,
-) -> DecodeResult:
+) -> DecodeStep:
     cfg = model.config
     gen = torch.Generator().manual_seed(batch * 100003 + context)
     seqs, num_blocks = sequences(batch, context, 1, cfg.vocab_size, gen)
@@ -273,7 +272,8 @@ def bench_decode(
     num_bytes = decode_bytes(model, pool, batch, context)
     best = min(eager_ms, graph_ms or eager_ms)
     gbps = num_bytes / (best * 1e-3) / 1e9
-    return DecodeResult(batch, context, graph_ms, eager_ms, num_bytes / 1e9, gbps, gbps / copy)
+    fraction = limits.of_copy(gbps)
+    return DecodeStep(batch, context, graph_ms, eager_ms, num_bytes / 1e9, gbps, fraction)
 
 
 def bench_prefill(
@@ -282,9 +282,9 @@ def bench_prefill(
     device: str,
     prompts: int,
     prompt_len: int,
-    matmul: float,
+    limits: DeviceLimits,
     repeats: int,
-) -> PrefillResult:
+) -> PrefillStep:
     cfg = model.config
     gen = torch.Generator().manual_seed(prompts * 7919 + prompt_len)
     seqs, num_blocks = sequences(prompts, 0, prompt_len, cfg.vocab_size, gen)
@@ -294,7 +294,7 @@ def bench_prefill(
     ms = median_ms(lambda: runner.run(step), device, repeats)
     flop = prefill_flop(cfg, prompts, prompt_len) / model.shard.size  # this rank's share
     tflops = flop / (ms * 1e-3) / 1e12
-    return PrefillResult(prompts, prompt_len, ms, flop / 1e12, tflops, tflops / matmul)
+    return PrefillStep(prompts, prompt_len, ms, flop / 1e12, tflops, limits.of_matmul(tflops))
 
 
 def fits(cfg: ModelConfig, tokens: int, dtype: str, device: str) -> bool:
@@ -406,13 +406,16 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = model_config(args.preset)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     name = torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu"
-    copy = copy_gbps(device, (2 << 30) if on_cuda else (128 << 20), args.repeats)
-    matmul = matmul_tflops(device, torch_dtype, 8192 if on_cuda else 1024, args.repeats)
+    copy_bytes, matmul_n = ((2 << 30), 8192) if on_cuda else ((128 << 20), 1024)
+    limits = measure_limits(device, torch_dtype, copy_bytes, matmul_n, args.repeats)
     model = random_model(cfg, dtype, device, args.seed, shard, group)
     params = sum(p.numel() for p in model.parameters())
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     print(f"# {name}; torch {torch.__version__}, python {platform.python_version()}")
-    print(f"# copy: {copy:.0f} GB/s (read + write); {dtype} matmul: {matmul:.1f} TFLOP/s")
+    print(
+        f"# copy: {limits.copy_gbps:.0f} GB/s (read + write); "
+        f"{dtype} matmul: {limits.matmul_tflops:.1f} TFLOP/s"
+    )
     print(
         f"# {args.preset}: {params / 1e9:.2f}B parameters on each of {shard.size} ranks "
         f"({weights_gb:.3f} GB of weights per rank), {dtype}, block {BLOCK_SIZE}, "
@@ -433,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"| {batch} | {context} | KV does not fit | | | | |", flush=True)
                 continue
             r = bench_decode(
-                model, dtype, device, batch, context, max_model_len, copy, args.repeats
+                model, dtype, device, batch, context, max_model_len, limits, args.repeats
             )
             decode.append(r)
             graph = "-" if r.graph_ms is None else f"{r.graph_ms:.3f}"
@@ -449,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("| ---: | ---: | ---: | ---: | ---: |")
     prefill = []
     for prompts in args.prefill_prompts:
-        r = bench_prefill(model, dtype, device, prompts, args.prompt_len, matmul, args.repeats)
+        r = bench_prefill(model, dtype, device, prompts, args.prompt_len, limits, args.repeats)
         prefill.append(r)
         print(
             f"| {prompts} | {r.ms:.2f} | {r.tflop:.2f} | {r.tflops:.1f} | "
@@ -458,18 +461,14 @@ def main(argv: list[str] | None = None) -> dict:
         )
         if on_cuda:
             torch.cuda.empty_cache()
-    results = {
-        "device": name,
-        "command": " ".join(["python -m pdserve.bench.model_step", *argv]),
+    about = {
         "preset": args.preset,
         "dtype": dtype,
         "tensor_parallel_size": shard.size,
         "weights_gb_per_rank": weights_gb,
-        "copy_gbps": copy,
-        "matmul_tflops": matmul,
-        "decode": [asdict(r) for r in decode],
-        "prefill": [asdict(r) for r in prefill],
     }
+    command = " ".join(["python -m pdserve.bench.model_step", *argv])
+    results = Results(name, command, limits, decode, prefill, about).to_dict()
     if args.json and shard.rank == 0:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

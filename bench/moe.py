@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.kernels import graph_time_ms
-from pdserve.bench.model_step import copy_gbps, matmul_tflops, median_ms
+from pdserve.bench.model_step import measure_limits, median_ms
 from pdserve.engine.cpu import linear as cpu_linear
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.llama import MLP
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     expert_bytes = 3 * hidden * width * dtype.itemsize
     copy = matmul = None
     if cuda:
-        copy = copy_gbps(args.device, 1 << 30, repeats)
-        matmul = matmul_tflops(args.device, dtype, 8192, repeats)
+        limits = measure_limits(args.device, dtype, 1 << 30, 8192, repeats)
+        copy, matmul = limits.copy_gbps, limits.matmul_tflops
     rows = []
     with torch.inference_mode():
         for n in counts:

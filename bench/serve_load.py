@@ -19,7 +19,6 @@ from pathlib import Path
 from pdserve.bench.serving.plots import plot_sweeps
 from pdserve.bench.serving.sweep import run_sweep
 from pdserve.tune.load_generator import LoadConfig, format_summary, run_load
-from pdserve.tune.serving_metrics import SLO
 from pdserve.tune.serving_workload import (
     RequestSpec,
     SyntheticWorkload,
@@ -27,6 +26,7 @@ from pdserve.tune.serving_workload import (
     load_sharegpt,
     load_tokenizer,
 )
+from pdserve.tune.slo import SLO
 
 
 def length_range(text: str) -> tuple[int, int]:

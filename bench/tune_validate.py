@@ -44,13 +44,13 @@ from pdserve.tune.deployment import Deployment
 from pdserve.tune.load_generator import LoadConfig, run_load
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 from pdserve.tune.measure import StepGrid, measure_frontend, measure_profile
-from pdserve.tune.metrics import SLO, summarize
+from pdserve.tune.metrics import summarize
 from pdserve.tune.profile import Profile
 from pdserve.tune.report import write_outputs
 from pdserve.tune.search import SearchSpace, search
-from pdserve.tune.serving_metrics import SLO as BenchSLO
 from pdserve.tune.serving_workload import RequestSpec, SyntheticWorkload
 from pdserve.tune.simulator import Simulation
+from pdserve.tune.slo import SLO
 from pdserve.tune.transfer_model import TransferModel
 from pdserve.tune.workload import SimRequest, from_requests
 
@@ -167,7 +167,7 @@ async def measure(
     config: dict | None = None,
 ) -> dict[float, dict]:
     """Run the rates against `pdserve serve` with `config` (default: the deployment's settings)."""
-    slo = BenchSLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     warmup = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(8, 8)).sample(
         4, args.seed + 1_000_003
     )

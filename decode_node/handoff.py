@@ -1,15 +1,20 @@
 """A decode node's KV handoffs: reserve blocks for a sequence whose KV will arrive, expect it,
 and hand the sequence over once every page is in; free the blocks if it fails or is cancelled.
 Used by the node's loop only; nothing here blocks on the network.
+
+A handoff's states and their moves are the prefill node's too (`pdserve.cluster.handoff_state`);
+its record (`Handoff`) is this side's own: what receiving needs (the sequence, the blocks reused
+or loaded from the tiers, what is still awaited), where the prefill side's holds what sending
+needs.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.tiers import KVTiers
@@ -19,16 +24,10 @@ from pdserve.kv_transfer.base import KVReceiver, TransferResult, TransportFailed
 logger = logging.getLogger(__name__)
 
 
-class HandoffState(enum.Enum):
-    EXPECTING = "expecting"  # blocks reserved, pages awaited
-    # early admission: every layer is in, the first token (StartDecode) is awaited
-    ARRIVED = "arrived"
-    # Ended by an abort while a sender may still write into the blocks: freed once it is done.
-    CANCELLED = "cancelled"
-
-
 @dataclass(slots=True)
 class Handoff:
+    """The receiving side's handoff of one request: EXPECTING, maybe ARRIVED (early admission)."""
+
     request_id: str
     blocks: list[int]  # one reference on each, owned by the handoff
     state: HandoffState
@@ -188,7 +187,7 @@ class DecodeHandoff:
             self.receiver.cancel(request_id, "aborted")
         if kv_unsent:
             handoff.pages_pending = False
-        handoff.state = HandoffState.CANCELLED
+        handoff.state = handoff.state.to(HandoffState.CANCELLED)
         self._settle(handoff, [])
         return True
 
@@ -222,7 +221,7 @@ class DecodeHandoff:
                 else:
                     logger.warning("[%s] KV arrival failed: %s", result.transfer_id, result.error)
                     failed.append(TransferDone(result.transfer_id, False, result.error))
-                    handoff.state = HandoffState.CANCELLED
+                    handoff.state = handoff.state.to(HandoffState.CANCELLED)
             self._settle(handoff, arrived)
         return arrived, failed
 
@@ -248,7 +247,7 @@ class DecodeHandoff:
             seq.block_table, seq.token_ids, seq.num_computed_tokens
         )
         if handoff.first_token_pending:  # runs when its first token comes
-            handoff.state = HandoffState.ARRIVED
+            handoff.state = handoff.state.to(HandoffState.ARRIVED)
             self.handoffs[handoff.request_id] = handoff
         else:
             arrived.append(seq)

@@ -1,14 +1,15 @@
 """KV transfer: move pages from a prefill node's pool into a decode node's pool, bit for bit.
 
 `make_receiver` / `make_sender` build a transport by name ("tcp", "shm", "cuda_ipc", "nccl");
-node code uses only the `KVReceiver` / `KVSender` interface of `pdserve.kv_transfer.base`:
+node code uses only the `KVReceiver` / `KVSender` interface of `pdserve.kv_transfer.base`, a
+send's arguments one `KVSend`:
 
     receiver = make_receiver("tcp", layout, num_blocks)     # decode node; owns receiver.pool
     sender = make_sender("tcp", pool)                       # prefill node
     sender.connect("decode-0", receiver.info())             # checks the layout, returns at once
     receiver.expect("req-1", dst_blocks, timeout_s=30)      # decode: blocks allocated
-    sender.send("req-1", "decode-0", src_blocks, dst_blocks, layers=(0, 16))
-    sender.send("req-1", "decode-0", src_blocks, dst_blocks, layers=(16, 32))
+    sender.send(KVSend("req-1", "decode-0", src_blocks, dst_blocks, layers=(0, 16)))
+    sender.send(KVSend("req-1", "decode-0", src_blocks, dst_blocks, layers=(16, 32)))
     receiver.poll() -> [TransferResult("req-1", ok=True)]   # once every layer is in
     sender.poll()   -> one result per send(); after ok the source blocks may be freed
 
@@ -35,7 +36,7 @@ import importlib
 import torch
 
 from pdserve.engine.kv.cache import KVLayout, KVPool
-from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
+from pdserve.kv_transfer.base import KVReceiver, KVSend, KVSender, TransferResult, TransportFailed
 
 # name -> (module, receiver class, sender class); modules load on first use (cupy stays optional)
 TRANSPORTS: dict[str, tuple[str, str, str]] = {
@@ -79,6 +80,7 @@ def make_sender(name: str, pool: KVPool, **options) -> KVSender:
 __all__ = [
     "TRANSPORTS",
     "KVReceiver",
+    "KVSend",
     "KVSender",
     "TransferResult",
     "TransportFailed",

@@ -35,6 +35,26 @@ class TransferResult:
     integrity: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class KVSend:
+    """One `KVSender.send`: move the pages of src_blocks (layers in range, all by default) into
+    the peer's dst_blocks, as part of transfer `transfer_id`, within timeout_s.
+
+    heads / dst_heads: the KV heads [h0, h1) of each page taken from this pool and filled in the
+    peer's (None: all of that pool's; as many on both sides), for tensor-parallel ranks whose
+    pools hold different heads.
+    """
+
+    transfer_id: str
+    peer_id: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    layers: tuple[int, int] | None = None
+    timeout_s: float = 30.0
+    heads: tuple[int, int] | None = None
+    dst_heads: tuple[int, int] | None = None
+
+
 class KVReceiver(ABC):
     """Owns the decode node's pool and lands pages from senders into announced blocks."""
 
@@ -116,25 +136,12 @@ class KVSender(ABC):
         """
 
     @abstractmethod
-    def send(
-        self,
-        transfer_id: str,
-        peer_id: str,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        layers: tuple[int, int] | None = None,
-        timeout_s: float = 30.0,
-        heads: tuple[int, int] | None = None,
-        dst_heads: tuple[int, int] | None = None,
-    ) -> None:
-        """Start moving src_blocks (layers in range) into the peer's dst_blocks; returns at once.
+    def send(self, send: KVSend) -> None:
+        """Start moving a send's pages into the peer's blocks; returns at once.
 
-        heads / dst_heads: the KV heads [h0, h1) of each page taken from this pool and filled in
-        the peer's (None: all of that pool's; as many on both sides), for tensor-parallel ranks
-        whose pools hold different heads. The source blocks must stay untouched until poll()
-        reports this send. ValueError for bad arguments or a peer never connected;
-        TransportFailed once failed; every other failure (refused, timed out, peer gone,
-        handshake failed) is a result of poll().
+        The source blocks must stay untouched until poll() reports this send. ValueError for bad
+        arguments or a peer never connected; TransportFailed once failed; every other failure
+        (refused, timed out, peer gone, handshake failed) is a result of poll().
         """
 
     @abstractmethod

@@ -98,16 +98,7 @@ class RankWorker:
 
     def _send(self, order: RankSend) -> None:
         try:
-            self._sender(order.transport).send(
-                order.transfer_id,
-                order.peer_id,
-                order.src_blocks,
-                order.dst_blocks,
-                order.layers,
-                order.timeout_s,
-                heads=order.heads,
-                dst_heads=order.dst_heads,
-            )
+            self._sender(order.transport).send(order.kv_send())
         except Exception as exc:
             failed = TransferResult(order.transfer_id, False, f"send failed: {exc}", order.layers)
             self._failed_result(order.transport, failed)

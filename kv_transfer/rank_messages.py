@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from pdserve.cluster.codec import Codec, Message
-from pdserve.kv_transfer.base import TransferResult
+from pdserve.kv_transfer.base import KVSend, TransferResult
 
 RANK_PROTOCOL_VERSION = 2  # 2: frames end with a digest
 
@@ -54,6 +54,19 @@ class RankSend(Message, tag="send"):
     # (step, layer): sent once the rank's own forward has that layer of that step in its pool
     # (layer-wise streaming, ordered from rank 0's forward); None: at once.
     after: Range | None = None
+
+    def kv_send(self) -> KVSend:
+        """The send this order asks of the rank's sender."""
+        return KVSend(
+            self.transfer_id,
+            self.peer_id,
+            self.src_blocks,
+            self.dst_blocks,
+            self.layers,
+            self.timeout_s,
+            self.heads,
+            self.dst_heads,
+        )
 
 
 class RankClose(Message, tag="close"):

@@ -30,7 +30,7 @@ from pdserve.cluster.faults import FAULTS_POLL_MS, message_faults
 from pdserve.cluster.keys import ClusterKeys
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import pages
-from pdserve.kv_transfer.base import KVSender, TransferResult
+from pdserve.kv_transfer.base import KVSend, KVSender, TransferResult
 from pdserve.kv_transfer.channel import CommandThread, check_security
 from pdserve.kv_transfer.integrity import algorithm_for as integrity_algorithm
 from pdserve.kv_transfer.outgoing import Outgoing
@@ -104,22 +104,12 @@ class ZmqSender(SenderPeers, SendPipeline, CommandThread, KVSender):
         self._command("connect", peer_id, info)
         self._known[peer_id] = info
 
-    def send(
-        self,
-        transfer_id: str,
-        peer_id: str,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        layers: tuple[int, int] | None = None,
-        timeout_s: float = 30.0,
-        heads: tuple[int, int] | None = None,
-        dst_heads: tuple[int, int] | None = None,
-    ) -> None:
+    def send(self, send: KVSend) -> None:
         self._check_open()
-        info = self._known.get(peer_id)
+        info = self._known.get(send.peer_id)
         if info is None:
-            raise ValueError(f"not connected to peer {peer_id!r}")
-        src, dst = [int(b) for b in src_blocks], [int(b) for b in dst_blocks]
+            raise ValueError(f"not connected to peer {send.peer_id!r}")
+        src, dst = [int(b) for b in send.src_blocks], [int(b) for b in send.dst_blocks]
         if len(src) != len(dst) or not src:
             raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
         if len(set(dst)) != len(dst):
@@ -128,23 +118,26 @@ class ZmqSender(SenderPeers, SendPipeline, CommandThread, KVSender):
             raise ValueError(f"source blocks outside [0, {self.pool.num_blocks})")
         if any(not 0 <= b < info["num_blocks"] for b in dst):
             raise ValueError(f"destination blocks outside [0, {info['num_blocks']})")
+        layers = send.layers
         l0, l1 = (0, self.layout.num_layers) if layers is None else (int(layers[0]), int(layers[1]))
         if not 0 <= l0 < l1 <= self.layout.num_layers:
             raise ValueError(f"layer range {(l0, l1)} outside [0, {self.layout.num_layers}]")
-        heads, dst_heads = self._head_slices(heads, dst_heads, info["layout"]["num_kv_heads"])
+        heads, dst_heads = self._head_slices(
+            send.heads, send.dst_heads, info["layout"]["num_kv_heads"]
+        )
         ready = None
         if self.pool.kv.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.pool.kv.device))
         out = Outgoing(
             next(self._send_ids),
-            transfer_id,
-            peer_id,
+            send.transfer_id,
+            send.peer_id,
             src,
             dst,
             (l0, l1),
-            timeout_s,
-            time.monotonic() + timeout_s,
+            send.timeout_s,
+            time.monotonic() + send.timeout_s,
             ready,
             heads=heads,
             dst_heads=dst_heads,

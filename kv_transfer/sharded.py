@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv.cache import KVLayout, KVPool
-from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransportFailed
+from pdserve.kv_transfer.base import KVReceiver, KVSend, KVSender, TransferResult, TransportFailed
 from pdserve.kv_transfer.head_routes import HeadRange, HeadRoute, route_heads
 from pdserve.kv_transfer.rank_endpoint import LocalRankLink, RankLink, RankLinks, RankWorker
 from pdserve.kv_transfer.rank_messages import RankCancel, RankConnect, RankExpect, RankSend
@@ -199,38 +199,28 @@ class ShardedSender(KVSender):
             self._routes[peer_id] = routes
             self._known[peer_id] = receiver_info
 
-    def send(
-        self,
-        transfer_id: str,
-        peer_id: str,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        layers: tuple[int, int] | None = None,
-        timeout_s: float = 30.0,
-        heads: tuple[int, int] | None = None,
-        dst_heads: tuple[int, int] | None = None,
-    ) -> None:
-        if heads is not None or dst_heads is not None:
+    def send(self, send: KVSend) -> None:
+        if send.heads is not None or send.dst_heads is not None:
             raise ValueError("a sharded sender routes heads itself")
         with self._lock:
-            routes = self._routes.get(peer_id)
+            routes = self._routes.get(send.peer_id)
         if routes is None:
-            raise ValueError(f"not connected to peer {peer_id!r}")
-        rng = (0, self.node_layout.num_layers) if layers is None else tuple(layers)
-        key = (transfer_id, (int(rng[0]), int(rng[1])))
+            raise ValueError(f"not connected to peer {send.peer_id!r}")
+        rng = (0, self.node_layout.num_layers) if send.layers is None else tuple(send.layers)
+        key = (send.transfer_id, (int(rng[0]), int(rng[1])))
         with self._lock:
             self._pending[key] = Pieces(len(routes), ranks={r.src_rank for r in routes})
-        src, dst = list(src_blocks), list(dst_blocks)
+        src, dst = list(send.src_blocks), list(send.dst_blocks)
         after = self.progress() if self.progress is not None else None
         for route in routes:
             order = RankSend(
                 self.name,
-                transfer_id,
-                _rank_peer(peer_id, route.dst_rank),
+                send.transfer_id,
+                _rank_peer(send.peer_id, route.dst_rank),
                 src,
                 dst,
                 key[1],
-                timeout_s,
+                send.timeout_s,
                 route.src_heads,
                 route.dst_heads,
                 after,

@@ -3,32 +3,26 @@ coordinator says where (from the loop or the handoff socket's thread), free them
 ends or the request is aborted. The node's loop asks and polls; nothing here blocks on the
 network, so the step loop never waits on a peer. Blocks are freed only by the loop's calls (hold,
 abort, poll), never by another thread: the block manager is the loop's.
+
+A handoff's states and their moves are the decode node's too (`pdserve.cluster.handoff_state`);
+its record (`Handoff`) is this side's own: what sending needs (the route, the layers handed to
+the transport, the sends not ended), where the decode side's holds what receiving needs.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVPool
-from pdserve.kv_transfer.base import KVSender
+from pdserve.kv_transfer.base import KVSend, KVSender
 
 logger = logging.getLogger(__name__)
-
-
-class HandoffState(enum.Enum):
-    # layer-wise streaming: the prompt is still prefilling in the engine (which owns its
-    # blocks); the destination may come before it ends
-    PREFILLING = "prefilling"
-    HELD = "held"  # KV computed and kept, waiting to be sent
-    SENDING = "sending"  # pages on their way
-    # Ended by an abort while the transport may still read the blocks: freed once it is done.
-    CANCELLED = "cancelled"
 
 
 @dataclass(slots=True)
@@ -44,6 +38,8 @@ class Route:
 
 @dataclass(slots=True)
 class Handoff:
+    """The sending side's handoff of one request: PREFILLING or HELD, then SENDING."""
+
     request_id: str
     blocks: list[int]  # one reference on each, owned by the handoff (none while PREFILLING)
     state: HandoffState
@@ -134,7 +130,7 @@ class PrefillHandoff:
             if handoff.state is HandoffState.PREFILLING:
                 handoff.blocks = list(blocks)
                 self.block_manager.share(handoff.blocks)  # the engine frees its own refs
-                handoff.state = HandoffState.SENDING
+                handoff.state = handoff.state.to(HandoffState.SENDING)
             layers = (handoff.next_layer, layer + 1)
             handoff.next_layer = layer + 1
             handoff.outstanding += 1
@@ -152,7 +148,7 @@ class PrefillHandoff:
             handoff.prefill_done = True
             if handoff.state is HandoffState.PREFILLING:  # nothing sent yet
                 handoff.blocks = list(blocks)
-                handoff.state = HandoffState.HELD
+                handoff.state = handoff.state.to(HandoffState.HELD)
                 if handoff.route is not None:
                     rest = self._take_rest(handoff)
             else:  # streamed: the handoff holds references of its own
@@ -209,7 +205,7 @@ class PrefillHandoff:
         layers = (handoff.next_layer, self.num_layers)
         handoff.next_layer = self.num_layers
         handoff.outstanding += 1
-        handoff.state = HandoffState.SENDING
+        handoff.state = handoff.state.to(HandoffState.SENDING)
         return layers
 
     def _start(self, handoff: Handoff, layers: tuple[int, int]) -> None:
@@ -235,12 +231,14 @@ class PrefillHandoff:
             # moved (a restarted decode node); the send waits for it on the sender's thread.
             sender.connect(route.decode_node, route.receiver_info)
             sender.send(
-                handoff.request_id,
-                route.decode_node,
-                src_blocks,
-                route.dst_blocks,
-                layers=None if whole else layers,
-                timeout_s=route.timeout_s,
+                KVSend(
+                    handoff.request_id,
+                    route.decode_node,
+                    src_blocks,
+                    route.dst_blocks,
+                    layers=None if whole else layers,
+                    timeout_s=route.timeout_s,
+                )
             )
         except Exception as exc:  # a bad peer (or transport) must not take the node down
             logger.warning(
@@ -266,7 +264,7 @@ class PrefillHandoff:
                 del self.handoffs[request_id]
                 self.block_manager.free(handoff.blocks)
             else:
-                handoff.state = HandoffState.CANCELLED
+                handoff.state = handoff.state.to(HandoffState.CANCELLED)
                 handoff.prefill_done = True
             return True
 

@@ -14,6 +14,7 @@ import zmq
 from conftest import RecordingLink
 from local_cluster import Cluster
 
+from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.node_messages import (
     Abort,
     Admit,
@@ -27,7 +28,6 @@ from pdserve.cluster.node_messages import (
     orders,
     reports,
 )
-from pdserve.decode_node.handoff import HandoffState
 from pdserve.decode_node.worker import DecodeNode
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig

@@ -18,15 +18,14 @@ from pdserve.tune.arrivals import arrival_offsets, inter_arrival_times
 from pdserve.tune.completion_stream import CompletionTimer, SSEDecoder, completion_body
 from pdserve.tune.load_generator import LoadConfig, run_load
 from pdserve.tune.serving_metrics import (
-    SLO,
     RequestResult,
     distribution,
-    goodput,
     percentile,
     summarize,
     throughput_at_latency,
 )
 from pdserve.tune.serving_workload import RequestSpec, SyntheticWorkload, load_sharegpt
+from pdserve.tune.slo import SLO, goodput
 
 
 def result(ttft: float, latency: float, output_len: int, success: bool = True) -> RequestResult:

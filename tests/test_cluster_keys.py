@@ -372,7 +372,7 @@ def test_raw_sockets_at_a_keyed_kv_port_change_no_block_and_keyed_senders_land_e
     from test_kv_malformed_input import junk_for_a_receiver
     from test_kv_transfer import CHUNK, NUM_BLOCKS, blocks_bits, layout, random_pool, wait_result
 
-    from pdserve.kv_transfer import make_receiver, make_sender
+    from pdserve.kv_transfer import KVSend, make_receiver, make_sender
     from pdserve.kv_transfer.pages import page_bytes
     from pdserve.kv_transfer.protocol import Hello, Pages, control
 
@@ -447,7 +447,9 @@ def test_raw_sockets_at_a_keyed_kv_port_change_no_block_and_keyed_senders_land_e
                 )
                 with other:
                     other.connect("decode-0", info)
-                    other.send("t-target", "decode-0", [0, 1, 3], [2, 14, 6], timeout_s=30.0)
+                    other.send(
+                        KVSend("t-target", "decode-0", [0, 1, 3], [2, 14, 6], timeout_s=30.0)
+                    )
                     result = wait_result(other, "t-target", 30.0)
                     assert not result.ok and "refused the handshake" in result.error, result
                 assert blocks_bits(receiver.pool.kv, everything) == before
@@ -455,7 +457,7 @@ def test_raw_sockets_at_a_keyed_kv_port_change_no_block_and_keyed_senders_land_e
             pool = random_pool(lay, seed=43)
             with make_sender(transport, pool, chunk_bytes=CHUNK, keys=keys) as sender:
                 sender.connect("decode-0", info)
-                sender.send("t-target", "decode-0", [5, 0, 17], [2, 14, 6])
+                sender.send(KVSend("t-target", "decode-0", [5, 0, 17], [2, 14, 6]))
                 assert wait_result(sender, "t-target", 30.0).ok
                 assert wait_result(receiver, "t-target", 30.0).ok
             assert blocks_bits(receiver.pool.kv, [2, 14, 6]) == blocks_bits(pool.kv, [5, 0, 17])
@@ -477,7 +479,7 @@ def test_keyed_tcp_transfers_between_processes_land_bit_exact(dtype: str, encryp
     blocks, exactly to the bit (NaN payloads too), and touches no other block."""
     from test_kv_transfer import CHUNK, NUM_BLOCKS, blocks_bits, layout, random_pool, wait_result
 
-    from pdserve.kv_transfer import make_sender
+    from pdserve.kv_transfer import KVSend, make_sender
     from pdserve.tune.remote_endpoint import RemoteEndpoint
 
     keys, lay = ClusterKeys.generate(), layout(dtype)
@@ -491,7 +493,7 @@ def test_keyed_tcp_transfers_between_processes_land_bit_exact(dtype: str, encryp
         with make_sender("tcp", pool, chunk_bytes=CHUNK, keys=keys) as sender:
             sender.connect("decode-0", remote.info)
             remote.expect("t-keyed", dst, timeout_s=30.0)
-            sender.send("t-keyed", "decode-0", src, dst)
+            sender.send(KVSend("t-keyed", "decode-0", src, dst))
             assert wait_result(sender, "t-keyed", 30.0).ok
             assert remote.wait("t-keyed", 30.0).ok
         assert remote.read_blocks(dst) == blocks_bits(pool.kv, src)

@@ -343,10 +343,10 @@ def _model_step_data() -> dict:
     from pdserve.bench import model_step
 
     def decode(batch: int, context: int, gbps: float, fraction: float) -> dict:
-        return asdict(model_step.DecodeResult(batch, context, 1.0, 2.0, 1.0, gbps, fraction))
+        return asdict(model_step.DecodeStep(batch, context, 1.0, 2.0, 1.0, gbps, fraction))
 
     rows = [decode(1, 4096, 2766, 0.83), decode(64, 4096, 2100, 0.63), decode(256, 512, 2711, 0.81)]
-    prefill = asdict(model_step.PrefillResult(1, 2048, 70.0, 33.0, 471.0, 0.6))
+    prefill = asdict(model_step.PrefillStep(1, 2048, 70.0, 33.0, 471.0, 0.6))
     return {
         "device": "NVIDIA H100",
         "preset": "llama3-8b",
@@ -362,8 +362,8 @@ def _kernels_data() -> dict:
     """pdserve.bench.kernels' results as it writes them."""
     from pdserve.bench import kernels
 
-    decode = kernels.DecodeResult(64, 4096, 400.0, 420.0, 9000.0, 1.07, 2684.0, 0.8)
-    prefill = kernels.PrefillResult(1, 2048, 0.4, None, 0.14, 350.0, 0.45)
+    decode = kernels.AttentionDecode(64, 4096, 400.0, 420.0, 9000.0, 1.07, 2684.0, 0.8)
+    prefill = kernels.AttentionPrefill(1, 2048, 0.4, None, 0.14, 350.0, 0.45)
     return {
         "copy_gbps": 3340.0,
         "matmul_tflops": 785.0,

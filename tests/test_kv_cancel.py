@@ -10,6 +10,7 @@ import pytest
 from test_kv_transfer import layout, random_pool, wait_result, wait_until
 
 from pdserve.kv_transfer import TransferResult, make_receiver, make_sender
+from pdserve.kv_transfer.base import KVSend
 
 NUM_BLOCKS = 8
 
@@ -29,7 +30,7 @@ def test_a_cancel_during_a_direct_write_is_reported_after_the_copy(monkeypatch):
             monkeypatch.setattr(sender, "_write", slow_write)
             sender.connect("decode-0", receiver.info())
             receiver.expect("t-1", [1, 2], timeout_s=60)
-            sender.send("t-1", "decode-0", [3, 4], [1, 2], timeout_s=60)
+            sender.send(KVSend("t-1", "decode-0", [3, 4], [1, 2], timeout_s=60))
             assert copying.wait(10), "the sender was never granted its write"
             receiver.cancel("t-1", "aborted")
             wait_until(lambda: receiver.stats()["expected"] == 0)  # the cancel is applied

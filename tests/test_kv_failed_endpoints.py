@@ -28,6 +28,7 @@ from pdserve.kv_transfer import (
     make_receiver,
     make_sender,
 )
+from pdserve.kv_transfer.base import KVSend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,16 +73,16 @@ def test_a_sender_whose_thread_fails_fails_every_pending_send_and_refuses_later_
         with make_sender(transport, random_pool(lay, seed=21), chunk_bytes=CHUNK) as sender:
             sender.connect("decode-0", receiver.info())
             # Never expected: held by the receiver (tcp) or waiting for its Go (shm), unacked.
-            sender.send("t-unacked", "decode-0", [0, 1], [5, 6])
+            sender.send(KVSend("t-unacked", "decode-0", [0, 1], [5, 6]))
             # Nobody listens there: this one waits for the handshake.
             nobody = {**receiver.info(), "address": f"ipc://{tmp_path}/nobody"}
             sender.connect("nobody", nobody)
-            sender.send("t-handshake", "nobody", [2], [7])
+            sender.send(KVSend("t-handshake", "nobody", [2], [7]))
             wait_until(lambda: receiver.stats()["units"] == 1)
             wait_until(lambda: sender.stats() == {"outstanding": 2, "peers": 1})
 
             # A send queued as the thread fails is never applied: it fails all the same.
-            queue_one = lambda: sender.send("t-queued", "decode-0", [3], [8])  # noqa: E731
+            queue_one = lambda: sender.send(KVSend("t-queued", "decode-0", [3], [8]))  # noqa: E731
             fail_thread_once(monkeypatch, sender, queue_one)
 
             results = wait_results(sender, {"t-unacked", "t-handshake", "t-queued"})
@@ -91,7 +92,7 @@ def test_a_sender_whose_thread_fails_fails_every_pending_send_and_refuses_later_
             }
             assert not any(r.ok for r in results.values())
             with pytest.raises(TransportFailed, match="injected failure"):
-                sender.send("t-later", "decode-0", [4], [9])
+                sender.send(KVSend("t-later", "decode-0", [4], [9]))
             with pytest.raises(TransportFailed, match="injected failure"):
                 sender.connect("decode-1", receiver.info())
             assert sender.poll() == []  # one result per send, no more
@@ -109,9 +110,11 @@ def test_a_receiver_whose_thread_fails_fails_every_pending_transfer_and_refuses_
         with make_sender(transport, random_pool(lay, seed=22), chunk_bytes=CHUNK) as sender:
             sender.connect("decode-0", receiver.info())
             receiver.expect("t-half", [1, 2], timeout_s=60.0)
-            sender.send("t-half", "decode-0", [3, 4], [1, 2], layers=(0, 2))
+            sender.send(KVSend("t-half", "decode-0", [3, 4], [1, 2], layers=(0, 2)))
             assert wait_result(sender, "t-half", 10.0).ok  # layers 2..3 still missing
-            sender.send("t-held", "decode-0", [5], [7], timeout_s=60.0)  # not expected: held
+            sender.send(
+                KVSend("t-held", "decode-0", [5], [7], timeout_s=60.0)
+            )  # not expected: held
             wait_until(lambda: receiver.stats()["units"] == 1)
 
             # An expect queued as the thread fails is never applied: it fails all the same.
@@ -153,13 +156,13 @@ def test_connect_returns_before_the_handshake_and_sends_fail_when_nobody_answers
         # A handshake that would outlast the test: connect() must not wait for it.
         with make_sender(transport, pool, connect_timeout_s=3600.0) as patient:
             patient.connect("decode-0", nobody)
-            patient.send("t-patient", "decode-0", [0], [1], timeout_s=0.5)
+            patient.send(KVSend("t-patient", "decode-0", [0], [1], timeout_s=0.5))
             result = wait_result(patient, "t-patient", 10.0)
             assert not result.ok and "timed out" in result.error
         # A handshake that times out fails the sends that wait for it, with its own error.
         with make_sender(transport, pool, connect_timeout_s=0.5) as sender:
             sender.connect("decode-0", nobody)
-            sender.send("t-nobody", "decode-0", [0], [1], timeout_s=3600.0)
+            sender.send(KVSend("t-nobody", "decode-0", [0], [1], timeout_s=3600.0))
             result = wait_result(sender, "t-nobody", 10.0)
             assert not result.ok
             assert "handshake" in result.error and "no answer from ipc://" in result.error
@@ -175,7 +178,7 @@ def test_connecting_again_to_the_same_receiver_keeps_the_connection_and_its_send
     with make_receiver(transport, lay, NUM_BLOCKS) as receiver:
         with make_sender(transport, pool, chunk_bytes=CHUNK) as sender:
             sender.connect("decode-0", receiver.info())
-            sender.send("t-again", "decode-0", [2, 3], [8, 9])  # held: not expected yet
+            sender.send(KVSend("t-again", "decode-0", [2, 3], [8, 9]))  # held: not expected yet
             wait_until(lambda: receiver.stats()["units"] == 1)
             sender.connect("decode-0", receiver.info())  # a reconnect would fail t-again
             receiver.expect("t-again", [8, 9])

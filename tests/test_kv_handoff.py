@@ -9,13 +9,14 @@ import time
 import pytest
 import torch
 
+from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.decode_node.handoff import DecodeHandoff
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import make_receiver
-from pdserve.prefill_node.handoff import HandoffState, PrefillHandoff
+from pdserve.prefill_node.handoff import PrefillHandoff
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 BLOCKS = 16

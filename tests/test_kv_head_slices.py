@@ -14,6 +14,7 @@ from test_kv_transfer import NUM_BLOCKS, random_pool, wait_result
 from pdserve.engine.kv.cache import KVLayout
 from pdserve.engine.tp.shard import kv_head_ranges
 from pdserve.kv_transfer import make_receiver, make_sender
+from pdserve.kv_transfer.base import KVSend
 from pdserve.kv_transfer.head_routes import route_heads
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,10 +74,10 @@ def test_two_ranks_fill_the_halves_of_one_pool_and_the_transfer_waits_for_both(t
         receiver.expect("t", dst, timeout_s=20)
         for sender in senders:
             sender.connect("d", receiver.info())
-        senders[0].send("t", "d", src, dst, heads=(0, 2), dst_heads=(0, 2), timeout_s=20)
+        senders[0].send(KVSend("t", "d", src, dst, heads=(0, 2), dst_heads=(0, 2), timeout_s=20))
         assert wait_result(senders[0], "t", 20).ok
         assert receiver.poll() == []  # heads 2 and 3 have not come
-        senders[1].send("t", "d", src, dst, dst_heads=(2, 4), timeout_s=20)
+        senders[1].send(KVSend("t", "d", src, dst, dst_heads=(2, 4), timeout_s=20))
         assert wait_result(senders[1], "t", 20).ok
         assert wait_result(receiver, "t", 20).ok
         kv = receiver.pool.kv
@@ -104,9 +105,11 @@ def test_one_rank_sends_head_slices_to_two_ranks(transport):
             receiver.expect("t", dst, timeout_s=20)
             sender.connect(f"d#{rank}", receiver.info())
         with pytest.raises(ValueError, match="4 KV heads sent into 2"):
-            sender.send("t", "d#0", src, dst)
+            sender.send(KVSend("t", "d#0", src, dst))
         for rank in range(2):
-            sender.send("t", f"d#{rank}", src, dst, heads=(2 * rank, 2 * rank + 2), timeout_s=20)
+            sender.send(
+                KVSend("t", f"d#{rank}", src, dst, heads=(2 * rank, 2 * rank + 2), timeout_s=20)
+            )
         for rank, receiver in enumerate(receivers):
             assert wait_result(receiver, "t", 20).ok
             landed = receiver.pool.kv[:, :, dst].view(torch.int16)

@@ -13,6 +13,7 @@ from test_kv_transfer import blocks_bits, random_pool, wait_result
 
 from pdserve.engine.kv.cache import KVLayout
 from pdserve.kv_transfer import make_receiver, make_sender, pages
+from pdserve.kv_transfer.base import KVSend
 from pdserve.kv_transfer.faults import ENV, KVFaults
 from pdserve.kv_transfer.integrity import (
     MAX_FUSED_RUNS,
@@ -120,7 +121,7 @@ def test_a_page_corrupted_on_landing_fails_the_transfer_and_is_counted(
             sender.connect("decode-0", receiver.info())
             untouched = blocks_bits(receiver.pool.kv, [1, 2, 3])
             receiver.expect("t-bad", [8, 9, 10])
-            sender.send("t-bad", "decode-0", [4, 5, 6], [8, 9, 10])
+            sender.send(KVSend("t-bad", "decode-0", [4, 5, 6], [8, 9, 10]))
             result = wait_result(receiver, "t-bad", 10.0)
             assert not result.ok and "KV integrity check failed" in result.error
             sent = wait_result(sender, "t-bad", 10.0)
@@ -139,7 +140,7 @@ def test_clean_transfers_pass_and_without_integrity_corruption_lands_unnoticed(
         with make_sender(transport, pool) as sender:
             sender.connect("decode-0", receiver.info())
             receiver.expect("t-ok", [8, 9])
-            sender.send("t-ok", "decode-0", [4, 5], [8, 9])
+            sender.send(KVSend("t-ok", "decode-0", [4, 5], [8, 9]))
             assert wait_result(receiver, "t-ok", 10.0).ok
             assert blocks_bits(receiver.pool.kv, [8, 9]) == blocks_bits(pool.kv, [4, 5])
     monkeypatch.setenv(ENV, "corrupt=1.0,seed=5")
@@ -148,7 +149,7 @@ def test_clean_transfers_pass_and_without_integrity_corruption_lands_unnoticed(
         with make_sender(transport, pool, integrity=False) as sender:
             sender.connect("decode-0", receiver.info())
             receiver.expect("t-blind", [8, 9])
-            sender.send("t-blind", "decode-0", [4, 5], [8, 9])
+            sender.send(KVSend("t-blind", "decode-0", [4, 5], [8, 9]))
             assert wait_result(receiver, "t-blind", 10.0).ok
             assert blocks_bits(receiver.pool.kv, [8, 9]) != blocks_bits(pool.kv, [4, 5])
             assert receiver.stats()["integrity_failures"] == 0

@@ -23,6 +23,7 @@ from pdserve.kv_transfer import (
     make_sender,
     pages,
 )
+from pdserve.kv_transfer.base import KVSend
 from pdserve.kv_transfer.protocol import Hello, control
 from pdserve.kv_transfer.rank_endpoint import LocalRankLink, RankWorker
 from pdserve.kv_transfer.receiver import ZmqReceiver
@@ -181,8 +182,8 @@ def test_latent_pages_land_exactly_in_the_announced_blocks(
     try:
         sender.connect("d", receiver.info())
         receiver.expect("t", dst, timeout_s=20)
-        sender.send("t", "d", src, dst, layers=(0, 1), timeout_s=20)
-        sender.send("t", "d", src, dst, layers=(1, 3), timeout_s=20)
+        sender.send(KVSend("t", "d", src, dst, layers=(0, 1), timeout_s=20))
+        sender.send(KVSend("t", "d", src, dst, layers=(1, 3), timeout_s=20))
         assert all(r.ok for r in wait_results(sender, 2))
         assert wait_result(receiver, "t").ok
         kv = receiver.pool.kv
@@ -221,7 +222,7 @@ def test_nodes_whose_layouts_differ_in_planes_are_refused_at_the_handshake(trans
             told = {**receiver.info(), "layout": kv_heads.to_dict()}
             sender.connect("d", told)
             receiver.expect("t", [0], timeout_s=10)
-            sender.send("t", "d", [0], [0], timeout_s=10)
+            sender.send(KVSend("t", "d", [0], [0], timeout_s=10))
             result = wait_result(sender, "t")
             assert not result.ok and "mismatch in field 'planes': 1 != 2" in result.error
     finally:
@@ -255,7 +256,7 @@ def test_two_prefill_ranks_send_one_copy_of_the_latent_to_one_decode_rank(transp
     try:
         sender.connect("d", receiver.info())
         receiver.expect("t", dst, timeout_s=20)
-        sender.send("t", "d", src, dst, timeout_s=20)
+        sender.send(KVSend("t", "d", src, dst, timeout_s=20))
         assert wait_result(sender, "t").ok
         assert wait_result(receiver, "t").ok
         assert len(arrived.sends) == 1 and arrived.sends[0]["heads"] is None  # whole pages
@@ -282,7 +283,7 @@ def test_one_prefill_rank_gives_each_of_two_decode_ranks_the_latent_once(transpo
     try:
         sender.connect("d", decode.info())
         decode.expect("t", dst, timeout_s=20)
-        sender.send("t", "d", src, dst, timeout_s=20)
+        sender.send(KVSend("t", "d", src, dst, timeout_s=20))
         assert wait_result(sender, "t").ok
         assert wait_result(decode, "t").ok
         one_copy = 3 * len(src) * pages.page_bytes(latent())

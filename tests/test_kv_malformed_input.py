@@ -22,6 +22,7 @@ from test_kv_transfer import (
 from pdserve.cluster.codec import seal
 from pdserve.engine.kv.cache import KVLayout
 from pdserve.kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
+from pdserve.kv_transfer.base import KVSend
 from pdserve.kv_transfer.pages import page_bytes
 from pdserve.kv_transfer.protocol import (
     KV_PROTOCOL_VERSION,
@@ -98,7 +99,7 @@ def transfer_lands_exact(sender: KVSender, receiver: KVReceiver, tid: str) -> No
     src, dst = [5, 0, 17], [2, 14, 6]
     sender.connect("decode-0", receiver.info())
     receiver.expect(tid, dst)
-    sender.send(tid, "decode-0", src, dst)
+    sender.send(KVSend(tid, "decode-0", src, dst))
     assert wait_result(sender, tid, 10.0).ok
     assert wait_result(receiver, tid, 10.0).ok
     assert blocks_bits(receiver.pool.kv, dst) == blocks_bits(sender.pool.kv, src)
@@ -182,7 +183,7 @@ def test_junk_frames_to_a_sender_are_dropped_and_logged_once(
             pool = random_pool(lay, seed=32)
             with make_sender(transport, pool, chunk_bytes=CHUNK) as sender:
                 sender.connect("impostor", info)
-                sender.send("t-impostor", "impostor", [0], [1], timeout_s=60.0)
+                sender.send(KVSend("t-impostor", "impostor", [0], [1], timeout_s=60.0))
                 assert impostor.poll(10_000)
                 identity, hello = impostor.recv_multipart()
                 assert isinstance(control.decode(hello), Hello)
@@ -193,7 +194,7 @@ def test_junk_frames_to_a_sender_are_dropped_and_logged_once(
                 assert not result.ok and "go away" in result.error  # read after the junk
 
                 # An oversized frame: ZeroMQ drops the connection before reading it.
-                sender.send("t-oversized", "impostor", [0], [1], timeout_s=60.0)
+                sender.send(KVSend("t-oversized", "impostor", [0], [1], timeout_s=60.0))
                 assert impostor.poll(10_000)
                 identity, _ = impostor.recv_multipart()  # the Hello of a new connection
                 impostor.send_multipart([identity, b"\x00" * (MAX_CONTROL_BYTES + 1)])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_coordinator_core import BLOCK, PROMPT, cluster
 
+from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.node_messages import (
     Abort,
     Admit,
@@ -28,15 +29,13 @@ from pdserve.cluster.node_messages import (
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.request_state import EarlyAdmission, Phase
 from pdserve.decode_node.handoff import DecodeHandoff
-from pdserve.decode_node.handoff import HandoffState as DecodeState
 from pdserve.engine.embedded.tiny import ensure_tiny_model
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import make_receiver, make_sender
-from pdserve.kv_transfer.base import KVSender, TransferResult
-from pdserve.prefill_node.handoff import HandoffState as PrefillState
+from pdserve.kv_transfer.base import KVSend, KVSender, TransferResult
 from pdserve.prefill_node.handoff import PrefillHandoff
 from pdserve.prefill_node.layer_stream import LayerStream
 
@@ -58,21 +57,12 @@ class RecordingSender(KVSender):
     def connect(self, peer_id: str, receiver_info: dict) -> None:
         pass
 
-    def send(
-        self,
-        transfer_id,
-        peer_id,
-        src_blocks,
-        dst_blocks,
-        layers=None,
-        timeout_s=30.0,
-        heads=None,
-        dst_heads=None,
-    ) -> None:  # noqa: ANN001
-        layers = layers or (0, self.pool.layout.num_layers if self.pool else LAYOUT.num_layers)
-        self.sends.append((transfer_id, tuple(layers), list(src_blocks)))
+    def send(self, send: KVSend) -> None:
+        num_layers = self.pool.layout.num_layers if self.pool else LAYOUT.num_layers
+        layers = send.layers or (0, num_layers)
+        self.sends.append((send.transfer_id, tuple(layers), list(send.src_blocks)))
         if self.pool is not None:
-            self.snapshots.append(self.pool.kv[:, :, list(src_blocks)].clone())
+            self.snapshots.append(self.pool.kv[:, :, list(send.src_blocks)].clone())
 
     def ack_all(self, ok: bool = True, error: str | None = None) -> None:
         self.results += [TransferResult(t, ok, error, layers) for t, layers, _ in self.sends]
@@ -165,7 +155,7 @@ def test_a_route_after_the_prefill_sends_every_layer_at_once():
     for layer in range(LAYOUT.num_layers):
         handoff.layer_done("r1", table, layer)
     handoff.hold("r1", table)
-    assert handoff.handoffs["r1"].state is PrefillState.HELD and sender.sends == []
+    assert handoff.handoffs["r1"].state is HandoffState.HELD and sender.sends == []
     handoff.send("r1", "d0", INFO, [7, 8, 9], 10.0)
     assert [s[1] for s in sender.sends] == [(0, LAYOUT.num_layers)]
     sender.ack_all()
@@ -311,12 +301,12 @@ def test_the_sequence_starts_only_with_every_layer_and_its_first_token(decode, t
     src = [0, 1, 2]
     if token_first:
         assert decode.handoff.start("r1", 99) is None  # KV not in yet
-    decode.sender.send("r1", "d0", src, dst, layers=(0, 1))
+    decode.sender.send(KVSend("r1", "d0", src, dst, layers=(0, 1)))
     time.sleep(0.2)
     assert decode.handoff.poll() == ([], [])  # layer 0 alone does not complete it
-    decode.sender.send("r1", "d0", src, dst, layers=(1, LAYOUT.num_layers))
+    decode.sender.send(KVSend("r1", "d0", src, dst, layers=(1, LAYOUT.num_layers)))
     arrived, _ = decode.poll_until(
-        lambda a, f: a or decode.handoff.handoffs["r1"].state is DecodeState.ARRIVED
+        lambda a, f: a or decode.handoff.handoffs["r1"].state is HandoffState.ARRIVED
     )
     if token_first:
         assert arrived == [seq]
@@ -330,7 +320,7 @@ def test_the_sequence_starts_only_with_every_layer_and_its_first_token(decode, t
 
 def test_a_sender_lost_after_some_layers_fails_the_arrival_and_frees_the_reservation(decode):
     seq, dst = decode.admit_early("r1")
-    decode.sender.send("r1", "d0", [0, 1, 2], dst, layers=(0, 2))
+    decode.sender.send(KVSend("r1", "d0", [0, 1, 2], dst, layers=(0, 2)))
     time.sleep(0.2)
     decode.sender.close()  # the prefill node dies with half the layers sent
     _, failed = decode.poll_until(lambda a, f: f)
@@ -340,8 +330,8 @@ def test_a_sender_lost_after_some_layers_fails_the_arrival_and_frees_the_reserva
 
 def test_an_arrived_sequence_cancelled_before_its_token_is_freed_at_once(decode):
     _, dst = decode.admit_early("r1")
-    decode.sender.send("r1", "d0", [0, 1, 2], dst)
-    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is DecodeState.ARRIVED)
+    decode.sender.send(KVSend("r1", "d0", [0, 1, 2], dst))
+    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is HandoffState.ARRIVED)
     assert decode.handoff.cancel("r1")
     assert decode.blocks.num_used_blocks == 0 and not decode.handoff.holds("r1")
 
@@ -357,9 +347,9 @@ def test_an_early_admission_with_reuse_expects_only_the_uncached_blocks(decode):
     dst = decode.handoff.reserve(seq, 10.0, reuse_prefix=True, first_token_pending=True)
     assert seq.block_table[:2] == table and dst == seq.block_table[2:] and len(dst) == 1
     assert seq.num_cached_tokens == 8 and decode.handoff.blocks_reused == 2
-    decode.sender.send("r1", "d0", [2], dst, layers=(0, 2))
-    decode.sender.send("r1", "d0", [2], dst, layers=(2, LAYOUT.num_layers))
-    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is DecodeState.ARRIVED)
+    decode.sender.send(KVSend("r1", "d0", [2], dst, layers=(0, 2)))
+    decode.sender.send(KVSend("r1", "d0", [2], dst, layers=(2, LAYOUT.num_layers)))
+    decode.poll_until(lambda a, f: decode.handoff.handoffs["r1"].state is HandoffState.ARRIVED)
     assert decode.handoff.blocks_received == 1
     assert decode.handoff.start("r1", 99) is seq
     assert torch.equal(decode.src.kv[:, :, 2], decode.receiver.pool.kv[:, :, dst[0]])

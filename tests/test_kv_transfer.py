@@ -21,6 +21,7 @@ from pdserve.kv_transfer import (
     make_sender,
     pages,
 )
+from pdserve.kv_transfer.base import KVSend
 from pdserve.tune.remote_endpoint import RemoteEndpoint, pool_bytes, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -102,7 +103,7 @@ def test_pages_arrive_bit_identical_and_other_blocks_stay_untouched(remote_recei
     with make_sender(transport, pool, chunk_bytes=CHUNK) as sender:
         sender.connect("decode-0", remote.info)
         remote.expect("t-bits", dst, timeout_s=10.0)
-        sender.send("t-bits", "decode-0", src, dst)
+        sender.send(KVSend("t-bits", "decode-0", src, dst))
         assert wait_result(sender, "t-bits", 10.0).ok
         assert remote.wait("t-bits", 10.0).ok
     assert remote.read_blocks(dst) == blocks_bits(pool.kv, src)
@@ -121,14 +122,14 @@ def test_layer_ranges_complete_the_transfer_only_when_all_layers_arrived(remote_
     with make_sender(transport, pool, chunk_bytes=CHUNK) as sender:
         sender.connect("decode-0", remote.info)
         remote.expect("t-layers", dst, timeout_s=10.0)
-        sender.send("t-layers", "decode-0", src, dst, layers=(0, 1))
+        sender.send(KVSend("t-layers", "decode-0", src, dst, layers=(0, 1)))
         first = wait_result(sender, "t-layers", 10.0)
         assert first.ok and first.layers == (0, 1)
         assert remote.wait("t-layers", 0.2) is None  # layers 1..3 still missing
         got = torch.frombuffer(bytearray(remote.read_blocks(dst)), dtype=torch.uint8).view(4, -1)
         want = torch.frombuffer(bytearray(blocks_bits(pool.kv, src)), dtype=torch.uint8)
         assert torch.equal(got[0], want.view(4, -1)[0]) and not got[1:].any()
-        sender.send("t-layers", "decode-0", src, dst, layers=(1, 4))
+        sender.send(KVSend("t-layers", "decode-0", src, dst, layers=(1, 4)))
         assert wait_result(sender, "t-layers", 10.0).layers == (1, 4)
         assert remote.wait("t-layers", 10.0).ok
     assert remote.read_blocks(dst) == blocks_bits(pool.kv, src)
@@ -145,7 +146,7 @@ def test_tcp_sends_runs_of_source_blocks_straight_from_the_pool(remote_receiver)
         sender._send_from_pool = lambda *a: from_pool.append(send_from_pool(*a)) or from_pool[-1]
         sender.connect("decode-0", remote.info)
         remote.expect("t-runs", dst, timeout_s=10.0)
-        sender.send("t-runs", "decode-0", src, dst)
+        sender.send(KVSend("t-runs", "decode-0", src, dst))
         assert wait_result(sender, "t-runs", 10.0).ok
         assert remote.wait("t-runs", 10.0).ok
     assert from_pool and all(from_pool)
@@ -166,9 +167,11 @@ def test_killed_sender_fails_its_transfers_on_the_receiver_within_the_timeout(
         try:
             child.connect("decode-0", receiver.info())
             receiver.expect("t-half", [1, 2], timeout_s=timeout_s)
-            child.send("t-half", "decode-0", [3, 4], [1, 2], layers=(0, 2))
+            child.send(KVSend("t-half", "decode-0", [3, 4], [1, 2], layers=(0, 2)))
             assert child.wait("t-half", 10.0).ok  # half the layers are in
-            child.send("t-early", "decode-0", [5], [7])  # not expected yet: held, not written
+            child.send(
+                KVSend("t-early", "decode-0", [5], [7])
+            )  # not expected yet: held, not written
             wait_until(lambda: receiver.stats()["units"] == 1)
             start = time.monotonic()
             child.kill()
@@ -198,7 +201,7 @@ def test_killed_receiver_fails_the_send_within_the_timeout_and_frees_its_memory(
         with make_sender(transport, pool, chunk_bytes=CHUNK) as sender:
             sender.connect("decode-0", child.info)
             # Never expected by the receiver, so never acked: it is in flight when the peer dies.
-            sender.send("t-orphan", "decode-0", [0, 1], [5, 6], timeout_s=timeout_s)
+            sender.send(KVSend("t-orphan", "decode-0", [0, 1], [5, 6], timeout_s=timeout_s))
             wait_until(lambda: sender.stats() == {"outstanding": 1, "peers": 1})
             start = time.monotonic()
             child.kill()
@@ -222,7 +225,7 @@ def test_mismatched_layout_is_refused_naming_the_field_on_both_sides(transport: 
                 sender.connect("decode-0", receiver.info())  # checked by the sender
             forged = {**receiver.info(), "layout": layout(head_dim=16).to_dict()}
             sender.connect("decode-0", forged)  # checked by the receiver, in the handshake
-            sender.send("t-forged", "decode-0", [0], [1])
+            sender.send(KVSend("t-forged", "decode-0", [0], [1]))
             result = wait_result(sender, "t-forged", 10.0)
             assert not result.ok and "refused" in result.error and "head_dim" in result.error
             assert sender.stats() == {"outstanding": 0, "peers": 0}
@@ -244,7 +247,7 @@ def test_pages_for_an_unannounced_transfer_wait_and_never_touch_the_pool(transpo
         with make_sender(transport, pool, chunk_bytes=CHUNK) as sender:
             sender.connect("decode-0", receiver.info())
             empty = blocks_bits(receiver.pool.kv, [8, 9])
-            sender.send("t-wait", "decode-0", [2, 3], [8, 9])
+            sender.send(KVSend("t-wait", "decode-0", [2, 3], [8, 9]))
             wait_until(lambda: receiver.stats()["units"] == 1)
             assert blocks_bits(receiver.pool.kv, [8, 9]) == empty
             receiver.expect("t-wait", [8, 9])
@@ -263,7 +266,7 @@ def test_late_pages_for_a_timed_out_transfer_are_refused(transport: str) -> None
             result = wait_result(receiver, "t-late", 5.0)
             assert not result.ok and "timed out" in result.error
             empty = blocks_bits(receiver.pool.kv, [4])
-            sender.send("t-late", "decode-0", [0], [4])
+            sender.send(KVSend("t-late", "decode-0", [0], [4]))
             result = wait_result(sender, "t-late", 5.0)
             assert not result.ok and "refused" in result.error
             assert blocks_bits(receiver.pool.kv, [4]) == empty

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.cluster.codec import ProtocolError
 from pdserve.engine.kv.cache import KVLayout, KVPool
-from pdserve.kv_transfer.base import TransferResult
+from pdserve.kv_transfer.base import KVSend, TransferResult
 from pdserve.kv_transfer.rank_endpoint import (
     LocalRankLink,
     RankLinks,
@@ -35,9 +35,9 @@ class RecordingSender:
         if info.get("protocol") == -1:
             raise ValueError("protocol mismatch")
 
-    def send(self, transfer_id, peer_id, src, dst, layers, timeout_s, heads=None, dst_heads=None):  # noqa: ANN001, ANN201
-        self.sends.append((transfer_id, tuple(layers), threading.get_ident()))
-        self._done.append(TransferResult(transfer_id, True, None, tuple(layers)))
+    def send(self, send: KVSend) -> None:
+        self.sends.append((send.transfer_id, tuple(send.layers), threading.get_ident()))
+        self._done.append(TransferResult(send.transfer_id, True, None, tuple(send.layers)))
 
     def poll(self) -> list[TransferResult]:
         out, self._done = self._done, []

@@ -17,11 +17,11 @@ from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.tune.command import _short_span
 from pdserve.tune.deployment import ALL_LOCAL, Deployment
 from pdserve.tune.measure import StepGrid, measure_profile
-from pdserve.tune.metrics import SLO
 from pdserve.tune.model_shape import PRESETS
 from pdserve.tune.profile import Profile
 from pdserve.tune.report import candidates_table, cluster_file, coordinator_config, outcome
 from pdserve.tune.search import Evaluation
+from pdserve.tune.slo import SLO
 from pdserve.tune.step_model import StepShape, StepTimeModel
 from pdserve.tune.transfer_model import TransferModel
 from pdserve.tune.workload import LengthDist, synthetic

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.tune.deployment import Deployment
-from pdserve.tune.metrics import SLO
 from pdserve.tune.model_shape import ModelShape
 from pdserve.tune.profile import Profile
 from pdserve.tune.search import SearchSpace, max_rate, search, throughput_bound
+from pdserve.tune.slo import SLO
 from pdserve.tune.step_model import StepTimeModel
 from pdserve.tune.transfer_model import TransferModel
 from pdserve.tune.workload import LengthDist, synthetic

@@ -11,10 +11,11 @@ import pytest
 
 from pdserve.cluster.node_messages import Admit, Admitted, Generate, Prefill
 from pdserve.tune.deployment import Deployment
-from pdserve.tune.metrics import SLO, Outcome, summarize
+from pdserve.tune.metrics import Outcome, summarize
 from pdserve.tune.model_shape import ModelShape
 from pdserve.tune.profile import Profile
 from pdserve.tune.simulator import Simulation
+from pdserve.tune.slo import SLO
 from pdserve.tune.step_model import StepTimeModel
 from pdserve.tune.transfer_model import TransferModel
 from pdserve.tune.workload import LengthDist, SimRequest, synthetic
@@ -237,39 +238,22 @@ def test_a_run_stops_once_its_slo_attainment_cannot_be_met():
     assert summarize(stopped.outcomes, slo, 50.0).attainment < 0.9
 
 
-def test_tpot_and_slo_attainment_follow_the_serving_benchmark_definitions():
-    from pdserve.tune.serving_metrics import SLO as ServingSLO
-    from pdserve.tune.serving_metrics import RequestResult
-    from pdserve.tune.serving_metrics import summarize as serving_summarize
-
+def test_a_simulated_run_is_summarized_from_its_first_arrival_to_its_last_end():
     outcomes = [
-        Outcome(True, 0.0, 10, 0.2, 1.1),
-        Outcome(True, 0.1, 1, 0.3, 0.3),
-        Outcome(True, 0.3, 40, 1.4, 2.0),
+        Outcome(True, 0.0, 10, 0.2, 0.65),  # meets the SLO
+        Outcome(True, 0.1, 1, 0.3, 0.3),  # meets it
+        Outcome(True, 0.3, 40, 1.4, 2.0),  # too late a first token; the last end, at 2.3 s
         Outcome(False, 0.4, 0),
-        Outcome(True, 0.5, 5, 0.1, 0.9),
+        Outcome(True, 0.5, 5, 0.1, 0.9),  # too slow after it
     ]
-    results = [
-        RequestResult(
-            o.success,
-            8,
-            o.output_len,
-            o.output_len,
-            send_time=o.arrival_s,
-            ttft=o.ttft_s,
-            latency=o.latency_s,
-        )
-        for o in outcomes
-    ]
-    slo = SLO(1.0, 0.1)
-    ours = summarize(outcomes, slo, 2.0)
-    theirs = serving_summarize(results, 2.3, ServingSLO(1.0, 0.1))  # first send to last end
-    assert ours.duration_s == pytest.approx(2.3)
-    assert ours.attainment == theirs["slo_attainment"]
-    assert ours.goodput == pytest.approx(theirs["goodput"])
-    for q in ("p50", "p90", "p99"):
-        assert ours.ttft_ms[q] == pytest.approx(theirs["ttft_ms"][q])
-        assert ours.tpot_ms[q] == pytest.approx(theirs["tpot_ms"][q])
+    summary = summarize(outcomes, SLO(1.0, 0.1), 2.0)
+    assert summary.duration_s == pytest.approx(2.3)
+    assert (summary.num_requests, summary.completed) == (5, 4)
+    assert summary.attainment == pytest.approx(2 / 5)
+    assert summary.goodput == pytest.approx(2 / 2.3)
+    assert summary.throughput == pytest.approx(4 / 2.3)
+    assert summary.ttft_ms["p50"] == pytest.approx(250.0)
+    assert summary.tpot_ms["p50"] == pytest.approx(50.0)
 
 
 def test_the_same_requests_at_another_rate_arrive_proportionally_sooner():

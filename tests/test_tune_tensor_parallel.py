@@ -9,7 +9,6 @@ from test_deploy import engine
 from pdserve.cli import main
 from pdserve.cluster_file import load_cluster_file, plan
 from pdserve.tune.deployment import Deployment
-from pdserve.tune.metrics import SLO
 from pdserve.tune.model_shape import DTYPE_BYTES, PRESETS, ModelShape
 from pdserve.tune.profile import GroupModel, Profile
 from pdserve.tune.report import (
@@ -26,6 +25,7 @@ from pdserve.tune.roofline import (
     roofline_step,
 )
 from pdserve.tune.search import Evaluation, SearchSpace, search, usable_tp_sizes
+from pdserve.tune.slo import SLO
 from pdserve.tune.step_model import StepShape, StepTimeModel
 from pdserve.tune.transfer_model import TransferModel
 from pdserve.tune.workload import LengthDist, synthetic

@@ -349,7 +349,7 @@ def _workload(args: argparse.Namespace):  # noqa: ANN202
 
 def run_search(args: argparse.Namespace) -> int:
     from pdserve.tune import provenance
-    from pdserve.tune.metrics import SLO, summarize
+    from pdserve.tune.metrics import summarize
     from pdserve.tune.model_shape import model_shape
     from pdserve.tune.profile import Profile
     from pdserve.tune.report import (
@@ -362,6 +362,7 @@ def run_search(args: argparse.Namespace) -> int:
     )
     from pdserve.tune.search import SearchSpace, curves, search
     from pdserve.tune.simulator import Simulation
+    from pdserve.tune.slo import SLO
 
     missing = [
         f for f in ("profile", "devices", "slo_ttft_ms", "slo_tpot_ms") if getattr(args, f) is None

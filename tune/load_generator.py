@@ -13,8 +13,9 @@ from tqdm import tqdm
 
 from pdserve.tune.arrivals import arrival_offsets
 from pdserve.tune.completion_stream import completion_body, send_completion
-from pdserve.tune.serving_metrics import SLO, RequestResult, summarize
+from pdserve.tune.serving_metrics import RequestResult, summarize
 from pdserve.tune.serving_workload import RequestSpec
+from pdserve.tune.slo import SLO
 
 
 @dataclass(slots=True)

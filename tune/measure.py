@@ -271,9 +271,9 @@ def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int 
     from pdserve.tune.deployment import Deployment
     from pdserve.tune.load_generator import LoadConfig, run_load
     from pdserve.tune.local_server import PdserveServer, PdserveSystem
-    from pdserve.tune.serving_metrics import SLO as ServingSLO
     from pdserve.tune.serving_workload import SyntheticWorkload
     from pdserve.tune.simulator import Simulation
+    from pdserve.tune.slo import SLO
     from pdserve.tune.workload import SimRequest
 
     specs = SyntheticWorkload(short_prompt_len=(16, 16), short_output_len=(32, 32)).sample(
@@ -285,7 +285,7 @@ def measure_frontend(profile: Profile, model_dir: str | None, num_requests: int 
         cfg = LoadConfig(
             s.base_url, rate=math.inf, max_concurrency=1, progress=False, extra_body={"logprobs": 0}
         )
-        run = asyncio.run(run_load(specs[2:], cfg, ServingSLO(1.0, 1.0), specs[:2]))
+        run = asyncio.run(run_load(specs[2:], cfg, SLO(1.0, 1.0), specs[:2]))
     served = [r for r in run["requests"] if r["success"]]
     lone = [
         SimRequest(i * 0.5, s.prompt_len, s.output_len, tuple(s.prompt))

@@ -1,24 +1,14 @@
-"""What a simulated run measured, with a real load's definitions (`tune/serving_metrics.py`, kept
-equal by a test): per request TTFT, TPOT = (latency - TTFT) / (outputs - 1), success; per run
-the SLO attainment (the fraction of all requests, failures counting as misses, within both the TTFT
-and the TPOT target), goodput (those requests per second of the run, first arrival to last end),
-and latency percentiles (linear interpolation)."""
+"""What a simulated run measured, by the measured load's definitions (`tune/slo.py`,
+`tune/serving_metrics.py`): per request TTFT, TPOT and success; per run the SLO attainment,
+goodput (over the run, first arrival to last end) and latency percentiles."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-PERCENTILES = (50, 90, 99)
-
-
-@dataclass(frozen=True, slots=True)
-class SLO:
-    ttft_s: float
-    tpot_s: float
-    attainment: float = 0.9  # the fraction of requests that must meet both, for goodput
+from pdserve.tune.serving_metrics import percentiles
+from pdserve.tune.slo import SLO, attainment, goodput, time_per_output_token
 
 
 @dataclass(slots=True)
@@ -31,21 +21,10 @@ class Outcome:
 
     @property
     def tpot_s(self) -> float:
-        """Mean time per output token after the first; 0 for one-token outputs."""
-        if self.output_len <= 1:
-            return 0.0
-        return (self.latency_s - self.ttft_s) / (self.output_len - 1)
+        return time_per_output_token(self.ttft_s, self.latency_s, self.output_len)
 
     def meets(self, slo: SLO) -> bool:
-        return self.success and self.ttft_s <= slo.ttft_s and self.tpot_s <= slo.tpot_s
-
-
-def percentiles(values: Sequence[float], scale: float = 1e3) -> dict[str, float]:
-    """p50, p90, p99 (milliseconds for seconds by default); NaN for no values."""
-    if len(values) == 0:
-        return {f"p{q}": float("nan") for q in PERCENTILES}
-    arr = np.asarray(values, dtype=float) * scale
-    return {f"p{q}": float(np.percentile(arr, q)) for q in PERCENTILES}
+        return slo.met(self.success, self.ttft_s, self.tpot_s)
 
 
 @dataclass(slots=True)
@@ -71,15 +50,14 @@ def summarize(outcomes: Sequence[Outcome], slo: SLO, rate: float) -> Summary:
     start = min((o.arrival_s for o in outcomes), default=0.0)
     end = max((o.arrival_s + o.latency_s for o in outcomes), default=0.0)
     duration = end - start
-    met = sum(o.meets(slo) for o in outcomes)
     return Summary(
         rate=rate,
         num_requests=len(outcomes),
         completed=len(ok),
         duration_s=duration,
-        attainment=met / len(outcomes) if outcomes else 0.0,
-        goodput=met / duration if duration > 0 else 0.0,
+        attainment=attainment(outcomes, slo),
+        goodput=goodput(outcomes, slo, duration),
         throughput=len(ok) / duration if duration > 0 else 0.0,
-        ttft_ms=percentiles([o.ttft_s for o in ok]),
-        tpot_ms=percentiles([o.tpot_s for o in ok if o.output_len > 1]),
+        ttft_ms=percentiles([o.ttft_s for o in ok], 1e3),
+        tpot_ms=percentiles([o.tpot_s for o in ok if o.output_len > 1], 1e3),
     )

@@ -9,9 +9,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.tune.deployment import Deployment
-from pdserve.tune.metrics import SLO, Summary
+from pdserve.tune.metrics import Summary
 from pdserve.tune.profile import Profile
 from pdserve.tune.search import Evaluation, SearchResult
+from pdserve.tune.slo import SLO
 
 
 def _ms(summary: dict | None, key: str) -> str:

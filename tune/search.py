@@ -31,9 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.tune.deployment import Deployment
-from pdserve.tune.metrics import SLO, Summary, summarize
+from pdserve.tune.metrics import Summary, summarize
 from pdserve.tune.profile import Profile
 from pdserve.tune.simulator import Simulation
+from pdserve.tune.slo import SLO
 from pdserve.tune.step_model import StepShape
 from pdserve.tune.workload import Workload
 

@@ -1,12 +1,15 @@
 """What one request measured (TTFT, inter-token latencies, end-to-end latency) and what a run
-of them sums to: mean and percentiles, request and token throughput, SLO attainment, goodput."""
+of them sums to: mean and percentiles, request and token throughput, SLO attainment and goodput
+(as `tune/slo.py` defines them, for the simulator too)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from pdserve.tune.slo import SLO, attainment, goodput, time_per_output_token
 
 PERCENTILES = (50, 90, 99)
 
@@ -26,22 +29,13 @@ class RequestResult:
 
     @property
     def tpot(self) -> float:
-        """Mean time per output token after the first; 0 for one-token outputs."""
-        if self.output_len <= 1:
-            return 0.0
-        return (self.latency - self.ttft) / (self.output_len - 1)
+        return time_per_output_token(self.ttft, self.latency, self.output_len)
 
     def meets(self, slo: SLO) -> bool:
-        return self.success and self.ttft <= slo.ttft_s and self.tpot <= slo.tpot_s
+        return slo.met(self.success, self.ttft, self.tpot)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tpot": self.tpot}
-
-
-@dataclass(slots=True, frozen=True)
-class SLO:
-    ttft_s: float
-    tpot_s: float
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -52,20 +46,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
+def percentiles(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """p50, p90, p99 of values times scale (1e3 for seconds to milliseconds); NaN for no values."""
+    arr = np.asarray(values, dtype=float) * scale
+    return {f"p{q}": percentile(arr, q) for q in PERCENTILES}
+
+
 def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
     """mean, p50, p90, p99 of values times scale (1e3 for seconds to milliseconds)."""
     arr = np.asarray(values, dtype=float) * scale
-    out = {"mean": float(arr.mean()) if len(arr) else float("nan")}
-    for q in PERCENTILES:
-        out[f"p{q}"] = percentile(arr, q)
-    return out
-
-
-def goodput(results: Iterable[RequestResult], slo: SLO, duration_s: float) -> float:
-    """Requests per second that succeeded within both the TTFT and the TPOT objective."""
-    if duration_s <= 0:
-        return 0.0
-    return sum(r.meets(slo) for r in results) / duration_s
+    return {"mean": float(arr.mean()) if len(arr) else float("nan"), **percentiles(arr)}
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> dict:
@@ -90,7 +80,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> 
         "itl_ms": distribution([gap for r in ok for gap in r.itl], 1e3),
         "e2el_ms": distribution([r.latency for r in ok], 1e3),
         "slo": {"ttft_ms": slo.ttft_s * 1e3, "tpot_ms": slo.tpot_s * 1e3},
-        "slo_attainment": (sum(r.meets(slo) for r in results) / len(results)) if results else 0.0,
+        "slo_attainment": attainment(results, slo),
         "goodput": goodput(results, slo, duration_s),
         "by_kind": {
             kind: latencies([r for r in ok if r.kind == kind])

@@ -12,7 +12,7 @@ import msgspec
 
 from pdserve.cluster.node_link import NodeLink
 from pdserve.cluster.node_messages import Heartbeat, Message, Register
-from pdserve.kv_transfer.base import KVReceiver, KVSender, TransferResult
+from pdserve.kv_transfer.base import KVReceiver, KVSend, KVSender, TransferResult
 from pdserve.tune.transfer_model import TransferModel
 
 
@@ -154,20 +154,12 @@ class SimSender(KVSender):
         if peer_id not in self.kv.receivers:
             raise ValueError(f"no simulated receiver {peer_id!r}")
 
-    def send(
-        self,
-        transfer_id: str,
-        peer_id: str,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        layers: tuple[int, int] | None = None,
-        timeout_s: float = 30.0,
-    ) -> None:
+    def send(self, send: KVSend) -> None:
         sim, model = self.kv.sim, self.kv.model
         start = max(sim.now, self.link_free_at)
-        self.link_free_at = start + model.wire_time(len(src_blocks) * self.kv.bytes_per_block)
+        self.link_free_at = start + model.wire_time(len(send.src_blocks) * self.kv.bytes_per_block)
         self.in_flight += 1
-        sim.at(self.link_free_at + model.latency_s, self._land, transfer_id, peer_id)
+        sim.at(self.link_free_at + model.latency_s, self._land, send.transfer_id, send.peer_id)
 
     def _land(self, transfer_id: str, peer_id: str) -> None:
         ok = self.kv.receivers[peer_id].land(transfer_id)

@@ -41,9 +41,10 @@ from pdserve.engine.llm_engine import Engine
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.prefill_node.worker import PrefillNode
 from pdserve.tune.deployment import Deployment
-from pdserve.tune.metrics import SLO, Outcome
+from pdserve.tune.metrics import Outcome
 from pdserve.tune.profile import Profile
 from pdserve.tune.sim_links import SimKV, SimLink
+from pdserve.tune.slo import SLO
 from pdserve.tune.step_model import StepShape, StepTimeModel
 from pdserve.tune.workload import SimRequest
 

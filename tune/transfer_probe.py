@@ -11,6 +11,7 @@ import torch
 from pdserve.cluster.keys import ClusterKeys
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import make_sender
+from pdserve.kv_transfer.base import KVSend
 from pdserve.tune.remote_endpoint import RemoteEndpoint, wait_for
 
 # How the receiver admits senders -> (keyed, pages encrypted)
@@ -52,7 +53,7 @@ class TransferProbe:
         tid = f"probe-{self.count}"
         self.remote.expect(tid, dst, timeout_s=120.0)  # (a pipe round trip, not timed)
         t0 = time.perf_counter()
-        self.sender.send(tid, "decode", src, dst, timeout_s=120.0)
+        self.sender.send(KVSend(tid, "decode", src, dst, timeout_s=120.0))
         result = wait_for(self.sender, {}, tid, 120.0)
         elapsed = time.perf_counter() - t0
         assert result is not None and result.ok, result

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 from pdserve.bench.serving.cpu_use import CPUUse
 from pdserve.tune.load_generator import LoadConfig, format_summary, run_load
-from pdserve.tune.serving_metrics import SLO
 from pdserve.tune.serving_workload import RequestSpec
+from pdserve.tune.slo import SLO
 
 
 async def run_sweep(

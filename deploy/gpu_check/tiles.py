@@ -216,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         record.finish("no CUDA device", status="skipped")
         return 0
-    from pdserve.bench.kernels import copy_bandwidth_gbps, matmul_tflops
+    from pdserve.bench.kernels import measure_limits
 
     plan = LONG if args.long else QUICK
-    copy, matmul = copy_bandwidth_gbps(), matmul_tflops()
+    limits = measure_limits()
+    copy, matmul = limits.copy_gbps, limits.matmul_tflops
     record.data.update(copy_gbps=copy, matmul_tflops=matmul, grid=plan)
     record.save()
     for kind, n, length in plan["cases"]:
