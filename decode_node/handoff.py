@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.groups import KVGroups
+from pdserve.engine.kv.kv_manager import KVCacheManager, handoff_blocks
 from pdserve.engine.kv.tiers import KVTiers
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer.base import KVReceiver, TransferResult, TransportFailed
@@ -29,9 +31,10 @@ class Handoff:
     """The receiving side's handoff of one request: EXPECTING, maybe ARRIVED (early admission)."""
 
     request_id: str
-    blocks: list[int]  # one reference on each, owned by the handoff
     state: HandoffState
-    seq: Sequence  # the sequence that runs once its KV is in
+    # The sequence that runs once its KV is in; its block tables (a table per KV group) hold
+    # one reference on each block, owned by the handoff until then.
+    seq: Sequence
     # Leading blocks of `blocks` found in the prefix cache or the KV tiers below it, not sent.
     num_reused: int = 0
     first_token_pending: bool = False  # early admission: the first token has not come yet
@@ -51,13 +54,15 @@ class DecodeHandoff:
         block_manager: BlockManager,
         on_end: Callable[[TransferResult], None] | None = None,
         tiers: KVTiers | None = None,
+        kv: KVCacheManager | None = None,
     ) -> None:
         """on_end: called with the receiver's result of each expected transfer that ended,
         landed or failed (the node's traces). tiers: the KV tiers under the pool, where a
         reused prefix is looked up past the pool's own (their loads end in the engine's
-        step)."""
+        step). kv: the engine's KV manager, which knows the model's KV groups (default: one)."""
         self.receiver = receiver
         self.block_manager = block_manager
+        self.kv = kv or KVCacheManager(block_manager, KVGroups.uniform(1))
         self.tiers = tiers
         self.on_end = on_end
         self.handoffs: dict[str, Handoff] = {}
@@ -101,38 +106,45 @@ class DecodeHandoff:
         token's slot is allocated by its first decode step, as for any sequence)."""
         if self.receiver.failed is not None:
             raise TransportFailed(self.receiver.failed)
-        bm = self.block_manager
+        bm, kv = self.block_manager, self.kv
         computed = seq.num_computed_tokens
         # The token after the computed ones stays uncovered (with early admission, the prompt's
         # last), so only full blocks of computed tokens can match; a partial last block is
         # always sent.
         matched = seq.token_ids[: computed + 1]
-        blocks = bm.allocate_prefix(matched) if reuse_prefix else []
-        num_cached = len(blocks)
+        kv.free(seq)
+        if reuse_prefix:
+            probe = Sequence(seq.request_id, matched, seq.params)
+            kv.allocate_prefix(probe)
+            seq.block_tables = probe.block_tables
+        num_cached = len(seq.block_table)
+        blocks = seq.block_table  # group 0's (the tiers hold a model of one group only)
         hits = self.tiers.find(matched, blocks) if reuse_prefix and self.tiers else []
         num_reused = num_cached + len(hits)
-        if not bm.allocate_slots(blocks, computed, num_cached * bm.block_size):
+        if hits and not bm.allocate_slots(blocks, computed, num_cached * bm.block_size):
+            self.tiers.release(hits)
+            kv.free(seq)
+            return None
+        if not kv.allocate_arriving(seq, computed, len(seq.block_table) * bm.block_size):
             if hits:
                 self.tiers.release(hits)
-            bm.free(blocks)
+            kv.free(seq)
             return None
-        dst = blocks[num_reused:]
+        dst = handoff_blocks(seq.block_tables, num_reused)
         if dst:
             try:
                 self.receiver.expect(seq.request_id, list(dst), timeout_s=timeout_s)
             except Exception:
                 if hits:
                     self.tiers.release(hits)
-                bm.free(blocks)
+                kv.free(seq)
                 raise
         else:
             self._complete.append(seq.request_id)
-        seq.block_table = blocks
         seq.num_cached_tokens = num_reused * bm.block_size
         self.blocks_reused += num_reused
         handoff = Handoff(
             seq.request_id,
-            blocks,
             HandoffState.EXPECTING,
             seq,
             num_reused=num_reused,
@@ -217,7 +229,9 @@ class DecodeHandoff:
                 if self.on_end is not None:
                     self.on_end(result)
                 if result.ok:
-                    self.blocks_received += len(handoff.blocks) - handoff.num_reused
+                    self.blocks_received += len(
+                        handoff_blocks(handoff.seq.block_tables, handoff.num_reused)
+                    )
                 else:
                     logger.warning("[%s] KV arrival failed: %s", result.transfer_id, result.error)
                     failed.append(TransferDone(result.transfer_id, False, result.error))
@@ -232,7 +246,7 @@ class DecodeHandoff:
             return
         if handoff.state is HandoffState.CANCELLED:
             del self.handoffs[handoff.request_id]
-            self.block_manager.free(handoff.blocks)
+            self.kv.free(handoff.seq)
         elif handoff.state is HandoffState.EXPECTING:
             del self.handoffs[handoff.request_id]
             self._land(handoff, arrived)
@@ -243,9 +257,7 @@ class DecodeHandoff:
         seq = handoff.seq
         if handoff.computed_below is not None:  # from there on, computed here
             seq.num_computed_tokens = seq.num_cached_tokens = handoff.computed_below
-        self.block_manager.cache_full_blocks(
-            seq.block_table, seq.token_ids, seq.num_computed_tokens
-        )
+        self.kv.cache_full_blocks(seq)
         if handoff.first_token_pending:  # runs when its first token comes
             handoff.state = handoff.state.to(HandoffState.ARRIVED)
             self.handoffs[handoff.request_id] = handoff

@@ -63,7 +63,7 @@ class DecodeNode(NodeLoop):
         self._block_bytes = engine.layout.bytes_per_block if traced else 0
         on_end = self._kv_ended if traced else None
         self.handoff = (
-            DecodeHandoff(receiver, engine.block_manager, on_end, engine.tiers)
+            DecodeHandoff(receiver, engine.block_manager, on_end, engine.tiers, engine.scheduler.kv)
             if receiver
             else None
         )
@@ -118,7 +118,8 @@ class DecodeNode(NodeLoop):
                     seq, msg.transfer_timeout_s, msg.reuse_prefix, msg.first_token_pending
                 )
                 if blocks is not None:
-                    num_reused = len(seq.block_table) - len(blocks)
+                    # Leading blocks of every group held here already: the sender skips them.
+                    num_reused = seq.num_cached_tokens // self.engine.config.block_size
             except (RequestRejected, ValueError, TypeError, TransportFailed) as exc:
                 logger.warning("[%s] admission refused: %s", msg.request_id, exc)
         if tracing.enabled():

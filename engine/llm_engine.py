@@ -63,9 +63,10 @@ class RequestOutput:
     logprobs: list[dict] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    # A prefill-only request's KV, left in these blocks: the engine no longer tracks them, and
-    # the caller frees them (block_manager.free) once the handoff is over.
-    held_blocks: list[int] | None = None
+    # A prefill-only request's KV, left in these blocks (a table per KV group, -1 where no
+    # later query reads): the engine no longer tracks them, and the caller frees them
+    # (block_manager.free of `kv_manager.live_blocks`) once the handoff is over.
+    held_tables: list[list[int]] | None = None
     # Why the request ended without output (its constraint could not be compiled): the node
     # reports it as the request's error.
     error: str | None = None
@@ -381,7 +382,7 @@ class Engine:
                     [lp] if lp is not None else [],
                     seq.num_prompt_tokens,
                     seq.num_cached_tokens,
-                    seq.block_table if prefilled else None,
+                    [list(t) for t in seq.block_tables] if prefilled else None,
                 )
             )
             if seq.is_finished or prefilled:

@@ -51,10 +51,10 @@ class PageLanding:
 
     def check_chunk(self, msg: Pages) -> None:
         """A chunk's header must describe pages of this pool: its payload is sized from it."""
-        if msg.layers[1] > self.layout.num_layers or msg.hi > self.pool.num_blocks:
+        if msg.layers[1] > self.layout.num_slots or msg.hi > self.pool.num_blocks:
             raise ProtocolError(
                 f"pages chunk of layers {list(msg.layers)} x blocks [{msg.lo}, {msg.hi}) is "
-                f"outside a pool of {self.layout.num_layers} layers x {self.pool.num_blocks}"
+                f"outside a pool of {self.layout.num_slots} layers x {self.pool.num_blocks}"
             )
         if msg.heads is not None and msg.heads[1] > self.layout.num_kv_heads:
             raise ProtocolError(

@@ -99,9 +99,10 @@ def source_runs(ids: list[int]) -> list[tuple[int, int]]:
 
 
 def pool_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
-    """[num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], as in KVPool."""
+    """[slots, planes, num_blocks, block_size, num_kv_heads, head_dim], as in KVPool (a slot per
+    layer, or per layer of the largest KV group: what transfers call layers)."""
     return (
-        layout.num_layers,
+        layout.num_slots,
         layout.planes,
         num_blocks,
         layout.block_size,
@@ -112,7 +113,7 @@ def pool_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
 
 def page_bytes(layout: KVLayout) -> int:
     """Bytes of one block of one layer, all its planes (K and V, or the latent)."""
-    return layout.bytes_per_block // layout.num_layers
+    return layout.bytes_per_block // layout.num_slots
 
 
 def plane_bytes(layout: KVLayout) -> int:

@@ -81,7 +81,7 @@ class ZmqReceiver(ReceiverHandlers, CommandThread, KVReceiver):
         self.layout: KVLayout = pool.layout
         self._probe_interval_s = probe_interval_s
         self._max_held_bytes = max_held_bytes
-        self._arrivals = Arrivals(self.layout.num_layers, pool.num_blocks, self.layout.num_kv_heads)
+        self._arrivals = Arrivals(self.layout.num_slots, pool.num_blocks, self.layout.num_kv_heads)
         self._ctx = zmq.Context(io_threads=1)
         self._security = Security(keys, encrypt)
         self._router, self.address = bind_router(

@@ -119,9 +119,9 @@ class ZmqSender(SenderPeers, SendPipeline, CommandThread, KVSender):
         if any(not 0 <= b < info["num_blocks"] for b in dst):
             raise ValueError(f"destination blocks outside [0, {info['num_blocks']})")
         layers = send.layers
-        l0, l1 = (0, self.layout.num_layers) if layers is None else (int(layers[0]), int(layers[1]))
-        if not 0 <= l0 < l1 <= self.layout.num_layers:
-            raise ValueError(f"layer range {(l0, l1)} outside [0, {self.layout.num_layers}]")
+        l0, l1 = (0, self.layout.num_slots) if layers is None else (int(layers[0]), int(layers[1]))
+        if not 0 <= l0 < l1 <= self.layout.num_slots:
+            raise ValueError(f"layer range {(l0, l1)} outside [0, {self.layout.num_slots}]")
         heads, dst_heads = self._head_slices(
             send.heads, send.dst_heads, info["layout"]["num_kv_heads"]
         )

@@ -206,7 +206,7 @@ class ShardedSender(KVSender):
             routes = self._routes.get(send.peer_id)
         if routes is None:
             raise ValueError(f"not connected to peer {send.peer_id!r}")
-        rng = (0, self.node_layout.num_layers) if send.layers is None else tuple(send.layers)
+        rng = (0, self.node_layout.num_slots) if send.layers is None else tuple(send.layers)
         key = (send.transfer_id, (int(rng[0]), int(rng[1])))
         with self._lock:
             self._pending[key] = Pieces(len(routes), ranks={r.src_rank for r in routes})
@@ -231,7 +231,7 @@ class ShardedSender(KVSender):
         results = self.links.results(self.name)
         with self._lock:
             for rank, result in results:
-                key = (result.transfer_id, tuple(result.layers or (0, self.node_layout.num_layers)))
+                key = (result.transfer_id, tuple(result.layers or (0, self.node_layout.num_slots)))
                 error = None
                 if not result.ok:
                     error = result.error if rank == 0 else f"rank {rank}: {result.error}"

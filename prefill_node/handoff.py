@@ -20,6 +20,7 @@ from pdserve.cluster.handoff_state import HandoffState
 from pdserve.cluster.node_messages import TransferDone
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVPool
+from pdserve.engine.kv.kv_manager import handoff_blocks, live_blocks
 from pdserve.kv_transfer.base import KVSend, KVSender
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,12 @@ class Handoff:
     """The sending side's handoff of one request: PREFILLING or HELD, then SENDING."""
 
     request_id: str
-    blocks: list[int]  # one reference on each, owned by the handoff (none while PREFILLING)
+    # The sequence's block tables, a table per KV group, FREED (-1) where the decode side reads
+    # nothing: one reference on each block, owned by the handoff (none while PREFILLING).
+    tables: list[list[int]]
     state: HandoffState
-    # The destination, the layers [0, next_layer) handed to the transport, the sends not yet
+    # The destination, the pool's slots [0, next_layer) handed to the transport (a slot per
+    # layer, or per layer of the largest KV group), the sends not yet
     # ended, the first error, and whether the engine is done with the sequence.
     route: Route | None = None
     next_layer: int = 0
@@ -62,7 +66,8 @@ class PrefillHandoff:
     already) to the transport, so the transfer overlaps the remaining layers. The handoff then
     takes its own reference on the blocks, since the engine frees its own when the sequence
     leaves it (`hold`, or a first token that ends the request); the handoff ends once every
-    layer's send has ended."""
+    layer's send has ended. Transfers move the pool's slots: for a model whose layers form
+    several KV groups, a slot is sent once every group's layer in it is done (`slots_done`)."""
 
     def __init__(
         self,
@@ -71,13 +76,19 @@ class PrefillHandoff:
         transport: str,
         make_sender: Callable[[str, KVPool], KVSender] | None = None,
         num_layers: int | None = None,
+        slots_done: Callable[[int], int] | None = None,
     ) -> None:
+        """num_layers: the pool's slots, what transfers move (default: the pool's);
+        slots_done(layer): the leading slots complete once that layer is (default: layer + 1)."""
         if make_sender is None:
             from pdserve.kv_transfer import make_sender
         self.block_manager = block_manager
         self.pool = pool
         self.transport = transport  # used when a receiver does not say which it speaks
-        self.num_layers = num_layers or (pool.layout.num_layers if pool is not None else 1)
+        self.num_layers = num_layers or (pool.layout.num_slots if pool is not None else 1)
+        if slots_done is None and pool is not None and pool.layout.layer_kinds:
+            slots_done = pool.layout.groups.slots_done_after
+        self.slots_done = slots_done or (lambda layer: layer + 1)
         self._make_sender = make_sender
         self.handoffs: dict[str, Handoff] = {}
         # One sender per transport, made on first use: each decode node's receiver says which
@@ -102,7 +113,7 @@ class PrefillHandoff:
         with self._lock:
             self.handoffs[request_id] = Handoff(
                 request_id,
-                [],
+                [[]],
                 HandoffState.PREFILLING,
                 prefill_done=False,
                 route=self._ahead.pop(request_id, None),
@@ -113,10 +124,12 @@ class PrefillHandoff:
         handoff = self.handoffs.get(request_id)
         return handoff is not None and not handoff.prefill_done
 
-    def layer_done(self, request_id: str, blocks: list[int], layer: int) -> None:
+    def layer_done(self, request_id: str, tables: list[list[int]], layer: int) -> None:
         """Loop, during the forward of a streaming sequence's last chunk: layers up to `layer`
-        are in `blocks` (the sequence's whole table). Sends the layers not sent yet, if the
-        destination is known; otherwise they go with the rest once it is."""
+        are in `tables` (the blocks the decode side will read, a table per KV group). Sends the
+        slots not sent yet, if the destination is known; otherwise they go with the rest once
+        it is."""
+        done = self.slots_done(layer)
         with self._lock:
             handoff = self.handoffs.get(request_id)
             if (
@@ -124,35 +137,37 @@ class PrefillHandoff:
                 or handoff.route is None
                 or handoff.error is not None
                 or handoff.state not in (HandoffState.PREFILLING, HandoffState.SENDING)
-                or layer + 1 <= handoff.next_layer
+                or done <= handoff.next_layer
             ):
                 return
             if handoff.state is HandoffState.PREFILLING:
-                handoff.blocks = list(blocks)
-                self.block_manager.share(handoff.blocks)  # the engine frees its own refs
+                handoff.tables = [list(t) for t in tables]
+                # the engine frees its own references
+                self.block_manager.share(live_blocks(handoff.tables))
                 handoff.state = handoff.state.to(HandoffState.SENDING)
-            layers = (handoff.next_layer, layer + 1)
-            handoff.next_layer = layer + 1
+            layers = (handoff.next_layer, done)
+            handoff.next_layer = done
             handoff.outstanding += 1
         self._start(handoff, layers)
 
-    def hold(self, request_id: str, blocks: list[int]) -> None:
-        """Loop: keep a prefilled sequence's blocks until its KV is sent (the engine's
-        references pass to the handoff)."""
+    def hold(self, request_id: str, tables: list[list[int]]) -> None:
+        """Loop: keep a prefilled sequence's blocks (a table per KV group) until its KV is sent
+        (the engine's references pass to the handoff)."""
         rest = None
+        tables = [list(t) for t in tables]
         with self._lock:
             handoff = self.handoffs.get(request_id)
             if handoff is None:
-                self.handoffs[request_id] = Handoff(request_id, list(blocks), HandoffState.HELD)
+                self.handoffs[request_id] = Handoff(request_id, tables, HandoffState.HELD)
                 return
             handoff.prefill_done = True
             if handoff.state is HandoffState.PREFILLING:  # nothing sent yet
-                handoff.blocks = list(blocks)
+                handoff.tables = tables
                 handoff.state = handoff.state.to(HandoffState.HELD)
                 if handoff.route is not None:
                     rest = self._take_rest(handoff)
             else:  # streamed: the handoff holds references of its own
-                self.block_manager.free(list(blocks))
+                self.block_manager.free(live_blocks(tables))
                 if handoff.state is HandoffState.SENDING and handoff.error is None:
                     rest = self._take_rest(handoff)
         if rest is not None:
@@ -214,13 +229,14 @@ class PrefillHandoff:
         route = handoff.route
         transport = route.receiver_info.get("transport", self.transport)
         whole = layers == (0, self.num_layers)
-        src_blocks = handoff.blocks[route.skip_blocks :]
+        src_blocks = handoff_blocks(handoff.tables, max(route.skip_blocks, 0))
         if route.skip_blocks < 0 or len(src_blocks) != len(route.dst_blocks) or not src_blocks:
             with self._lock:
                 handoff.outstanding -= 1
                 if src_blocks or route.skip_blocks < 0:
+                    held = len(live_blocks(handoff.tables))
                     handoff.error = handoff.error or (
-                        f"send failed: {len(handoff.blocks)} blocks held, {route.skip_blocks} "
+                        f"send failed: {held} blocks held, {route.skip_blocks} "
                         f"skipped, {len(route.dst_blocks)} destination blocks"
                     )
             return
@@ -262,7 +278,7 @@ class PrefillHandoff:
                 return False
             if handoff.state is HandoffState.HELD:
                 del self.handoffs[request_id]
-                self.block_manager.free(handoff.blocks)
+                self.block_manager.free(live_blocks(handoff.tables))
             else:
                 handoff.state = handoff.state.to(HandoffState.CANCELLED)
                 handoff.prefill_done = True
@@ -291,7 +307,7 @@ class PrefillHandoff:
                 if not self._ended(handoff):
                     continue
                 del self.handoffs[handoff.request_id]
-                self.block_manager.free(handoff.blocks)
+                self.block_manager.free(live_blocks(handoff.tables))
                 ok = handoff.error is None and handoff.state is HandoffState.SENDING
                 error = handoff.error or (None if ok else "aborted")
                 ends.append(TransferDone(handoff.request_id, ok, error))

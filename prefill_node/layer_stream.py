@@ -11,24 +11,28 @@ recorded there before it reads the pages.
 
 from __future__ import annotations
 
+from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.prefill_node.handoff import PrefillHandoff
 
 
 class LayerStream:
-    def __init__(self, handoff: PrefillHandoff) -> None:
+    def __init__(self, handoff: PrefillHandoff, kv: KVCacheManager) -> None:
         self.handoff = handoff
-        self.active: list[tuple[str, list[int]]] = []  # (request id, block table) this step
+        self.kv = kv
+        # (request id, the block tables its handoff moves) of this step's streaming sequences
+        self.active: list[tuple[str, list[list[int]]]] = []
 
     def begin(self, out: SchedulerOutput) -> None:
-        """The step about to run: the sequences whose last chunk it computes, if they stream."""
+        """The step about to run: the sequences whose last chunk it computes, if they stream,
+        with the blocks the decode side will read once that chunk is in."""
         self.active = [
-            (item.seq.request_id, list(item.seq.block_table))
+            (item.seq.request_id, self.kv.readable_tables(item.seq, item.seq.num_tokens))
             for item in out.scheduled
             if self.handoff.streams(item.seq.request_id)
             and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
         ]
 
     def layer_done(self, layer: int) -> None:
-        for request_id, blocks in self.active:
-            self.handoff.layer_done(request_id, blocks, layer)
+        for request_id, tables in self.active:
+            self.handoff.layer_done(request_id, tables, layer)

@@ -34,6 +34,7 @@ from pdserve.cluster.node_options import NodeOptions
 from pdserve.cluster.node_reports import engine_heartbeat, engine_registration, wire_logprobs
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.cache import KVPool
+from pdserve.engine.kv.kv_manager import live_blocks
 from pdserve.engine.llm_engine import Engine, LLMEngine, RequestOutput, RequestRejected
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tp.model_shard import ModelShard
@@ -58,7 +59,12 @@ class PrefillNode(NodeLoop):
         super().__init__(engine, link)
         self.transport = transport
         self.handoff = PrefillHandoff(
-            engine.block_manager, engine.pool, transport, make_sender, engine.layout.num_layers
+            engine.block_manager,
+            engine.pool,
+            transport,
+            make_sender,
+            engine.layout.num_slots,
+            engine.layout.groups.slots_done_after,
         )
         self.handoff_socket: HandoffSocket | None = None
         self.layer_stream: LayerStream | None = None
@@ -99,7 +105,7 @@ class PrefillNode(NodeLoop):
         """Send streaming prefills' pages layer by layer during their last chunk's forward
         (rank 0's shard: under tensor parallelism each rank sends its heads of a layer once its
         own forward has it); without this they leave in one send after the step."""
-        self.layer_stream = LayerStream(self.handoff)
+        self.layer_stream = LayerStream(self.handoff, self.engine.scheduler.kv)
         self.engine.on_schedule = self._scheduled
         shard.add_layer_hook(self.layer_stream.layer_done)
 
@@ -152,8 +158,8 @@ class PrefillNode(NodeLoop):
                 "prefill",
                 attributes={"pdserve.cached_tokens": out.num_cached_tokens},
             )
-            if out.held_blocks is not None:
-                self.handoff.hold(out.request_id, out.held_blocks)
+            if out.held_tables is not None:
+                self.handoff.hold(out.request_id, out.held_tables)
             elif self.handoff.holds(out.request_id):
                 # A streaming prefill whose first token ended it: its sends are not needed.
                 self.handoff.abort(out.request_id)
@@ -164,7 +170,7 @@ class PrefillNode(NodeLoop):
                     token_id=out.new_token_ids[0],
                     finish_reason=reason,  # None: decode continues elsewhere
                     num_cached_tokens=out.num_cached_tokens,
-                    num_blocks=len(out.held_blocks) if out.held_blocks is not None else 0,
+                    num_blocks=len(live_blocks(out.held_tables)) if out.held_tables else 0,
                     logprobs=wire_logprobs(out.logprobs),
                 )
             )

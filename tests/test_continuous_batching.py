@@ -162,7 +162,7 @@ def test_prompts_wait_while_handoffs_hold_the_pool():
     held = {}
     while engine.has_unfinished():
         for out in engine.step():
-            held[out.request_id] = out.held_blocks
+            held[out.request_id] = out.held_tables[0]
     # Each left the engine with its KV in 4 blocks (16 prompt tokens + its first token).
     assert sorted(held) == ["held-0", "held-1"] and all(len(b) == 4 for b in held.values())
     assert not engine.seqs and engine.block_manager.num_free_blocks == 0

@@ -36,7 +36,7 @@ class Sides:
         """A prefill-only sequence's blocks, held for its handoff."""
         blocks: list[int] = []
         assert self.src_blocks.allocate_slots(blocks, num_tokens) is not False
-        self.prefill.hold(request_id, blocks)
+        self.prefill.hold(request_id, [blocks])
         return list(blocks)
 
     def incoming(self, request_id: str, num_tokens: int = 10, timeout_s: float = 10.0):  # noqa: ANN201

@@ -10,6 +10,7 @@ import torch
 from test_kv_handoff import BLOCKS, Sides
 
 import pdserve.engine.kv.block_manager as block_manager_module
+import pdserve.engine.kv.kv_manager as kv_manager_module
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
@@ -37,7 +38,7 @@ def hand_off(sides: Sides, request_id: str, prompt: list[int], reuse: bool = Tru
     the decode side does not hold. Returns (src blocks, seq, dst blocks) once it arrived."""
     src: list[int] = []
     assert sides.src_blocks.allocate_slots(src, len(prompt))
-    sides.prefill.hold(request_id, src)
+    sides.prefill.hold(request_id, [src])
     src = list(src)
     seq, dst = incoming(sides, request_id, prompt, reuse)
     skip = len(seq.block_table) - len(dst)
@@ -87,7 +88,8 @@ def test_a_fully_cached_prompt_moves_no_pages_and_still_completes(sides):
 def test_lookup_compares_token_ids_never_the_hash_alone(sides, monkeypatch):
     # Every block hashes alike: the first prompt's blocks are cached under the one hash a
     # different prompt also looks up, and must not be handed out for it.
-    monkeypatch.setattr(block_manager_module, "hash_block_tokens", lambda parent, tokens: 7)
+    for module in (block_manager_module, kv_manager_module):
+        monkeypatch.setattr(module, "hash_block_tokens", lambda parent, tokens: 7)
     _, seq1, _ = hand_off(sides, "t1", list(range(10, 20)))
     sides.dst_blocks.free(seq1.block_table)
     assert sides.dst_blocks.num_cached_blocks == 1
@@ -144,7 +146,7 @@ def test_without_reuse_every_block_is_received(sides):
 def test_a_send_whose_skip_does_not_match_the_destination_fails_and_frees(sides):
     src: list[int] = []
     assert sides.src_blocks.allocate_slots(src, 10)
-    sides.prefill.hold("r1", src)
+    sides.prefill.hold("r1", [src])
     sides.prefill.send("r1", "d0", sides.receiver.info(), [1, 2], 10, skip_blocks=2)
     (end,) = sides.prefill.poll()
     assert not end.ok and "skipped" in end.error

@@ -101,7 +101,7 @@ def test_each_layer_leaves_during_the_last_chunks_forward_with_its_final_pages()
     engine = LLMEngine(num_kv_blocks=64, block_size=8, max_num_batched_tokens=16, device="cpu")
     sender = RecordingSender(engine.pool)
     handoff = PrefillHandoff(engine.block_manager, engine.pool, "fake", lambda _t, _p: sender)
-    stream = LayerStream(handoff)
+    stream = LayerStream(handoff, engine.scheduler.kv)
     engine.on_schedule = stream.begin
     engine.runner.add_layer_hook(stream.layer_done)
     params = SamplingParams(max_tokens=4, temperature=0)
@@ -115,14 +115,14 @@ def test_each_layer_leaves_during_the_last_chunks_forward_with_its_final_pages()
     (out,) = outputs
     num_layers = engine.layout.num_layers
     assert [s[1] for s in sender.sends] == [(i, i + 1) for i in range(num_layers)]
-    assert all(s[2] == out.held_blocks for s in sender.sends)  # every chunk's blocks
-    final = engine.pool.kv[:, :, out.held_blocks]
+    assert all(s[2] == out.held_tables[0] for s in sender.sends)  # every chunk's blocks
+    final = engine.pool.kv[:, :, out.held_tables[0]]
     for layer, snap in enumerate(sender.snapshots):
         # Handed over with that layer final, while the next layer was still to be computed.
         assert torch.equal(snap[layer], final[layer])
         if layer + 1 < num_layers:
             assert not torch.equal(snap[layer + 1], final[layer + 1])
-    handoff.hold("r1", out.held_blocks)
+    handoff.hold("r1", out.held_tables)
     assert len(sender.sends) == num_layers  # nothing left to send at the end
     sender.ack_all()
     (end,) = handoff.poll()
@@ -134,14 +134,14 @@ def test_a_route_that_comes_mid_forward_sends_the_finished_layers_in_one_send():
     handoff, sender, blocks = prefill_side()
     table = engine_blocks(blocks, 10)
     handoff.expect_stream("r1")
-    handoff.layer_done("r1", table, 0)  # no route yet: nothing leaves
-    handoff.layer_done("r1", table, 1)
+    handoff.layer_done("r1", [table], 0)  # no route yet: nothing leaves
+    handoff.layer_done("r1", [table], 1)
     assert sender.sends == []
     handoff.send("r1", "d0", INFO, [7, 8, 9], 10.0)
-    handoff.layer_done("r1", table, 2)
-    handoff.layer_done("r1", table, 3)
+    handoff.layer_done("r1", [table], 2)
+    handoff.layer_done("r1", [table], 3)
     assert [s[1] for s in sender.sends] == [(0, 3), (3, 4)]
-    handoff.hold("r1", table)  # the engine's references pass; the handoff keeps its own
+    handoff.hold("r1", [table])  # the engine's references pass; the handoff keeps its own
     assert handoff.poll() == []  # the sends have not ended
     assert blocks.num_used_blocks == 3
     sender.ack_all()
@@ -153,8 +153,8 @@ def test_a_route_after_the_prefill_sends_every_layer_at_once():
     table = engine_blocks(blocks, 10)
     handoff.expect_stream("r1")
     for layer in range(LAYOUT.num_layers):
-        handoff.layer_done("r1", table, layer)
-    handoff.hold("r1", table)
+        handoff.layer_done("r1", [table], layer)
+    handoff.hold("r1", [table])
     assert handoff.handoffs["r1"].state is HandoffState.HELD and sender.sends == []
     handoff.send("r1", "d0", INFO, [7, 8, 9], 10.0)
     assert [s[1] for s in sender.sends] == [(0, LAYOUT.num_layers)]
@@ -168,7 +168,7 @@ def test_a_first_token_that_ends_the_request_frees_the_blocks_once_the_sends_end
     handoff.expect_stream("r1")
     handoff.send("r1", "d0", INFO, [7, 8, 9], 10.0)
     for layer in range(LAYOUT.num_layers):
-        handoff.layer_done("r1", table, layer)
+        handoff.layer_done("r1", [table], layer)
     blocks.free(list(table))  # the engine finished the sequence (EOS) and freed its refs
     assert handoff.abort("r1")  # the node: its sends are not needed
     assert blocks.num_used_blocks == 3  # still read by the sends in flight
@@ -183,12 +183,12 @@ def test_a_failed_layer_stops_the_rest_and_the_handoff_fails_once():
     table = engine_blocks(blocks, 10)
     handoff.expect_stream("r1")
     handoff.send("r1", "d0", INFO, [7, 8, 9], 10.0)
-    handoff.layer_done("r1", table, 0)
+    handoff.layer_done("r1", [table], 0)
     sender.ack_all(ok=False, error="receiver gone")
     # The failure is seen at the next poll, after the step: here the remaining layers were
     # already handed over, so they end too before the handoff does.
-    handoff.layer_done("r1", table, 1)
-    handoff.hold("r1", table)
+    handoff.layer_done("r1", [table], 1)
+    handoff.hold("r1", [table])
     ends = handoff.poll()
     assert ends == []  # layers 1.. still in flight
     sender.ack_all()
@@ -204,8 +204,8 @@ def test_streamed_layers_skip_the_blocks_the_decode_node_holds():
     handoff.expect_stream("r1")
     handoff.send("r1", "d0", INFO, [9], 10.0, skip_blocks=2, prefilling=True)
     for layer in range(LAYOUT.num_layers):
-        handoff.layer_done("r1", table, layer)
-    handoff.hold("r1", table)
+        handoff.layer_done("r1", [table], layer)
+    handoff.hold("r1", [table])
     assert [s[2] for s in sender.sends] == [table[2:]] * LAYOUT.num_layers
     sender.ack_all()
     assert [e.ok for e in handoff.poll()] == [True] and blocks.num_used_blocks == 0
@@ -217,8 +217,8 @@ def test_a_streamed_send_whose_skip_does_not_match_the_destination_fails_once_an
     handoff.expect_stream("r1")
     handoff.send("r1", "d0", INFO, [8, 9], 10.0, skip_blocks=2)  # 1 block left, 2 expected
     for layer in range(LAYOUT.num_layers):
-        handoff.layer_done("r1", table, layer)
-    handoff.hold("r1", table)
+        handoff.layer_done("r1", [table], layer)
+    handoff.hold("r1", [table])
     assert sender.sends == []
     (end,) = handoff.poll()
     assert not end.ok and "2 skipped" in end.error and blocks.num_used_blocks == 0
@@ -283,7 +283,7 @@ def test_a_send_kv_that_overtakes_its_prefill_order_is_kept_for_it():
     assert handoff.poll() == []  # not refused
     handoff.expect_stream("r1")  # the loop takes the Prefill order
     table = engine_blocks(blocks, 10)
-    handoff.layer_done("r1", table, 0)
+    handoff.layer_done("r1", [table], 0)
     assert [s[1] for s in sender.sends] == [(0, 1)]
     # A late order for KV no prefill here will produce is still refused.
     handoff.send("r2", "d0", INFO, [1], 10.0)

@@ -166,6 +166,10 @@ class BlockManager:
                 self._register(block, h, (parent, tokens))
             parent = h
 
+    def allocate_one(self) -> int:
+        """One block for new content (the caller checked can_allocate)."""
+        return self._allocate_fresh()
+
     def cached_block(self, h: int, key: BlockKey) -> int | None:
         """The block registered under hash h if it holds key's content (a hash collision must
         never hand out another prompt's pages), else None."""

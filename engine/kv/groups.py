@@ -77,6 +77,17 @@ class KVGroups:
     def is_uniform(self) -> bool:
         return self.num_groups == 1
 
+    def slots_done_after(self, layer: int) -> int:
+        """How many leading slots hold every group's pages once layers 0..layer have written
+        theirs (what layer-wise streaming may send): layer + 1 for a model of one group."""
+        done = 0
+        for slot in range(self.num_slots):
+            last = max(g.layers[slot] for g in self.groups if slot < len(g.layers))
+            if last > layer:
+                break
+            done = slot + 1
+        return done
+
 
 @cache
 def groups_for(num_layers: int, layer_kinds: tuple[str, ...]) -> KVGroups:

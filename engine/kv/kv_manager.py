@@ -19,6 +19,18 @@ from pdserve.engine.sequence import Sequence
 FREED = -1  # a table entry whose block went back to the pool
 
 
+def live_blocks(tables: list[list[int]]) -> list[int]:
+    """Every block a sequence's tables hold, group after group."""
+    return [b for table in tables for b in table if b != FREED]
+
+
+def handoff_blocks(tables: list[list[int]], skip: int) -> list[int]:
+    """The blocks a KV handoff moves: each group's blocks from position `skip` on that hold
+    pages, group after group. The prefill node lists its own and the decode node its reserved
+    ones alike, so the two lists pair up block for block."""
+    return [b for table in tables for b in table[skip:] if b != FREED]
+
+
 class KVCacheManager:
     def __init__(self, block_manager: BlockManager, groups: KVGroups) -> None:
         self.block_manager = block_manager
@@ -107,6 +119,34 @@ class KVCacheManager:
             if released:
                 self.block_manager.free(released)
                 table[:first] = [FREED] * first
+
+    def allocate_arriving(self, seq: Sequence, num_tokens: int, num_tokens_held: int) -> bool:
+        """Grow every group's table to num_tokens for KV computed elsewhere (a handoff): only
+        the blocks that seq's next query reads get one, the rest stay FREED. False (and no
+        change) if blocks run out."""
+        bs = self.block_size
+        tables = self._tables(seq)
+        per_table = -(-num_tokens // bs)
+        wanted = []
+        for g, table in enumerate(tables):
+            self.block_manager.blocks_needed(table, num_tokens_held, num_tokens_held)
+            first = self._first_read_block(g, 0, num_tokens)
+            wanted.append([i >= first for i in range(len(table), per_table)])
+        if not self.block_manager.can_allocate(sum(sum(w) for w in wanted)):
+            return False
+        for table, flags in zip(tables, wanted):
+            for needed in flags:
+                table.append(self.block_manager.allocate_one() if needed else FREED)
+        return True
+
+    def readable_tables(self, seq: Sequence, num_computed: int) -> list[list[int]]:
+        """Copies of seq's tables with FREED where no query after num_computed tokens reads:
+        what a handoff of those tokens' KV moves (it holds and sends these blocks)."""
+        out = []
+        for g, table in enumerate(self._tables(seq)):
+            first = self._first_read_block(g, 0, num_computed)
+            out.append([FREED] * min(first, len(table)) + table[first:])
+        return out
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back each table's blocks past those num_tokens need (rejected drafts' KV)."""

@@ -415,6 +415,13 @@ def tiers_for(config: Any, pool: KVPool, block_manager: BlockManager) -> KVTiers
     host_bytes = host_tier_bytes(config, pool.kv.numel() * pool.kv.element_size(), on_gpu)
     if not host_bytes or not config.enable_prefix_caching or config.tensor_parallel_size > 1:
         return None
+    if pool.layout.layer_kinds:
+        # Their blocks are group 0's, keyed as one chain: a model of several KV groups would
+        # load a prefix whose windowed groups hold nothing.
+        logger.warning(
+            "KV tiers off: the model's layers form several KV groups, which they do not take yet"
+        )
+        return None
     host = HostTier(pool.layout, host_bytes, pin_memory=on_gpu)
     disk = None
     if config.kv_disk_path:

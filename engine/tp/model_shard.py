@@ -107,6 +107,8 @@ class ModelShard:
             why = "compiled steps run on CPU nodes only (CUDA nodes have CUDA graphs)"
         if why is None and self.shard.size > 1:
             why = "compiled steps run without tensor parallelism only"
+        if why is None and self.pool.layout.layer_kinds:
+            why = "compiled steps take models of one KV group only (this one mixes layer kinds)"
         if why is not None:
             logger.warning("compile: %s; the model step runs eagerly", why)
             return
@@ -131,6 +133,9 @@ class ModelShard:
             return False
         if self.ops.name != "triton":
             logger.info("decode steps run eagerly: CUDA graphs need the triton kernel backend")
+            return False
+        if self.pool.layout.layer_kinds:
+            logger.info("decode steps run eagerly: CUDA graphs take models of one KV group only")
             return False
         return True
 
