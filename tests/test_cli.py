@@ -18,11 +18,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_http_api import free_port, wait_until
+from waiting import wait_until
 
 import pdserve
 from pdserve.cli import HelpFormatter, build_parser, escape_controls
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PDSERVE = [sys.executable, "-m", "pdserve"]

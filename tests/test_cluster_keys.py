@@ -23,7 +23,7 @@ import httpx
 import pytest
 import zmq
 import zmq.asyncio
-from test_http_api import free_port, wait_until
+from waiting import wait_until
 
 from pdserve.cluster import keys as cluster_keys
 from pdserve.cluster.keys import (
@@ -37,6 +37,7 @@ from pdserve.cluster.node_messages import NodeRole, Register, reports
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

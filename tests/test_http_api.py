@@ -14,19 +14,18 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import WAIT_S, wait_until
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # Heartbeats often, so a request's KV blocks show in /metrics soon after it starts decoding.
@@ -50,24 +49,7 @@ WORDS = (
     "token cache page paris france small time"
 ).split()
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-# Deadlines for what must happen, not estimates of when: two shared cores can stall for seconds.
-WAIT_S = 60.0
 ABORTED = 'pdserve_requests_finished_total{finish_reason="abort"}'
-
-T = TypeVar("T")
-
-
-def wait_until(
-    condition: Callable[[], T | None], what: str, timeout_s: float = WAIT_S, poll_s: float = 0.05
-) -> T:
-    """Polls `condition` until it returns something other than None or False, and returns that;
-    fails naming `what` if `timeout_s` passes first."""
-    deadline = time.monotonic() + timeout_s
-    while (result := condition()) is None or result is False:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(poll_s)
-    return result
 
 
 @dataclass
@@ -120,12 +102,6 @@ class Server:
     def reload(self, max_pending: int) -> None:
         self.config.write_text(CONFIG.format(max_pending=max_pending))
         self.proc.send_signal(signal.SIGHUP)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_http_api import WAIT_S, assert_error_body, free_port, wait_until
+from test_http_api import assert_error_body
+from waiting import WAIT_S, wait_until
 
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 KEY, OTHER_KEY = "sesame-open", "second-key"

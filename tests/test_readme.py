@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from readme_shim import stop_server
-from test_http_api import free_port
 
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

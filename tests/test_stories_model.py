@@ -19,13 +19,14 @@ import httpx
 import pytest
 import regex
 from local_cluster import Cluster
-from test_http_api import free_port, wait_until
+from waiting import wait_until
 
 from pdserve.bench.stories.recognizer import Reading, _patterns, canonical, read
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.coordinator.client import CoordinatorClient
 from pdserve.engine import LLM
 from pdserve.engine.embedded.catalog import STORIES
+from pdserve.tune.local_server import free_port
 
 OPENINGS = [
     "Once upon a time",

@@ -12,7 +12,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,7 @@ from pdserve.cluster import tracing  # noqa: E402
 from pdserve.cluster_file import load_cluster_file, plan  # noqa: E402
 from pdserve.engine.embedded.tiny import ensure_tiny_model  # noqa: E402
 from pdserve.kv_transfer.faults import ENV as FAULTS  # noqa: E402
+from pdserve.tune.local_server import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # W3C's example
@@ -250,12 +250,6 @@ def test_the_endpoint_is_a_flag_of_every_command_and_a_cluster_file_key(tmp_path
 
 
 # --- one request, one trace, three processes ----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> dict[str, ReceivedSpan]:
