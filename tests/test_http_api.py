@@ -8,12 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +19,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_process import ServeProcess
 from waiting import WAIT_S, wait_until
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.embedded.tiny import ensure_tiny_model
-from pdserve.tune.local_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # Heartbeats often, so a request's KV blocks show in /metrics soon after it starts decoding.
@@ -112,50 +110,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     config.write_text(CONFIG.format(max_pending=512))
     template = tmp / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve",
-                "serve",
-                "pdserve-tiny",
-                "--port",
-                str(port),
-                "--config",
-                str(config),
-                "--max-model-len",
-                str(MAX_MODEL_LEN),
-                "--served-model-name",
-                *NAMES,
-                "--chat-template",
-                str(template),
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=os.environ.copy(),
-        )
-    srv = Server(proc, port, config, log)
-
-    def healthy() -> bool:
-        assert proc.poll() is None, f"pdserve serve exited:\n{log.read_text()[-4000:]}"
-        try:
-            return httpx.get(f"{srv.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    args = ["pdserve-tiny", "--config", str(config), "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--served-model-name", *NAMES, "--chat-template", str(template)]
+    serve = ServeProcess(args, log)
     try:
-        wait_until(healthy, "/health to answer 200 (the log is printed below)", timeout_s=240)
-        yield srv
+        serve.wait_healthy()
+        yield Server(serve.proc, serve.port, config, log)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        serve.stop()
         print(log.read_text()[-3000:])
 
 
