@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_http_api import free_port, wait_until
+from serve_process import ServeProcess
+from waiting import wait_until
 
 import pdserve
 from pdserve.cli import HelpFormatter, build_parser, escape_controls
@@ -190,37 +191,10 @@ def first_session(tmp_path_factory: pytest.TempPathFactory):
     terminal: its own process group, output on the terminal (here a file)."""
     ensure_tiny_model()
     log = tmp_path_factory.mktemp("first-session") / "console.txt"
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                *PDSERVE,
-                "serve",
-                "pdserve-tiny",
-                "--max-model-len",
-                "1024",
-                "--served-model-name",
-                "m",
-                "--port",
-                str(port),
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def serving() -> bool:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        return f"pdserve: serving http://127.0.0.1:{port}" in log.read_text()
-
-    try:
-        wait_until(serving, "the serving line", timeout_s=240)
-        yield proc, port, log
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    args = ["pdserve-tiny", "--max-model-len", "1024", "--served-model-name", "m"]
+    with ServeProcess(args, log) as serve:
+        serve.wait_serving()
+        yield serve.proc, serve.port, log
 
 
 def test_the_openai_client_sees_the_served_name_and_the_context_limit(first_session):

@@ -23,7 +23,8 @@ import httpx
 import pytest
 import zmq
 import zmq.asyncio
-from test_http_api import free_port, wait_until
+from serve_process import ServeProcess
+from waiting import wait_until
 
 from pdserve.cluster import keys as cluster_keys
 from pdserve.cluster.keys import (
@@ -37,6 +38,7 @@ from pdserve.cluster.node_messages import NodeRole, Register, reports
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -232,11 +234,10 @@ def test_nodes_without_the_cluster_keys_never_join_while_one_with_them_serves(tm
     keys joins and serves."""
     ensure_tiny_model()
     assert pdserve("keygen", str(tmp_path / "other")).returncode == 0
-    port, node_port = free_port(), free_port()
+    node_port = free_port()
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
-    url = f"http://127.0.0.1:{port}"
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, subprocess.Popen] = {}  # the prefill nodes
 
     def start(name: str, *args: str) -> None:
         with open(log_dir / f"{name}.log", "w") as out:
@@ -271,24 +272,13 @@ def test_nodes_without_the_cluster_keys_never_join_while_one_with_them_serves(tm
     def metrics() -> str:
         return httpx.get(f"{url}/metrics", timeout=10).text
 
+    args = ["--node-port", str(node_port), "--prefill-nodes", "0", "--decode-nodes", "1"]
+    serve = ServeProcess(
+        [*args, "--num-kv-blocks", "64", "--block-size", "8"], log_dir / "serve.log"
+    )
+    url = serve.url
     try:
-        start(
-            "serve",
-            "serve",
-            "--port",
-            str(port),
-            "--node-port",
-            str(node_port),
-            "--prefill-nodes",
-            "0",
-            "--decode-nodes",
-            "1",
-            "--num-kv-blocks",
-            "64",
-            "--block-size",
-            "8",
-        )
-        wait_until(lambda: "pdserve: serving" in log("serve"), "serve to serve", 240)
+        serve.wait_serving()
         prefill("stranger", "--cluster-keys", str(tmp_path / "other"))
         prefill("keyless", "--insecure")
         for name in ("stranger", "keyless"):
@@ -336,6 +326,7 @@ def test_nodes_without_the_cluster_keys_never_join_while_one_with_them_serves(tm
         for proc in procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        serve.stop(signal.SIGTERM)
         for proc in procs.values():
             try:
                 proc.wait(30)

@@ -8,22 +8,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_process import ServeProcess
+from waiting import WAIT_S, wait_until
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.embedded.tiny import ensure_tiny_model
@@ -52,24 +49,7 @@ WORDS = (
     "token cache page paris france small time"
 ).split()
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-# Deadlines for what must happen, not estimates of when: two shared cores can stall for seconds.
-WAIT_S = 60.0
 ABORTED = 'pdserve_requests_finished_total{finish_reason="abort"}'
-
-T = TypeVar("T")
-
-
-def wait_until(
-    condition: Callable[[], T | None], what: str, timeout_s: float = WAIT_S, poll_s: float = 0.05
-) -> T:
-    """Polls `condition` until it returns something other than None or False, and returns that;
-    fails naming `what` if `timeout_s` passes first."""
-    deadline = time.monotonic() + timeout_s
-    while (result := condition()) is None or result is False:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(poll_s)
-    return result
 
 
 @dataclass
@@ -124,12 +104,6 @@ class Server:
         self.proc.send_signal(signal.SIGHUP)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     ensure_tiny_model()  # once here, not raced by the nodes
@@ -138,50 +112,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     config.write_text(CONFIG.format(max_pending=512))
     template = tmp / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve",
-                "serve",
-                "pdserve-tiny",
-                "--port",
-                str(port),
-                "--config",
-                str(config),
-                "--max-model-len",
-                str(MAX_MODEL_LEN),
-                "--served-model-name",
-                *NAMES,
-                "--chat-template",
-                str(template),
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=os.environ.copy(),
-        )
-    srv = Server(proc, port, config, log)
-
-    def healthy() -> bool:
-        assert proc.poll() is None, f"pdserve serve exited:\n{log.read_text()[-4000:]}"
-        try:
-            return httpx.get(f"{srv.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    args = ["pdserve-tiny", "--config", str(config), "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--served-model-name", *NAMES, "--chat-template", str(template)]
+    serve = ServeProcess(args, log)
     try:
-        wait_until(healthy, "/health to answer 200 (the log is printed below)", timeout_s=240)
-        yield srv
+        serve.wait_healthy()
+        yield Server(serve.proc, serve.port, config, log)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        serve.stop()
         print(log.read_text()[-3000:])
 
 

@@ -23,9 +23,12 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_http_api import WAIT_S, assert_error_body, free_port, wait_until
+from serve_process import ServeProcess
+from test_http_api import assert_error_body
+from waiting import WAIT_S, wait_until
 
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -125,70 +128,39 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("http-security")
     config, log = tmp / "pdserve.toml", tmp / "server.log"
     write_config(config)
-    port, node_port = free_port(), free_port()
+    node_port = free_port()
     env = {**os.environ, "PDSERVE_API_KEY": OTHER_KEY}  # a flag wins over the variable
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve",
-                "serve",
-                "pdserve-tiny",
-                "--port",
-                str(port),
-                "--node-port",
-                str(node_port),
-                "--config",
-                str(config),
-                "--prefill-nodes",
-                "0",
-                "--max-model-len",
-                str(MAX_MODEL_LEN),
-                "--api-key",
-                KEY,
-                "--api-key",
-                OTHER_KEY,
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    srv = Server(proc, None, port, config, log)  # type: ignore[arg-type]
-    wait_until(
-        lambda: "pdserve: serving" in log.read_text() or proc.poll() is not None,
-        "serve to serve",
-        240,
-    )
-    assert proc.poll() is None, log.read_text()[-4000:]
-    with open(tmp / "prefill.log", "w") as out:
-        srv.prefill = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve",
-                "prefill",
-                "--coordinator",
-                f"tcp://127.0.0.1:{node_port}",
-                "--node-id",
-                "prefill-0",
-                "--num-kv-blocks",
-                "128",
-                "--block-size",
-                "8",
-                "--max-model-len",
-                str(MAX_MODEL_LEN),
-                "--heartbeat-interval-s",
-                "0.05",
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    args = ["pdserve-tiny", "--node-port", str(node_port), "--config", str(config)]
+    args += ["--prefill-nodes", "0", "--max-model-len", str(MAX_MODEL_LEN)]
+    serve = ServeProcess([*args, "--api-key", KEY, "--api-key", OTHER_KEY], log, env)
+    srv = Server(serve.proc, None, serve.port, config, log)  # type: ignore[arg-type]
     try:
+        serve.wait_serving()
+        with open(tmp / "prefill.log", "w") as out:
+            srv.prefill = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pdserve",
+                    "prefill",
+                    "--coordinator",
+                    f"tcp://127.0.0.1:{node_port}",
+                    "--node-id",
+                    "prefill-0",
+                    "--num-kv-blocks",
+                    "128",
+                    "--block-size",
+                    "8",
+                    "--max-model-len",
+                    str(MAX_MODEL_LEN),
+                    "--heartbeat-interval-s",
+                    "0.05",
+                ],
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         wait_until(
             lambda: httpx.get(f"{srv.url}/health", timeout=5).status_code == 200,
             "the prefill node to join",
@@ -197,16 +169,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         srv.wait_until_idle()
         yield srv
     finally:
-        for p in (srv.prefill, proc):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in (srv.prefill, proc):
+        prefill = srv.prefill
+        if prefill is not None and prefill.poll() is None:
+            os.killpg(prefill.pid, signal.SIGCONT)  # a test may have paused it
+            os.killpg(prefill.pid, signal.SIGTERM)
+        serve.stop(signal.SIGTERM)
+        if prefill is not None:
             try:
-                p.wait(30)
+                prefill.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                os.killpg(prefill.pid, signal.SIGKILL)
+                prefill.wait()
         print(log.read_text()[-3000:])
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_kv_transfer import layout, random_pool, wait_result, wait_until
+from test_kv_transfer import layout, random_pool, wait_result
+from waiting import wait_until
 
 from pdserve.kv_transfer import TransferResult, make_receiver, make_sender
 from pdserve.kv_transfer.base import KVSend

@@ -17,8 +17,8 @@ from test_kv_transfer import (
     layout,
     random_pool,
     wait_result,
-    wait_until,
 )
+from waiting import wait_until
 
 from pdserve.kv_transfer import (
     KVReceiver,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
+from waiting import wait_until
 
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.kv_transfer import (
@@ -270,10 +270,3 @@ def test_late_pages_for_a_timed_out_transfer_are_refused(transport: str) -> None
             result = wait_result(sender, "t-late", 5.0)
             assert not result.ok and "refused" in result.error
             assert blocks_bits(receiver.pool.kv, [4]) == empty
-
-
-def wait_until(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from waiting import wait_until
 
 from pdserve.supervisor import cluster_serves
+from pdserve.tune.local_server import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -50,11 +52,8 @@ num_kv_blocks = 256
 num_kv_blocks = 256
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# How long a cluster's processes may take to start, or to answer, on two shared cores.
+START_S = 180.0
 
 
 def wait_health(url: str, status: int = 200, timeout_s: float = 180) -> None:
@@ -175,14 +174,15 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     try:
         wait_health(url)
         for node in ("prefill-0", "prefill-1", "decode-0"):
-            wait_until(lambda n=node: registered(url, n), f"{node} to register")
+            wait_until(lambda n=node: registered(url, n), f"{node} to register", START_S)
         assert not registered(url, "decode-1")
         assert "decode node decode-1 serving" not in log("decode-1")
         time.sleep(2)  # four of the supervisor's probes of /health
         assert "pdserve: serving" not in console.read_text()
     finally:
         os.kill(late, signal.SIGCONT)
-    wait_until(lambda: f"pdserve: serving {url}\n" in console.read_text(), "the serving line")
+    serving = f"pdserve: serving {url}\n"
+    wait_until(lambda: serving in console.read_text(), "the serving line", START_S)
     assert all(registered(url, n) for n in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
     assert complete(url).status_code == 200
     titles = [
@@ -203,6 +203,7 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     wait_until(
         lambda: "most recent call first" in (logs / "pdserve-decode-0.log").read_text(),
         "decode-0's stacks",
+        START_S,
     )
     assert complete(url).status_code == 200
     assert children_titled(launch.pid, "pdserve-decode-0") == [dumped]
@@ -213,6 +214,7 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     wait_until(
         lambda: registered(url, "decode-1") and "decode node decode-1 serving" in log("decode-1"),
         "decode-1 to serve",
+        START_S,
     )
     (victim,) = children_titled(launch.pid, "pdserve-decode-1")
     os.kill(victim, signal.SIGKILL)
@@ -280,16 +282,6 @@ def test_cpu_cluster_file_serves_restarts_a_killed_worker_and_drains_on_sigterm(
     assert [reason for reason, _ in results] == ["length"] * 8
     assert launch.wait(120) == 0
     assert not children_titled(launch.pid, "pdserve-")
-
-
-def wait_until(condition, what: str, timeout_s: float = 180):  # noqa: ANN001, ANN201
-    """Polls condition until it is true, and returns what it returned."""
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(0.1)
-    return result
 
 
 def test_a_child_that_keeps_dying_at_start_stops_everything_with_its_log(tmp_path):

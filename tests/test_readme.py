@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 from readme_shim import stop_server
-from test_http_api import free_port
 
 import pdserve
 from pdserve.engine.embedded.tiny import ensure_tiny_model
+from pdserve.tune.local_server import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 import pytest
 import regex
 from local_cluster import Cluster
-from test_http_api import free_port, wait_until
+from serve_process import ServeProcess
 
 from pdserve.bench.stories.recognizer import Reading, _patterns, canonical, read
 from pdserve.cluster.sampling_params import SamplingParams
@@ -111,19 +110,7 @@ def through_serve(tmp_path, greedy: list[SamplingParams], sampled: list[Sampling
     """The completions' texts from `pdserve serve` with no model named (so the default one),
     disaggregated over tcp, for each opening under each of the sampling settings."""
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_MODEL"}
-    port, log = free_port(), tmp_path / "serve.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def serving() -> bool:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        return f"pdserve: serving http://127.0.0.1:{port}" in log.read_text()
+    serve = ServeProcess([], tmp_path / "serve.txt", env)
 
     def body(prompt: str, p: SamplingParams) -> dict:
         return {
@@ -135,7 +122,7 @@ def through_serve(tmp_path, greedy: list[SamplingParams], sampled: list[Sampling
         }
 
     async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as http:
+        async with httpx.AsyncClient(base_url=serve.url, timeout=300) as http:
             jobs = [
                 http.post("/v1/completions", json=body(o, p))
                 for o, p in zip(OPENINGS * 2, greedy + sampled)
@@ -145,13 +132,9 @@ def through_serve(tmp_path, greedy: list[SamplingParams], sampled: list[Sampling
             assert r.status_code == 200, r.text
         return [r.json()["choices"][0]["text"] for r in replies]
 
-    try:
-        wait_until(serving, "the serving line", timeout_s=240)
+    with serve:
+        serve.wait_serving()
         return asyncio.run(run())
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(60)
 
 
 def reading(llm: LLM, outputs: list[list[int]]) -> Reading:

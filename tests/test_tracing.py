@@ -11,13 +11,9 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 
@@ -26,6 +22,7 @@ pytest.importorskip("opentelemetry.proto", reason="the otel extra is not install
 
 import httpx  # noqa: E402
 from otlp_receiver import ReceivedSpan, grpc_collector, http_collector  # noqa: E402
+from serve_process import ServeProcess  # noqa: E402
 
 from pdserve.cli import build_parser  # noqa: E402
 from pdserve.cluster import tracing  # noqa: E402
@@ -34,8 +31,6 @@ from pdserve.engine.embedded.tiny import ensure_tiny_model  # noqa: E402
 from pdserve.kv_transfer.faults import ENV as FAULTS  # noqa: E402
 
 pytestmark = pytest.mark.cluster
-
-REPO = Path(__file__).resolve().parent.parent
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # W3C's example
 
 
@@ -254,12 +249,6 @@ def test_the_endpoint_is_a_flag_of_every_command_and_a_cluster_file_key(tmp_path
 # --- one request, one trace, three processes ----------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> dict[str, ReceivedSpan]:
     return {s.name: s for s in spans if s.parent_id == parent.span_id}
 
@@ -275,47 +264,12 @@ def test_a_request_is_one_trace_across_the_coordinator_and_both_nodes(tmp_path):
     env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # each process exports within 0.1 s of a span's end
     env[FAULTS] = "corrupt=0.14,seed=1"  # its first draw, 0.134, corrupts the first landing
     with http_collector() as (collector, endpoint):
-        port = free_port()
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "pdserve",
-                    "serve",
-                    "pdserve-tiny",
-                    "--port",
-                    str(port),
-                    "--otlp-traces-endpoint",
-                    endpoint,
-                    "--transport",
-                    "tcp",
-                    "--max-num-batched-tokens",
-                    str(chunk),
-                    "--num-kv-blocks",
-                    "128",
-                    "--block-size",
-                    "8",
-                    "--max-model-len",
-                    "256",
-                ],
-                cwd=REPO,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        url = f"http://127.0.0.1:{port}"
+        args = ["pdserve-tiny", "--otlp-traces-endpoint", endpoint, "--transport", "tcp"]
+        args += ["--max-num-batched-tokens", str(chunk), "--num-kv-blocks", "128"]
+        serve = ServeProcess([*args, "--block-size", "8", "--max-model-len", "256"], log, env)
+        url = serve.url
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                assert proc.poll() is None, log.read_text()[-4000:]
-                assert time.monotonic() < deadline, "pdserve serve did not become healthy"
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+            serve.wait_healthy(180)
             trace_id = f"{random.getrandbits(128):032x}"
             client_span = f"{random.getrandbits(64):016x}"
             body = {
@@ -360,12 +314,7 @@ def test_a_request_is_one_trace_across_the_coordinator_and_both_nodes(tmp_path):
                 lambda got: any(s.trace_id == own and not s.parent_id for s in got),
             )
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            serve.stop()
     assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
     assert {s.service for s in spans} == {
         "pdserve-coordinator",

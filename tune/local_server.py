@@ -55,11 +55,12 @@ class PdserveSystem:
         return "".join(f"{k} = {value(v)}\n" for k, v in config.items())
 
 
-def stop_session(proc: subprocess.Popen, timeout_s: float) -> None:
-    """Stop a pdserve command started in a session of its own: SIGTERM (it stops what it
-    started), then SIGKILL to the whole session if it has not exited within timeout_s."""
+def stop_session(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGTERM) -> None:
+    """Stop a pdserve command started in a session of its own: `sig`, SIGTERM or SIGINT (it
+    stops what it started), then SIGKILL to the whole session if it has not exited within
+    timeout_s."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
