@@ -12,7 +12,8 @@ import msgspec
 from pdserve.cluster.codec import Codec, Message
 from pdserve.cluster.sampling_params import SamplingParams
 
-NODE_PROTOCOL_VERSION = 5  # 3: frames end with a digest; 4: KV event streams; 5: load reports
+NODE_PROTOCOL_VERSION = 6  # 3: frames end with a digest; 4: KV event streams; 5: load reports;
+# 6: KV bytes moved
 # carry their link fence (link_session, link_sent) and a draft model's catch-up counts
 
 
@@ -134,6 +135,9 @@ class Heartbeat(Message, tag="heartbeat"):
     # A draft model's tokens (since start): computed to catch its KV up, and found in its cache
     spec_draft_catch_up_tokens: int = 0
     spec_draft_cached_tokens: int = 0
+    # KV pages' bytes its handoffs moved (since start): prefill nodes sent, decode nodes received
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
 
 
 class HandoffReady(Message, tag="handoff_ready"):

@@ -104,6 +104,12 @@ class ClusterCollector:
             "KV blocks whose pages a decode node received from prefill nodes (since it started)",
             labels=["node"],
         )
+        moved = CounterMetricFamily(
+            "pdserve_kv_transfer_bytes",
+            "Bytes of KV pages a node's handoffs moved (since it started): sent by a prefill "
+            "node, received by a decode node",
+            labels=["node", "direction"],
+        )
         reused = CounterMetricFamily(
             "pdserve_kv_transfer_blocks_reused",
             "Blocks of prompts admitted to a decode node that it already held in its prefix "
@@ -178,7 +184,10 @@ class ClusterCollector:
                 draft_cached.add_metric([node.node_id], node.spec_draft_cached_tokens)
             if node.kv_tiers is not None:
                 add_tiers(tiers, node.node_id, node.kv_tiers)
+            if node.role is NodeRole.PREFILL:
+                moved.add_metric([node.node_id, "sent"], node.kv_bytes_sent)
             if node.role is NodeRole.DECODE:
+                moved.add_metric([node.node_id, "received"], node.kv_bytes_received)
                 received.add_metric([node.node_id], node.kv_blocks_received)
                 reused.add_metric([node.node_id], node.kv_blocks_reused)
                 integrity.add_metric([node.node_id], node.kv_integrity_failures)
@@ -211,6 +220,7 @@ class ClusterCollector:
         yield hits
         yield misses
         yield received
+        yield moved
         yield reused
         yield integrity
         yield forced

@@ -40,6 +40,8 @@ class NodeState:
     closed_at: float | None = None
     kv_error: str | None = None  # its KV receiver failed: admit no handoffs to it
     kv_blocks_received: int = 0  # blocks whose pages arrived at it (since it started)
+    kv_bytes_sent: int = 0  # bytes of KV pages its handoffs sent (prefill), since it started
+    kv_bytes_received: int = 0  # bytes of KV pages that arrived at it (decode), since it started
     kv_integrity_failures: int = 0  # sends to it whose pages failed their digest check
     kv_blocks_reused: int = 0  # blocks of prompts admitted to it found already cached there
     forced_tokens: int = 0  # output tokens its constraints forced (since it started)
@@ -108,6 +110,8 @@ class NodeRegistry:
         node.prefix_hits = msg.prefix_hits
         node.prefix_misses = msg.prefix_misses
         node.kv_blocks_received = msg.kv_blocks_received
+        node.kv_bytes_sent = msg.kv_bytes_sent
+        node.kv_bytes_received = msg.kv_bytes_received
         node.kv_blocks_reused = msg.kv_blocks_reused
         node.kv_integrity_failures = msg.kv_integrity_failures
         node.forced_tokens = msg.forced_tokens

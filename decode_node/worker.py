@@ -243,6 +243,9 @@ class DecodeNode(NodeLoop):
         if self.handoff is not None:
             beat.pending_transfers = self.handoff.num_pending
             beat.kv_blocks_received = self.handoff.blocks_received
+            beat.kv_bytes_received = (
+                self.handoff.blocks_received * self.engine.layout.bytes_per_block
+            )
             beat.kv_blocks_reused = self.handoff.blocks_reused
             beat.kv_integrity_failures = self.handoff.receiver.stats().get("integrity_failures", 0)
         return beat

@@ -98,6 +98,7 @@ class PrefillHandoff:
         # Routes of streaming prefills whose SendKV (on the handoff socket's thread) came before
         # the loop took their Prefill order: expect_stream picks them up.
         self._ahead: dict[str, Route] = {}
+        self.blocks_sent = 0  # blocks whose pages handoffs that succeeded moved (since start)
         self._lock = threading.Lock()
 
     @property
@@ -309,6 +310,9 @@ class PrefillHandoff:
                 del self.handoffs[handoff.request_id]
                 self.block_manager.free(live_blocks(handoff.tables))
                 ok = handoff.error is None and handoff.state is HandoffState.SENDING
+                if ok and handoff.route is not None:
+                    skip = max(handoff.route.skip_blocks, 0)
+                    self.blocks_sent += len(handoff_blocks(handoff.tables, skip))
                 error = handoff.error or (None if ok else "aborted")
                 ends.append(TransferDone(handoff.request_id, ok, error))
             refused, self._refused = self._refused, []

@@ -179,7 +179,9 @@ class PrefillNode(NodeLoop):
             self.link.send(end)
 
     def heartbeat(self) -> Heartbeat:
-        return engine_heartbeat(self.engine, self.link.node_id, self.handoff.num_pending)
+        beat = engine_heartbeat(self.engine, self.link.node_id, self.handoff.num_pending)
+        beat.kv_bytes_sent = self.handoff.blocks_sent * self.engine.layout.bytes_per_block
+        return beat
 
     def registration(self) -> Register:
         return engine_registration(self.engine, self.link.node_id, NodeRole.PREFILL, "none", {})

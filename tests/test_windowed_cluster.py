@@ -13,6 +13,7 @@ from local_cluster import Cluster
 from test_cluster import expected_outputs, make_prompts
 from test_tp_cluster import complete_all
 
+from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.cluster
@@ -62,3 +63,13 @@ def test_streams_equal_offline_and_only_the_windows_blocks_move(served):
         "decode-0", lambda n: n.kv_blocks_received >= moved, f"{moved} blocks received"
     )
     assert node.kv_blocks_received == moved
+    # The bytes both nodes moved, on /metrics: a block holds a page of each slot of the pool.
+    block_bytes = offline.engine.layout.bytes_per_block
+    cluster.wait_for_report(
+        "prefill-0", lambda n: n.kv_bytes_sent >= moved * block_bytes, "the bytes sent"
+    )
+    text = Metrics(cluster.coordinator).render().decode()
+    for node_id, direction in (("prefill-0", "sent"), ("decode-0", "received")):
+        line = f'pdserve_kv_transfer_bytes_total{{direction="{direction}",node="{node_id}"}}'
+        (value,) = [ln.split()[-1] for ln in text.splitlines() if ln.startswith(line)]
+        assert float(value) == moved * block_bytes

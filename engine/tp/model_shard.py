@@ -161,7 +161,21 @@ def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:
         what = f"a latent of {layout.head_dim} per layer"
     else:
         what = f"K and V of {layout.num_kv_heads} heads x {layout.head_dim} per layer"
+    if not layout.layer_kinds:
+        return (
+            f"KV cache: {num_blocks} blocks of {layout.block_size} = {tokens} tokens, "
+            f"{per_token} bytes per token ({what}, {layout.dtype})"
+        )
+    groups = layout.groups.groups
+    kinds: dict[str, int] = {}
+    for group in groups:
+        kinds[group.kind.label] = kinds.get(group.kind.label, 0) + len(group.layers)
+    full = sum(1 for g in groups if g.kind.reach is None)
     return (
-        f"KV cache: {num_blocks} blocks of {layout.block_size} = {tokens} tokens, "
-        f"{per_token} bytes per token ({what}, {layout.dtype})"
+        f"KV cache: {num_blocks} blocks of {layout.block_size} shared by {len(groups)} KV groups "
+        f"of {layout.num_slots} layers each at most ("
+        + ", ".join(f"{label}: {n} layers" for label, n in kinds.items())
+        + f"), {layout.bytes_per_block} bytes a block ({what}, {layout.dtype}); a prompt "
+        f"token costs {full * per_token} bytes in the full-attention groups, each other group "
+        "holds its window's or chunk's last tokens only"
     )
