@@ -2,14 +2,16 @@
 (one full layer, two layers with a 12-token window: three KV groups) to a decode node over tcp
 and shm, and with a prefill node of two tensor-parallel ranks; every stream equals the offline
 engine's (which equals transformers', test_windowed_models.py), the decode node receives only the
-blocks its windowed layers will read, and every block comes back."""
+blocks its windowed layers will read, a chat's second turn reuses the first turn's blocks of
+every group there, and every block comes back."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from local_cluster import Cluster
+from local_cluster import Cluster, complete
+from local_cluster import random_tokens as tokens
 from test_cluster import expected_outputs, make_prompts
 from test_tp_cluster import complete_all
 
@@ -19,6 +21,7 @@ from pdserve.engine import LLM, SamplingParams
 pytestmark = pytest.mark.cluster
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+LONGER = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BLOCK_SIZE, WINDOW, WINDOWED_GROUPS = 8, 12, 2
 
 
@@ -73,3 +76,50 @@ def test_streams_equal_offline_and_only_the_windows_blocks_move(served):
         line = f'pdserve_kv_transfer_bytes_total{{direction="{direction}",node="{node_id}"}}'
         (value,) = [ln.split()[-1] for ln in text.splitlines() if ln.startswith(line)]
         assert float(value) == moved * block_bytes
+
+
+def test_a_second_turn_reuses_every_groups_blocks_on_the_decode_node(checkpoint_dir):
+    model = str(checkpoint_dir("qwen2_sliding"))
+    offline = LLM(model, num_kv_blocks=1024, block_size=BLOCK_SIZE, device="cpu")
+    turn1 = tokens(29, seed=1)
+    (answer1,) = [o.token_ids for o in offline.generate([turn1], LONGER)]
+    turn2 = turn1 + answer1 + tokens(13, seed=2)  # 58 tokens: 7 full blocks and a partial one
+    (answer2,) = [o.token_ids for o in offline.generate([turn2], LONGER)]
+    with Cluster(1, 1, model=model, num_kv_blocks=160, block_size=BLOCK_SIZE) as cluster:
+        assert complete(cluster, turn1, LONGER) == answer1
+        first = blocks_moved(len(turn1))[0]
+        cluster.wait_for_report("decode-0", lambda n: n.kv_blocks_received == first, "turn 1")
+        assert complete(cluster, turn2, LONGER) == answer2
+        # Turn 1's 44 tokens of KV left 5 full blocks in every group, and each windowed
+        # group's last window (tokens 29..40 before the hit's end) among them: 5 reused; the
+        # full group receives blocks 5..7, each windowed group the same 3 (its window from 47).
+        node = cluster.wait_for_report(
+            "decode-0", lambda n: n.kv_blocks_reused == 5, "turn 2's reused blocks"
+        )
+        assert node.kv_blocks_received == first + 3 + WINDOWED_GROUPS * 3
+        cluster.wait_until_idle()
+
+
+@pytest.mark.parametrize("family", ["qwen2_sliding", "mistral_sliding"])
+def test_pdserve_serve_answers_over_http_with_transformers_greedy_text(
+    family, checkpoint_dir, tmp_path
+):
+    """`pdserve serve DIR` (a prefill node, a decode node, tcp): a completion of a prompt
+    several windows long is the text of transformers' greedy tokens."""
+    import httpx
+    from checkpoints import hf_greedy
+    from conftest import random_prompts
+
+    from pdserve.tune.local_server import PdserveServer, PdserveSystem
+
+    model_dir = checkpoint_dir(family)
+    prompts = random_prompts(9, [40, 75])
+    expected = hf_greedy(model_dir, prompts, 10)
+    tokenizer = LLM(str(model_dir), num_kv_blocks=16, device="cpu").tokenizer
+    system = PdserveSystem(family, flags=("--insecure",))
+    with PdserveServer(system, tmp_path, str(model_dir)) as server:
+        for prompt, tokens_out in zip(prompts, expected, strict=True):
+            body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == tokenizer.decode(tokens_out)
