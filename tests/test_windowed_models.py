@@ -91,3 +91,13 @@ def test_a_windowed_groups_blocks_stay_bounded_while_a_sequence_grows(reference)
     # The window's 12 tokens span at most 4 blocks of 4, plus the one being written.
     assert max(held[1:]) <= 5
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.cluster  # starts the second rank's process
+@pytest.mark.parametrize("family", WINDOWED_FAMILIES)
+def test_tensor_parallel_ranks_give_transformers_tokens(reference, family):
+    model_dir, prompts, expected = reference(family)
+    with LLM(
+        str(model_dir), block_size=4, num_kv_blocks=600, device="cpu", tensor_parallel_size=2
+    ) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
