@@ -107,6 +107,8 @@ class ModelShard:
             why = "compiled steps run on CPU nodes only (CUDA nodes have CUDA graphs)"
         if why is None and self.shard.size > 1:
             why = "compiled steps run without tensor parallelism only"
+        if why is None:
+            why = self.model.eager_only
         if why is not None:
             logger.warning("compile: %s; the model step runs eagerly", why)
             return
@@ -131,6 +133,9 @@ class ModelShard:
             return False
         if self.ops.name != "triton":
             logger.info("decode steps run eagerly: CUDA graphs need the triton kernel backend")
+            return False
+        if self.model.eager_only is not None:
+            logger.info("decode steps run eagerly: %s", self.model.eager_only)
             return False
         return True
 
