@@ -161,8 +161,38 @@ FAMILIES: dict[str, dict] = {
         sliding_window=12,
         tie_word_embeddings=False,
     ),
+    # gpt-oss: attention sinks, sliding (window 8) and full layers alternating, head_dim apart
+    # from hidden / heads, YaRN whose ramp and attention factor change the rotary table, 4
+    # experts top-2 with a clamped SwiGLU whose alpha and limit are not gpt-oss's own (the limit
+    # low enough to clamp often); biases and sinks set random (see build_checkpoint).
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_hidden_layers=4,
+        sliding_window=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        swiglu_alpha=1.3,
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+        },
+        tie_word_embeddings=False,
+    ),
 }
 WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
+# Families whose biases and attention sinks are set random: transformers starts them at zero
+# (the sinks near it), which would test nothing.
+RANDOM_BIASES = ("gpt_oss",)
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
@@ -196,6 +226,8 @@ def build_checkpoint(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+            if family in RANDOM_BIASES and name.endswith(("bias", "sinks")):
+                param.uniform_(-1.0, 1.0)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros would test nothing
                 buffer.uniform_(-0.2, 0.2)

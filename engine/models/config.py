@@ -1,6 +1,7 @@
 """Model architecture read from a Hugging Face `config.json`: the dense Llama, Mistral, Qwen2 and
-Qwen3 families, their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, and DeepSeek-V2 and
-V3 (multi-head latent attention, group-limited routing over many small experts).
+Qwen3 families, their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, DeepSeek-V2 and
+V3 (multi-head latent attention, group-limited routing over many small experts) and gpt-oss
+(attention sinks, alternating windowed and full layers, experts with biases and a clamped SwiGLU).
 
 Anything this engine cannot run exactly is refused here, with the offending field named.
 """
@@ -24,14 +25,24 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "gpt_oss",
 )
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", *DEEPSEEK_MODEL_TYPES)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", *DEEPSEEK_MODEL_TYPES, "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 class UnsupportedModelError(ValueError):
     """A checkpoint uses an architecture or option this engine does not implement."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: the gate clamped above at `limit`, the up projection clamped
+    to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +93,11 @@ class ModelConfig:
     # Each layer's attention kind as the KV cache sees it ("full", "sliding W", "chunked C",
     # `pdserve.engine.kv.layer_kinds`); empty: every layer full attention.
     layer_kinds: tuple[str, ...] = ()
+    # gpt-oss: a learned logit per query head joins every attention softmax's denominator.
+    attention_sinks: bool = False
+    # gpt-oss's experts (None: the gated SiLU of the other families): biases on the expert and
+    # router projections, the router's softmax over its k largest logits, this activation.
+    clamped_swiglu: ClampedSwiGLU | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -151,8 +167,11 @@ class ModelConfig:
                 f"config.json field 'model_type' = {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        if model_type == "gpt_oss":
+            cfg = _gpt_oss_defaults(cfg)
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
+        # gpt-oss's transformers model reads no hidden_act: its experts' activation is fixed.
+        if act != "silu" and model_type != "gpt_oss":
             raise UnsupportedModelError(
                 f"config.json field 'hidden_act' = {act!r} is not supported"
             )
@@ -167,7 +186,8 @@ class ModelConfig:
             )
         # transformers 5 writes `rope_parameters` (theta inside); 4.x `rope_theta` + `rope_scaling`.
         rope_parameters = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+        default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
+        rope_theta = cfg.get("rope_theta", rope_parameters.get("rope_theta", default_theta))
         scaling = cfg.get("rope_scaling") or rope_parameters or None
         field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
         if scaling is not None:
@@ -217,6 +237,12 @@ class ModelConfig:
             **_moe_fields(model_type, cfg),
             **mla,
             layer_kinds=layer_kinds,
+            attention_sinks=model_type == "gpt_oss",
+            clamped_swiglu=(
+                ClampedSwiGLU(float(cfg["swiglu_alpha"]), float(cfg["swiglu_limit"]))
+                if model_type == "gpt_oss"
+                else None
+            ),
         )
 
     @classmethod
@@ -278,6 +304,50 @@ class ModelConfig:
         pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         interpolated = 1.0 / (factor * pos_freqs)
         return interpolated * (1 - extrapolate) + inv * extrapolate
+
+
+# transformers' default rope_theta where a config names none (Llama's 10000 for the others).
+DEFAULT_ROPE_THETA = {"gpt_oss": 150000.0}
+
+
+def _gpt_oss_defaults(cfg: dict) -> dict:
+    """A gpt-oss config with what transformers' GptOssConfig supplies where config.json is
+    silent: its own defaults (not Llama's), layers alternating sliding and full from a sliding
+    first, and YaRN when no rope scaling is named."""
+    cfg = {
+        "num_hidden_layers": 36,
+        "num_local_experts": 128,
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "head_dim": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "sliding_window": 128,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+        **cfg,
+    }
+    if cfg.get("layer_types") is None:
+        cfg["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        cfg["rope_parameters"] = {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        }
+    return cfg
 
 
 # transformers' names of the attention layer kinds in `layer_types`.
@@ -371,6 +441,10 @@ def _moe_fields(model_type: str, cfg: dict) -> dict:
     if model_type == "mixtral":
         num_experts = cfg.get("num_local_experts", 8)
         width, shared, renormalize = cfg["intermediate_size"], 0, True
+        sparse = tuple(range(num_layers))
+    elif model_type == "gpt_oss":  # experts in every layer, as wide as intermediate_size
+        num_experts = cfg["num_local_experts"]
+        width, shared, renormalize = cfg["intermediate_size"], 0, False
         sparse = tuple(range(num_layers))
     elif model_type in DEEPSEEK_MODEL_TYPES:
         num_experts = cfg.get("n_routed_experts") or 0

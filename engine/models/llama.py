@@ -1,8 +1,9 @@
 """The decoder of the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), of
 its mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: the same attention, an MoE MLP in the
-layers their config makes sparse) and of DeepSeek-V2 and V3 (multi-head latent attention,
-`pdserve.engine.models.mla`, and DeepSeek's experts), running attention over the paged KV pool
-and the experts through the kernel op table."""
+layers their config makes sparse), of DeepSeek-V2 and V3 (multi-head latent attention,
+`pdserve.engine.models.mla`, and DeepSeek's experts) and of gpt-oss (attention sinks, its own
+experts in `pdserve.engine.models.gpt_oss`), running attention over the paged KV pool and the
+experts through the kernel op table."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.kv.groups import groups_for
 from pdserve.engine.models.config import ModelConfig
+from pdserve.engine.models.gpt_oss import GptOssMoE
 from pdserve.engine.models.mla import LatentAttention
 from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.models.norm import RMSNorm
@@ -32,6 +34,9 @@ from pdserve.kernels.op_table import Ops
 
 # An expert's projection, by its checkpoint name (Mixtral's block_sparse_moe read as mlp).
 EXPERT_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+# A layer's weight read by the module it belongs to, where that module has a `load` (MLA's
+# attention, gpt-oss's experts): the layer, the module, the name within it.
+MODULE_WEIGHT = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(.+)")
 EXPERT_PROJECTIONS = {
     "gate_proj": "gate",
     "up_proj": "up",
@@ -69,6 +74,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: a learned logit per query head (this rank's) in the softmax's denominator.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
 
     def project(
         self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, ops: Ops
@@ -110,6 +117,7 @@ class Attention(nn.Module):
             self.scale,
             batch.max_query_len,
             **self.mask,
+            sinks=self.sinks,
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -141,7 +149,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         attention = LatentAttention if cfg.is_mla else Attention
         self.self_attn = attention(cfg, layer_index, shard, group)
-        if cfg.is_sparse_layer(layer_index):
+        if cfg.is_sparse_layer(layer_index) and cfg.clamped_swiglu is not None:
+            self.mlp = GptOssMoE(cfg, shard, group)
+        elif cfg.is_sparse_layer(layer_index):
             self.mlp = SparseMoE(cfg, shard, group, MLP)
         else:
             self.mlp = MLP(cfg, shard, group)
@@ -172,6 +182,14 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", self._rotary_table(cfg), persistent=False)
+
+    @property
+    def eager_only(self) -> str | None:
+        """Why a step of this model cannot be captured in a CUDA graph or compiled (one line),
+        or None when it can."""
+        if self.config.clamped_swiglu is not None:
+            return "gpt-oss's experts run in torch, grouping their tokens on the host"
+        return None
 
     @staticmethod
     def _rotary_table(cfg: ModelConfig) -> torch.Tensor:
@@ -274,9 +292,14 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight '{name}' in checkpoint")
             local = local.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
             local = local.replace(".shared_experts.", ".shared_expert.")  # DeepSeek's
-            if cfg.is_mla and ".self_attn." in local:
-                layer, part = local.split(".self_attn.")
-                self.layers[int(layer.split(".")[1])].self_attn.load(part, tensor)
+            loading = self._loading_module(local)
+            if loading is not None:
+                module, weight = loading
+                module.load(weight, tensor)
+                seen.add(name)
+                continue
+            if local.endswith(".self_attn.sinks"):
+                self._load_sinks(tensor, int(local.split(".")[1]))
                 seen.add(name)
                 continue
             if local.endswith(".mlp.gate.e_score_correction_bias"):
@@ -322,6 +345,27 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"missing weight '{missing[0]}' in checkpoint ({len(missing)} missing)"
             )
+
+    def _loading_module(self, local: str) -> tuple[nn.Module, str] | None:
+        """The module that reads this weight itself (MLA's attention, gpt-oss's experts) and the
+        weight's name within it; None where `load_weights` reads it itself."""
+        match = MODULE_WEIGHT.fullmatch(local)
+        if match is None:
+            return None
+        layer, module, part = match.groups()
+        owner = getattr(self.layers[int(layer)], module)
+        return (owner, part) if hasattr(owner, "load") else None
+
+    def _load_sinks(self, tensor: CheckpointTensor, layer: int) -> None:
+        """gpt-oss's sinks, one per query head: this rank's heads'."""
+        num_heads = self.config.num_heads
+        if tuple(tensor.shape) != (num_heads,):
+            raise ValueError(
+                f"weight '{tensor.name}' has shape {tuple(tensor.shape)}, expected {(num_heads,)}"
+            )
+        with torch.no_grad():
+            sinks = self.layers[layer].self_attn.sinks
+            sinks.data.copy_(tensor.read(rows=self.shard.q_heads(num_heads)))
 
     def _load_expert(self, tensor: CheckpointTensor, layer: str, expert: str, proj: str) -> None:
         """Read this rank's columns of one expert's projection into the stacked weights."""
@@ -371,7 +415,10 @@ class LlamaForCausalLM(nn.Module):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-            if cfg.is_sparse_layer(i):
+            mlp = self.layers[i].mlp
+            if hasattr(mlp, "checkpoint_names"):
+                names += mlp.checkpoint_names(p)
+            elif cfg.is_sparse_layer(i):
                 names += self._sparse_mlp_names(p)
             else:
                 names += [p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
@@ -387,6 +434,8 @@ class LlamaForCausalLM(nn.Module):
                 names.append(p + "self_attn.o_proj.bias")
             if cfg.qk_norm:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            if cfg.attention_sinks:
+                names.append(p + "self_attn.sinks")
         return names
 
     def _sparse_mlp_names(self, prefix: str) -> list[str]:

@@ -5,6 +5,9 @@ Mixtral, Qwen2-MoE and Qwen3-MoE (`route`): softmax over the router's logits in 
 largest probabilities, renormalised to sum to one where the family does so (Mixtral always;
 Qwen2-MoE and Qwen3-MoE as their config's `norm_topk_prob` says).
 
+gpt-oss (`route_top_logits`): the k largest logits (its router has a bias), softmaxed among
+themselves.
+
 DeepSeek (`route_grouped`): the experts fall in `n_group` equal groups and a token may only use
 the `topk_group` best groups. V2 scores with softmax and ranks a group by its best score; V3
 scores with sigmoid, adds `e_score_correction_bias` to the scores for choosing (only), and ranks
@@ -31,6 +34,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64), highest weight first:
+    a softmax over each token's k largest logits only."""
+    top, ids = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.softmax(top, dim=-1), ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,15 @@ class CheckpointTensor:
             tensor = self._slice[rows.start : rows.stop, columns.start : columns.stop]
         return tensor.to(dtype or self.dtype)
 
+    def read_along(self, dim: int, part: range) -> torch.Tensor:
+        """The tensor's slices `part` along dimension `dim` (every index of the others), cast
+        to the model's dtype: a rank's columns of a stacked [experts, ...] weight."""
+        index = tuple(
+            slice(part.start, part.stop) if d == dim else slice(None)
+            for d in range(len(self.shape))
+        )
+        return self._slice[index].to(self.dtype)
+
 
 def iter_checkpoint(model_dir: str | Path, dtype: torch.dtype) -> Iterator[CheckpointTensor]:
     """Every tensor of every shard, unread, in file order."""

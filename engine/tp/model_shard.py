@@ -109,6 +109,8 @@ class ModelShard:
             why = "compiled steps run without tensor parallelism only"
         if why is None and self.pool.layout.layer_kinds:
             why = "compiled steps take models of one KV group only (this one mixes layer kinds)"
+        if why is None:
+            why = self.model.eager_only
         if why is not None:
             logger.warning("compile: %s; the model step runs eagerly", why)
             return
@@ -136,6 +138,9 @@ class ModelShard:
             return False
         if self.pool.layout.layer_kinds:
             logger.info("decode steps run eagerly: CUDA graphs take models of one KV group only")
+            return False
+        if self.model.eager_only is not None:
+            logger.info("decode steps run eagerly: %s", self.model.eager_only)
             return False
         return True
 

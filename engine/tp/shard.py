@@ -30,7 +30,8 @@ class TPShard:
         if len(cfg.sparse_layers) < cfg.num_layers:  # a dense MLP somewhere
             fields.append(("intermediate_size", cfg.intermediate_size))
         if cfg.is_moe:
-            name = "intermediate_size" if cfg.model_type == "mixtral" else "moe_intermediate_size"
+            per_expert = cfg.model_type in ("mixtral", "gpt_oss")  # their experts' width
+            name = "intermediate_size" if per_expert else "moe_intermediate_size"
             fields.append((name, cfg.moe_intermediate_size))
         if cfg.shared_expert_intermediate_size:
             fields.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
