@@ -1,6 +1,7 @@
-"""A windowed model served disaggregated, for real: a prefill node hands a Qwen2 checkpoint's KV
-(one full layer, two layers with a 12-token window: three KV groups) to a decode node over tcp
-and shm, and with a prefill node of two tensor-parallel ranks; every stream equals the offline
+"""Windowed models served disaggregated, for real: a prefill node hands a Qwen2 checkpoint's KV
+(one full layer, two layers with a 12-token window: three KV groups), or gpt-oss's (alternating
+8-token windows and full layers, attention sinks, its experts: two groups), to a decode node over
+tcp and shm, and with a prefill node of two tensor-parallel ranks; every stream equals the offline
 engine's (which equals transformers', test_windowed_models.py), the decode node receives only the
 blocks its windowed layers will read, a chat's second turn reuses the first turn's blocks of
 every group there, and every block comes back."""
@@ -22,25 +23,35 @@ pytestmark = pytest.mark.cluster
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LONGER = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-BLOCK_SIZE, WINDOW, WINDOWED_GROUPS = 8, 12, 2
+BLOCK_SIZE = 8
+# (window, windowed groups) of each family's tiny checkpoint (tests/checkpoints.py)
+WINDOWS = {"qwen2_sliding": (12, 2), "gpt_oss": (8, 1)}
+WINDOW, WINDOWED_GROUPS = WINDOWS["qwen2_sliding"]
 
 
-def blocks_moved(prompt_len: int) -> tuple[int, int]:
+def blocks_moved(prompt_len: int, family: str = "qwen2_sliding") -> tuple[int, int]:
     """(blocks a handoff of this prompt moves, blocks it would move were every layer full):
     the full group's every block; each windowed group's from the one holding the first token
-    the decode node's first query reads (position prompt_len - WINDOW + 1)."""
+    the decode node's first query reads (position prompt_len - window + 1)."""
+    window, windowed_groups = WINDOWS[family]
     whole = -(-prompt_len // BLOCK_SIZE)
-    window = whole - max(0, prompt_len - WINDOW + 1) // BLOCK_SIZE
-    return whole + WINDOWED_GROUPS * window, (1 + WINDOWED_GROUPS) * whole
+    last = whole - max(0, prompt_len - window + 1) // BLOCK_SIZE
+    return whole + windowed_groups * last, (1 + windowed_groups) * whole
 
 
-CASES = [("tcp", 1), ("shm", 1), ("tcp", 2)]
+CASES = [
+    ("qwen2_sliding", "tcp", 1),
+    ("qwen2_sliding", "shm", 1),
+    ("qwen2_sliding", "tcp", 2),
+    ("gpt_oss", "shm", 1),
+    ("gpt_oss", "tcp", 2),
+]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{t}-prefill-tp{n}" for t, n in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{t}-prefill-tp{n}" for f, t, n in CASES])
 def served(request, checkpoint_dir):
-    transport, prefill_tp = request.param
-    model = str(checkpoint_dir("qwen2_sliding"))
+    family, transport, prefill_tp = request.param
+    model = str(checkpoint_dir(family))
     with Cluster(
         1,
         1,
@@ -50,17 +61,17 @@ def served(request, checkpoint_dir):
         num_kv_blocks=160,
         block_size=BLOCK_SIZE,
     ) as cluster:
-        yield cluster, LLM(model, num_kv_blocks=1024, block_size=BLOCK_SIZE, device="cpu")
+        yield cluster, LLM(model, num_kv_blocks=1024, block_size=BLOCK_SIZE, device="cpu"), family
 
 
 def test_streams_equal_offline_and_only_the_windows_blocks_move(served):
-    cluster, offline = served
+    cluster, offline, family = served
     prompts = make_prompts(8, seed=37, lo=20, hi=90)  # up to 7 windows long
     expected = expected_outputs(offline, prompts, GREEDY)
     assert asyncio.run(complete_all(cluster.client_addr, prompts, GREEDY)) == expected
     cluster.wait_until_idle()  # every block of both nodes free
-    moved = sum(blocks_moved(len(p))[0] for p in prompts)
-    every_layer_full = sum(blocks_moved(len(p))[1] for p in prompts)
+    moved = sum(blocks_moved(len(p), family)[0] for p in prompts)
+    every_layer_full = sum(blocks_moved(len(p), family)[1] for p in prompts)
     assert moved < every_layer_full
     node = cluster.wait_for_report(
         "decode-0", lambda n: n.kv_blocks_received >= moved, f"{moved} blocks received"
@@ -100,7 +111,7 @@ def test_a_second_turn_reuses_every_groups_blocks_on_the_decode_node(checkpoint_
         cluster.wait_until_idle()
 
 
-@pytest.mark.parametrize("family", ["qwen2_sliding", "mistral_sliding"])
+@pytest.mark.parametrize("family", ["qwen2_sliding", "mistral_sliding", "gpt_oss"])
 def test_pdserve_serve_answers_over_http_with_transformers_greedy_text(
     family, checkpoint_dir, tmp_path
 ):
