@@ -86,6 +86,17 @@ def test_padded_decode_steps_generate_the_same_tokens(options):
     assert run_workload(small) == expected
 
 
+def test_a_windowed_models_padded_decode_steps_generate_the_same_tokens(checkpoint_dir):
+    # Three KV groups (one full layer, two windowed): each has its slots and tables among the
+    # buffers, and the prompts outgrow the 12-token window.
+    options = dict(model=str(checkpoint_dir("qwen2_sliding")))
+    expected = run_workload(make_engine(None, **options))
+    engine = make_engine(8, **options)
+    assert len(engine.runner.decode_graphs.inputs.tables) == 3
+    assert run_workload(engine) == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def decode_batch(slots: list[int], tables: torch.Tensor) -> AttentionBatch:
     """One decode row per slot, one token of context each."""
     n = len(slots)

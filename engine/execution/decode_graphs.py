@@ -7,7 +7,9 @@ those buffers, padded to the smallest captured size that holds it, and replayed 
 
 Padding rows write no KV (slot -1), attend to the first token of whatever block their table row
 names (a read of the pool, never a write) and are dropped before sampling. The buffers' block
-tables are as wide as `max_model_len` needs, so one graph serves every context length.
+tables are as wide as `max_model_len` needs, so one graph serves every context length. A model
+whose layers form several KV groups has a slot mapping and block tables per group among the
+buffers; a windowed layer's kernels read a window's span, whatever the context length.
 """
 
 from __future__ import annotations
@@ -45,14 +47,27 @@ def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
 class DecodeInputs:
     """Static buffers a captured graph reads: one row per sequence, `max_batch_size` rows."""
 
-    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        num_groups: int = 1,
+    ) -> None:
+        """num_groups: the model's KV groups, each with slots and tables of its own."""
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
         rows = max_batch_size
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.slot_mappings = [
+            torch.full((rows,), -1, dtype=torch.long, device=device) for _ in range(num_groups)
+        ]
+        self.tables = [
+            torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
+            for _ in range(num_groups)
+        ]
+        self.slot_mapping, self.block_tables = self.slot_mappings[0], self.tables[0]
         self.seq_lens = torch.ones(rows, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.long, device=device)
 
@@ -64,6 +79,8 @@ class DecodeInputs:
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             max_query_len=1,
+            group_slot_mappings=tuple(s[:size] for s in self.slot_mappings[1:]),
+            group_block_tables=tuple(t[:size] for t in self.tables[1:]),
         )
         return self.input_ids[:size], self.positions[:size], batch
 
@@ -78,14 +95,21 @@ class DecodeInputs:
             raise ValueError(f"{n} rows do not fit a captured size of {size}")
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block tables of {width} blocks exceed {self.max_blocks_per_seq}")
+        if len(batch.group_block_tables) != len(self.tables) - 1:
+            raise ValueError(
+                f"a batch of {1 + len(batch.group_block_tables)} KV groups, buffers of "
+                f"{len(self.tables)}"
+            )
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.seq_lens[:n].copy_(batch.seq_lens)
-        # Columns past `width` keep older ids: attention reads a row only up to its seq_len.
-        self.block_tables[:n, :width].copy_(batch.block_tables)
-        # Rows that held real sequences in an earlier, larger step must not write their slots.
-        self.slot_mapping[n:size].fill_(-1)
+        for g in range(len(self.tables)):
+            slot_mapping, block_tables = batch.group(g)
+            self.slot_mappings[g][:n].copy_(slot_mapping)
+            # Columns past `width` keep older ids: attention reads a row only up to its seq_len.
+            self.tables[g][:n, :width].copy_(block_tables)
+            # Rows that held real sequences in an earlier, larger step must not write slots.
+            self.slot_mappings[g][n:size].fill_(-1)
         self.seq_lens[n:size].fill_(1)
 
 
@@ -109,7 +133,9 @@ class DecodeGraphs:
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_batch_size)
         if self.sizes[-1] > max_batch_size:
             raise ValueError(f"size {self.sizes[-1]} exceeds max_batch_size {max_batch_size}")
-        self.inputs = DecodeInputs(max_batch_size, max_blocks_per_seq, device)
+        self.inputs = DecodeInputs(
+            max_batch_size, max_blocks_per_seq, device, pool.layout.groups.num_groups
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0

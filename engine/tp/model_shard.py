@@ -136,9 +136,6 @@ class ModelShard:
         if self.ops.name != "triton":
             logger.info("decode steps run eagerly: CUDA graphs need the triton kernel backend")
             return False
-        if self.pool.layout.layer_kinds:
-            logger.info("decode steps run eagerly: CUDA graphs take models of one KV group only")
-            return False
         if self.model.eager_only is not None:
             logger.info("decode steps run eagerly: %s", self.model.eager_only)
             return False
