@@ -188,8 +188,47 @@ FAMILIES: dict[str, dict] = {
         },
         tie_word_embeddings=False,
     ),
+    # Gemma 3: 7 layers of 5 sliding to 1 full (seven KV groups), a window of 8, distinct local
+    # and global rope bases (the global layers' scaled), query_pre_attn_scalar apart from head_dim,
+    # head_dim apart from hidden / heads, a hidden size whose square root (the embedding's scale)
+    # is not a round number, a cap on the logits, tied embeddings.
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=48,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=7,
+        sliding_window=8,
+        query_pre_attn_scalar=20,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+        final_logit_softcapping=5.0,
+        tie_word_embeddings=True,
+    ),
+    # The same text model inside Gemma3ForConditionalGeneration (a tiny SigLIP vision tower).
+    "gemma3": dict(
+        model_type="gemma3",
+        text_config="gemma3_text",
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        initializer_range=0.2,
+    ),
 }
 WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
+# Gemma's norms scale by 1 + weight: their weights lie around zero.
+NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}
 # Families whose biases and attention sinks are set random: transformers starts them at zero
 # (the sinks near it), which would test nothing.
 RANDOM_BIASES = ("gpt_oss",)
@@ -218,14 +257,21 @@ def build_checkpoint(
         eos_token_id=1,
         initializer_range=0.2,
     )
-    config = config_cls(**{**sizes, **opts})
+    text = opts.pop("text_config", None)
+    if text is None:
+        config = config_cls(**{**sizes, **opts})
+    else:  # a multimodal wrapper: the sizes are its text model's, that family's config
+        text_opts = dict(FAMILIES[text])
+        text_type = text_opts.pop("model_type")
+        text_config = transformers.AutoConfig.for_model(text_type, **{**sizes, **text_opts})
+        config = config_cls(text_config=text_config, **opts)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     # Norm weights away from one so their use is tested too.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                param.uniform_(*NORM_WEIGHTS.get(family, (0.5, 1.5)))
             if family in RANDOM_BIASES and name.endswith(("bias", "sinks")):
                 param.uniform_(-1.0, 1.0)
         for name, buffer in model.named_buffers():
@@ -239,11 +285,18 @@ def build_checkpoint(
     return out_dir
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generation, one prompt at a time (no padding), float32."""
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    model_class: str = "AutoModelForCausalLM",
+) -> list[list[int]]:
+    """transformers' own greedy generation, one prompt at a time (no padding), float32, by the
+    model loaded as `model_class`."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model_cls = getattr(transformers, model_class)
+    model = model_cls.from_pretrained(model_dir, torch_dtype=torch.float32)
     model.eval()
     # No end-of-sequence token: the engine's side ignores EOS, so the EOS token may be the
     # greedy choice here too (min_new_tokens would forbid it instead).

@@ -1,7 +1,9 @@
 """Model architecture read from a Hugging Face `config.json`: the dense Llama, Mistral, Qwen2 and
 Qwen3 families, their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, DeepSeek-V2 and
-V3 (multi-head latent attention, group-limited routing over many small experts) and gpt-oss
-(attention sinks, alternating windowed and full layers, experts with biases and a clamped SwiGLU).
+V3 (multi-head latent attention, group-limited routing over many small experts), gpt-oss
+(attention sinks, alternating windowed and full layers, experts with biases and a clamped SwiGLU)
+and Gemma 3's text model (`gemma3_text`, and the language model of a multimodal `gemma3`
+checkpoint).
 
 Anything this engine cannot run exactly is refused here, with the offending field named.
 """
@@ -26,7 +28,10 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v2",
     "deepseek_v3",
     "gpt_oss",
+    "gemma3_text",
+    "gemma3",
 )
+GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", *DEEPSEEK_MODEL_TYPES, "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
@@ -98,6 +103,16 @@ class ModelConfig:
     # gpt-oss's experts (None: the gated SiLU of the other families): biases on the expert and
     # router projections, the router's softmax over its k largest logits, this activation.
     clamped_swiglu: ClampedSwiGLU | None = None
+    # Gemma 3: its MLP's activation (GeGLU), query_pre_attn_scalar (what the softmax scale is
+    # 1/sqrt of; 0: head_dim), a tanh cap on the logits (0: none), and the rope of its sliding
+    # layers (`local_rope_layers`): a base and scaling apart from the full layers' rope_theta and
+    # rope_scaling.
+    mlp_activation: str = "silu"
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
+    local_rope_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0
+    local_rope_scaling: dict | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -125,10 +140,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale: 1/sqrt(query-key width), times YaRN's mscale squared for MLA with
-        `mscale_all_dim`, as DeepSeek's attention has it."""
+        """The softmax scale: 1/sqrt(query-key width, or Gemma's query_pre_attn_scalar), times
+        YaRN's mscale squared for MLA with `mscale_all_dim`, as DeepSeek's attention has it."""
         if not self.is_mla:
-            return self.head_dim**-0.5
+            return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
         scaling = self.rope_scaling
         if scaling and scaling["rope_type"] != "default" and scaling.get("mscale_all_dim"):
@@ -169,6 +184,8 @@ class ModelConfig:
             )
         if model_type == "gpt_oss":
             cfg = _gpt_oss_defaults(cfg)
+        if model_type in GEMMA3_MODEL_TYPES:
+            cfg = _gemma3_text_config(cfg)
         act = cfg.get("hidden_act", "silu")
         # gpt-oss's transformers model reads no hidden_act: its experts' activation is fixed.
         if act != "silu" and model_type != "gpt_oss":
@@ -230,7 +247,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=not qwen2_like and bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA3_MODEL_TYPES),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -243,6 +260,7 @@ class ModelConfig:
                 if model_type == "gpt_oss"
                 else None
             ),
+            **_gemma3_fields(model_type, cfg),
         )
 
     @classmethod
@@ -533,4 +551,121 @@ def _deepseek_routing(model_type: str, cfg: dict, num_experts: int, renormalize:
         "topk_group": topk_group,
         "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
         "score_correction_bias": v3,
+    }
+
+
+# Gemma3TextConfig's defaults in transformers 5.24: the text_config of Gemma 3's multimodal
+# checkpoints leaves most fields to them (gemma-3-4b's names neither heads nor head_dim).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "rope_theta": 1_000_000.0,  # the full layers' base
+    "rope_local_base_freq": 10_000.0,  # the sliding layers'
+    "sliding_window_pattern": 6,  # every 6th layer full, where a config has no layer_types
+}
+# A multimodal checkpoint's fields that its top level holds for its text model (transformers
+# ties the LM head by Gemma3Config's tie_word_embeddings, True by default).
+GEMMA3_TOP_LEVEL = ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "quantization_config")
+GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _gemma3_text_config(cfg: dict) -> dict:
+    """A Gemma 3 config as the other families' read: the text model's (a multimodal checkpoint's
+    `text_config`, with what its top level holds for it) over Gemma3TextConfig's defaults, its
+    layer types (from `sliding_window_pattern` where a 4.x config has none), and the full layers'
+    rope as `rope_theta` / `rope_scaling`; the sliding layers' goes in `local_rope`."""
+    model_type = cfg["model_type"]
+    if model_type == "gemma3":
+        text = dict(cfg.get("text_config") or {})
+        text.update({key: cfg[key] for key in GEMMA3_TOP_LEVEL if cfg.get(key) is not None})
+        text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+    else:
+        text = dict(cfg)
+    text = {**GEMMA3_TEXT_DEFAULTS, **text}
+    text["model_type"] = model_type
+    if text.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError(
+            f"config.json field 'attn_logit_softcapping' = {text['attn_logit_softcapping']} is "
+            "not supported: pdserve's attention kernels have no cap on attention scores"
+        )
+    if text.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(
+            "config.json field 'use_bidirectional_attention' = true is not supported: "
+            "pdserve's attention is causal"
+        )
+    num_layers = text["num_hidden_layers"]
+    if text.get("layer_types") is None:
+        pattern = text["sliding_window_pattern"]
+        text["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    others = set(text["layer_types"]) - {"sliding_attention", "full_attention"}
+    if others:
+        raise UnsupportedModelError(
+            f"config.json field 'layer_types' holds {sorted(others)[0]!r}, which Gemma 3 does "
+            "not have (sliding_attention, full_attention)"
+        )
+    # As Gemma3TextConfig.convert_rope_params_to_dict: 5.x's rope_parameters by layer type, or
+    # 4.x's rope_theta with rope_scaling for the full layers, rope_local_base_freq for the others.
+    by_type = text.pop("rope_parameters", None) or {}
+    full = dict(by_type.get("full_attention") or {"rope_type": "default"})
+    full.update(text.pop("rope_scaling", None) or {})
+    full.setdefault("rope_theta", text["rope_theta"])
+    local = dict(by_type.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", text["rope_local_base_freq"])
+    for layer_type, rope in (("full_attention", full), ("sliding_attention", local)):
+        # As standardize_rope_params: a legacy `type` only where no rope_type is set.
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        rope.pop("type", None)
+        if rope["rope_type"] in ("llama3", "yarn"):
+            rope.setdefault("original_max_position_embeddings", text["max_position_embeddings"])
+        if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"config.json field 'rope_parameters.{layer_type}.rope_type' = "
+                f"{rope['rope_type']!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+    text["rope_theta"] = full.pop("rope_theta")
+    text["rope_scaling"] = full
+    text["local_rope"] = local
+    # transformers' Gemma 3 reads hidden_activation; 4.x configs carry a hidden_act beside it.
+    text.pop("hidden_act", None)
+    return text
+
+
+def _gemma3_fields(model_type: str, cfg: dict) -> dict:
+    """Gemma 3's fields of a config made by `_gemma3_text_config` ({} for other families)."""
+    if model_type not in GEMMA3_MODEL_TYPES:
+        return {}
+    activation = cfg["hidden_activation"]
+    if activation not in GEMMA3_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"config.json field 'hidden_activation' = {activation!r} is not supported "
+            f"(supported: {', '.join(GEMMA3_ACTIVATIONS)})"
+        )
+    local = dict(cfg["local_rope"])
+    return {
+        "mlp_activation": activation,
+        "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"]),
+        "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+        "local_rope_layers": tuple(
+            i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention"
+        ),
+        "local_rope_theta": float(local.pop("rope_theta")),
+        "local_rope_scaling": local,
     }

@@ -200,6 +200,11 @@ class LlamaForCausalLM(nn.Module):
         factor = cfg.rotary_attention_factor()  # YaRN's; 1.0 for every other rotary type
         return table if factor == 1.0 else table * factor
 
+    def make_tables(self, device: str | torch.device) -> None:
+        """Compute the model's constant tables on `device` once its parameters are there in
+        their dtype: a model built on the meta device holds none."""
+        self.cos_sin = self._rotary_table(self.config).to(device)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -8,10 +8,17 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.models.config import ModelConfig
+from pdserve.engine.models.gemma3 import Gemma3ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.weights import iter_checkpoint
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
+
+# The module of each model_type that is not LlamaForCausalLM's.
+FAMILIES: dict[str, type[LlamaForCausalLM]] = {
+    "gemma3_text": Gemma3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
 
 
 def build_model(
@@ -25,13 +32,13 @@ def build_model(
     (the rotary table in float32), ready for `load_weights` or, in benchmarks, random values."""
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, shard, group)
+        model = FAMILIES.get(cfg.model_type, LlamaForCausalLM)(cfg, shard, group)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.to(torch_dtype)
     model.float32_router_biases()
-    model.cos_sin = LlamaForCausalLM._rotary_table(cfg).to(device)
+    model.make_tables(device)
     return model.eval()
 
 
