@@ -25,7 +25,13 @@ import time
 from pathlib import Path
 
 from pdserve import SOURCE_ROOT
-from pdserve.bench.offline_throughput import blocks_for, make_workload, model_config, write_model
+from pdserve.bench.offline_throughput import (
+    blocks_for,
+    kv_manager,
+    make_workload,
+    model_config,
+    write_model,
+)
 from pdserve.bench.peers.models import num_parameters
 from pdserve.tune import provenance
 
@@ -68,7 +74,10 @@ def child(spec: dict) -> dict:
     start_build = time.perf_counter()
     llm = LLM(
         spec["model_dir"],
-        num_kv_blocks=blocks_for(workload, 16),
+        num_kv_blocks=blocks_for(
+            [len(r.prompt) + r.output_len for r in workload],
+            kv_manager(Path(spec["model_dir"]), 16),
+        ),
         dtype="float32",
         device="cpu",
         enable_prefix_caching=False,

@@ -7,6 +7,11 @@ segment (shm), a device-to-device copy (cuda_ipc).
     .venv/bin/python -m pdserve.bench.kv_transfer                       # tcp and shm, 1..256 blocks
     .venv/bin/python -m pdserve.bench.kv_transfer --max-blocks 1024 --transports shm
     .venv/bin/python -m pdserve.bench.kv_transfer --transports tcp --security none curve auth-only
+    .venv/bin/python -m pdserve.bench.kv_transfer --model DIR             # that model's layout
+
+--model takes a checkpoint directory (or its config.json): its KV layout instead of Llama-3-8B's,
+bfloat16 (--dtype), every KV head; a model whose layers mix kinds (sliding windows, chunked
+attention) has a block of a page per slot of its largest KV group (`engine.kv.groups`).
 
 --security runs one receiver per mode side by side in the same rounds: none (a cluster run
 --insecure), curve (the default: the cluster keys, pages encrypted with CurveZMQ) and auth-only
@@ -125,8 +130,8 @@ class RawMemcpy:
     """One memcpy (numpy's, on this thread) of a contiguous buffer into the receiver's shared
     segment, mapped here too."""
 
-    def __init__(self, info: dict, max_bytes: int) -> None:
-        pool = map_pool(info["shm_path"], LLAMA3_8B, info["num_blocks"])
+    def __init__(self, info: dict, max_bytes: int, layout: KVLayout) -> None:
+        pool = map_pool(info["shm_path"], layout, info["num_blocks"])
         self.dst = pool.view(-1).view(torch.uint8).numpy()
         self.src = torch.empty(max_bytes, dtype=torch.uint8)
         self.src.random_(0, 255)
@@ -194,6 +199,18 @@ def available_transports() -> list[str]:
         if torch.cuda.device_count() >= 2:
             names.append("nccl")
     return names
+
+
+def model_layout(model: str, dtype: str) -> KVLayout:
+    """A checkpoint's KV layout (its directory or config.json): every KV head, 16-token blocks,
+    its layers' kinds where they mix."""
+    from pathlib import Path
+
+    from pdserve.engine.models.config import ModelConfig
+
+    path = Path(model)
+    config = path.parent if path.name == "config.json" else path
+    return KVLayout.for_model(ModelConfig.from_pretrained(config), 16, dtype)
 
 
 def bytes_per_token(layout: KVLayout) -> int:
@@ -572,6 +589,10 @@ def main(argv: list[str] | None = None) -> None:
         "--tokens", type=int, default=PROMPT_TOKENS, help="--mla-compare: the prompt's tokens"
     )
     ap.add_argument(
+        "--model", default=None, help="a checkpoint directory: its KV layout, not Llama-3-8B's"
+    )
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument(
         "--json", "--out", dest="json", default=None, help="also write the results here"
     )
     args = ap.parse_args(argv)
@@ -584,7 +605,8 @@ def main(argv: list[str] | None = None) -> None:
     record = provenance.start([__file__, *argv])
     record["machine"]["zmq"] = f"{zmq.pyzmq_version()} / libzmq {zmq.zmq_version()}"
     max_blocks = max(sweep)
-    block = LLAMA3_8B.bytes_per_block
+    layout = model_layout(args.model, args.dtype) if args.model else LLAMA3_8B
+    block = layout.bytes_per_block
     nbytes_list = [n * block for n in sweep]
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -598,14 +620,14 @@ def main(argv: list[str] | None = None) -> None:
     securities = list(variants)  # the variants' labels, the first the baseline
     side_by_side = len(securities) > 1
     print(f"# {record['command']}")
-    print(f"# layout {LLAMA3_8B.to_dict()}, {block / 2**20:.0f} MiB per block")
+    print(f"# layout {layout.to_dict()}, {block / 2**20:.3g} MiB per block")
     chunk_bytes = int(args.chunk_mib * 2**20)
     rows = []
     for transport in transports:
         device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
         benches = {
             label: TransferProbe(
-                transport, LLAMA3_8B, max_blocks, device, chunk_bytes, security, integrity
+                transport, layout, max_blocks, device, chunk_bytes, security, integrity
             )
             for label, (security, integrity) in variants.items()
         }
@@ -621,7 +643,7 @@ def main(argv: list[str] | None = None) -> None:
             if side_by_side:  # the baseline with the transfer's own message sizes
                 raws = dict(list(raws.items())[1:])
         elif transport == "shm":
-            raw = RawMemcpy(info, max(nbytes_list))
+            raw = RawMemcpy(info, max(nbytes_list), layout)
             raws = {"memcpy": raw.run}
         elif transport == "cuda_ipc":
             raw = RawDeviceCopy(device, max(nbytes_list))
@@ -673,7 +695,8 @@ def main(argv: list[str] | None = None) -> None:
             "chunk_mib": args.chunk_mib,
             "security": list(dict.fromkeys(args.security)),
             "integrity": integrities,
-            "layout": LLAMA3_8B.to_dict(),
+            "layout": layout.to_dict(),
+            **({"model": args.model} if args.model else {}),
         },
         "rows": rows,
     }

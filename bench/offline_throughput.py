@@ -36,6 +36,9 @@ from pdserve.bench.peers.competing_load import CompetingLoad
 from pdserve.bench.peers.protocol import RoundRequest, RoundResult, machine_cpu_seconds
 from pdserve.bench.peers.rounds import summary, table
 from pdserve.bench.peers.variants import DEFAULT_LABEL, parse_variants
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.tune import provenance
 
 SYSTEMS = ("hf", "static", "continuous")
@@ -289,9 +292,19 @@ def make_llm(
     )
 
 
-def blocks_for(workload: list[Request], block_size: int) -> int:
-    """Enough KV blocks for every request to run at once: no preemption in either policy."""
-    return sum(-(-(len(r.prompt) + r.output_len) // block_size) for r in workload) + 16
+def kv_manager(model_dir: Path, block_size: int) -> KVCacheManager:
+    """A KV manager of the model's KV groups (one, unless its layers mix kinds), for its count of
+    a sequence's blocks; the one-block pool under it is never used."""
+    from pdserve.engine.models.config import ModelConfig
+
+    layout = KVLayout.for_model(ModelConfig.from_pretrained(model_dir), block_size, "float32")
+    return KVCacheManager(BlockManager(1, block_size), layout.groups)
+
+
+def blocks_for(lengths: list[int], kv: KVCacheManager) -> int:
+    """Enough KV blocks for sequences of these lengths to be held at once, each computed in one
+    chunk (every block of every KV group): no preemption in either policy."""
+    return sum(kv.peak_blocks(n, n) for n in lengths) + 16
 
 
 def run_pdserve(
@@ -305,7 +318,8 @@ def run_pdserve(
 ) -> SystemResult:
     from pdserve.engine import SamplingParams
 
-    num_blocks = blocks_for(workload, block_size)
+    lengths = [len(r.prompt) + r.output_len for r in workload]
+    num_blocks = blocks_for(lengths, kv_manager(model_dir, block_size))
     llm = make_llm(model_dir, policy, max_num_seqs, num_blocks, block_size, engine_options)
     engine = llm.engine
     timer = StepTimer(engine)
@@ -351,14 +365,15 @@ def profile_decode_steps(
     rng = random.Random(seed + 1)
     prompts = [rng.choice(workload).prompt for _ in range(num_seqs)]
     warmup = 2
-    need = sum(-(-(len(p) + num_steps + warmup + 1) // block_size) for p in prompts) + 16
+    lengths = [len(p) + num_steps + warmup + 1 for p in prompts]
+    need = blocks_for(lengths, kv_manager(model_dir, block_size))
     llm = make_llm(model_dir, "continuous", num_seqs, need, block_size)
     engine = llm.engine
     params = SamplingParams(max_tokens=num_steps + warmup + 1, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        seq = Sequence(f"decode-{i}", prompt + [rng.randrange(4, 1000)], params)
-        seq.block_table = []
-        if not engine.block_manager.allocate_slots(seq.block_table, len(prompt), 0):
+        seq = Sequence(f"decode-{i}", prompt + [rng.randrange(4, engine.vocab_size)], params)
+        # Its prompt's KV taken in as a handoff's: each KV group's blocks its next query reads.
+        if not engine.scheduler.kv.allocate_arriving(seq, len(prompt), 0):
             raise RuntimeError("the KV pool is too small for the decode profile")
         seq.num_computed_tokens = len(prompt)
         engine.seqs[seq.request_id] = seq

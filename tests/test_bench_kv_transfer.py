@@ -138,3 +138,21 @@ def test_integrity_table_puts_each_point_with_and_without_the_digest_on_one_line
 
     table = bench.integrity_table({"rows": [row(True, 3.8, 1.0), row(False, 6.29, 1.67)]})
     assert table.split("\n")[-1] == "| shm | 16 | random | 32 | 3.80 | 6.29 | 167% |"
+
+
+def test_a_windowed_checkpoints_layout_moves_a_page_per_slot_of_its_largest_group(
+    checkpoint_dir, tmp_path
+):
+    # qwen2_sliding: three layers in three KV groups of one, so a block holds one slot's pages.
+    model = checkpoint_dir("qwen2_sliding")
+    layout = bench.model_layout(str(model), "bfloat16")
+    assert layout.layer_kinds == ("full", "sliding 12", "sliding 12") and layout.num_slots == 1
+    assert bench.model_layout(str(model / "config.json"), "bfloat16") == layout
+    out = tmp_path / "windowed.json"
+    argv = ["--model", str(model), "--transports", "tcp", "--blocks", "4", "--repeats", "1"]
+    bench.main([*argv, "--patterns", "contiguous", "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert KVLayout.from_dict(results["settings"]["layout"]) == layout
+    (row, *_) = results["rows"]
+    assert row["MiB"] * 2**20 == 4 * layout.bytes_per_block == 4 * 2 * 16 * 2 * 16 * 2
+    assert row["GB/s"] > 0

@@ -27,3 +27,22 @@ def test_a_tiny_run_records_its_run_and_prints_the_docs_table(tmp_path, capsys):
     assert "continuous / static = " in table
     steps = offline_throughput.step_loop_table(results)
     assert steps.startswith("| at 4 decoding sequences") and "| schedule |" in steps
+
+
+def test_a_windowed_checkpoint_runs_with_room_in_every_kv_group(checkpoint_dir, tmp_path):
+    # qwen2_sliding: one full layer and two of a 12-token window, three KV groups.
+    model = checkpoint_dir("qwen2_sliding")
+    kv = offline_throughput.kv_manager(model, 16)
+    assert kv.num_groups == 3
+    assert offline_throughput.blocks_for([40, 7], kv) == 3 * 3 + 3 * 1 + 16
+    out = tmp_path / "windowed.json"
+    argv = ["--model", str(model), "--systems", "static,continuous", "--num-requests", "4"]
+    argv += ["--min-prompt-len", "20", "--max-prompt-len", "40", "--min-output-len", "4"]
+    argv += ["--max-output-len", "20", "--hf-batch-size", "2", "--no-progress"]
+    argv += ["--profile-seqs", "3", "--profile-steps", "2", "--json-out", str(out)]
+    offline_throughput.main(argv)
+    results = json.loads(out.read_text())
+    assert results["model"]["layer_types"] == ["full_attention", *["sliding_attention"] * 2]
+    for system in ("static", "continuous"):
+        assert results["results"][system]["output_tokens"] == results["workload"]["output_tokens"]
+    assert results["decode_profile"]["num_seqs"] == 3

@@ -15,7 +15,7 @@ from pdserve.cluster.block_hash import hash_block_tokens
 from pdserve.cluster.sampling_params import SamplingParams
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.groups import KVGroups, groups_for
-from pdserve.engine.kv.kv_manager import FREED, KVCacheManager
+from pdserve.engine.kv.kv_manager import FREED, KVCacheManager, handoff_blocks
 from pdserve.engine.kv.layer_kinds import ChunkedLocal, FullAttention, SlidingWindow, parse_kind
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
@@ -260,3 +260,18 @@ def test_the_scheduler_frees_a_windowed_groups_old_blocks_as_decoding_goes_on():
     assert sum(b != FREED for b in window) <= 4
     scheduler.abort(seq.request_id)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("kinds", [[W8, FULL], [ChunkedLocal(16), FULL, ChunkedLocal(16)], [W8]])
+def test_handoff_size_is_what_a_prefill_sends_and_allocate_arriving_reserves(kinds):
+    groups = KVGroups.for_layers(kinds)
+    for n in (1, 7, 8, 9, 16, 33, 40, 47, 48, 100):
+        prefill = KVCacheManager(BlockManager(200, 4), groups)
+        seq = seq_of(list(range(n)))
+        grow(prefill, seq, 1)  # the prompt computed in one step, its unread blocks given back
+        sent = handoff_blocks(seq.block_tables, 0)
+        decode = KVCacheManager(BlockManager(200, 4), groups)
+        arriving = seq_of(list(range(n)))
+        assert decode.allocate_arriving(arriving, n, 0)
+        reserved = handoff_blocks(arriving.block_tables, 0)
+        assert prefill.handoff_size(n) == len(sent) == len(reserved), n

@@ -11,7 +11,12 @@ pdserve runs for prefill chunks and decodes alike (`pdserve.engine.models.mla`):
 no-rotary part is multiplied into latent space and its output back out (kv_b_proj's two halves,
 once per query token), and attention is multi-query attention over the latent. A tensor-parallel
 group splits the query heads and holds the latent, and the down-projections that make it, whole
-on every rank (`kv_replicas`, `replicated_params`)."""
+on every rank (`kv_replicas`, `replicated_params`).
+
+Layers that keep different state (`layer_kinds`: full attention, a sliding window, chunked local
+attention) form KV groups as a node's pool does (`pdserve.engine.kv.groups`): a long prompt costs
+the KV of its full-attention layers per token and at most a window (and a chunk) in each other
+layer, and the blocks a sequence holds or a handoff moves are those the KV manager counts."""
 
 from __future__ import annotations
 
@@ -20,7 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.engine.embedded.catalog import EMBEDDED, resolve_model_dir
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVLayout
+from pdserve.engine.kv.groups import KVGroups, groups_for
+from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -53,6 +61,9 @@ class ModelShape:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # Each layer's attention kind as the KV cache sees it ("full", "sliding W", "chunked C";
+    # ModelConfig.layer_kinds); empty: every layer full attention.
+    layer_kinds: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
@@ -67,6 +78,7 @@ class ModelShape:
             kv_lora_rank=cfg.kv_lora_rank,
             qk_nope_head_dim=cfg.qk_nope_head_dim,
             v_head_dim=cfg.v_head_dim,
+            layer_kinds=cfg.layer_kinds,
             name=name,
             num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size,
@@ -87,7 +99,10 @@ class ModelShape:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelShape:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if "layer_kinds" in fields:  # a JSON list
+            fields["layer_kinds"] = tuple(fields["layer_kinds"])
+        return cls(**fields)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +142,23 @@ class ModelShape:
             self.cache_head_dim,
             dtype,
             self.cache_planes,
+            self.layer_kinds,
         )
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        """The layers' KV groups: one of every layer unless the model mixes layer kinds."""
+        return groups_for(self.num_layers, self.layer_kinds)
+
+    def kv_manager(self, block_size: int) -> KVCacheManager:
+        """A KV manager of this shape's groups, for its count of one sequence's blocks
+        (`peak_blocks`, `handoff_size`); the one-block pool under it is never used."""
+        return KVCacheManager(BlockManager(1, block_size), self.kv_groups)
+
+    @property
+    def num_full_layers(self) -> int:
+        """Layers whose queries read every earlier token."""
+        return sum(1 for kind in self.kv_groups.kinds if kind.reach is None)
 
     def kv_replicas(self, gpus: int) -> int:
         """Copies of every cached head a tensor-parallel group of `gpus` holds: 1 where the KV
@@ -214,14 +245,39 @@ class ModelShape:
     def weight_bytes(self, dtype: str) -> int:
         return self.num_params * DTYPE_BYTES[dtype]
 
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        """One token's cache across all layers, one copy (what a handoff moves): K and V of
-        every KV head, or MLA's latent (kv_lora_rank + qk_rope_head_dim)."""
+    def kv_bytes_per_layer_token(self, dtype: str) -> int:
+        """One token's cache in one layer, one copy: K and V of every KV head, or MLA's latent
+        (kv_lora_rank + qk_rope_head_dim)."""
         width = self.cache_planes * self.cache_heads * self.cache_head_dim
-        return self.num_layers * width * DTYPE_BYTES[dtype]
+        return width * DTYPE_BYTES[dtype]
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """What one more token of a long context adds to the cache, one copy: its KV in every
+        full-attention layer (every layer, unless the model mixes kinds); a windowed or chunked
+        layer holds at most its reach and a chunk, whatever the length (`kv_window_bytes`)."""
+        return self.num_full_layers * self.kv_bytes_per_layer_token(dtype)
+
+    def kv_window_bytes(self, dtype: str) -> int:
+        """The most one sequence's windowed and chunked layers read in a decode step, one copy:
+        each such layer's reach and the query's own token."""
+        reach = sum(k.reach + 1 for k in self.kv_groups.kinds if k.reach is not None)
+        return reach * self.kv_bytes_per_layer_token(dtype)
 
     def kv_bytes_per_block(self, block_size: int, dtype: str) -> int:
-        return block_size * self.kv_bytes_per_token(dtype)
+        """One block of a node's pool, one copy: a page of each of its slots (a layer each; the
+        largest group's layers where the model mixes kinds)."""
+        return self.kv_layout(block_size, dtype).bytes_per_block
+
+    def kv_blocks_held(self, num_tokens: int, block_size: int, max_chunk: int = 1) -> int:
+        """The most blocks one sequence of num_tokens holds at once, computed in chunks of at
+        most max_chunk tokens (1: decoding), as the KV manager counts them (`peak_blocks`)."""
+        return self.kv_manager(block_size).peak_blocks(num_tokens, max_chunk)
+
+    def kv_handoff_bytes(self, num_tokens: int, block_size: int, dtype: str) -> int:
+        """What the handoff of a prompt of num_tokens moves, one copy: the blocks each group's
+        next query reads (every block of a full group), whole blocks of the pool."""
+        blocks = self.kv_manager(block_size).handoff_size(num_tokens)
+        return blocks * self.kv_bytes_per_block(block_size, dtype)
 
     # --- work -----------------------------------------------------------------------------------
 

@@ -98,9 +98,12 @@ def roofline_step(
     computes: MLA's latent KV and down-projections, KV heads that ranks share, the router."""
     flop_s, byte_s = 1.0 / (tflops * 1e12), 1.0 / (gbps * 1e9)
     replicated = model.replicated_params(gpus)
+    # A context token costs the KV of the full-attention layers; a windowed or chunked layer
+    # reads at most its reach a sequence, counted whole with each sequence of the step.
+    window_s = model.kv_window_bytes(dtype) * model.kv_replicas(gpus) * byte_s
     return StepTimeModel(
         base_s=overhead_s,
-        per_seq_s=per_seq_s,
+        per_seq_s=per_seq_s + window_s,
         per_token_s=(model.flops_per_token + 2.0 * replicated) * flop_s,
         per_pair_s=model.flops_per_attention_pair * flop_s,
         per_row_s=model.flops_per_logits_row * flop_s,
@@ -171,7 +174,7 @@ def roofline_profile(
     groups, left_out = [], []
     for g in sorted(set(tp_sizes)):
         group = group_model(model, d, g, dtype, block_size, a)
-        if group.kv_blocks * block_size >= model.max_position_embeddings:
+        if group.kv_blocks >= model.kv_blocks_held(model.max_position_embeddings, block_size):
             groups.append(group)
         else:
             left_out.append(g)

@@ -189,14 +189,17 @@ def throughput_bound(profile: Profile, d: Deployment, workload: Workload, slo: S
         prefill_s = step.time(StepShape.prefill(per_step, length)) / per_step
     step = decode_profile.step
     context = prompt + output / 2
-    fits = decode_profile.kv_blocks * profile.block_size // max(1, round(context + output / 2))
+    # Sequences of the mean prompt and output that the decode pool holds, each its blocks in
+    # every KV group (a window's only, in a windowed or chunked one).
+    held = profile.model.kv_blocks_held(max(1, round(prompt + output)), profile.block_size)
+    fits = decode_profile.kv_blocks // held
     batch = max(1, min(d.max_num_seqs, fits))
     while batch > 1 and step.time(StepShape.decode(batch, round(context))) > slo.tpot_s:
         batch = max(1, batch * 3 // 4)
     decode_s = step.time(StepShape.decode(batch, round(context))) / batch  # one token's share
     if d.colocated:
         return d.decode / (prefill_s + output * decode_s)
-    kv_bytes = -(-length // profile.block_size) * profile.kv_bytes_per_block
+    kv_bytes = profile.model.kv_handoff_bytes(length, profile.block_size, profile.dtype)
     transfer_s = prefill_profile.transfer.wire_time(kv_bytes)
     return min(d.prefill / max(prefill_s, transfer_s), d.decode / (output * decode_s))
 
