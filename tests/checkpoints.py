@@ -226,6 +226,46 @@ FAMILIES: dict[str, dict] = {
         initializer_range=0.2,
     ),
 }
+# Llama 4's text model: 3 chunked rotary layers (chunks of 8) and a NoPE full-attention one
+# (no_rope_layer_interval 4), the QK L2 norm, a temperature that changes every 4 positions
+# (floor_scale 4; attn_scale 0.5, enough to change tokens), dense layers (intermediate_size_mlp)
+# between sparse ones (4 experts top-1 and a shared expert, intermediate_size wide), head_dim
+# apart from hidden / heads.
+LLAMA4_TEXT = dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    num_hidden_layers=4,
+    no_rope_layer_interval=4,
+    attention_chunk_size=8,
+    use_qk_norm=True,
+    attn_temperature_tuning=True,
+    floor_scale=4,
+    attn_scale=0.5,
+    interleave_moe_layer_step=2,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    intermediate_size=48,
+    intermediate_size_mlp=96,
+    tie_word_embeddings=False,
+)
+FAMILIES["llama4_text"] = dict(model_type="llama4_text", **LLAMA4_TEXT)
+# Llama4ForConditionalGeneration: that text model beside a tiny vision tower and projector.
+FAMILIES["llama4"] = dict(
+    model_type="llama4",
+    text_config=LLAMA4_TEXT,
+    vision_config=dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vision_output_dim=32,
+        image_size=28,
+        patch_size=14,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    ),
+)
 WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
 # Gemma's norms scale by 1 + weight: their weights lie around zero.
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}
@@ -258,15 +298,20 @@ def build_checkpoint(
         initializer_range=0.2,
     )
     text = opts.pop("text_config", None)
+    auto_class = transformers.AutoModelForCausalLM
     if text is None:
         config = config_cls(**{**sizes, **opts})
-    else:  # a multimodal wrapper: the sizes are its text model's, that family's config
-        text_opts = dict(FAMILIES[text])
-        text_type = text_opts.pop("model_type")
-        text_config = transformers.AutoConfig.for_model(text_type, **{**sizes, **text_opts})
-        config = config_cls(text_config=text_config, **opts)
+    else:  # a multimodal wrapper: the sizes are its text model's
+        if isinstance(text, str):  # another family's config
+            text_opts = dict(FAMILIES[text])
+            text_type = text_opts.pop("model_type")
+            text = transformers.AutoConfig.for_model(text_type, **{**sizes, **text_opts})
+        else:
+            text = {**sizes, **text}
+        config = config_cls(text_config=text, **opts)
+        auto_class = transformers.AutoModelForImageTextToText
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = auto_class.from_config(config, torch_dtype=torch.float32)
     # Norm weights away from one so their use is tested too.
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -297,6 +342,15 @@ def hf_greedy(
 
     model_cls = getattr(transformers, model_class)
     model = model_cls.from_pretrained(model_dir, torch_dtype=torch.float32)
+    return hf_model_greedy(model, prompts, max_new_tokens)
+
+
+def hf_model_greedy(
+    model,  # noqa: ANN001 (a transformers model)
+    prompts: list[list[int]],
+    max_new_tokens: int,
+) -> list[list[int]]:
+    """Greedy generation by a loaded transformers model, one prompt at a time (no padding)."""
     model.eval()
     # No end-of-sequence token: the engine's side ignores EOS, so the EOS token may be the
     # greedy choice here too (min_new_tokens would forbid it instead).

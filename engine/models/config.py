@@ -1,9 +1,9 @@
 """Model architecture read from a Hugging Face `config.json`: the dense Llama, Mistral, Qwen2 and
 Qwen3 families, their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, DeepSeek-V2 and
 V3 (multi-head latent attention, group-limited routing over many small experts), gpt-oss
-(attention sinks, alternating windowed and full layers, experts with biases and a clamped SwiGLU)
-and Gemma 3's text model (`gemma3_text`, and the language model of a multimodal `gemma3`
-checkpoint).
+(attention sinks, alternating windowed and full layers, experts with biases and a clamped SwiGLU),
+Gemma 3's text model (`gemma3_text`, and the language model of a multimodal `gemma3`
+checkpoint) and Llama 4's (chunked local and NoPE layers, interleaved dense and sparse layers).
 
 Anything this engine cannot run exactly is refused here, with the offending field named.
 """
@@ -27,13 +27,22 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "llama4_text",
+    "llama4",  # Llama4ForConditionalGeneration: its text model only
     "gpt_oss",
     "gemma3_text",
     "gemma3",
 )
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", *DEEPSEEK_MODEL_TYPES, "gpt_oss")
+MOE_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    *DEEPSEEK_MODEL_TYPES,
+    "gpt_oss",
+    "llama4_text",
+)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
@@ -48,6 +57,20 @@ class ClampedSwiGLU:
 
     alpha: float
     limit: float
+
+
+@dataclass(frozen=True, slots=True)
+class Llama4Attention:
+    """What Llama 4's attention does to q and k beyond Llama's: rotary (its pairs interleaved,
+    (2i, 2i + 1)) only on the layers `rope_layers` marks, then on those an L2 norm of each head
+    (`qk_l2_norm`); on the others (NoPE) q scaled by 1 + attn_scale * log1p(floor((position + 1)
+    / floor_scale)) where `temperature_tuning`."""
+
+    rope_layers: tuple[bool, ...]
+    qk_l2_norm: bool
+    temperature_tuning: bool
+    floor_scale: float
+    attn_scale: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +121,11 @@ class ModelConfig:
     # Each layer's attention kind as the KV cache sees it ("full", "sliding W", "chunked C",
     # `pdserve.engine.kv.layer_kinds`); empty: every layer full attention.
     layer_kinds: tuple[str, ...] = ()
+    # Llama 4 (None for every other family); its MoE layers are `llama4.Llama4MoE`'s.
+    llama4: Llama4Attention | None = None
+    # A multimodal checkpoint's prefix of its text model's weights ("language_model."); weights
+    # outside it (the vision tower, the projector) are not read.
+    weights_prefix: str = ""
     # gpt-oss: a learned logit per query head joins every attention softmax's denominator.
     attention_sinks: bool = False
     # gpt-oss's experts (None: the gated SiLU of the other families): biases on the expert and
@@ -182,6 +210,12 @@ class ModelConfig:
                 f"config.json field 'model_type' = {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        weights_prefix = ""
+        if model_type == "llama4":  # the multimodal checkpoint: its text model
+            cfg, model_type = _llama4_text_config(cfg), "llama4_text"
+            weights_prefix = "language_model."
+        if model_type == "llama4_text":
+            cfg = _llama4_defaults(cfg)
         if model_type == "gpt_oss":
             cfg = _gpt_oss_defaults(cfg)
         if model_type in GEMMA3_MODEL_TYPES:
@@ -235,7 +269,10 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # Llama 4's dense layers are intermediate_size_mlp wide (its experts intermediate_size).
+            intermediate_size=cfg["intermediate_size_mlp"]
+            if model_type == "llama4_text"
+            else cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -254,6 +291,8 @@ class ModelConfig:
             **_moe_fields(model_type, cfg),
             **mla,
             layer_kinds=layer_kinds,
+            llama4=_llama4_attention(cfg) if model_type == "llama4_text" else None,
+            weights_prefix=weights_prefix,
             attention_sinks=model_type == "gpt_oss",
             clamped_swiglu=(
                 ClampedSwiGLU(float(cfg["swiglu_alpha"]), float(cfg["swiglu_limit"]))
@@ -325,7 +364,7 @@ class ModelConfig:
 
 
 # transformers' default rope_theta where a config names none (Llama's 10000 for the others).
-DEFAULT_ROPE_THETA = {"gpt_oss": 150000.0}
+DEFAULT_ROPE_THETA = {"gpt_oss": 150000.0, "llama4_text": 500000.0}
 
 
 def _gpt_oss_defaults(cfg: dict) -> dict:
@@ -366,6 +405,79 @@ def _gpt_oss_defaults(cfg: dict) -> dict:
             "original_max_position_embeddings": 4096,
         }
     return cfg
+
+
+def _llama4_text_config(cfg: dict) -> dict:
+    """The text model's config of a Llama4ForConditionalGeneration checkpoint: its
+    `text_config` (whose tie_word_embeddings transformers follows, not the wrapper's), with the
+    wrapper's dtype and quantization where the text config names none."""
+    text = dict(cfg.get("text_config") or {})
+    for key in ("torch_dtype", "dtype", "quantization_config"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return {**text, "model_type": "llama4_text"}
+
+
+def _llama4_defaults(cfg: dict) -> dict:
+    """A Llama 4 text config with what transformers' Llama4TextConfig supplies where config.json
+    is silent: its defaults, a NoPE layer every `no_rope_layer_interval` layers, a sparse layer
+    every `interleave_moe_layer_step` layers, and the rotary layers chunked where
+    `attention_chunk_size` is set."""
+    cfg = {
+        "vocab_size": 202048,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "num_experts_per_tok": 1,
+        "num_local_experts": 16,
+        "interleave_moe_layer_step": 1,
+        "use_qk_norm": True,
+        "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "attention_bias": False,
+        **cfg,
+    }
+    num_layers = cfg["num_hidden_layers"]
+    if not cfg.get("no_rope_layers"):  # 1: the layer rotates, 0: a NoPE layer
+        interval = cfg["no_rope_layer_interval"]
+        cfg["no_rope_layers"] = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(cfg["no_rope_layers"]) < num_layers:
+        raise UnsupportedModelError(
+            f"config.json field 'no_rope_layers' names {len(cfg['no_rope_layers'])} layers, "
+            f"num_hidden_layers is {num_layers}"
+        )
+    if cfg.get("moe_layers") is None:
+        step = cfg["interleave_moe_layer_step"]
+        cfg["moe_layers"] = list(range(step - 1, num_layers, step))
+    if cfg.get("layer_types") is None:
+        chunked = cfg.get("attention_chunk_size") is not None
+        cfg["layer_types"] = [
+            "chunked_attention" if rope and chunked else "full_attention"
+            for rope in cfg["no_rope_layers"][:num_layers]
+        ]
+    return cfg
+
+
+def _llama4_attention(cfg: dict) -> Llama4Attention:
+    return Llama4Attention(
+        rope_layers=tuple(bool(r) for r in cfg["no_rope_layers"][: cfg["num_hidden_layers"]]),
+        qk_l2_norm=bool(cfg["use_qk_norm"]),
+        temperature_tuning=bool(cfg["attn_temperature_tuning"]),
+        floor_scale=float(cfg["floor_scale"]),
+        attn_scale=float(cfg["attn_scale"]),
+    )
 
 
 # transformers' names of the attention layer kinds in `layer_types`.
@@ -464,6 +576,12 @@ def _moe_fields(model_type: str, cfg: dict) -> dict:
         num_experts = cfg["num_local_experts"]
         width, shared, renormalize = cfg["intermediate_size"], 0, False
         sparse = tuple(range(num_layers))
+    elif model_type == "llama4_text":  # a shared expert as wide as each routed one
+        num_experts = cfg["num_local_experts"]
+        width = shared = cfg["intermediate_size"]
+        renormalize = False
+        moe_layers = set(cfg["moe_layers"])
+        sparse = tuple(i for i in range(num_layers) if num_experts and i in moe_layers)
     elif model_type in DEEPSEEK_MODEL_TYPES:
         num_experts = cfg.get("n_routed_experts") or 0
         width = cfg["moe_intermediate_size"]

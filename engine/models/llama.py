@@ -1,9 +1,10 @@
 """The decoder of the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), of
 its mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: the same attention, an MoE MLP in the
 layers their config makes sparse), of DeepSeek-V2 and V3 (multi-head latent attention,
-`pdserve.engine.models.mla`, and DeepSeek's experts) and of gpt-oss (attention sinks, its own
-experts in `pdserve.engine.models.gpt_oss`), running attention over the paged KV pool and the
-experts through the kernel op table."""
+`pdserve.engine.models.mla`, and DeepSeek's experts), of gpt-oss (attention sinks, its own
+experts in `pdserve.engine.models.gpt_oss`) and of Llama 4's text model (NoPE and chunked
+layers, its q/k treatment and experts in `pdserve.engine.models.llama4`), running attention over
+the paged KV pool and the experts through the kernel op table."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.kv.groups import groups_for
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.gpt_oss import GptOssMoE
+from pdserve.engine.models.llama4 import Llama4MoE, Llama4QK
 from pdserve.engine.models.mla import LatentAttention
 from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.models.norm import RMSNorm
@@ -74,6 +76,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Llama 4: rotary (interleaved) on some layers only, their L2 norm, the others' temperature.
+        self.llama4 = Llama4QK(cfg.llama4, layer_index, cfg.rms_norm_eps) if cfg.llama4 else None
         # gpt-oss: a learned logit per query head (this rank's) in the softmax's denominator.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
 
@@ -91,7 +95,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        if self.llama4 is not None:
+            q, k = self.llama4(q, k, positions, cos_sin)
+        else:
+            q, k = ops.apply_rotary(q, k, positions, cos_sin)
         return q, k, v
 
     def forward(
@@ -151,6 +158,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention(cfg, layer_index, shard, group)
         if cfg.is_sparse_layer(layer_index) and cfg.clamped_swiglu is not None:
             self.mlp = GptOssMoE(cfg, shard, group)
+        elif cfg.is_sparse_layer(layer_index) and cfg.llama4 is not None:
+            self.mlp = Llama4MoE(cfg, shard, group, MLP)
         elif cfg.is_sparse_layer(layer_index):
             self.mlp = SparseMoE(cfg, shard, group, MLP)
         else:
@@ -282,11 +291,15 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         dense_slices = self._slices(cfg.intermediate_size)
         shared_slices = self._slices(cfg.shared_expert_intermediate_size)
-        expected = set(self._checkpoint_names())
+        prefix = cfg.weights_prefix
+        expected = {prefix + name for name in self._checkpoint_names()}
         seen: set[str] = set()
         for tensor in weights:
             name = tensor.name
-            local = name[len("model.") :] if name.startswith("model.") else name
+            if not name.startswith(prefix):
+                continue  # a multimodal checkpoint's vision tower and projector
+            local = name[len(prefix) :]
+            local = local[len("model.") :] if local.startswith("model.") else local
             if local == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             if "rotary_emb" in local:
@@ -297,6 +310,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight '{name}' in checkpoint")
             local = local.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
             local = local.replace(".shared_experts.", ".shared_expert.")  # DeepSeek's
+            local = local.replace(".feed_forward.", ".mlp.")  # Llama 4's
             loading = self._loading_module(local)
             if loading is not None:
                 module, weight = loading
@@ -426,7 +440,8 @@ class LlamaForCausalLM(nn.Module):
             elif cfg.is_sparse_layer(i):
                 names += self._sparse_mlp_names(p)
             else:
-                names += [p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+                ffn = "feed_forward" if cfg.llama4 else "mlp"  # Llama 4's name for it
+                names += [p + f"{ffn}.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
             if cfg.is_mla:
                 names += self.layers[i].self_attn.checkpoint_names(p)
                 continue

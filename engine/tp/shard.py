@@ -28,9 +28,11 @@ class TPShard:
         size = self.size
         fields = [("num_attention_heads", cfg.num_heads)]
         if len(cfg.sparse_layers) < cfg.num_layers:  # a dense MLP somewhere
-            fields.append(("intermediate_size", cfg.intermediate_size))
+            dense = "intermediate_size_mlp" if cfg.llama4 else "intermediate_size"  # Llama 4's
+            fields.append((dense, cfg.intermediate_size))
         if cfg.is_moe:
-            per_expert = cfg.model_type in ("mixtral", "gpt_oss")  # their experts' width
+            # Their experts' width is `intermediate_size`.
+            per_expert = cfg.model_type in ("mixtral", "gpt_oss", "llama4_text")
             name = "intermediate_size" if per_expert else "moe_intermediate_size"
             fields.append((name, cfg.moe_intermediate_size))
         if cfg.shared_expert_intermediate_size:
