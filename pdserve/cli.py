@@ -452,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The command line as given (a results file names it): argv, or the process's own.
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         from setproctitle import setproctitle
 

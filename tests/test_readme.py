@@ -40,7 +40,7 @@ FENCE = re.compile(
 # What only a reader can fill in: a model directory, another host, a cluster of one's own.
 PLACEHOLDERS = re.compile(r"/path/to|~/models|/models/|10\.0\.0\.|HOST:PORT|CLUSTER\.toml|\bDIR\b")
 # A model download, `make test` itself, pip installs, several hosts, GPUs, benchmarks of minutes.
-MAX_NOT_TESTED = 7  # each needs a network, a GPU, several hosts or minutes
+MAX_NOT_TESTED = 8  # each needs a network, a GPU, several hosts or minutes
 # The ports the README names, and the free ones the test serves on instead.
 PORTS = ("8000", "5600")
 
@@ -133,12 +133,16 @@ def make_dry_run(target: str, venv: Path, *variables: str) -> list[str]:
     """The commands `make TARGET` would run in the checkout with its virtualenv at VENV (make -n)."""
     if shutil.which("make") is None:
         pytest.skip("no make")
+    # Under `make test` (CI) this make is a child of another: without its variables it prints
+    # what it would run and nothing about directories.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     res = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}", *variables],
+        ["make", "-n", "--no-print-directory", target, f"VENV={venv}", *variables],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert res.returncode == 0, res.stderr
     return [line.rstrip() for line in res.stdout.replace(str(venv), ".venv").splitlines()]
@@ -283,3 +287,40 @@ def test_no_file_names_the_retired_hub_command():
             if RETIRED_HUB_COMMAND.encode() in Path(root, name).read_bytes()
         ]
     assert not naming, f"{RETIRED_HUB_COMMAND} is `hf` now, still named in {naming}"
+
+
+def test_make_test_runs_a_tier_in_parallel_by_its_markers(tmp_path):
+    def pytest_command(*variables: str) -> str:
+        lines = make_dry_run("test", tmp_path / "venv", *variables)
+        joined = " ".join(line.rstrip("\\").strip() for line in lines)
+        return joined.split(" -m pytest ", 1)[1]
+
+    quick = pytest_command("MARKS=not cluster and not slow")
+    assert "-n auto --dist loadfile" in quick and '-m "not cluster and not slow"' in quick
+    assert " -m " not in pytest_command()  # every tier
+    assert "-n 0 " in pytest_command("TEST_WORKERS=0")
+
+
+def test_the_tiers_split_the_suite():
+    """Every test is in one of the tiers the README names, each tier holds tests, and a module
+    that starts a cluster is in `cluster`."""
+
+    def collected(*marks: str) -> set[str]:
+        args = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        res = subprocess.run(
+            [*args, *(["-m", marks[0]] if marks else []), "tests"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stdout[-2000:]
+        return {line for line in res.stdout.splitlines() if "::" in line}
+
+    everything = collected()
+    cluster, slow = collected("cluster"), collected("slow")
+    quick = collected("not cluster and not slow")
+    assert cluster and slow and quick
+    assert quick | cluster | slow == everything and not quick & (cluster | slow)
+    assert any(t.startswith("tests/test_windowed_cluster.py::") for t in cluster)
+    assert not any(t.startswith("tests/test_kv_groups.py::") for t in cluster | slow)

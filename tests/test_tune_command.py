@@ -308,7 +308,8 @@ def test_pdserve_tune_searches_and_writes_files_serve_takes(tmp_path, capsys, mo
     printed = capsys.readouterr().out
     # The results file names its run, and what the command printed is its render.
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["command"].startswith("pdserve ") and saved["commit"] and saved["load"]["after"]
+    assert saved["command"].startswith("pdserve tune --profile ") and saved["commit"]
+    assert saved["load"]["after"]
     assert candidates_table(saved) in printed and outcome(saved) in printed
     # 150 requests arrive over a few seconds: a sustained rate would need more, and it says so.
     assert "give more requests (--num-requests)" in printed

@@ -386,7 +386,7 @@ def run_search(args: argparse.Namespace) -> int:
     for name in ("coordinator", "prefill_node", "decode_node", "engine", "kv_transfer"):
         logging.getLogger(f"pdserve.{name}").setLevel(logging.WARNING)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if not args.no_progress else None
-    results = provenance.start(["pdserve", *sys.argv[1:]]) | {
+    results = provenance.start(["pdserve", *getattr(args, "argv", sys.argv[1:])]) | {
         "profile": profile.source,
         "num_requests": len(workload),
         "workload": workload.description,
