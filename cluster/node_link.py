@@ -76,6 +76,9 @@ class NodeLink:
         return sock
 
     def register(self, msg: Register) -> None:
+        # The heartbeat thread watches the handshake from now on: a registration a coordinator
+        # of other keys never takes blocks below, and the refusal must be told meanwhile.
+        self._start_heartbeats()
         self.send(msg)
 
     def send(self, msg: Message) -> None:
@@ -128,8 +131,11 @@ class NodeLink:
             link_session=link.session,
             link_sent=link.next_seq - 1,
         )
+        self._start_heartbeats()
+
+    def _start_heartbeats(self) -> None:
         if self._heartbeats.ident is None and not self._stopped.is_set():
-            self._heartbeats.start()  # once: it lives until close()
+            self._heartbeats.start()  # once: it lives until close(); sends loads once set
 
     def _heartbeat_loop(self) -> None:
         sock = self.dealer(f"{self.node_id}/heartbeat")

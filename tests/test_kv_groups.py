@@ -49,6 +49,12 @@ def test_uneven_kinds_leave_the_last_group_short():
     assert groups.num_slots == 2
 
 
+def test_a_slot_is_complete_once_every_groups_layer_in_it_is():
+    groups = KVGroups.for_layers([W8, FULL, W8, FULL])  # slot 0: layers 1, 0; slot 1: 3, 2
+    assert [groups.slots_done_after(layer) for layer in range(4)] == [0, 1, 1, 2]
+    assert [groups_for(3, ()).slots_done_after(layer) for layer in range(3)] == [1, 2, 3]
+
+
 def test_one_kind_is_one_group_with_a_slot_per_layer():
     groups = groups_for(4, ())
     assert groups.is_uniform and groups.num_slots == 4 and groups.slot_of == (0, 1, 2, 3)

@@ -4,7 +4,9 @@
 tcp and shm, and with a prefill node of two tensor-parallel ranks; every stream equals the offline
 engine's (which equals transformers', test_windowed_models.py), the decode node receives only the
 blocks its windowed layers will read, a chat's second turn reuses the first turn's blocks of
-every group there, and every block comes back."""
+every group there, layer-wise streaming sends a slot once every group's layer in it is done, every
+block comes back, and `pdserve serve DIR` of each windowed or chunked family (Gemma 3 and Llama 4
+among them) answers with transformers' greedy text."""
 
 from __future__ import annotations
 
@@ -111,7 +113,9 @@ def test_a_second_turn_reuses_every_groups_blocks_on_the_decode_node(checkpoint_
         cluster.wait_until_idle()
 
 
-@pytest.mark.parametrize("family", ["qwen2_sliding", "mistral_sliding", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["qwen2_sliding", "mistral_sliding", "gpt_oss", "gemma3_text", "llama4_text"]
+)
 def test_pdserve_serve_answers_over_http_with_transformers_greedy_text(
     family, checkpoint_dir, tmp_path
 ):
@@ -134,3 +138,39 @@ def test_pdserve_serve_answers_over_http_with_transformers_greedy_text(
             reply = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"] == tokenizer.decode(tokens_out)
+
+
+def test_layer_wise_streaming_sends_each_slot_once_every_groups_layer_in_it_is_done(
+    checkpoint_dir,
+):
+    """gpt-oss's groups interleave (full layers 1 and 3, windowed 0 and 2: slot 0 holds layers
+    1 and 0, slot 1 layers 3 and 2): streamed handoffs, of prompts prefilled in chunks, give the
+    offline tokens and move exactly the window's blocks."""
+    from pdserve.coordinator.config import CoordinatorConfig
+
+    model = str(checkpoint_dir("gpt_oss"))
+    offline = LLM(model, num_kv_blocks=1024, block_size=BLOCK_SIZE, device="cpu")
+    streaming = CoordinatorConfig(
+        heartbeat_timeout_s=3.0,
+        transfer_timeout_s=10.0,
+        kv_streaming=True,
+        kv_streaming_min_prompt_tokens=24,
+    )
+    prompts = make_prompts(6, seed=43, lo=30, hi=90)
+    expected = expected_outputs(offline, prompts, GREEDY)
+    with Cluster(
+        1,
+        1,
+        model=model,
+        config=streaming,
+        num_kv_blocks=160,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=32,  # prompts over 32 tokens prefill in chunks
+    ) as cluster:
+        assert asyncio.run(complete_all(cluster.client_addr, prompts, GREEDY)) == expected
+        cluster.wait_until_idle()
+        moved = sum(blocks_moved(len(p), "gpt_oss")[0] for p in prompts)
+        node = cluster.wait_for_report(
+            "decode-0", lambda n: n.kv_blocks_received >= moved, f"{moved} blocks received"
+        )
+        assert node.kv_blocks_received == moved

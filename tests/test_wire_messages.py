@@ -92,6 +92,8 @@ EXAMPLES: list[tuple[Codec, Message]] = [
             17,
             96,
             48,
+            1 << 20,
+            3 << 19,
         ),
     ),
     (reports, HandoffReady("p0")),
