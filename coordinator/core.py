@@ -297,7 +297,7 @@ class CoordinatorCore:
                 return
             state.decode_node, state.prefill_node = node.node_id, None
             self._enter(state, Phase.LOCAL_PREFILL)
-            node.reserved_blocks += -(-len(token_ids) // node.block_size)
+            node.reserved_blocks += node.blocks_for(len(token_ids))
             node.assigned_prefill_tokens += len(token_ids)
             self._send(
                 node, Generate(state.wire_id, token_ids, params, len(state.output_token_ids))

@@ -182,7 +182,7 @@ def choose_local_prefill_node(
 def early_blocks(node: NodeState, num_tokens: int) -> int:
     """The blocks a prompt admitted early takes on a decode node: its KV and the first token's
     slot."""
-    return -(-(num_tokens + 1) // node.block_size)
+    return node.blocks_for(num_tokens + 1)
 
 
 def choose_early_decode_node(

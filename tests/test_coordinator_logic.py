@@ -32,9 +32,8 @@ def node(node_id: str, role: str = "decode", free: int = 100, total: int = 100, 
         max_model_len=512,
         transport="tcp",
         receiver_info={},
-        kv_layout={},
         free_blocks=free,
-        **kw,
+        **{"kv_layout": {}} | kw,
     )
 
 
@@ -101,6 +100,27 @@ def test_admission_is_first_come_first_served_and_reserves_blocks():
     assert d.reserved_blocks == 8 and len(queue) == 2
     d.free_blocks, d.reserved_blocks = 40, 0  # the next report
     assert [c.request_id for c, _ in queue.admit([d], 0.05)] == ["r2", "r3"]
+
+
+def test_a_nodes_block_estimate_counts_each_kv_group_under_its_window():
+    """What the coordinator reserves for a prompt on a node (a local prefill, an early
+    admission) is what the node's KV manager allocates for it: a windowed group's blocks under
+    the window alone, beside the full group's every block."""
+    from pdserve.coordinator.routing import early_blocks
+    from pdserve.engine.kv.block_manager import BlockManager
+    from pdserve.engine.kv.cache import KVLayout
+    from pdserve.engine.kv.groups import groups_for
+    from pdserve.engine.kv.kv_manager import KVCacheManager
+
+    kinds = ("sliding 8", "full", "sliding 8", "full")
+    layout = KVLayout(4, 4, 2, 8, "float32", layer_kinds=kinds)
+    d = node("d", kv_layout=layout.to_dict())
+    # 40 tokens: the full group's 10 blocks, the window's last 8 tokens in blocks 8 and 9.
+    assert d.blocks_for(40) == 10 + 2
+    assert early_blocks(d, 40) == d.blocks_for(41) == 11 + 3  # and the first token
+    assert node("uniform").blocks_for(40) == 10  # every layer full: one group
+    manager = KVCacheManager(BlockManager(100, 4), groups_for(4, kinds))
+    assert all(d.blocks_for(n) == manager.handoff_size(n) for n in range(1, 60))
 
 
 def test_an_idle_node_takes_a_sequence_bigger_than_its_headroom():

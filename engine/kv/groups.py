@@ -77,6 +77,15 @@ class KVGroups:
     def is_uniform(self) -> bool:
         return self.num_groups == 1
 
+    def blocks_read(self, num_tokens: int, block_size: int) -> int:
+        """The blocks of a sequence's first num_tokens that the query after them reads, in every
+        group: what a handoff of them moves, and what they hold on a decode node (a full group's
+        every block; a windowed or chunked group's from the first its next query reads)."""
+        whole = -(-num_tokens // block_size)
+        return sum(
+            whole - min(whole, g.kind.first_read(num_tokens) // block_size) for g in self.groups
+        )
+
     def slots_done_after(self, layer: int) -> int:
         """How many leading slots hold every group's pages once layers 0..layer have written
         theirs (what layer-wise streaming may send): layer + 1 for a model of one group."""

@@ -184,11 +184,7 @@ class KVCacheManager:
         """Blocks a handoff of a sequence's first num_tokens moves (and allocate_arriving
         reserves for a sequence holding none): each group's blocks from the first that the
         query after them reads."""
-        whole = -(-num_tokens // self.block_size)
-        return sum(
-            whole - min(whole, self._first_read_block(g, 0, num_tokens))
-            for g in range(self.num_groups)
-        )
+        return self.groups.blocks_read(num_tokens, self.block_size)
 
     def longest_sequence(self, num_blocks: int, max_chunk: int, limit: int) -> int:
         """The most tokens (up to limit) one sequence may hold in a pool of num_blocks."""
