@@ -17,6 +17,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 COMPILE = os.environ.get("PDSERVE_TEST_COMPILE") == "1"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker runs on its own share of the host's cores, and the engines
+    and nodes it starts (which take the cores they may use, `engine.cpu.threads`) run there too:
+    two workers whose OpenMP threads spin on the same cores slow each other down many times over.
+    A test that needs the whole host reads `host_cores()`."""
+    from worker_cores import pin_this_worker
+
+    pin_this_worker()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # pdserve-tiny is generated once per test session, never read from a user's cache.

@@ -4,6 +4,7 @@ process: its CPU time from /proc and the split of its samples."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -117,8 +118,10 @@ def test_a_measurement_of_a_real_process_gives_its_cpu_and_its_samples_kind(tmp_
     models.mkdir(parents=True)
     (models / "burn.py").write_text(BURN)
     (tmp_path / "main.py").write_text(MAIN)
+    # Its `engine` package is tmp_path's (a PYTHONPATH naming pdserve's checkout would win).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(
-        [sys.executable, "main.py"], stdout=subprocess.PIPE, cwd=tmp_path, text=True
+        [sys.executable, "main.py"], stdout=subprocess.PIPE, cwd=tmp_path, text=True, env=env
     )
     try:
         assert proc.stdout.readline() == "ready\n"

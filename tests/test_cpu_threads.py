@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from worker_cores import host_cores, on_host_cores
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu.threads import (
@@ -85,9 +86,9 @@ print(json.dumps({"bound": bound, "after": [sorted(os.sched_getaffinity(0)),
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores to show")
+@pytest.mark.skipif(len(host_cores()) < 2, reason="binding needs two cores to show")
 def test_an_engine_process_runs_on_the_cores_and_threads_it_was_given():
-    last = max(os.sched_getaffinity(0))
+    last = max(host_cores())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(last)],
@@ -96,12 +97,13 @@ def test_an_engine_process_runs_on_the_cores_and_threads_it_was_given():
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=on_host_cores,
     )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["bound"] == [[last], 1, 2]
     # Closing the engine gives the process back its cores and threads.
-    assert seen["after"] == [sorted(os.sched_getaffinity(0)), 2]
+    assert seen["after"] == [list(host_cores()), 2]
 
 
 FAILING_PROBE = """
@@ -115,7 +117,7 @@ except Exception as exc:
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores to show")
+@pytest.mark.skipif(len(host_cores()) < 2, reason="binding needs two cores to show")
 def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path):
     """The weights fail to load after the engine bound its process: the process is unbound."""
     import shutil
@@ -126,7 +128,7 @@ def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path
     shutil.copytree(ensure_tiny_model(), model)
     (model / "model.safetensors").write_bytes(b"not a safetensors file")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
-    last = max(os.sched_getaffinity(0))
+    last = max(host_cores())
     out = subprocess.run(
         [sys.executable, "-c", FAILING_PROBE, str(last), str(model)],
         cwd=ROOT,
@@ -134,10 +136,11 @@ def test_an_engine_that_fails_to_start_gives_back_the_cores_and_threads(tmp_path
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=on_host_cores,
     )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen["after"] == [sorted(os.sched_getaffinity(0)), 2], seen
+    assert seen["after"] == [list(host_cores()), 2], seen
 
 
 def test_a_node_command_carries_its_placement():
@@ -172,3 +175,19 @@ def test_the_nodes_serve_starts_split_the_hosts_cores(monkeypatch):
         "tcp://127.0.0.1:1", EngineConfig(device="cuda"), prefill=1, decode=1, insecure=True
     )
     assert [s.engine.cpu_bind for s in gpu] == [None, None]
+
+
+def test_test_workers_take_disjoint_shares_of_the_host():
+    """tests/worker_cores.py: each pytest-xdist worker (and what it starts) runs on its own cores."""
+    from worker_cores import worker_share
+
+    assert [worker_share((0, 1), f"gw{i}", 2) for i in range(2)] == [(0,), (1,)]
+    assert [worker_share((0, 1, 2, 3), f"gw{i}", 2) for i in range(2)] == [(0, 1), (2, 3)]
+    assert [worker_share((4, 5), f"gw{i}", 3) for i in range(3)] == [(4,), (5,), (4,)]
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    expected = (
+        worker_share(host_cores(), worker, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        if worker
+        else host_cores()
+    )
+    assert tuple(sorted(os.sched_getaffinity(0))) == expected
