@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.cluster.block_hash import group_hash, prefix_hashes
 from pdserve.cluster.kv_event_stream import KVEventStream
@@ -26,7 +28,7 @@ from pdserve.engine.kv.disk_tier import DiskTier
 from pdserve.engine.kv.groups import KVGroups
 from pdserve.engine.kv.host_tier import HostTier
 from pdserve.engine.kv.kv_manager import FREED, KVCacheManager
-from pdserve.engine.kv.layer_kinds import FullAttention, SlidingWindow
+from pdserve.engine.kv.layer_kinds import ChunkedLocal, FullAttention, SlidingWindow
 from pdserve.engine.kv.tiers import KVTiers
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
@@ -332,3 +334,96 @@ def test_a_handoff_loads_each_group_s_blocks_from_the_tiers_and_computes_what_fa
     finally:
         receiver.close()
         tiers.close()
+
+
+@st.composite
+def pools_and_tiers(draw):
+    """Layer kinds, a block size, a computed prompt, which of its blocks (group, position) left
+    the pool, and which of them the tiers below still hold."""
+    window, chunk = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    kinds = draw(
+        st.sampled_from(
+            [
+                [FULL],
+                [SlidingWindow(window)],
+                [SlidingWindow(window), FULL],
+                [ChunkedLocal(chunk), FULL, ChunkedLocal(chunk)],
+                [SlidingWindow(window), FULL, ChunkedLocal(chunk)],
+            ]
+        )
+    )
+    block_size = draw(st.integers(2, 5))
+    length = draw(st.integers(block_size, 40))
+    groups = KVGroups.for_layers(kinds)
+    every = [(g, i) for g in range(groups.num_groups) for i in range(length // block_size)]
+    evicted = draw(st.sets(st.sampled_from(every))) if every else set()
+    below = draw(st.sets(st.sampled_from(sorted(evicted)))) if evicted else set()
+    failed_at = draw(st.integers(0, len(every)))
+    return groups, block_size, length, evicted, below, failed_at
+
+
+def longest(kinds, block_size: int, limit: int, held) -> int:
+    """The longest prefix (blocks) whose every group holds what its next query reads."""
+    for n in range(limit, 0, -1):
+        if all(
+            held(g, i)
+            for g, kind in enumerate(kinds)
+            for i in range(kind.first_read(n * block_size) // block_size, n)
+        ):
+            return n
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools_and_tiers())
+def test_a_hit_below_is_the_longest_every_group_can_serve_from_the_pool_and_the_tiers(case):
+    groups, bs, length, evicted, below, failed_at = case
+    kinds = [g.kind for g in groups.groups]
+    num_full = length // bs
+    bm = BlockManager(groups.num_groups * num_full, bs)  # the prompt fills it: none free
+    kv = KVCacheManager(bm, groups)
+    prompt = list(range(100, 100 + length))
+    kv.free(computed(kv, prompt[: num_full * bs]))
+    hashes = prefix_hashes(prompt, bs)
+
+    def key(i: int):
+        return (hashes[i - 1] if i else None, tuple(prompt[i * bs : (i + 1) * bs]))
+
+    taken = []
+    for g, i in sorted(evicted):  # out of the pool
+        block = bm.cached_block(group_hash(hashes[i], g), key(i))
+        bm._evictable.move_to_end(block, last=False)
+        taken.append(bm._allocate_fresh())
+        assert taken[-1] == block
+    bm.free(taken)
+    keys = {group_hash(hashes[i], g) for g, i in below}
+    seq = seq_of(prompt + [1], "again")
+    cached = kv.allocate_prefix(seq) // bs
+    load = kv.find_below(seq, seq.num_tokens, lambda h, k: h in keys)
+
+    n = longest(kinds, bs, num_full, lambda g, i: (g, i) not in evicted or (g, i) in below)
+    assert load.num_blocks == n >= cached == load.num_cached
+    assert load.places == sorted(
+        (i, g)
+        for g, kind in enumerate(kinds)
+        for i in range(kind.first_read(n * bs) // bs, n)
+        if (g, i) in evicted
+    )
+    assert kv.allocate_load(seq, load)
+    for kind, table in zip(kinds, seq.block_tables):
+        first = kind.first_read(n * bs) // bs
+        assert len(table) == n and table[:first] == [FREED] * first and FREED not in table[first:]
+    # The load fails at a block (or none): what the tables still serve, and the pool after.
+    failed_at = min(failed_at, len(load.places))
+    served = kv.cache_loaded(seq, load, failed_at)
+    tables = seq.block_tables
+    assert served == longest(kinds, bs, n, lambda g, i: tables[g][i] != FREED)
+    if failed_at < len(load.places):
+        assert served <= load.places[failed_at][0]
+    else:
+        assert served == n
+    kv.free(seq)
+    again = seq_of(prompt + [1], "third")
+    assert kv.allocate_prefix(again) >= served * bs
+    kv.free(again)
+    assert bm.num_free_blocks == bm.num_blocks
