@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.cluster.node_messages import Heartbeat, KVTierReport, NodeRole, Register
+from pdserve.engine.kv.groups import KVGroups, groups_for
 
 
 @dataclass(slots=True)
@@ -55,6 +56,13 @@ class NodeState:
     # Of the last snapshot applied: the node's link session, and the messages it had sent there
     load_link_session: int = 0
     load_link_sent: int = 0
+
+    @property
+    def kv_groups(self) -> KVGroups | None:
+        """Its model's KV groups where its layers are not all full attention (its KV layout's
+        layer kinds), else None."""
+        kinds = self.kv_layout.get("layer_kinds")
+        return groups_for(self.kv_layout["num_layers"], tuple(kinds)) if kinds else None
 
     @property
     def decodes(self) -> bool:
