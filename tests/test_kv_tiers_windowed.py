@@ -1,10 +1,12 @@
 """KV tiers under models with windowed or chunked layers (tests/checkpoints.py: Qwen2 with one full
-layer and two 12-token windows, Gemma 3 with one full layer and six 8-token windows, Mistral
-windowed on every layer, Llama 4 with one full layer and three of 8-token chunks). A conversation's first turn leaves a small pool; its second turn comes
-back from the host tier, or from disk, each group loading only the blocks its next query reads
-(a full group every block, a windowed one its window's), with the tokens of an engine without
-tiers; a corrupt disk block is computed instead, with the same tokens; every block comes back; the
-coordinator's prefix index, fed by the node's KV events, counts the prefix the node then loads."""
+layer and two 12-token windows, Gemma 3 with one full layer and six 8-token windows, Llama 4 with
+one full layer and three of 8-token chunks, Mistral windowed on every layer). A conversation's
+first turn leaves a small pool; its second turn comes back from the host tier, or from disk, each
+group loading only the blocks its next query reads (a full group every block, a windowed one its
+window's), with the tokens of an engine without tiers; a corrupt disk block is computed instead,
+with the same tokens; every block comes back; the coordinator's prefix index, fed by the node's
+KV events, counts the prefix the node then loads. Without a model: the hit's decisions against a
+brute force, and a decode node's handoff loading each group's blocks."""
 
 from __future__ import annotations
 
@@ -116,7 +118,8 @@ def held_in_pool(llm: LLM, tokens: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def plain(checkpoint_dir):
-    """family -> (the second turn's prompt, every output of an engine without tiers)."""
+    """family -> (the second turn's prompt, every output of an engine without tiers, the bytes
+    of a block)."""
     cache = {}
 
     def get(family: str):
@@ -126,7 +129,7 @@ def plain(checkpoint_dir):
                 second, outputs = first_turn(llm)
                 out, cached = run(llm, second, "second")
                 assert cached == 0  # the pool evicted the first turn
-            cache[family] = (second, outputs + [out])
+            cache[family] = (second, outputs + [out], llm.engine.layout.bytes_per_block)
         return cache[family]
 
     return get
@@ -137,11 +140,8 @@ def plain(checkpoint_dir):
 def test_a_windowed_model_s_evicted_prefix_comes_back_per_group_with_the_same_tokens(
     family, tier, plain, checkpoint_dir, tmp_path
 ):
-    second, expected = plain(family)
+    second, expected, bpb = plain(family)
     options: dict[str, object] = {"kv_host_bytes": 1 << 22}
-    llm = make_llm(checkpoint_dir(family), family)
-    bpb = llm.engine.layout.bytes_per_block
-    llm.close()
     if tier == "disk":  # a host tier of 8 blocks: the first turn's left it for the disk
         options = {"kv_host_bytes": 8 * bpb, "kv_disk_path": str(tmp_path)}
     with make_llm(checkpoint_dir(family), family, **options) as llm:
@@ -182,10 +182,7 @@ def test_a_corrupt_disk_block_of_a_window_is_computed_with_the_same_tokens(
     plain, checkpoint_dir, tmp_path
 ):
     family = "qwen2_sliding"
-    second, expected = plain(family)
-    llm = make_llm(checkpoint_dir(family), family)
-    bpb = llm.engine.layout.bytes_per_block
-    llm.close()
+    second, expected, bpb = plain(family)
     with make_llm(
         checkpoint_dir(family), family, kv_host_bytes=8 * bpb, kv_disk_path=str(tmp_path)
     ) as llm:
