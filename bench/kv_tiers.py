@@ -67,8 +67,8 @@ class Rig:
     def load(self) -> float:
         """Seconds to load every block back through the tiers into the same pool blocks."""
         bm = self.block_manager
-        hits = self.tiers.find(self.tokens, [])
-        assert len(hits) == self.n, f"{len(hits)} of {self.n} blocks found below"
+        hits = [self.tiers.hit(bm.registered_hash(b), bm.key(b)) for b in self.table]
+        assert None not in hits, f"{hits.count(None)} of {self.n} blocks not found below"
         loaded = []
         self.sync()
         start = time.perf_counter()

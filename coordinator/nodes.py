@@ -58,6 +58,13 @@ class NodeState:
     load_link_sent: int = 0
 
     @property
+    def kv_groups(self) -> KVGroups | None:
+        """Its model's KV groups where its layers are not all full attention (its KV layout's
+        layer kinds), else None."""
+        kinds = self.kv_layout.get("layer_kinds")
+        return groups_for(self.kv_layout["num_layers"], tuple(kinds)) if kinds else None
+
+    @property
     def decodes(self) -> bool:
         return self.role.decodes
 

@@ -1,5 +1,6 @@
 """The cluster-wide prefix index: which KV blocks (by chained hash) each node holds in which tier,
-as the nodes' own KV event streams say, and how long a prompt's cached prefix is on each node.
+as the nodes' own KV event streams say, and how long a prompt's cached prefix is on each node
+(for a node of windowed or chunked layers, by the rule its own lookup applies to its KV groups).
 
 Exact, not a guess: each node's stream (`cluster/kv_event_stream.py`) is applied in order, each
 record once; a record that never came makes the index ask the node for a snapshot, and a node
@@ -13,9 +14,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.cluster.block_hash import prefix_hashes
+from pdserve.cluster.block_hash import group_hash, prefix_hashes
 from pdserve.cluster.kv_event_stream import TIERS, unpack_hashes
 from pdserve.cluster.node_messages import KVEventRecord, KVEventsAck, KVOp
+from pdserve.engine.kv.groups import KVGroups
 
 logger = logging.getLogger(__name__)
 
@@ -134,14 +136,22 @@ class PrefixIndex:
         view = self.nodes.get(node_id)
         return view.tiers[tier] if view is not None else set()
 
-    def match(self, node_id: str, hashes: list[int]) -> PrefixMatch:
+    def match(
+        self, node_id: str, hashes: list[int], groups: KVGroups | None = None, block_size: int = 0
+    ) -> PrefixMatch:
         """The longest run of `hashes` (a prompt's chained block hashes) from the first that the
-        node holds, in any tier, and its blocks by tier."""
+        node holds, in any tier, and its blocks by tier. A node whose layers are not all full
+        attention (`groups`, with the block size) takes the longest prefix for which every KV
+        group holds, under its group's key, the blocks its next query reads (a full group every
+        block, a windowed one its window's), as its own lookup does; a position counts in the
+        slowest tier of those blocks (none read there: the device's)."""
         found = PrefixMatch()
         view = self.nodes.get(node_id)
         if view is None:
             return found
         tiers = [(name, view.tiers[name]) for name in TIERS if view.tiers[name]]
+        if groups is not None and any(kind.reach is not None for kind in groups.kinds):
+            return _match_groups(tiers, hashes, groups, block_size)
         for h in hashes:
             tier = next((name for name, held in tiers if h in held), None)
             if tier is None:
@@ -159,3 +169,38 @@ class PrefixIndex:
         """Blocks the index holds in each tier, over every node (a block on two nodes counts
         twice): its size."""
         return {tier: sum(len(v.tiers[tier]) for v in self.nodes.values()) for tier in TIERS}
+
+
+def _match_groups(
+    tiers: list[tuple[str, set[int]]], hashes: list[int], groups: KVGroups, block_size: int
+) -> PrefixMatch:
+    """PrefixIndex.match for a node of several KV groups (or of windowed layers only)."""
+    kinds = [group.kind for group in groups.groups]
+    tier_at: dict[tuple[int, int], str | None] = {}
+
+    def tier(g: int, i: int) -> str | None:
+        if (g, i) not in tier_at:
+            h = group_hash(hashes[i], g)
+            tier_at[g, i] = next((name for name, held in tiers if h in held), None)
+        return tier_at[g, i]
+
+    def reads(n: int, windowed_only: bool = False) -> list[tuple[int, int]]:
+        return [
+            (g, i)
+            for g, kind in enumerate(kinds)
+            if not (windowed_only and kind.reach is None)
+            for i in range(kind.first_read(n * block_size) // block_size, n)
+        ]
+
+    limit = len(hashes)
+    for g, kind in enumerate(kinds):  # a full group reads every block: its run bounds the hit
+        if kind.reach is None:
+            limit = next((i for i in range(limit) if tier(g, i) is None), limit)
+    length = next((n for n in range(limit, 0, -1) if all(tier(g, i) for g, i in reads(n, True))), 0)
+    slowest = ["device"] * length
+    for g, i in reads(length):
+        slowest[i] = max(slowest[i], tier(g, i), key=TIERS.index)
+    found = PrefixMatch(length)
+    for name in slowest:
+        found.by_tier[name] += 1
+    return found

@@ -96,7 +96,8 @@ def choose_by_prefix(
     best: PrefixChoice | None = None
     ceiling = load(fallback) * max_load_ratio
     for node in nodes:
-        match = index.match(node.node_id, index.prompt_hashes(token_ids, node.block_size))
+        hashes = index.prompt_hashes(token_ids, node.block_size)
+        match = index.match(node.node_id, hashes, node.kv_groups, node.block_size)
         if match.blocks < min_blocks:
             continue
         saved = costs.saved_tokens(match, node.block_size)

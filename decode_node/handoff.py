@@ -118,14 +118,14 @@ class DecodeHandoff:
             kv.allocate_prefix(probe)
             seq.block_tables = probe.block_tables
         num_cached = len(seq.block_table)
-        blocks = seq.block_table  # group 0's (the tiers hold a model of one group only)
-        hits = self.tiers.find(matched, blocks) if reuse_prefix and self.tiers else []
-        num_reused = num_cached + len(hits)
-        if hits and not bm.allocate_slots(blocks, computed, num_cached * bm.block_size):
+        found = self.tiers.find(kv, seq, computed + 1) if reuse_prefix and self.tiers else None
+        hits = found.hits if found is not None else []
+        if hits and not kv.allocate_load(seq, found.prefix):
             self.tiers.release(hits)
             kv.free(seq)
             return None
-        if not kv.allocate_arriving(seq, computed, len(seq.block_table) * bm.block_size):
+        num_reused = found.prefix.num_blocks if hits else num_cached
+        if not kv.allocate_arriving(seq, computed, num_reused * bm.block_size):
             if hits:
                 self.tiers.release(hits)
             kv.free(seq)
@@ -153,18 +153,23 @@ class DecodeHandoff:
             loading_below=len(hits),
         )
         self.handoffs[seq.request_id] = handoff
-        if self.tiers is not None and reuse_prefix:
-            self.tiers.count_lookup(matched, blocks[:num_cached], hits)
+        if found is not None:
+            self.tiers.count_lookup(found)
         if hits:
+            prefix = found.prefix
             self.tiers.load(
-                blocks[num_cached:num_reused],
+                prefix.blocks,
                 hits,
-                lambda n: self._loaded_below(handoff, (num_cached + n) * bm.block_size),
+                lambda n: self._loaded_below(
+                    handoff, kv.cache_loaded(seq, prefix, n) * bm.block_size
+                ),
             )
         return list(dst)
 
     def _loaded_below(self, handoff: Handoff, computed: int) -> None:
-        """The tiers' load for a handoff ended, its KV complete up to `computed` tokens."""
+        """The tiers' load for a handoff ended, its KV complete up to `computed` tokens (in
+        every group: a block that failed, and whatever a window after it reads, is computed
+        here)."""
         handoff.loading_below = 0
         if computed < handoff.num_reused * self.block_manager.block_size:
             handoff.computed_below = computed
@@ -256,6 +261,7 @@ class DecodeHandoff:
         sequence is ready to run (or, admitted early, waits for its first token)."""
         seq = handoff.seq
         if handoff.computed_below is not None:  # from there on, computed here
+            self.kv.trim(seq, handoff.computed_below)  # its tables hold what its KV holds
             seq.num_computed_tokens = seq.num_cached_tokens = handoff.computed_below
         self.kv.cache_full_blocks(seq)
         if handoff.first_token_pending:  # runs when its first token comes

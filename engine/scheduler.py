@@ -18,7 +18,7 @@ from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv.tiers import KVTiers
+    from pdserve.engine.kv.tiers import KVTiers, TierLoad
     from pdserve.engine.spec_decode.speculation import Proposer
 
 
@@ -190,40 +190,36 @@ class Scheduler:
         return out
 
     def _load(self, seq: Sequence) -> bool:
-        """Blocks continuing the head waiting sequence's cached prefix from a lower tier: if
-        any, they are allocated and loading, and the sequence waits out of the queue."""
-        hits = self.tiers.find(seq.token_ids, seq.block_table)
-        bs = self.block_manager.block_size
-        held = len(seq.block_table) * bs
-        if hits and not self.block_manager.allocate_slots(
-            seq.block_table, held + len(hits) * bs, held
-        ):
-            self.tiers.release(hits)  # no room now: looked up again at its next admission
+        """Blocks continuing the head waiting sequence's cached prefix from a lower tier, in
+        every KV group: if any, they are allocated and loading, and the sequence waits out of
+        the queue."""
+        found = self.tiers.find(self.kv, seq, seq.num_tokens)
+        if found.hits and not self.kv.allocate_load(seq, found.prefix):
+            self.tiers.release(found.hits)  # no room now: looked up again at its next admission
             return False
-        self.tiers.count_lookup(seq.token_ids, seq.block_table[: held // bs], hits)
+        self.tiers.count_lookup(found)
         seq.tiers_looked_up = True  # once per admission: a preemption looks again
-        if not hits:
+        if not found.hits:
             return False
         self.waiting.popleft()
         self.loading[seq.request_id] = seq
-        self.tiers.load(
-            seq.block_table[-len(hits) :], hits, lambda n: self.loaded(seq, n, len(hits))
-        )
+        self.tiers.load(found.prefix.blocks, found.hits, lambda n: self.loaded(seq, found, n))
         return True
 
-    def loaded(self, seq: Sequence, num_loaded: int, num_blocks: int) -> None:
-        """A load of num_blocks blocks ended, its first num_loaded filled: those enter the
-        prefix cache, and the sequence returns to the queue's head holding nothing, as every
-        waiting sequence (its admission takes them from the prefix cache, as any cached
-        prefix: sequences loaded together must not hold the pool while one waits for room).
-        Aborted meanwhile, it frees everything."""
-        bm = self.block_manager
+    def loaded(self, seq: Sequence, found: TierLoad, num_loaded: int) -> None:
+        """A load ended, its first num_loaded blocks filled: those enter the prefix cache, and
+        the sequence returns to the queue's head holding nothing, as every waiting sequence
+        (its admission takes them from the prefix cache, as any cached prefix: sequences loaded
+        together must not hold the pool while one waits for room). A disk block that failed
+        is gone from its tier: the admission looks below again, for the blocks up to it that
+        the windows of other groups need. Aborted meanwhile, it frees everything."""
         self.loading.pop(seq.request_id, None)
         if seq.status is not SequenceStatus.FINISHED:
-            computed = (len(seq.block_table) - num_blocks + num_loaded) * bm.block_size
-            bm.cache_full_blocks(seq.block_table, seq.token_ids, computed)
+            self.kv.cache_loaded(seq, found.prefix, num_loaded)
+            if num_loaded < len(found.hits) and found.hits[num_loaded].tier == "disk":
+                seq.tiers_looked_up = False
             self.waiting.appendleft(seq)
-        bm.free(seq.block_table)
+        self.kv.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
 
     def _draft_room(self, seq: Sequence, room: int) -> int:

@@ -4,7 +4,8 @@ answer plus a new message; the pools have evicted it by then, the tiers have not
 greedy output is the offline engine's token for token, both nodes load prefixes back from their
 tiers (the prefill node for the prefill, the decode node instead of receiving them), and the
 counters reach /metrics. Over tcp the host tiers hold everything; over shm a host tier of 16
-blocks sits on a disk tier, which serves most of it."""
+blocks sits on a disk tier, which serves most of it. A windowed Qwen2's chats (three KV groups)
+load every group's blocks back on both nodes, with the offline engine's tokens."""
 
 from __future__ import annotations
 
@@ -96,3 +97,31 @@ def test_multi_turn_chats_beyond_the_pools_match_offline_with_prefixes_from_tier
             assert hits == node.kv_tiers.hit_blocks[lowest]
             loaded = metric(text, "pdserve_kv_tier_loaded_bytes_total", node.node_id, lowest)
             assert loaded == hits * BLOCK_BYTES
+
+
+def test_a_windowed_model_s_chats_load_each_group_s_blocks_from_the_tiers_on_both_nodes(
+    checkpoint_dir,
+):
+    """Qwen2 with one full layer and two 12-token windows (three KV groups): both nodes load
+    every group's blocks back from their host tiers, and every turn is the offline engine's."""
+    model = str(checkpoint_dir("qwen2_sliding"))
+    turns = conversation_turns(LLM(model, num_kv_blocks=1024, block_size=BLOCK, device="cpu"))
+    with Cluster(
+        1, 1, model=model, num_kv_blocks=64, block_size=BLOCK, kv_host_bytes=4 << 20
+    ) as cluster:
+
+        async def chat() -> None:
+            async with CoordinatorClient(cluster.client_addr) as client:
+                for t, turn in enumerate(turns):
+                    for c, (prompt, answer) in enumerate(turn):
+                        out, _ = await client.complete(prompt, GREEDY)
+                        assert out == answer, (t, c)
+
+        asyncio.run(chat())
+        cluster.wait_until_idle()
+        prefill, decode = cluster.node("prefill-0"), cluster.node("decode-0")
+        for node in (prefill, decode):
+            assert node.kv_tiers is not None and node.kv_tiers.failures == 0
+            assert node.kv_tiers.hit_blocks["host"] > 0
+        prompt_tokens = sum(len(p) for turn in turns for p, _ in turn)
+        assert 0 < prefill.prefill_tokens_computed < prompt_tokens

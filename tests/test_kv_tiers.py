@@ -345,6 +345,7 @@ def test_a_handoff_takes_its_prefix_from_the_tiers_and_computes_what_failed(corr
     from pdserve.engine.kv.block_manager import BlockManager
     from pdserve.engine.kv.cache import KVPool
     from pdserve.engine.kv.tiers import KVTiers
+    from pdserve.engine.scheduler import Scheduler
     from pdserve.engine.sequence import Sequence
     from pdserve.kv_transfer import make_receiver
 
@@ -388,7 +389,13 @@ def test_a_handoff_takes_its_prefix_from_the_tiers_and_computes_what_failed(corr
         assert seq.num_computed_tokens == 4 * loaded
         assert torch.equal(pool.kv[:, :, seq.block_table[:loaded]], pages[:, :, :loaded])
         assert tiers.stats.failures == int(corrupt)
-        bm.free(seq.block_table)
+        # Its table holds what its KV holds: the decode node's first step computes the rest.
+        assert len(seq.block_table) == loaded
+        scheduler = Scheduler(bm, 4, 64)
+        scheduler.add_running(seq)
+        (step,) = scheduler.schedule().scheduled
+        assert step.num_new_tokens == seq.num_tokens - 4 * loaded
+        scheduler.abort("r1")
         assert bm.num_free_blocks == 16
     finally:
         receiver.close()

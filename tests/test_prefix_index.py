@@ -9,7 +9,7 @@ import random
 import pytest
 from test_coordinator_core import BLOCK, Sim
 
-from pdserve.cluster.block_hash import prefix_hashes
+from pdserve.cluster.block_hash import group_hash, prefix_hashes
 from pdserve.cluster.kv_event_stream import TIERS, KVEventStream, pack_hashes
 from pdserve.cluster.node_messages import (
     Admit,
@@ -255,6 +255,33 @@ def test_tiers_are_weighted_by_their_loading_cost():
     assert choose(index, [a, b], TierCosts(disk=0.2)).node is b  # 3 against 4
     index = holding({"a": {"device": PROMPT[:12]}, "b": {"host": PROMPT[:16]}})
     assert choose(index, [a, b], TierCosts(host=0.1)).node is b  # 3 against 3.6
+
+
+def test_a_node_of_windowed_layers_holds_a_prefix_only_where_every_group_holds_its_window():
+    # Layer 1 full (group 0), layer 0 an 8-token window (group 1, its blocks under salted keys).
+    layout = {"num_layers": 2, "layer_kinds": ["sliding 8", "full"]}
+    a, b = node("a"), node("b")
+    a.kv_layout = b.kv_layout = layout
+    hashes = prefix_hashes(PROMPT, BLOCK)  # 10 blocks
+    window = [group_hash(h, 1) for h in hashes]
+    index = PrefixIndex()
+    for node_id, host in (("a", window[7:9]), ("b", window[6:8])):
+        index.register(node_id, 1)
+        index.apply(node_id, 1, [
+            KVEventRecord(1, KVOp.CLEAR),
+            KVEventRecord(2, KVOp.STORED, "device", pack_hashes(hashes)),
+            KVEventRecord(3, KVOp.STORED, "host", pack_hashes(host)),
+        ])  # fmt: skip
+    # Group 0's run alone says 10 blocks. The query after 10 reads tokens 33..40, blocks 8 and
+    # 9, of which a's window holds only 8; after 9 it reads 29..36, blocks 7 and 8: held (host).
+    assert index.match("a", hashes).blocks == 10
+    match = index.match("a", hashes, a.kv_groups, BLOCK)
+    assert match.blocks == 9 and match.by_tier == {"device": 7, "host": 2, "disk": 0}
+    # b's window holds blocks 6 and 7: the hit after 8 blocks (tokens 25..32).
+    assert index.match("b", hashes, b.kv_groups, BLOCK).blocks == 8
+    assert choose(index, [b, a], TierCosts(host=0.0)).node is a
+    a.kv_layout = b.kv_layout = {"num_layers": 2}  # every layer full: the run
+    assert index.match("b", hashes, b.kv_groups, BLOCK).blocks == 10
 
 
 def test_the_holder_yields_to_the_fallback_when_much_more_loaded():

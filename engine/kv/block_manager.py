@@ -199,13 +199,15 @@ class BlockManager:
         ):
             start -= 1
         for i in range(start, num_full):
-            block = block_table[i]
-            if block < 0:
-                continue
-            h = hash_of(i)
-            self._hash[block] = h
-            if h not in self._cached:
-                self._register(block, h, key_of(i))
+            if block_table[i] >= 0:
+                self.cache_block(block_table[i], hash_of(i), key_of(i))
+
+    def cache_block(self, block: int, h: int, key: BlockKey) -> None:
+        """Register one filled block under hash h, holding key (a block loaded from a tier
+        below the pool); where another block is registered under h already, that one stays."""
+        self._hash[block] = h
+        if h not in self._cached:
+            self._register(block, h, key)
 
     def free(self, block_table: list[int]) -> None:
         """Drop block_table's references, tail first so the LRU evicts tails before heads."""

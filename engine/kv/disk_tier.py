@@ -76,6 +76,10 @@ class DiskTier:
     def holds(self, block_hash: int) -> bool:
         return block_hash in self._entries or block_hash in self._pending
 
+    def serves(self, block_hash: int, key: BlockKey) -> bool:
+        """Whether lookup would find this block, without making it the most recently used."""
+        return self._entries.get(block_hash) == key
+
     def lookup(self, block_hash: int, key: BlockKey) -> bool:
         """Whether a committed file holds this block (now the most recently used)."""
         if self._entries.get(block_hash) != key:

@@ -37,10 +37,11 @@ class HostTier:
                 f"a host KV tier of {capacity_bytes} bytes holds no block of "
                 f"{layout.bytes_per_block} bytes"
             )
-        # One slot is one block of every layer and plane, contiguous: [slot, layer, plane, ...].
+        # One slot is one pool block (a page of every pool slot and plane), contiguous:
+        # [slot, pool slot, plane, ...]; a pool slot is a layer unless the layers form groups.
         shape = (
             self.num_slots,
-            layout.num_layers,
+            layout.num_slots,
             layout.planes,
             layout.block_size,
             layout.num_kv_heads,
@@ -71,6 +72,11 @@ class HostTier:
             return None
         self._slot.move_to_end(block_hash)
         return slot
+
+    def serves(self, block_hash: int, key: BlockKey) -> bool:
+        """Whether lookup would find this block, without making it the most recently used."""
+        slot = self._slot.get(block_hash)
+        return slot is not None and self._key[slot] == key
 
     def holds(self, block_hash: int) -> bool:
         """Committed or on its way in: no second copy is needed."""

@@ -7,9 +7,14 @@ becomes -1 (a sliding window's blocks wholly older than the window, a chunked gr
 before the current chunk), so a long sequence holds pages for its full-attention layers only.
 Filled blocks of every group are registered in the prefix cache, keyed by the sequence's chain
 of block hashes salted with the group; a prefix hit is the longest prefix for which every group
-holds what its next query reads."""
+holds what its next query reads. The tiers below the pool extend a hit by the same rule: a block
+is held if the pool or a lower tier has it (`find_below`), and the blocks the pool lacks are
+loaded into each group's table (`allocate_load`, `cache_loaded`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdserve.cluster.block_hash import group_hash, hash_block_tokens
 from pdserve.engine.kv.block_manager import BlockKey, BlockManager
@@ -17,6 +22,25 @@ from pdserve.engine.kv.groups import KVGroups
 from pdserve.engine.sequence import Sequence
 
 FREED = -1  # a table entry whose block went back to the pool
+
+
+@dataclass(slots=True)
+class PrefixLoad:
+    """A prefix hit that blocks from a tier below the pool complete: each group's table of the
+    hit (the pool's blocks it reads, FREED where a block is loaded or not read), and the blocks to
+    load, by position (a load that fails at one has filled every earlier position)."""
+
+    num_cached: int  # blocks of the pool's own hit (allocate_prefix) it extends
+    num_blocks: int  # blocks of the hit once loaded
+    max_blocks: int  # the most it could have been (the last token stays to compute)
+    tables: list[list[int]]
+    places: list[tuple[int, int]]  # (position, group) of each block to load
+    keys: list[tuple[int, BlockKey]]  # each one's (group's hash, key), as the tiers hold it
+    blocks: list[int] = field(default_factory=list)  # the pool blocks they load into
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.tables)
 
 
 def live_blocks(tables: list[list[int]]) -> list[int]:
@@ -55,12 +79,8 @@ class KVCacheManager:
         max_blocks = max(0, (seq.num_tokens - 1) // bs)
         self._extend_hashes(seq, max_blocks)
         found = [self._lookup(seq, g, max_blocks) for g in range(self.num_groups)]
-        length = max_blocks
-        while True:  # each group's longest hit within the others'; a fixpoint in a few rounds
-            shortest = min(self._longest_hit(g, found[g], length) for g in range(self.num_groups))
-            if shortest == length:
-                break
-            length = shortest
+        held = [[b != FREED for b in blocks] for blocks in found]
+        length = self._longest_prefix(held, max_blocks)
         for g, blocks in enumerate(found):
             first = self._first_read_block(g, length)
             table = [FREED] * first + blocks[first:length]
@@ -70,6 +90,72 @@ class KVCacheManager:
         # Blocks after the hit are not looked up but must be computed: they count as misses.
         bm.prefix_misses += max_blocks - length
         return length * bs
+
+    def find_below(
+        self, seq: Sequence, num_tokens: int, held_below: Callable[[int, BlockKey], bool]
+    ) -> PrefixLoad:
+        """After allocate_prefix: the longest prefix of seq's first num_tokens tokens (the last
+        left to compute) for which every group holds every block its next query reads, in the
+        pool or below it (held_below(hash, key)); the blocks of it the pool lacks are to load."""
+        bs, tables = self.block_size, self._tables(seq)
+        num_cached = len(tables[0])
+        max_blocks = max(0, (num_tokens - 1) // bs)
+        self._extend_hashes(seq, max_blocks)
+        hashes = seq.block_hashes
+        in_pool = [self._lookup(seq, g, max_blocks) for g in range(self.num_groups)]
+        held = [
+            [
+                block != FREED or held_below(group_hash(hashes[i], g), self._key(seq, i))
+                for i, block in enumerate(blocks)
+            ]
+            for g, blocks in enumerate(in_pool)
+        ]
+        length = max(num_cached, self._longest_prefix(held, max_blocks))
+        load = PrefixLoad(num_cached, length, max_blocks, [], [], [])
+        for g, blocks in enumerate(in_pool):
+            first = self._first_read_block(g, length)
+            load.tables.append([FREED] * first + blocks[first:length])
+        load.places = sorted(
+            (i, g)
+            for g, table in enumerate(load.tables)
+            for i in range(self._first_read_block(g, length), length)
+            if table[i] == FREED
+        )
+        load.keys = [(group_hash(hashes[i], g), self._key(seq, i)) for i, g in load.places]
+        return load
+
+    def allocate_load(self, seq: Sequence, load: PrefixLoad) -> bool:
+        """Give seq the tables of `load` (found just now): a reference on each pool block they
+        read, a new block for each to load (`load.blocks`); the blocks of its pool hit that
+        they no longer read go back. False (and no change) if blocks run out."""
+        bm = self.block_manager
+        read = [b for table in load.tables for b in table if b != FREED]
+        bm.take(read)
+        if not bm.can_allocate(len(load.places)):
+            bm.free(read)
+            return False
+        self.free(seq)
+        for i, g in load.places:
+            load.tables[g][i] = bm.allocate_one()
+        load.blocks = [load.tables[g][i] for i, g in load.places]
+        seq.block_tables = load.tables
+        return True
+
+    def cache_loaded(self, seq: Sequence, load: PrefixLoad, num_loaded: int) -> int:
+        """A load ended, its first num_loaded blocks filled: they enter the prefix cache, the
+        others go back (FREED in their tables). Returns the longest prefix, in blocks, for which
+        seq's tables now hold what every group's next query reads (load.num_blocks unless a
+        block failed)."""
+        bm, tables = self.block_manager, self._tables(seq)
+        for k, ((i, g), (block_hash, key)) in enumerate(zip(load.places, load.keys)):
+            block = tables[g][i]
+            if k < num_loaded:
+                bm.cache_block(block, block_hash, key)
+            else:
+                tables[g][i] = FREED
+                bm.free([block])
+        held = [[b != FREED for b in table[: load.num_blocks]] for table in tables]
+        return self._longest_prefix(held, load.num_blocks)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks that allocate_slots(seq, num_tokens) would take, over every group."""
@@ -236,12 +322,22 @@ class KVCacheManager:
             found.append(FREED if block is None else block)
         return found
 
-    def _longest_hit(self, g: int, found: list[int], limit: int) -> int:
+    def _longest_prefix(self, held: list[list[bool]], limit: int) -> int:
+        """The largest n <= limit such that every group g holds (held[g][i]) every block its
+        query after n blocks reads."""
+        length = limit
+        while True:  # each group's longest hit within the others'; a fixpoint in a few rounds
+            shortest = min(self._longest_hit(g, held[g], length) for g in range(self.num_groups))
+            if shortest == length:
+                return length
+            length = shortest
+
+    def _longest_hit(self, g: int, held: list[bool], limit: int) -> int:
         """The largest n <= limit such that group g holds every block its query after n
         blocks reads."""
-        missing_before = [-1] * (limit + 1)  # n -> the last block before n not found, or -1
+        missing_before = [-1] * (limit + 1)  # n -> the last block before n not held, or -1
         for i in range(limit):
-            missing_before[i + 1] = i if found[i] == FREED else missing_before[i]
+            missing_before[i + 1] = missing_before[i] if held[i] else i
         for n in range(limit, 0, -1):
             if missing_before[n] < self._first_read_block(g, n):
                 return n

@@ -7,11 +7,15 @@ held (never evicted or rewritten) and its host slot is pinned (never evicted); a
 block only once its copy completed. Eviction from the device pool then costs nothing: the block
 is below it already.
 
-A waiting request whose prompt continues past its device-cached prefix in a lower tier has the
-next blocks allocated and loaded back (`find` then `load`); it leaves the scheduler's queue
-meanwhile and returns to its head once the load ended (`poll`), so the step loop never waits for
-a load. A block that fails to load (a disk file gone or corrupt) and every block after it are
-computed instead, giving the same tokens.
+Every KV group's blocks go down alike, each under its group's key (`cluster.block_hash.group_hash`:
+group 0's the chained hash the coordinator's prefix index knows, the others' salted, so no
+prompt's chain of hashes names them). A waiting request whose prompt continues past its
+device-cached prefix has the longest prefix for which every group holds, in the pool or below
+it, what the next query reads (`KVCacheManager.find_below`: a full group every block, a windowed
+one the window's) allocated and the blocks the pool lacks loaded back (`find` then `load`); it
+leaves the scheduler's queue meanwhile and returns to its head once the load ended (`poll`), so
+the step loop never waits for a load. A block that fails to load (a disk file gone or corrupt)
+and every block after it are computed instead, giving the same tokens.
 
 On a GPU the copies run on a side stream of their own, after the steps that wrote the blocks
 (an event recorded on the compute stream when the copy is submitted), into and out of pinned
@@ -31,11 +35,12 @@ from typing import Any
 
 import torch
 
-from pdserve.cluster.block_hash import hash_block_tokens
 from pdserve.engine.kv.block_manager import BlockKey, BlockManager
 from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.kv.disk_tier import DiskBlockError, DiskTier, read_block, write_block
 from pdserve.engine.kv.host_tier import HostTier
+from pdserve.engine.kv.kv_manager import KVCacheManager, PrefixLoad
+from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,15 @@ class TierHit:
     key: BlockKey
     tier: str  # "host" or "disk"
     slot: int | None = None  # the host slot, for a host hit
+
+
+@dataclass(slots=True)
+class TierLoad:
+    """A prompt's prefix past its device-cached one (`prefix`), and where below the pool each
+    block it loads is (`hits`, one per `prefix.places`, pinned until the load ends)."""
+
+    prefix: PrefixLoad
+    hits: list[TierHit]
 
 
 @dataclass(slots=True)
@@ -174,43 +188,45 @@ class KVTiers:
 
     # --- loading back ------------------------------------------------------------------------
 
-    def find(self, token_ids: list[int], block_table: list[int]) -> list[TierHit]:
-        """The blocks after a prompt's device-cached prefix (`block_table`) that the lower
-        tiers hold, consecutive, leaving the prompt's last token to compute; their host slots
-        and disk files are pinned until `load` ends, or `release`."""
-        bm = self.block_manager
-        bs = bm.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        parent = bm.registered_hash(block_table[-1]) if block_table else None
-        if block_table and parent is None:
-            return []  # the prefix is not all registered: nothing to chain from
-        hits: list[TierHit] = []
-        for i in range(len(block_table), max_blocks):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            block_hash = hash_block_tokens(parent, tokens)
-            key = (parent, tokens)
-            slot = self.host.lookup(block_hash, key)
-            if slot is not None:
-                self.host.pin(slot)
-                hits.append(TierHit(block_hash, key, "host", slot))
-            elif self.disk is not None and self.disk.lookup(block_hash, key):
-                self.disk.pin(block_hash)
-                hits.append(TierHit(block_hash, key, "disk"))
-            else:
-                break
-            parent = block_hash
-        return hits
+    def find(self, kv: KVCacheManager, seq: Sequence, num_tokens: int) -> TierLoad:
+        """The longest prefix of seq's first num_tokens tokens (the last left to compute) that
+        the lower tiers complete past its device-cached one (seq's tables, from
+        allocate_prefix), for every KV group; the host slots and disk files of the blocks it
+        loads are pinned until `load` ends, or `release`."""
+        prefix = kv.find_below(seq, num_tokens, self.serves)
+        return TierLoad(prefix, [self.hit(block_hash, key) for block_hash, key in prefix.keys])
 
-    def count_lookup(self, token_ids: list[int], block_table: list[int], hits: list[TierHit]):
+    def serves(self, block_hash: int, key: BlockKey) -> bool:
+        """Whether a lower tier serves this block now (its recency unchanged)."""
+        return self.host.serves(block_hash, key) or (
+            self.disk is not None and self.disk.serves(block_hash, key)
+        )
+
+    def hit(self, block_hash: int, key: BlockKey) -> TierHit | None:
+        """This block in the fastest tier serving it, pinned (now its most recently used), or
+        None."""
+        slot = self.host.lookup(block_hash, key)
+        if slot is not None:
+            self.host.pin(slot)
+            return TierHit(block_hash, key, "host", slot)
+        if self.disk is not None and self.disk.lookup(block_hash, key):
+            self.disk.pin(block_hash)
+            return TierHit(block_hash, key, "disk")
+        return None
+
+    def count_lookup(self, found: TierLoad) -> None:
         """Count a lookup's hits and misses per tier (once it is final: loading, or nothing to
-        load): every block after the device prefix not found in a tier is that tier's miss."""
-        looked_up = (len(token_ids) - 1) // self.block_manager.block_size - len(block_table)
-        on_host = sum(h.tier == "host" for h in hits)
+        load). A block every group computes after the hit is a miss of every tier; a block
+        loaded from disk a miss of the host tier too."""
+        prefix = found.prefix
+        computed = prefix.num_groups * (prefix.max_blocks - prefix.num_blocks)
+        on_host = sum(h.tier == "host" for h in found.hits)
+        on_disk = len(found.hits) - on_host
         self.stats.hit_blocks["host"] += on_host
-        self.stats.miss_blocks["host"] += looked_up - on_host
+        self.stats.miss_blocks["host"] += computed + on_disk
         if self.disk is not None:
-            self.stats.hit_blocks["disk"] += len(hits) - on_host
-            self.stats.miss_blocks["disk"] += looked_up - len(hits)
+            self.stats.hit_blocks["disk"] += on_disk
+            self.stats.miss_blocks["disk"] += computed
 
     def release(self, hits: list[TierHit]) -> None:
         """Unpin what `find` pinned, for hits that will not be loaded."""
@@ -414,13 +430,6 @@ def tiers_for(config: Any, pool: KVPool, block_manager: BlockManager) -> KVTiers
     on_gpu = pool.kv.is_cuda
     host_bytes = host_tier_bytes(config, pool.kv.numel() * pool.kv.element_size(), on_gpu)
     if not host_bytes or not config.enable_prefix_caching or config.tensor_parallel_size > 1:
-        return None
-    if pool.layout.layer_kinds:
-        # Their blocks are group 0's, keyed as one chain: a model of several KV groups would
-        # load a prefix whose windowed groups hold nothing.
-        logger.warning(
-            "KV tiers off: the model's layers form several KV groups, which they do not take yet"
-        )
         return None
     host = HostTier(pool.layout, host_bytes, pin_memory=on_gpu)
     disk = None
