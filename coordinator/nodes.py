@@ -72,17 +72,13 @@ class NodeState:
     def available_blocks(self) -> int:
         return self.free_blocks - self.reserved_blocks
 
-    @property
-    def kv_groups(self) -> KVGroups:
-        """Its model's KV groups, from the layout it registered (one, of every layer, unless the
-        model mixes layer kinds)."""
-        layout = self.kv_layout
-        return groups_for(layout.get("num_layers", 1), tuple(layout.get("layer_kinds", ())))
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of num_tokens computed tokens holds here: in a model with windowed
         or chunked layers, their groups' blocks under the window alone."""
-        return self.kv_groups.blocks_read(num_tokens, self.block_size)
+        groups = self.kv_groups
+        if groups is None:
+            return -(-num_tokens // self.block_size)
+        return groups.blocks_read(num_tokens, self.block_size)
 
     @property
     def prefill_load(self) -> int:
