@@ -345,7 +345,6 @@ FAMILIES["gemma4"] = dict(
     audio_config=None,
     initializer_range=0.2,
 )
-GEMMA4_FAMILIES = ("gemma4_text", "gemma4_moe", "gemma4")
 WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
 # Gemma's norms scale by 1 + weight: their weights lie around zero.
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}

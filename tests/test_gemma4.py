@@ -96,9 +96,9 @@ def test_layers_in_lanes_of_one_slot_keep_their_own_pages():
     a, b = pool.layer_pages(1), pool.layer_pages(2)
     assert a.planes[0].shape == (6, 4, 2, 4) and a.planes[0].is_contiguous()
     tables = torch.tensor([[2, 0, -1]], dtype=torch.int32)
-    assert a.tables(tables).tolist() == [[4, 0, -1]] and b.tables(tables).tolist() == [[5, 1, -1]]
+    assert a.tables(tables).tolist() == [[4, 0, -2]] and b.tables(tables).tolist() == [[5, 1, -1]]
     slots = torch.tensor([9, -1])  # block 2, offset 1; a padding token
-    assert a.slots(slots).tolist() == [17, -1] and b.slots(slots).tolist() == [21, -1]
+    assert a.slots(slots).tolist() == [17, -5] and b.slots(slots).tolist() == [21, -1]
     a.planes[0].view(-1, 2, 4)[17] = 1.0
     b.planes[0].view(-1, 2, 4)[21] = 2.0
     assert pool.kv[0, 0, 2].sum() == 8 * 1.0 + 8 * 2.0  # both in block 2, apart
@@ -215,6 +215,19 @@ def test_capped_logits_give_transformers_logprobs(reference):
     assert out.token_ids == expected[2]
     ours = torch.tensor([lp["token"][1] for lp in out.logprobs])
     torch.testing.assert_close(ours, hf[:, 0], rtol=0, atol=1e-4)
+
+
+def test_padded_decode_steps_generate_the_same_tokens(checkpoint_dir):
+    """Decode steps through the CUDA-graph path's static, padded inputs (run eagerly on CPU):
+    padding rows' slots and tables pass through every lane's mapping untouched."""
+    from test_decode_graphs import make_engine, run_workload
+
+    options = dict(model=str(checkpoint_dir("gemma4_text")))
+    expected = run_workload(make_engine(None, **options))
+    engine = make_engine(8, **options)
+    assert len(engine.runner.decode_graphs.inputs.tables) == 3
+    assert run_workload(engine) == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 @pytest.mark.cluster

@@ -209,7 +209,8 @@ class LayerPages:
     """One layer's pages, a tensor per plane: (K, V) or (latent,), each [pages, block_size,
     heads, head_dim]. With lanes > 1 its slot holds `lanes` such pages per block, and block b's
     is page b * lanes + lane: `slots` and `tables` turn a group's slot mapping and block tables
-    into this layer's (entries below zero, a padding token's slot or a given-back block, stay)."""
+    into this layer's. A padding token's slot and a given-back block (-1) stay below zero (floor
+    division: -1 maps to lane - lanes), so the kernels skip them as before."""
 
     planes: tuple[torch.Tensor, ...]
     lanes: int
@@ -220,13 +221,12 @@ class LayerPages:
         if self.lanes == 1:
             return slot_mapping
         bs = self.block_size
-        mapped = (slot_mapping // bs * self.lanes + self.lane) * bs + slot_mapping % bs
-        return torch.where(slot_mapping >= 0, mapped, slot_mapping)
+        return (slot_mapping // bs * self.lanes + self.lane) * bs + slot_mapping % bs
 
     def tables(self, block_tables: torch.Tensor) -> torch.Tensor:
         if self.lanes == 1:
             return block_tables
-        return torch.where(block_tables >= 0, block_tables * self.lanes + self.lane, block_tables)
+        return block_tables * self.lanes + self.lane
 
 
 def layer_planes(kv: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:

@@ -165,7 +165,7 @@ class Gemma4Attention(nn.Module):
 class Gemma4MLP(GeGLU):
     """The GeGLU MLP of a given width (a rank's columns of it)."""
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None, width: int):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None, width: int) -> None:
         MLP.__init__(self, cfg, shard, group, len(shard.columns(width)))
         self.approximate = GELU_APPROXIMATION[cfg.mlp_activation]
 
