@@ -152,6 +152,22 @@ def test_greedy_matches_transformers_at_block_sizes_that_do_and_do_not_divide_th
     assert generate(model_dir, prompts, block_size=block_size) == expected
 
 
+def test_the_torch_reference_kernels_and_unpacked_experts_give_transformers_tokens(reference):
+    """What a GPU node without Triton runs: the torch attention reference, the experts on their
+    stacked weights (CPU nodes pack them for oneDNN)."""
+    model_dir, prompts, expected = reference("gemma4_moe")
+    llm = LLM(
+        str(model_dir),
+        block_size=4,
+        num_kv_blocks=600,
+        device="cpu",
+        kernel_backend="torch",
+        cpu_linear="torch",
+    )
+    assert llm.engine.ops.name == "torch"
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
 @pytest.mark.parametrize("family", TEXT_FAMILIES)
 def test_chunked_prefill_splitting_windows_matches_transformers(reference, family):
     model_dir, prompts, expected = reference(family)
