@@ -61,8 +61,12 @@ class NodeState:
     def kv_groups(self) -> KVGroups | None:
         """Its model's KV groups where its layers are not all full attention (its KV layout's
         layer kinds), else None."""
-        kinds = self.kv_layout.get("layer_kinds")
-        return groups_for(self.kv_layout["num_layers"], tuple(kinds)) if kinds else None
+        layout = self.kv_layout
+        kinds = layout.get("layer_kinds")
+        if not kinds:
+            return None
+        sizes = tuple(heads * dim for heads, dim in layout.get("layer_shapes", ()))
+        return groups_for(layout["num_layers"], tuple(kinds), sizes)
 
     @property
     def decodes(self) -> bool:

@@ -191,7 +191,15 @@ class ShardedSender(KVSender):
                 f"KV layout mismatch in field 'num_kv_heads': {self.node_layout.num_kv_heads!r} "
                 f"!= {total!r}"
             )
-        routes = route_heads(self.head_ranges, [tuple(r["kv_heads"]) for r in ranks])
+        dst_heads = [tuple(r["kv_heads"]) for r in ranks]
+        if self.node_layout.layer_shapes and dst_heads != [tuple(h) for h in self.head_ranges]:
+            # A lane of a slot's page is no range of the pool's heads: pages move whole.
+            raise ValueError(
+                "a model whose layers' KV pages differ in shape (Gemma 4) hands off between "
+                "nodes of equal tensor-parallel sizes only: this node's ranks hold KV heads "
+                f"{[list(h) for h in self.head_ranges]}, the receiver's {[list(h) for h in dst_heads]}"
+            )
+        routes = route_heads(self.head_ranges, dst_heads)
         for src, dst in dict.fromkeys((r.src_rank, r.dst_rank) for r in routes):
             # Rank 0's connect raises here what the receiver's info does not satisfy.
             self.links.order(src, RankConnect(self.name, _rank_peer(peer_id, dst), ranks[dst]))

@@ -266,12 +266,93 @@ FAMILIES["llama4"] = dict(
         projector_output_dim=32,
     ),
 )
+# Gemma 4, shaped as its E releases: full layers' heads twice as wide as the sliding ones' (two
+# sliding pages to a slot of the pool), the last 3 of 7 layers reading earlier layers' KV (a
+# sliding one and two full ones, with a double-wide MLP), per-layer embeddings from a table of
+# more rows than the vocabulary, proportional rope on the full layers turning half of each head,
+# bases apart, a window of 8, a cap on the logits.
+GEMMA4_TEXT = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=7,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    layer_types=["sliding_attention"] * 2
+    + ["full_attention"]
+    + ["sliding_attention"] * 2
+    + ["full_attention"] * 2,
+    num_kv_shared_layers=3,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=640,
+    use_double_wide_mlp=True,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 5000.0,
+        },
+    },
+    final_logit_softcapping=5.0,
+    tie_word_embeddings=True,
+)
+FAMILIES["gemma4_text"] = dict(model_type="gemma4_text", **GEMMA4_TEXT)
+# Gemma 4 shaped as its 31B and 26B-A4B releases: fewer, wider KV heads on the full layers whose
+# values are their keys' projection (attention_k_eq_v), their pages half the sliding layers' (two
+# full layers to a slot), no per-layer embeddings, experts (4, top-2) beside every MLP.
+FAMILIES["gemma4_moe"] = dict(
+    model_type="gemma4_text",
+    **{
+        **GEMMA4_TEXT,
+        "num_hidden_layers": 6,
+        "layer_types": (["sliding_attention"] * 2 + ["full_attention"]) * 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 8,
+        "global_head_dim": 16,
+        "num_global_key_value_heads": 2,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "use_double_wide_mlp": False,
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 24,
+    },
+)
+# The E-shaped text model inside Gemma4ForConditionalGeneration (a tiny vision tower), its
+# image, video and audio placeholder tokens inside the tiny vocabulary.
+FAMILIES["gemma4"] = dict(
+    model_type="gemma4",
+    text_config=GEMMA4_TEXT,
+    image_token_id=7,
+    video_token_id=8,
+    audio_token_id=9,
+    vision_config=dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        patch_size=4,
+        position_embedding_size=64,
+    ),
+    audio_config=None,
+    initializer_range=0.2,
+)
 WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
 # Gemma's norms scale by 1 + weight: their weights lie around zero.
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}
 # Families whose biases and attention sinks are set random: transformers starts them at zero
 # (the sinks near it), which would test nothing.
 RANDOM_BIASES = ("gpt_oss",)
+# Scales transformers starts at one (Gemma 4's layer scalar and router scales): set random.
+RANDOM_SCALES = ("layer_scalar", "router.scale", "per_expert_scale")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
@@ -319,9 +400,13 @@ def build_checkpoint(
                 param.uniform_(*NORM_WEIGHTS.get(family, (0.5, 1.5)))
             if family in RANDOM_BIASES and name.endswith(("bias", "sinks")):
                 param.uniform_(-1.0, 1.0)
+            if name.endswith(RANDOM_SCALES):
+                param.uniform_(0.5, 1.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros would test nothing
                 buffer.uniform_(-0.2, 0.2)
+            if name.endswith(RANDOM_SCALES):
+                buffer.uniform_(0.5, 1.5)
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)

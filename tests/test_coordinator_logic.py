@@ -121,6 +121,14 @@ def test_a_nodes_block_estimate_counts_each_kv_group_under_its_window():
     assert node("uniform").blocks_for(40) == 10  # every layer full: one group
     manager = KVCacheManager(BlockManager(100, 4), groups_for(4, kinds))
     assert all(d.blocks_for(n) == manager.handoff_size(n) for n in range(1, 60))
+    # Layers of two page shapes (Gemma 4's): the groups the node's pool has, lanes and all.
+    kinds = ("sliding 8",) * 5 + ("full",) + ("sliding 8",) * 5 + ("full",)
+    shapes = (((2, 8),) * 5 + ((1, 32),)) * 2
+    layout = KVLayout(12, 4, 1, 32, "float32", layer_kinds=kinds, layer_shapes=shapes)
+    d = node("d", kv_layout=layout.to_dict())
+    manager = KVCacheManager(BlockManager(100, 4), layout.groups)
+    assert d.kv_groups == layout.groups and d.kv_groups != groups_for(12, kinds)
+    assert all(d.blocks_for(n) == manager.handoff_size(n) for n in range(1, 60))
 
 
 def test_an_idle_node_takes_a_sequence_bigger_than_its_headroom():

@@ -5,8 +5,8 @@ tcp and shm, and with a prefill node of two tensor-parallel ranks; every stream 
 engine's (which equals transformers', test_windowed_models.py), the decode node receives only the
 blocks its windowed layers will read, a chat's second turn reuses the first turn's blocks of
 every group there, layer-wise streaming sends a slot once every group's layer in it is done, every
-block comes back, and `pdserve serve DIR` of each windowed or chunked family (Gemma 3 and Llama 4
-among them) answers with transformers' greedy text."""
+block comes back, and `pdserve serve DIR` of each windowed or chunked family (Gemma 3, Gemma 4
+and Llama 4 among them) answers with transformers' greedy text."""
 
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ def test_a_second_turn_reuses_every_groups_blocks_on_the_decode_node(checkpoint_
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2_sliding", "mistral_sliding", "gpt_oss", "gemma3_text", "llama4_text"]
+    "family",
+    ["qwen2_sliding", "mistral_sliding", "gpt_oss", "gemma3_text", "gemma4_text", "llama4_text"],
 )
 def test_pdserve_serve_answers_over_http_with_transformers_greedy_text(
     family, checkpoint_dir, tmp_path

@@ -29,7 +29,7 @@ from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVLayout
 from pdserve.engine.kv.groups import KVGroups, groups_for
 from pdserve.engine.kv.kv_manager import KVCacheManager
-from pdserve.engine.models.config import ModelConfig
+from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -67,6 +67,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
+        if cfg.has_mixed_kv_shapes or cfg.kv_donors or cfg.gemma4 is not None:
+            # Its uniform layers would price Gemma 4's KV and compute wrongly: refused, not guessed.
+            raise UnsupportedModelError(
+                f"pdserve tune does not model {cfg.model_type} yet (layers of unequal KV shapes, "
+                "layers reading another's KV, per-layer embeddings)"
+            )
         return cls(
             num_sparse_layers=len(cfg.sparse_layers),
             num_experts=cfg.num_experts,

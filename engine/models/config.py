@@ -3,7 +3,9 @@ Qwen3 families, their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, D
 V3 (multi-head latent attention, group-limited routing over many small experts), gpt-oss
 (attention sinks, alternating windowed and full layers, experts with biases and a clamped SwiGLU),
 Gemma 3's text model (`gemma3_text`, and the language model of a multimodal `gemma3`
-checkpoint) and Llama 4's (chunked local and NoPE layers, interleaved dense and sparse layers).
+checkpoint), Gemma 4's (`gemma4_text`, `gemma4`: layers of unequal KV shapes, layers reading an
+earlier layer's KV, per-layer embeddings, an optional mixture of experts beside the MLP) and
+Llama 4's (chunked local and NoPE layers, interleaved dense and sparse layers).
 
 Anything this engine cannot run exactly is refused here, with the offending field named.
 """
@@ -32,8 +34,11 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss",
     "gemma3_text",
     "gemma3",
+    "gemma4_text",
+    "gemma4",  # Gemma4ForConditionalGeneration: its text model only
 )
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
+GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 MOE_MODEL_TYPES = (
     "mixtral",
@@ -71,6 +76,26 @@ class Llama4Attention:
     temperature_tuning: bool
     floor_scale: float
     attn_scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma4Text:
+    """What Gemma 4's text model adds beyond what ModelConfig says of every family (its layers'
+    KV shapes, `kv_donors`, the rope of its two layer types and its MoE are ModelConfig's).
+
+    per_layer_input_size: the width of each layer's per-layer embedding (PLE; 0: none), looked
+    up in a table of per_layer_vocab_size rows. k_eq_v_layers: the layers whose values are their
+    keys' projection (attention_k_eq_v, on full-attention layers). mlp_widths: each layer's MLP
+    width (twice intermediate_size on the layers that read another's KV, with
+    use_double_wide_mlp). placeholder_ids: the multimodal wrapper's image, video and audio
+    tokens, embedded as pad_token_id as transformers does on text."""
+
+    per_layer_input_size: int
+    per_layer_vocab_size: int
+    k_eq_v_layers: tuple[bool, ...]
+    mlp_widths: tuple[int, ...]
+    pad_token_id: int
+    placeholder_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,20 +156,47 @@ class ModelConfig:
     # gpt-oss's experts (None: the gated SiLU of the other families): biases on the expert and
     # router projections, the router's softmax over its k largest logits, this activation.
     clamped_swiglu: ClampedSwiGLU | None = None
-    # Gemma 3: its MLP's activation (GeGLU), query_pre_attn_scalar (what the softmax scale is
-    # 1/sqrt of; 0: head_dim), a tanh cap on the logits (0: none), and the rope of its sliding
-    # layers (`local_rope_layers`): a base and scaling apart from the full layers' rope_theta and
-    # rope_scaling.
+    # Gemma 3 and 4: its MLP's activation (GeGLU), query_pre_attn_scalar (what the softmax scale
+    # is 1/sqrt of; 0: head_dim; Gemma 4 scales by 1), a tanh cap on the logits (0: none), and the
+    # rope of its sliding layers (`local_rope_layers`): a base and scaling apart from the full
+    # layers' rope_theta and rope_scaling.
     mlp_activation: str = "silu"
     query_pre_attn_scalar: float = 0.0
     final_logit_softcapping: float = 0.0
     local_rope_layers: tuple[int, ...] = ()
     local_rope_theta: float = 0.0
     local_rope_scaling: dict | None = None
+    # Layers whose KV pages differ in shape (Gemma 4): each layer's KV heads and head_dim (empty:
+    # every layer's are num_kv_heads and head_dim).
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_head_dims: tuple[int, ...] = ()
+    # By layer, the layer whose keys and values it attends over: itself, or an earlier one whose
+    # KV it reads and keeps none of its own (Gemma 4's num_kv_shared_layers, always the last
+    # layers). Empty: every layer its own.
+    kv_donors: tuple[int, ...] = ()
+    # Gemma 4 (None for every other family); its modules are `gemma4`'s.
+    gemma4: Gemma4Text | None = None
 
     @property
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers that keep KV pages of their own: the leading ones (the others read theirs)."""
+        if not self.kv_donors:
+            return self.num_layers
+        return sum(1 for layer, donor in enumerate(self.kv_donors) if donor == layer)
+
+    @property
+    def has_mixed_kv_shapes(self) -> bool:
+        return bool(self.layer_kv_heads)
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
 
     @property
     def is_mla(self) -> bool:
@@ -220,6 +272,8 @@ class ModelConfig:
             cfg = _gpt_oss_defaults(cfg)
         if model_type in GEMMA3_MODEL_TYPES:
             cfg = _gemma3_text_config(cfg)
+        if model_type in GEMMA4_MODEL_TYPES:
+            cfg = _gemma4_text_config(cfg)
         act = cfg.get("hidden_act", "silu")
         # gpt-oss's transformers model reads no hidden_act: its experts' activation is fixed.
         if act != "silu" and model_type != "gpt_oss":
@@ -243,10 +297,13 @@ class ModelConfig:
         field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
         if scaling is not None:
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
+            supported = (
+                GEMMA4_ROPE_TYPES if model_type in GEMMA4_MODEL_TYPES else SUPPORTED_ROPE_TYPES
+            )
+            if rope_type not in supported:
                 raise UnsupportedModelError(
                     f"config.json field '{field}.rope_type' = {rope_type!r} is not supported "
-                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                    f"(supported: {', '.join(supported)})"
                 )
             scaling = {**scaling, "rope_type": rope_type}
         num_heads = cfg["num_attention_heads"]
@@ -284,7 +341,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=not qwen2_like and bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA3_MODEL_TYPES),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA3_MODEL_TYPES, *GEMMA4_MODEL_TYPES),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -300,6 +357,7 @@ class ModelConfig:
                 else None
             ),
             **_gemma3_fields(model_type, cfg),
+            **_gemma4_fields(model_type, cfg),
         )
 
     @classmethod
@@ -786,4 +844,225 @@ def _gemma3_fields(model_type: str, cfg: dict) -> dict:
         ),
         "local_rope_theta": float(local.pop("rope_theta")),
         "local_rope_scaling": local,
+    }
+
+
+# Gemma4TextConfig's defaults in transformers 5.24 (and Gemma4Config's placeholder tokens), for
+# what a config leaves out; global_head_dim and num_global_key_value_heads are the full layers'
+# (the latter only with attention_k_eq_v, as transformers reads it).
+GEMMA4_TEXT_DEFAULTS = {
+    "vocab_size": 262_144,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "sliding_window": 512,
+    "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "enable_moe_block": False,
+    "use_double_wide_mlp": False,
+}
+GEMMA4_ROPE_DEFAULTS = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1_000_000.0,
+    },
+}
+GEMMA4_PLACEHOLDERS = {
+    "image_token_id": 258_880,
+    "video_token_id": 258_884,
+    "audio_token_id": 258_881,
+}
+GEMMA4_ROPE_TYPES = ("default", "proportional")
+# What a config's per_layer_config may set per layer: the shape of its keys and values.
+GEMMA4_PER_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
+
+
+def _gemma4_text_config(cfg: dict) -> dict:
+    """A Gemma 4 config as the other families' read: the text model's (a multimodal checkpoint's
+    `text_config`, with what its top level holds for it) over Gemma4TextConfig's defaults, its
+    layer types (the last one full, as transformers forces it), each layer's KV shape (from
+    `per_layer_config`, or `global_head_dim` and `num_global_key_value_heads` for the full
+    layers), the layer each KV-sharing layer reads, and the rope of each layer type (the full
+    layers' as `rope_theta` / `rope_scaling`, the sliding layers' in `local_rope`)."""
+    model_type = cfg["model_type"]
+    placeholders: tuple[int, ...] = ()
+    if model_type == "gemma4":
+        text = dict(cfg.get("text_config") or {})
+        text.update({key: cfg[key] for key in GEMMA3_TOP_LEVEL if cfg.get(key) is not None})
+        text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+        placeholders = tuple(cfg.get(key, default) for key, default in GEMMA4_PLACEHOLDERS.items())
+    else:
+        text = dict(cfg)
+    text = {**GEMMA4_TEXT_DEFAULTS, **text}
+    text["model_type"] = model_type
+    text["placeholder_ids"] = tuple(p for p in placeholders if p is not None)
+    if text.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError(
+            "config.json field 'use_bidirectional_attention' = 'all' is not supported: "
+            "pdserve's attention is causal"
+        )
+    if text.get("attention_bias"):
+        raise UnsupportedModelError(
+            "config.json field 'attention_bias' = true is not supported for Gemma 4 "
+            "(its releases have none)"
+        )
+    num_layers = text["num_hidden_layers"]
+    types = list(text.get("layer_types") or [])
+    if not types:
+        types = [
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)
+        ]
+    types[-1] = "full_attention"  # as Gemma4TextConfig forces it
+    text["layer_types"] = types
+    others = set(types) - {"sliding_attention", "full_attention"}
+    if others:
+        raise UnsupportedModelError(
+            f"config.json field 'layer_types' holds {sorted(others)[0]!r}, which Gemma 4 does "
+            "not have (sliding_attention, full_attention)"
+        )
+    text["layer_shapes"] = shapes = _gemma4_layer_shapes(text, types)
+    if len(set(shapes)) == 1:  # every layer alike: the family's usual fields say it
+        text["num_key_value_heads"], text["head_dim"] = shapes[0]
+    text["kv_donors"] = _gemma4_kv_donors(text, types)
+    by_type = {**GEMMA4_ROPE_DEFAULTS, **(text.pop("rope_parameters", None) or {})}
+    ropes = {}
+    for layer_type in ("full_attention", "sliding_attention"):
+        rope = dict(by_type.get(layer_type) or GEMMA4_ROPE_DEFAULTS[layer_type])
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        if rope["rope_type"] not in GEMMA4_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"config.json field 'rope_parameters.{layer_type}.rope_type' = "
+                f"{rope['rope_type']!r} is not supported "
+                f"(supported: {', '.join(GEMMA4_ROPE_TYPES)})"
+            )
+        ropes[layer_type] = rope
+    full = ropes["full_attention"]
+    text["rope_theta"] = full.pop("rope_theta")
+    text["rope_scaling"] = full
+    text["local_rope"] = ropes["sliding_attention"]
+    if text.get("enable_moe_block"):
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if not text.get(key):
+                raise UnsupportedModelError(f"config.json has enable_moe_block but no '{key}'")
+    return text
+
+
+def _gemma4_layer_shapes(text: dict, types: list[str]) -> list[tuple[int, int]]:
+    """Each layer's (KV heads, head_dim): head_dim and num_key_value_heads, overridden by layer
+    in `per_layer_config` or, without one, for the full layers by `global_head_dim` and, with
+    attention_k_eq_v, `num_global_key_value_heads` (as Gemma4TextConfig makes the overrides)."""
+    base = (text["num_key_value_heads"], text["head_dim"])
+    overrides = text.get("per_layer_config")
+    if overrides is None:
+        full = {"head_dim": text["global_head_dim"]}
+        if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = text["num_global_key_value_heads"]
+        overrides = {i: full for i, t in enumerate(types) if t == "full_attention"}
+    shapes = [base] * len(types)
+    for key, fields in overrides.items():
+        layer = int(key)
+        unknown = sorted(set(fields) - set(GEMMA4_PER_LAYER_FIELDS))
+        if unknown:
+            raise UnsupportedModelError(
+                f"config.json field 'per_layer_config.{key}.{unknown[0]}' is not supported "
+                f"(a layer may set {', '.join(GEMMA4_PER_LAYER_FIELDS)})"
+            )
+        if not 0 <= layer < len(types):
+            raise UnsupportedModelError(
+                f"config.json field 'per_layer_config' names layer {key} of {len(types)}"
+            )
+        shapes[layer] = (
+            fields.get("num_key_value_heads", base[0]),
+            fields.get("head_dim", base[1]),
+        )
+    return shapes
+
+
+def _gemma4_kv_donors(text: dict, types: list[str]) -> list[int]:
+    """By layer, the layer whose KV it attends over: the last num_kv_shared_layers layers read
+    the last earlier layer of their type that keeps its own (Gemma4TextConfig.kv_sharing_modes)."""
+    num_layers, shared = len(types), text.get("num_kv_shared_layers") or 0
+    first_shared = num_layers - shared
+    if shared and first_shared <= 0:
+        raise UnsupportedModelError(
+            f"config.json field 'num_kv_shared_layers' = {shared} leaves no layer keeping KV"
+        )
+    donors = list(range(num_layers))
+    for layer in range(first_shared, num_layers):
+        own = [i for i in range(first_shared) if types[i] == types[layer]]
+        if not own:
+            raise UnsupportedModelError(
+                f"config.json field 'num_kv_shared_layers' = {shared}: layer {layer} "
+                f"({types[layer]}) has no earlier layer of its type to read KV from"
+            )
+        donors[layer] = own[-1]
+    shapes = text["layer_shapes"]
+    for layer, donor in enumerate(donors):
+        if shapes[layer][1] != shapes[donor][1]:
+            raise UnsupportedModelError(
+                f"config.json: layer {layer} reads layer {donor}'s KV but their head_dim differ"
+            )
+    return donors
+
+
+def _gemma4_fields(model_type: str, cfg: dict) -> dict:
+    """Gemma 4's fields of a config made by `_gemma4_text_config` ({} for other families)."""
+    if model_type not in GEMMA4_MODEL_TYPES:
+        return {}
+    activation = cfg["hidden_activation"]
+    if activation not in GEMMA3_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"config.json field 'hidden_activation' = {activation!r} is not supported "
+            f"(supported: {', '.join(GEMMA3_ACTIVATIONS)})"
+        )
+    types, donors, shapes = cfg["layer_types"], tuple(cfg["kv_donors"]), cfg["layer_shapes"]
+    num_layers = len(types)
+    shared = {layer for layer, donor in enumerate(donors) if donor != layer}
+    width = cfg["intermediate_size"]
+    double = bool(cfg.get("use_double_wide_mlp"))
+    mixed = len(set(shapes)) > 1
+    moe = bool(cfg.get("enable_moe_block"))
+    local = dict(cfg["local_rope"])
+    return {
+        "mlp_activation": activation,
+        "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+        "local_rope_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "local_rope_theta": float(local.pop("rope_theta")),
+        "local_rope_scaling": local,
+        "layer_kv_heads": tuple(h for h, _ in shapes) if mixed else (),
+        "layer_head_dims": tuple(d for _, d in shapes) if mixed else (),
+        "kv_donors": donors if shared else (),
+        "num_experts": cfg["num_experts"] if moe else 0,
+        "num_experts_per_tok": cfg["top_k_experts"] if moe else 0,
+        "moe_intermediate_size": cfg["moe_intermediate_size"] if moe else 0,
+        "norm_topk_prob": moe,
+        "sparse_layers": tuple(range(num_layers)) if moe else (),
+        "gemma4": Gemma4Text(
+            per_layer_input_size=cfg.get("hidden_size_per_layer_input") or 0,
+            per_layer_vocab_size=cfg["vocab_size_per_layer_input"],
+            k_eq_v_layers=tuple(
+                bool(cfg.get("attention_k_eq_v")) and t != "sliding_attention" for t in types
+            ),
+            mlp_widths=tuple(
+                width * 2 if double and i in shared else width for i in range(num_layers)
+            ),
+            pad_token_id=cfg.get("pad_token_id") or 0,
+            placeholder_ids=tuple(cfg["placeholder_ids"]),
+        ),
     }

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.gemma3 import Gemma3ForCausalLM
+from pdserve.engine.models.gemma4 import Gemma4ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.weights import iter_checkpoint
 from pdserve.engine.tp.group import TPGroup
@@ -18,6 +19,8 @@ from pdserve.engine.tp.shard import TPShard
 FAMILIES: dict[str, type[LlamaForCausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gemma4_text": Gemma4ForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
 }
 
 

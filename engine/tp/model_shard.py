@@ -57,7 +57,11 @@ class ModelShard:
             logger.info("cpu_linear: %d linear layers packed for oneDNN", n)
         mcfg = self.model.config
         self.layout = KVLayout.for_model(
-            mcfg, config.block_size, dtype, len(shard.kv_heads(mcfg.cache_heads))
+            mcfg,
+            config.block_size,
+            dtype,
+            len(shard.kv_heads(mcfg.cache_heads)),
+            heads_of=lambda heads: len(shard.kv_heads(heads)),
         )
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         if group is not None:
@@ -173,6 +177,15 @@ def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:
     for group in groups:
         kinds[group.kind.label] = kinds.get(group.kind.label, 0) + len(group.layers)
     full = sum(1 for g in groups if g.kind.reach is None)
+    if layout.layer_shapes:
+        return (
+            f"KV cache: {num_blocks} blocks of {layout.block_size} shared by {len(groups)} KV "
+            f"groups of layers of unequal page shapes ("
+            + ", ".join(f"{label}: {n} layers" for label, n in kinds.items())
+            + f"), {layout.bytes_per_block} bytes a block ({layout.num_slots} slots of "
+            f"{layout.num_kv_heads} heads x {layout.head_dim}, smaller pages in lanes, "
+            f"{layout.dtype}); {page_fill_line(layout)}"
+        )
     return (
         f"KV cache: {num_blocks} blocks of {layout.block_size} shared by {len(groups)} KV groups "
         f"of {layout.num_slots} layers each at most ("
@@ -180,4 +193,20 @@ def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:
         + f"), {layout.bytes_per_block} bytes a block ({what}, {layout.dtype}); a prompt "
         f"token costs {full * per_token} bytes in the full-attention groups, each other group "
         "holds its window's or chunk's last tokens only"
+    )
+
+
+def page_fill_line(layout: KVLayout) -> str:
+    """How much of a block's bytes each group's pages use (the rest idle), where layers' pages
+    differ in shape: the full-attention groups' share is what a long context pays."""
+    groups = layout.groups
+    full = [g for g in range(groups.num_groups) if groups.groups[g].kind.reach is None]
+    windowed = [g for g in range(groups.num_groups) if g not in full]
+
+    def share(indices: list[int]) -> str:
+        return "/".join(f"{groups.fill(g):.0%}" for g in indices) or "none"
+
+    return (
+        f"a block's bytes used: {share(full)} in the full-attention groups, {share(windowed)} "
+        "in the others"
     )

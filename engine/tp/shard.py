@@ -27,7 +27,8 @@ class TPShard:
         """Raise ValueError naming the config field that this group size cannot split."""
         size = self.size
         fields = [("num_attention_heads", cfg.num_heads)]
-        if len(cfg.sparse_layers) < cfg.num_layers:  # a dense MLP somewhere
+        # A dense MLP somewhere (Gemma 4's layers have one beside their experts).
+        if len(cfg.sparse_layers) < cfg.num_layers or cfg.gemma4 is not None:
             dense = "intermediate_size_mlp" if cfg.llama4 else "intermediate_size"  # Llama 4's
             fields.append((dense, cfg.intermediate_size))
         if cfg.is_moe:
@@ -49,6 +50,14 @@ class TPShard:
                 f"config.json field 'num_key_value_heads' = {kv} and tensor_parallel_size="
                 f"{size}: one must divide the other"
             )
+        for kv in sorted(set(cfg.layer_kv_heads)):  # layers whose KV shapes differ (Gemma 4)
+            if kv % size:
+                raise ValueError(
+                    f"layers of {kv} KV heads (num_global_key_value_heads or per_layer_config) "
+                    f"and tensor_parallel_size={size}: the ranks must split every layer's KV "
+                    "heads (replicating some layers' heads would change the pages' relative "
+                    "sizes, which the KV pool's lanes rely on)"
+                )
 
     def q_heads(self, num_heads: int) -> range:
         per = num_heads // self.size
