@@ -266,7 +266,6 @@ FAMILIES["llama4"] = dict(
         projector_output_dim=32,
     ),
 )
-WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
 # Gemma's norms scale by 1 + weight: their weights lie around zero.
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}
 # Families whose biases and attention sinks are set random: transformers starts them at zero
