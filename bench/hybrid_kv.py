@@ -36,6 +36,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -422,63 +423,110 @@ def capacity(
 # --- the docs' tables (`python -m pdserve.bench.docs` renders them from the results file) -------
 
 
+LEFT, RIGHT = "---", "---:"  # a column's alignment, as its separator cell
+
+
+def markdown_table(columns: list[tuple[str, str]], rows: Iterable[list[str]]) -> str:
+    """columns: each one's heading and alignment (LEFT, RIGHT); rows: each one's cells."""
+    lines = [[heading for heading, _ in columns], [align for _, align in columns], *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
 def layouts_table(results: dict) -> str:
     """Each model's layers, its KV groups, and a block's bytes both ways."""
-    out = [
-        "| model | layers (hybrid: KV groups) | KV heads × dim | block, hybrid | block, all-full |",
-        "| --- | --- | --- | ---: | ---: |",
+    columns = [
+        ("model", LEFT),
+        ("layers (hybrid: KV groups)", LEFT),
+        ("KV heads × dim", LEFT),
+        ("block, hybrid", RIGHT),
+        ("block, all-full", RIGHT),
     ]
+    rows = []
     for row in results["capacity"]:
         h, f = row["hybrid"], row["all_full"]
         lay = h["layout"]
         slots_h = h["block_bytes"] // page_bytes(KVLayout.from_dict(lay))
-        out.append(
-            f"| {row['model']} | {h['layers']} | {lay['num_kv_heads']} × {lay['head_dim']} | "
-            f"{h['block_bytes'] / 2**20:.2f} MiB ({slots_h} slots) | "
-            f"{f['block_bytes'] / 2**20:.2f} MiB ({lay['num_layers']} slots) |"
+        rows.append(
+            [
+                row["model"],
+                h["layers"],
+                f"{lay['num_kv_heads']} × {lay['head_dim']}",
+                f"{h['block_bytes'] / 2**20:.2f} MiB ({slots_h} slots)",
+                f"{f['block_bytes'] / 2**20:.2f} MiB ({lay['num_layers']} slots)",
+            ]
         )
-    return "\n".join(out)
+    return markdown_table(columns, rows)
 
 
 def handoff_table(results: dict) -> str:
     """Bytes per prompt token (the model's own KV heads) and the handoff's time, both ways."""
-    out = [
-        "| model | prompt tokens | KV heads moved | hybrid bytes / token | all-full bytes / token "
-        "| hybrid / all-full bytes | hybrid MiB | hybrid ms | all-full MiB | all-full ms "
-        "| hybrid / all-full time |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    columns = [("model", LEFT)] + [
+        (heading, RIGHT)
+        for heading in (
+            "prompt tokens",
+            "KV heads moved",
+            "hybrid bytes / token",
+            "all-full bytes / token",
+            "hybrid / all-full bytes",
+            "hybrid MiB",
+            "hybrid ms",
+            "all-full MiB",
+            "all-full ms",
+            "hybrid / all-full time",
+        )
     ]
+    rows = []
     for row in results["handoffs"]:
         h, f = row["hybrid"], row["all_full"]
         heads = str(row["measured_kv_heads"])
         if row["measured_kv_heads"] != row["kv_heads"]:
             heads += f" of {row['kv_heads']}"
-        out.append(
-            f"| {row['model']} | {row['tokens']:,} | {heads} | "
-            f"{h['model_bytes_per_token']:,.0f} | {f['model_bytes_per_token']:,.0f} | "
-            f"{row['bytes_ratio']:.3f} | {h['bytes'] / 2**20:,.1f} | {h['seconds'] * 1e3:,.0f} | "
-            f"{f['bytes'] / 2**20:,.0f} | {f['seconds'] * 1e3:,.0f} | {row['time_ratio']:.3f} |"
+        rows.append(
+            [
+                row["model"],
+                f"{row['tokens']:,}",
+                heads,
+                f"{h['model_bytes_per_token']:,.0f}",
+                f"{f['model_bytes_per_token']:,.0f}",
+                f"{row['bytes_ratio']:.3f}",
+                f"{h['bytes'] / 2**20:,.1f}",
+                f"{h['seconds'] * 1e3:,.0f}",
+                f"{f['bytes'] / 2**20:,.0f}",
+                f"{f['seconds'] * 1e3:,.0f}",
+                f"{row['time_ratio']:.3f}",
+            ]
         )
-    return "\n".join(out)
+    return markdown_table(columns, rows)
 
 
 def capacity_table(results: dict) -> str:
     """Conversations one pool holds, measured, beside the count peak_blocks gives."""
-    out = [
-        "| model | pool GiB | hybrid blocks / conversation | hybrid conversations "
-        "(peak_blocks) | all-full blocks / conversation | all-full conversations (peak_blocks) "
-        "| hybrid / all-full |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    columns = [("model", LEFT)] + [
+        (heading, RIGHT)
+        for heading in (
+            "pool GiB",
+            "hybrid blocks / conversation",
+            "hybrid conversations (peak_blocks)",
+            "all-full blocks / conversation",
+            "all-full conversations (peak_blocks)",
+            "hybrid / all-full",
+        )
     ]
+    rows = []
     for row in results["capacity"]:
         h, f = row["hybrid"], row["all_full"]
-        out.append(
-            f"| {row['model']} | {row['pool_bytes'] / 2**30:g} | {h['blocks_per_conversation']:,} | "
-            f"{h['conversations']:,} ({h['formula_conversations']:,}) | "
-            f"{f['blocks_per_conversation']:,} | {f['conversations']:,} "
-            f"({f['formula_conversations']:,}) | {row['ratio']:.2f}x |"
+        rows.append(
+            [
+                row["model"],
+                f"{row['pool_bytes'] / 2**30:g}",
+                f"{h['blocks_per_conversation']:,}",
+                f"{h['conversations']:,} ({h['formula_conversations']:,})",
+                f"{f['blocks_per_conversation']:,}",
+                f"{f['conversations']:,} ({f['formula_conversations']:,})",
+                f"{row['ratio']:.2f}x",
+            ]
         )
-    return "\n".join(out)
+    return markdown_table(columns, rows)
 
 
 def notes_list(results: dict) -> str:

@@ -345,7 +345,6 @@ FAMILIES["gemma4"] = dict(
     audio_config=None,
     initializer_range=0.2,
 )
-WINDOWED_FAMILIES = ("qwen2_sliding", "mistral_sliding")
 # Gemma's norms scale by 1 + weight: their weights lie around zero.
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}
 # Families whose biases and attention sinks are set random: transformers starts them at zero

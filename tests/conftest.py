@@ -92,3 +92,25 @@ def family_run(checkpoint_dir):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def windowed_reference(checkpoint_dir):
+    """family -> (model dir, prompts, transformers' greedy tokens) of a windowed family
+    (tests/windowed_families.py), made once per session: its parity tests and its own file's
+    tests share them."""
+    from checkpoints import hf_greedy
+    from windowed_families import WINDOWED_FAMILIES
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            family = WINDOWED_FAMILIES[name]
+            model_dir = checkpoint_dir(name)
+            prompts = family.prompts()
+            expected = hf_greedy(model_dir, prompts, family.new_tokens, family.hf_class)
+            cache[name] = (model_dir, prompts, expected)
+        return cache[name]
+
+    return get

@@ -1,13 +1,13 @@
 """Llama 4's text model from tiny transformers checkpoints (4 layers: 3 chunked rotary layers with
 chunks of 8 and the QK L2 norm, 1 full-attention NoPE layer whose temperature changes every 4
-positions; dense layers between sparse ones of 4 experts top-1 with a shared expert): greedy
-tokens equal transformers' in float32 for prompts several chunks long (one through the CPU
-attention's SDPA prefill path), at block sizes that do and do not divide the chunk, with chunked
-prefill splitting chunks, with a prefix-cache hit, after preemption, on two tensor-parallel ranks,
-with the experts on packed or plain weights and with two experts a token; without the
-temperature, the QK norm or the chunking they do not, so the parity tests each.
-A Llama4ForConditionalGeneration checkpoint serves its text model, its vision weights unread. The
-config is read as transformers reads it, defaults included."""
+positions; dense layers between sparse ones of 4 experts top-1 with a shared expert): the config
+is read as transformers reads it, defaults included; greedy tokens equal transformers' in float32
+with the experts on plain weights (the op table's fused_moe) as on packed ones, and with two
+experts a token; a Llama4ForConditionalGeneration checkpoint serves its text model, its vision
+weights unread; a checkpoint without a shared expert or with a misshapen expert is refused. Its
+greedy parity with transformers (block sizes, chunked prefill splitting chunks, prefix hits,
+preemption, TP=2, and divergence without the temperature, the QK norm or the chunking) is in
+test_windowed_family_parity.py."""
 
 from __future__ import annotations
 
@@ -19,24 +19,20 @@ import torch
 from checkpoints import hf_greedy, hf_model_greedy
 from conftest import random_prompts
 from safetensors.torch import load_file, save_file
+from windowed_families import WINDOWED_FAMILIES
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM
 from pdserve.engine.models.config import Llama4Attention, ModelConfig, UnsupportedModelError
 
-NEW_TOKENS = 32
+FAMILY = WINDOWED_FAMILIES["llama4_text"]
+GREEDY = FAMILY.greedy
 CHUNK = 8  # the checkpoints' attention_chunk_size
-# Several chunks long; 70 takes the CPU attention's SDPA prefill path (64 query tokens or more).
-PROMPT_LENGTHS = [3, 11, 29, 70]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 KINDS = (f"chunked {CHUNK}",) * 3 + ("full",)
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint_dir):
-    """(model dir, prompts, transformers' greedy tokens) of the text checkpoint, made once."""
-    model_dir = checkpoint_dir("llama4_text")
-    prompts = random_prompts(5, PROMPT_LENGTHS)
-    return model_dir, prompts, hf_greedy(model_dir, prompts, NEW_TOKENS)
+def model_dir(checkpoint_dir):
+    return checkpoint_dir("llama4_text")
 
 
 def generate(model_dir, prompts, **options) -> list[list[int]]:
@@ -47,10 +43,9 @@ def generate(model_dir, prompts, **options) -> list[list[int]]:
 # --- the config ----------------------------------------------------------------------------------
 
 
-def test_the_config_reads_every_choice_of_the_checkpoint(reference):
+def test_the_config_reads_every_choice_of_the_checkpoint(model_dir):
     import transformers
 
-    model_dir, _, _ = reference
     cfg = ModelConfig.from_pretrained(model_dir)
     assert cfg.model_type == "llama4_text" and cfg.weights_prefix == ""
     assert cfg.layer_kinds == KINDS
@@ -149,102 +144,32 @@ def test_a_multimodal_config_is_read_as_its_text_config():
 # --- serving it ----------------------------------------------------------------------------------
 
 
-def test_the_engine_loads_it_and_reports_its_layer_kinds(reference):
-    model_dir, _, _ = reference
+def test_the_engine_loads_it_and_reports_its_layer_kinds(model_dir):
     llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64)
     assert llm.engine.layout.layer_kinds == KINDS
     layers = llm.engine.model.layers
     assert [type(layer.mlp).__name__ for layer in layers] == ["MLP", "Llama4MoE"] * 2
     assert [layer.self_attn.mask for layer in layers] == [{"chunk": CHUNK}] * 3 + [{}]
+    # A CPU node's default, as the parity tests run it: the experts on packed weights (oneDNN).
+    assert layers[1].mlp.experts.packed_experts is not None
 
 
-@pytest.mark.parametrize(("block_size", "cpu_linear"), [(4, "onednn"), (5, "onednn"), (4, "torch")])
-def test_greedy_matches_transformers_at_block_sizes_that_do_and_do_not_divide_the_chunk(
-    reference, block_size, cpu_linear
-):
-    # onednn: the experts on packed weights (a CPU node's default); torch: the fused_moe op
-    model_dir, prompts, expected = reference
-    llm = LLM(
-        str(model_dir),
-        block_size=block_size,
-        num_kv_blocks=600,
-        device="cpu",
-        cpu_linear=cpu_linear,
-    )
-    experts = llm.engine.model.layers[1].mlp.experts
-    assert (experts.packed_experts is not None) == (cpu_linear == "onednn")
+def test_the_experts_on_plain_weights_match_transformers(windowed_reference):
+    # cpu_linear torch: the experts through the op table's fused_moe, not packed for oneDNN.
+    model_dir, prompts, expected = windowed_reference("llama4_text")
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=600, device="cpu", cpu_linear="torch")
+    assert llm.engine.model.layers[1].mlp.experts.packed_experts is None
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
-def test_two_experts_a_token_match_transformers(reference, tmp_path):
+def test_two_experts_a_token_match_transformers(model_dir, tmp_path):
     # Top-2: each token enters two experts, each scaled by its own score, the outputs summed.
-    model_dir, prompts, _ = reference
+    prompts = FAMILY.prompts()
     top2 = shutil.copytree(model_dir, tmp_path / "top2")
     config = json.loads((top2 / "config.json").read_text())
     (top2 / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 2}))
-    expected = hf_greedy(top2, prompts, NEW_TOKENS)
+    expected = hf_greedy(top2, prompts, FAMILY.new_tokens)
     assert generate(top2, prompts, block_size=4, num_kv_blocks=600) == expected
-
-
-def test_chunked_prefill_splitting_attention_chunks_matches_transformers(reference):
-    model_dir, prompts, expected = reference
-    # 13 tokens a step: prefill chunks end inside attention chunks and blocks.
-    options = dict(block_size=4, num_kv_blocks=600, max_num_batched_tokens=13)
-    assert generate(model_dir, prompts, **options) == expected
-
-
-def test_a_prefix_hit_gives_the_same_tokens(reference):
-    model_dir, prompts, expected = reference
-    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=600, device="cpu")
-    first = llm.generate(prompts, GREEDY)
-    again = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in first] == [o.token_ids for o in again] == expected
-    bm = llm.engine.block_manager
-    assert bm.prefix_hits > 0
-    assert bm.num_free_blocks == bm.num_blocks
-
-
-def test_preempted_sequences_resume_with_transformers_tokens(reference):
-    model_dir, prompts, expected = reference
-    # A pool too small for every sequence at once: the newest are preempted and recomputed.
-    llm = LLM(
-        str(model_dir), block_size=4, num_kv_blocks=48, max_num_batched_tokens=16, device="cpu"
-    )
-    outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in outs] == expected
-
-
-def test_two_tensor_parallel_ranks_match_transformers(reference):
-    # Each rank: 2 of the 4 query heads, 1 of the 2 KV heads, 48 of the dense layers' 96
-    # columns, 24 of every expert's and of the shared expert's 48; the router whole on both.
-    model_dir, prompts, expected = reference
-    options = dict(block_size=4, num_kv_blocks=200, device="cpu", tensor_parallel_size=2)
-    with LLM(str(model_dir), **options) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
-
-
-def _no_temperature(layer) -> None:  # noqa: ANN001
-    layer.self_attn.llama4.temperature = False
-
-
-def _no_qk_norm(layer) -> None:  # noqa: ANN001
-    layer.self_attn.llama4.l2_norm = False
-
-
-def _no_chunks(layer) -> None:  # noqa: ANN001
-    layer.self_attn.mask = {}  # full causal attention
-
-
-@pytest.mark.parametrize("remove", [_no_temperature, _no_qk_norm, _no_chunks])
-def test_without_the_temperature_the_qk_norm_or_the_chunks_the_tokens_differ(reference, remove):
-    """What makes the parity above a test of each: this checkpoint's tokens depend on them."""
-    model_dir, prompts, expected = reference
-    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=600, device="cpu")
-    for layer in llm.engine.model.layers:
-        remove(layer)
-    outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert all(got != want for got, want in zip(outs, expected))
 
 
 # --- the multimodal checkpoint's text model ------------------------------------------------------
@@ -258,8 +183,8 @@ def test_a_multimodal_checkpoints_text_model_gives_transformers_tokens(checkpoin
     # On text alone the wrapper embeds the tokens and runs its language model; transformers
     # 5.24's wrapper forward then fails reading `image_outputs` from that model's output, so
     # its language model, loaded through the wrapper, generates the reference.
-    prompts = random_prompts(6, PROMPT_LENGTHS)
-    expected = hf_model_greedy(hf.language_model, prompts, NEW_TOKENS)
+    prompts = random_prompts(6, list(FAMILY.prompt_lengths))
+    expected = hf_model_greedy(hf.language_model, prompts, FAMILY.new_tokens)
     llm = LLM(str(model_dir), block_size=5, num_kv_blocks=600, device="cpu")
     assert llm.engine.model.config.weights_prefix == "language_model."
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
@@ -276,9 +201,8 @@ def test_a_multimodal_checkpoints_text_model_gives_transformers_tokens(checkpoin
     ],
 )
 def test_a_checkpoint_without_a_shared_expert_or_with_a_misshapen_expert_is_refused(
-    reference, tmp_path, change, message
+    model_dir, tmp_path, change, message
 ):
-    model_dir, _, _ = reference
     shutil.copytree(model_dir, tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "model.safetensors"
     tensors = load_file(path)

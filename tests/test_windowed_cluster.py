@@ -1,12 +1,12 @@
 """Windowed models served disaggregated, for real: a prefill node hands a Qwen2 checkpoint's KV
 (one full layer, two layers with a 12-token window: three KV groups), or gpt-oss's (alternating
 8-token windows and full layers, attention sinks, its experts: two groups), to a decode node over
-tcp and shm, and with a prefill node of two tensor-parallel ranks; every stream equals the offline
-engine's (which equals transformers', test_windowed_models.py), the decode node receives only the
-blocks its windowed layers will read, a chat's second turn reuses the first turn's blocks of
-every group there, layer-wise streaming sends a slot once every group's layer in it is done, every
-block comes back, and `pdserve serve DIR` of each windowed or chunked family (Gemma 3, Gemma 4
-and Llama 4 among them) answers with transformers' greedy text."""
+tcp and shm, and with a prefill node of two tensor-parallel ranks; every stream equals the
+offline engine's (which equals transformers', test_windowed_family_parity.py), the decode node
+receives only the blocks its windowed layers will read, a chat's second turn reuses the first
+turn's blocks of every group there, layer-wise streaming sends a slot once every group's layer
+in it is done, every block comes back, and `pdserve serve DIR` of each windowed or chunked family
+(Gemma 3, Gemma 4 and Llama 4 among them) answers with transformers' greedy text."""
 
 from __future__ import annotations
 

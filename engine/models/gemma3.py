@@ -1,12 +1,13 @@
 """Gemma 3's text decoder, from a `Gemma3ForCausalLM` checkpoint or the language model of a
-multimodal `Gemma3ForConditionalGeneration` one: Llama's paged attention and loading, with Gemma's
-scaled embedding, (1 + weight) RMSNorms around attention and the MLP, a GeGLU MLP, a rope base of
-its own for the sliding layers, `query_pre_attn_scalar` and a tanh cap on the logits."""
+multimodal `Gemma3ForConditionalGeneration` one: Llama's paged attention, step loop and loading,
+with Gemma's scaled embedding, (1 + weight) RMSNorms around attention and the MLP, a GeGLU MLP, a
+rope base of its own for the sliding layers, `query_pre_attn_scalar` and a tanh cap on the
+logits."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -15,11 +16,10 @@ from torch.nn import functional as F
 from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.models.config import ModelConfig
-from pdserve.engine.models.llama import MLP, Attention, LlamaForCausalLM
+from pdserve.engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from pdserve.engine.models.norm import RMSNorm
 from pdserve.engine.models.weights import CheckpointTensor
 from pdserve.engine.tp.group import TPGroup
-from pdserve.engine.tp.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.op_table import Ops
 
@@ -42,13 +42,27 @@ GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 class GemmaAttention(Attention):
     """Llama's attention (q/k RMSNorm on, as Gemma 3 always has it), its softmax scaled by
-    query_pre_attn_scalar ** -0.5."""
+    query_pre_attn_scalar ** -0.5, its rotary table the sliding layers' or the full layers'."""
 
     def __init__(
         self, cfg: ModelConfig, layer_index: int, shard: TPShard, group: TPGroup | None
     ) -> None:
         super().__init__(cfg, layer_index, shard, group)
         self.scale = cfg.attention_scale
+        # Its table in the model's `cos_sin`: 0 the full layers', 1 the sliding layers'.
+        self.rope = int(layer_index in cfg.local_rope_layers)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        cos_sin: torch.Tensor,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """cos_sin: the model's two tables [2, positions, head_dim]; this layer reads its own."""
+        return super().forward(hidden, positions, batch, pool, cos_sin[self.rope], ops)
 
 
 class GeGLU(MLP):
@@ -63,14 +77,14 @@ class GeGLU(MLP):
         return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     """Sandwich norms: attention and the MLP each between a norm of their input and one of their
     output, before the residual add."""
 
     def __init__(
         self, cfg: ModelConfig, layer_index: int, shard: TPShard, group: TPGroup | None
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # Gemma's attention and MLP, not Llama's choice of them
         self.self_attn = GemmaAttention(cfg, layer_index, shard, group)
         self.mlp = GeGLU(cfg, shard, group)
         eps = cfg.rms_norm_eps
@@ -79,32 +93,31 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
+    def feed_forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output normed before it joins the stream, the MLP's input normed as
+        Llama's, and the MLP's output normed."""
+        norm = self.post_attention_layernorm
+        hidden = ops.rms_norm(hidden, norm.weight, norm.eps)
+        norm = self.pre_feedforward_layernorm
+        normed, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.mlp(normed, ops)
+        norm = self.post_feedforward_layernorm
+        return ops.rms_norm(hidden, norm.weight, norm.eps), residual
+
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's weights under Hugging Face's names (a multimodal checkpoint's language model read
     as a `Gemma3ForCausalLM`'s), fused as Llama's. Every RMSNorm weight holds 1 + the
     checkpoint's, added once at load, so the op table's norms (x * weight) compute Gemma's."""
 
+    decoder_layer = Gemma3DecoderLayer
+
     def __init__(
         self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None
     ) -> None:
-        nn.Module.__init__(self)  # Llama's layers are not built: Gemma's replace them
-        shard = shard or TPShard()
-        self.config = cfg
-        self.shard = shard
-        vocab_rows = shard.vocab_rows(cfg.vocab_size)
-        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, group)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, shard, group) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(vocab_rows, cfg.hidden_size, cfg.vocab_size, group)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        # Each layer's rotary table in `cos_sin`: 0 the full layers', 1 the sliding layers'.
-        local = set(cfg.local_rope_layers)
-        self.rope_of = tuple(int(i in local) for i in range(cfg.num_layers))
-        self.register_buffer("cos_sin", self._rotary_table(cfg), persistent=False)
+        super().__init__(cfg, shard, group)
         self.embed_scale = cfg.hidden_size**0.5  # rounded to the model's dtype by make_tables
 
     @staticmethod
@@ -125,37 +138,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         dtype = self.embed_tokens.weight.dtype
         self.embed_scale = torch.tensor(self.config.hidden_size**0.5).to(dtype).item()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        batch: AttentionBatch,
-        pool: KVPool,
-        ops: Ops,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.embed_scale
-        residual = None
-        for index, layer in enumerate(self.layers):
-            norm = layer.input_layernorm
-            if residual is None:
-                residual = hidden
-                normed = ops.rms_norm(hidden, norm.weight, norm.eps)
-            else:
-                normed, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-            cos_sin = self.cos_sin[self.rope_of[index]]
-            hidden = layer.self_attn(normed, positions, batch, pool, cos_sin, ops)
-            if on_layer is not None:
-                on_layer(index)
-            norm = layer.post_attention_layernorm
-            hidden = ops.rms_norm(hidden, norm.weight, norm.eps)
-            norm = layer.pre_feedforward_layernorm
-            normed, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-            hidden = layer.mlp(normed, ops)
-            norm = layer.post_feedforward_layernorm
-            hidden = ops.rms_norm(hidden, norm.weight, norm.eps)
-        normed, _ = ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
-        return normed
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)

@@ -167,12 +167,46 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def attend(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        cos_sin: torch.Tensor,
+        ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention on the norm of the residual stream plus the previous layer's output:
+        (attention's output, the stream). The first layer's residual is None: hidden is the
+        stream."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual = hidden
+            normed = ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            normed, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.self_attn(normed, positions, batch, pool, cos_sin, ops), residual
+
+    def feed_forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP on the norm of the residual stream plus attention's output: (the MLP's
+        output, the stream)."""
+        norm = self.post_attention_layernorm
+        normed, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(normed, ops), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """Checkpoint names follow Hugging Face's, except the fused qkv_proj and gate_up_proj.
 
     With a tensor-parallel `shard` (and its `group`), the module holds that rank's part: its
     query and KV heads, its MLP columns, its rows of the vocabulary."""
+
+    # A family whose layers differ in what surrounds attention and the MLP (Gemma's norms) names
+    # its own layer class; the step loop in `forward` is every family's.
+    decoder_layer: type[DecoderLayer] = DecoderLayer
 
     def __init__(
         self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None
@@ -184,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = shard.vocab_rows(cfg.vocab_size)
         self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, shard, group) for i in range(cfg.num_layers)
+            self.decoder_layer(cfg, i, shard, group) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(vocab_rows, cfg.hidden_size, cfg.vocab_size, group)
@@ -226,30 +260,21 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states [num_tokens, hidden_size]. on_layer(i) runs once
         layer i's attention has written its K/V into the pool (on a GPU: once its kernels are
         queued on the current stream), e.g. to send those pages while later layers compute."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for index, layer in enumerate(self.layers):
-            if residual is None:
-                residual = hidden
-                normed = ops.rms_norm(
-                    hidden, layer.input_layernorm.weight, layer.input_layernorm.eps
-                )
-            else:
-                normed, residual = ops.fused_add_rms_norm(
-                    hidden, residual, layer.input_layernorm.weight, layer.input_layernorm.eps
-                )
-            hidden = layer.self_attn(normed, positions, batch, pool, self.cos_sin, ops)
+            hidden, residual = layer.attend(
+                hidden, residual, positions, batch, pool, self.cos_sin, ops
+            )
             if on_layer is not None:
                 on_layer(index)
-            normed, residual = ops.fused_add_rms_norm(
-                hidden,
-                residual,
-                layer.post_attention_layernorm.weight,
-                layer.post_attention_layernorm.eps,
-            )
-            hidden = layer.mlp(normed, ops)
+            hidden, residual = layer.feed_forward(hidden, residual, ops)
         normed, _ = ops.fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         return normed
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, the residual stream's start."""
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [n, vocab]; None on a tensor-parallel rank other than 0."""
