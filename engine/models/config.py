@@ -824,16 +824,22 @@ def _gemma3_text_config(cfg: dict) -> dict:
     return text
 
 
-def _gemma3_fields(model_type: str, cfg: dict) -> dict:
-    """Gemma 3's fields of a config made by `_gemma3_text_config` ({} for other families)."""
-    if model_type not in GEMMA3_MODEL_TYPES:
-        return {}
+def _gemma_activation(cfg: dict) -> str:
+    """Gemma 3's and Gemma 4's GeGLU activation (`hidden_activation`), refused unless supported."""
     activation = cfg["hidden_activation"]
     if activation not in GEMMA3_ACTIVATIONS:
         raise UnsupportedModelError(
             f"config.json field 'hidden_activation' = {activation!r} is not supported "
             f"(supported: {', '.join(GEMMA3_ACTIVATIONS)})"
         )
+    return activation
+
+
+def _gemma3_fields(model_type: str, cfg: dict) -> dict:
+    """Gemma 3's fields of a config made by `_gemma3_text_config` ({} for other families)."""
+    if model_type not in GEMMA3_MODEL_TYPES:
+        return {}
+    activation = _gemma_activation(cfg)
     local = dict(cfg["local_rope"])
     return {
         "mlp_activation": activation,
@@ -1025,12 +1031,7 @@ def _gemma4_fields(model_type: str, cfg: dict) -> dict:
     """Gemma 4's fields of a config made by `_gemma4_text_config` ({} for other families)."""
     if model_type not in GEMMA4_MODEL_TYPES:
         return {}
-    activation = cfg["hidden_activation"]
-    if activation not in GEMMA3_ACTIVATIONS:
-        raise UnsupportedModelError(
-            f"config.json field 'hidden_activation' = {activation!r} is not supported "
-            f"(supported: {', '.join(GEMMA3_ACTIVATIONS)})"
-        )
+    activation = _gemma_activation(cfg)
     types, donors, shapes = cfg["layer_types"], tuple(cfg["kv_donors"]), cfg["layer_shapes"]
     num_layers = len(types)
     shared = {layer for layer, donor in enumerate(donors) if donor != layer}
