@@ -1,7 +1,9 @@
 """What an attention layer's queries read of the context, which is all the KV manager needs to
 know of a layer: every token (full attention), the last W tokens (a sliding window), or the
 tokens of the current chunk of C (chunked local attention). A layer with attention sinks reads
-as its window kind does: a sink is a logit, not a cached token."""
+as its window kind does: a sink is a logit, not a cached token. A linear-attention layer (Gated
+DeltaNet) reads no tokens at all, only its recurrent state as of the token before the query,
+which it keeps in the page of that token's block (`LinearState`, `pdserve.engine.kv.state_pages`)."""
 
 from __future__ import annotations
 
@@ -80,14 +82,40 @@ class ChunkedLocal:
         return f"chunked {self.chunk}"
 
 
-LayerKind = FullAttention | SlidingWindow | ChunkedLocal
+@dataclass(frozen=True, slots=True)
+class LinearState:
+    """A linear-attention layer: its state (a short convolution window and a recurrent matrix
+    per head) as of each block's last token lives in that block's page of the layer. The query
+    at position p reads the state in the block of p - 1 and writes its own in the block of p, so
+    a block left behind holds the state at its end: a snapshot at that block boundary, cached
+    like any full block, which a later prompt sharing the prefix restores."""
+
+    def first_read(self, position: int) -> int:
+        return max(0, position - 1)
+
+    @property
+    def reach(self) -> int:
+        return 1
+
+    def kernel_args(self) -> dict[str, int]:
+        return {}
+
+    @property
+    def label(self) -> str:
+        return "linear"
+
+
+LayerKind = FullAttention | SlidingWindow | ChunkedLocal | LinearState
 
 
 def parse_kind(label: str) -> LayerKind:
-    """A kind from its label ("full", "sliding 128", "chunked 8192"), as layouts carry it."""
+    """A kind from its label ("full", "sliding 128", "chunked 8192", "linear"), as layouts
+    carry it."""
     name, _, size = label.partition(" ")
     if name == "full" and not size:
         return FullAttention()
+    if name == "linear" and not size:
+        return LinearState()
     if name == "sliding" and size.isdigit():
         return SlidingWindow(int(size))
     if name == "chunked" and size.isdigit():

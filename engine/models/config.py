@@ -99,6 +99,19 @@ class Gemma4Text:
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """The linear-attention (Gated DeltaNet) layers of a hybrid model (Qwen3-Next, Qwen3.5):
+    their heads and the width of their causal convolution. Their layers are those whose
+    `layer_kinds` entry is "linear"."""
+
+    num_k_heads: int  # linear_num_key_heads
+    num_v_heads: int  # linear_num_value_heads
+    head_k_dim: int  # linear_key_head_dim
+    head_v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -176,6 +189,8 @@ class ModelConfig:
     kv_donors: tuple[int, ...] = ()
     # Gemma 4 (None for every other family); its modules are `gemma4`'s.
     gemma4: Gemma4Text | None = None
+    # The linear-attention layers of a hybrid model (None: it has none).
+    linear_attention: LinearAttention | None = None
 
     @property
     def is_moe(self) -> bool:
