@@ -211,3 +211,11 @@ def test_the_block_size_rises_to_a_multiple_that_holds_a_state():
     assert LinearStateShape.for_model(cfg, 2) == LinearStateShape(1, 8, 2, 1, 2, 8, 6, 4)
     with pytest.raises(ValueError, match="does not divide .* 3 linear value heads"):
         LinearStateShape.for_model(hybrid_config(num_v_heads=3), 2)
+
+
+def test_pdserve_tune_refuses_a_hybrid_rather_than_price_its_state_as_attention():
+    from pdserve.engine.models.config import UnsupportedModelError
+    from pdserve.tune.model_shape import ModelShape
+
+    with pytest.raises(UnsupportedModelError, match="linear-attention layers"):
+        ModelShape.from_config(hybrid_config(), "hybrid")
