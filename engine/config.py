@@ -61,6 +61,12 @@ class EngineConfig:
         "prefill a prompt longer than max_num_batched_tokens over several steps (off: refuse it)",
     )
     enable_prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
+    linear_snapshot_interval: int = setting(
+        1,
+        "linear-attention hybrids (Qwen3.5, Qwen3-Next): keep a layer's state in the prefix "
+        "cache at every Nth block boundary (1: every block; a prefix hit ends on a kept one)",
+        minimum=1,
+    )
     kv_host_bytes: int | None = setting(
         None,
         "host-memory KV tier under the prefix cache, in bytes: every full cached block is "

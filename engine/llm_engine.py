@@ -150,6 +150,7 @@ class Engine:
             max_model_len=self.max_model_len,
             kv_groups=layout.groups,
         )
+        self.scheduler.kv.snapshot_interval = config.linear_snapshot_interval
         if config.max_model_len and config.max_model_len > capacity:
             logger.warning(
                 "max_model_len %d exceeds the KV pool's %d tokens; using %d",

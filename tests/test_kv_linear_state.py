@@ -219,3 +219,21 @@ def test_pdserve_tune_refuses_a_hybrid_rather_than_price_its_state_as_attention(
 
     with pytest.raises(UnsupportedModelError, match="linear-attention layers"):
         ModelShape.from_config(hybrid_config(), "hybrid")
+
+
+def test_a_snapshot_interval_keeps_every_kth_boundary_and_hits_end_on_one():
+    bm = BlockManager(60, 4)
+    kv = KVCacheManager(bm, KVGroups.for_layers([LINEAR, FULL]), snapshot_interval=3)
+    prompt = list(range(10, 50))  # 10 blocks: states kept after blocks 2, 5 and 8
+    finished_prompt(kv, prompt, chunk=7)
+    # The full group caches all 10 blocks, the linear group 3 of them.
+    assert bm.num_cached_blocks == 10 + 3
+    seq = seq_of(prompt + [1], "again")
+    assert kv.allocate_prefix(seq) == 36  # boundary 9 has no state: 9 blocks, the 3rd kept
+    assert seq.block_tables[1] == [FREED] * 8 + [seq.block_tables[1][8]]
+    kv.free(seq)
+    every_block = KVCacheManager(BlockManager(60, 4), KVGroups.for_layers([LINEAR, FULL]))
+    finished_prompt(every_block, prompt, chunk=7)
+    assert every_block.block_manager.num_cached_blocks == 20
+    with pytest.raises(ValueError, match="at least 1"):
+        KVCacheManager(bm, KVGroups.for_layers([LINEAR]), snapshot_interval=0)

@@ -187,10 +187,12 @@ class BlockManager:
         num_full: int,
         hash_of: Callable[[int], int],
         key_of: Callable[[int], BlockKey],
+        keep: Callable[[int], bool] | None = None,
     ) -> None:
         """Register the first num_full blocks of block_table, block i under hash_of(i) holding
         key_of(i) (a KV group's own hashes); -1 entries, blocks the table gave back, are
-        skipped. As cache_full_blocks, it scans back only to the last block already hashed."""
+        skipped, and so are those keep(i) refuses (they go back to the free list, uncached).
+        As cache_full_blocks, it scans back only to the last block already hashed."""
         if not self.enable_prefix_caching:
             return
         start = num_full
@@ -199,7 +201,7 @@ class BlockManager:
         ):
             start -= 1
         for i in range(start, num_full):
-            if block_table[i] >= 0:
+            if block_table[i] >= 0 and (keep is None or keep(i)):
                 self.cache_block(block_table[i], hash_of(i), key_of(i))
 
     def cache_block(self, block: int, h: int, key: BlockKey) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.cluster.block_hash import group_hash, hash_block_tokens
 from pdserve.engine.kv.block_manager import BlockKey, BlockManager
 from pdserve.engine.kv.groups import KVGroups
+from pdserve.engine.kv.layer_kinds import LinearState
 from pdserve.engine.sequence import Sequence
 
 FREED = -1  # a table entry whose block went back to the pool
@@ -56,10 +57,18 @@ def handoff_blocks(tables: list[list[int]], skip: int) -> list[int]:
 
 
 class KVCacheManager:
-    def __init__(self, block_manager: BlockManager, groups: KVGroups) -> None:
+    def __init__(
+        self, block_manager: BlockManager, groups: KVGroups, snapshot_interval: int = 1
+    ) -> None:
+        """snapshot_interval: a linear-attention group's states enter the prefix cache at every
+        snapshot_interval-th block boundary only (the blocks between go back uncached): a hit
+        then ends on such a boundary, and the cache holds 1/snapshot_interval of their pages."""
+        if snapshot_interval < 1:
+            raise ValueError(f"snapshot_interval must be at least 1, got {snapshot_interval}")
         self.block_manager = block_manager
         self.groups = groups
         self.block_size = block_manager.block_size
+        self.snapshot_interval = snapshot_interval
         self._kinds = [g.kind for g in groups.groups]
 
     @property
@@ -188,12 +197,17 @@ class KVCacheManager:
             )
         self._extend_hashes(seq, num_full)
         hashes = seq.block_hashes
+        interval = self.snapshot_interval
         for g, table in enumerate(self._tables(seq)):
+            keep = None
+            if interval > 1 and isinstance(self._kinds[g], LinearState):
+                keep = lambda i: (i + 1) % interval == 0  # noqa: E731
             bm.cache_hashed_blocks(
                 table,
                 num_full,
                 lambda i, g=g: group_hash(hashes[i], g),
                 lambda i: self._key(seq, i),
+                keep,
             )
 
     def release_unread(self, seq: Sequence) -> None:
