@@ -189,6 +189,14 @@ class GatedDeltaNet(nn.Module):
         self.state.write(planes, blocks, conv, recurrent)
         return self.out_proj(self._gated_norm(core.to(hidden.dtype), z))
 
+    @staticmethod
+    def _state_blocks(
+        tables: torch.Tensor, seqs: torch.Tensor, starts: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """The blocks holding these sequences' states before their first tokens (at starts):
+        the blocks of position start - 1 (block 0 where a sequence starts at 0, read as zeros)."""
+        return tables[seqs, (starts - 1).clamp(min=0) // block_size].long()
+
     def _read(
         self, planes: tuple[torch.Tensor, ...], blocks: torch.Tensor, fresh: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,9 +224,9 @@ class GatedDeltaNet(nn.Module):
         rows = torch.tensor([starts[i] for i in seqs], device=device)
         index = torch.tensor(seqs, device=device)
         position = torch.tensor([seq_lens[i] - 1 for i in seqs], device=device)
-        fresh = position == 0
-        previous = tables[index, (position - 1).clamp(min=0) // bs].long()
-        conv, recurrent = self._read(planes, previous, fresh)
+        conv, recurrent = self._read(
+            planes, self._state_blocks(tables, index, position, bs), position == 0
+        )
         x, conv = causal_conv_step(mixed[rows], conv, self.conv_weight)
         q, k, v = self._heads(x)
         out, recurrent = gated_delta_step(q, k, v, g[rows], beta[rows], recurrent)
@@ -244,8 +252,11 @@ class GatedDeltaNet(nn.Module):
         device = mixed.device
         first, last = starts[seq], starts[seq + 1]
         start = seq_lens[seq] - (last - first)  # the position of its first token
-        previous = tables[seq, max(start - 1, 0) // bs].long().reshape(1)
-        conv, recurrent = self._read(planes, previous, torch.tensor([start == 0], device=device))
+        first_position = torch.tensor([start], device=device)
+        previous = self._state_blocks(
+            tables, torch.tensor([seq], device=device), first_position, bs
+        )
+        conv, recurrent = self._read(planes, previous, first_position == 0)
         conv, recurrent = conv[0], recurrent[0]
         writes = []
         position = start
