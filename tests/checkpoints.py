@@ -388,11 +388,35 @@ FAMILIES["qwen3_next"] = dict(
     mlp_only_layers=[1],
     norm_topk_prob=False,
 )
+# That Qwen3.5 text model inside Qwen3_5ForConditionalGeneration (a tiny vision tower).
+FAMILIES["qwen3_5"] = dict(
+    model_type="qwen3_5",
+    text_config="qwen3_5_text",
+    vision_config=dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=16,
+    ),
+    initializer_range=0.2,
+)
 # Gemma's and the hybrids' norms scale by 1 + weight: their weights lie around zero.
 ZERO_CENTRED = (-0.5, 0.5)
 NORM_WEIGHTS = {
     family: ZERO_CENTRED
-    for family in ("gemma3_text", "gemma3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+    for family in (
+        "gemma3_text",
+        "gemma3",
+        "qwen3_5_text",
+        "qwen3_5",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+    )
 }
 # Families whose biases and attention sinks are set random: transformers starts them at zero
 # (the sinks near it), which would test nothing.

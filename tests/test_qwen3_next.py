@@ -356,3 +356,63 @@ def test_two_ranks_must_split_the_linear_and_kv_heads(change, field):
         return
     with pytest.raises(ValueError, match=f"'{field}'"):
         TPShard(0, 2).check(cfg)
+
+
+# --- checkpoints as the releases save them --------------------------------------------------
+
+
+def test_a_multimodal_qwen3_5_checkpoint_runs_its_language_model(checkpoint_dir):
+    """Qwen3_5ForConditionalGeneration's weights (model.language_model.*, a vision tower
+    beside it, not loaded) give transformers' tokens for text prompts."""
+    from checkpoints import hf_greedy
+
+    model_dir = checkpoint_dir("qwen3_5")
+    prompts = random_prompts(9, [5, 60])
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS, "AutoModelForImageTextToText")
+    assert generate(model_dir, prompts, block_size=11, num_kv_blocks=100) == expected
+
+
+def stacked_experts_checkpoint(model_dir: Path, out_dir: Path, num_experts: int) -> Path:
+    """model_dir's checkpoint as Qwen3.5-MoE's releases lay it out: each layer's experts
+    stacked (gate_up_proj [experts, 2 x width, hidden], down_proj [experts, hidden, width]), the
+    text model under model.language_model., and a multi-token-prediction layer (not loaded)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {"mtp.fc.weight": torch.zeros(4, 4)}
+    for name in sorted(tensors):
+        if ".mlp.experts." in name:
+            continue
+        new = name.replace("model.", "model.language_model.", 1)
+        out[new] = tensors[name]
+    layers = {name.split(".")[2] for name in tensors if ".mlp.experts." in name}
+    for layer in layers:
+        p = f"model.layers.{layer}.mlp.experts."
+        expert = [
+            {
+                proj: tensors[f"{p}{e}.{proj}.weight"]
+                for proj in ("gate_proj", "up_proj", "down_proj")
+            }
+            for e in range(num_experts)
+        ]
+        stacked = f"model.language_model.layers.{layer}.mlp.experts."
+        out[stacked + "gate_up_proj"] = torch.stack(
+            [torch.cat([e["gate_proj"], e["up_proj"]]) for e in expert]
+        )
+        out[stacked + "down_proj"] = torch.stack([e["down_proj"] for e in expert])
+    out_dir.mkdir()
+    save_file(out, str(out_dir / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, pytest.param(2, marks=pytest.mark.cluster)])
+def test_stacked_experts_load_as_per_expert_ones(reference, tmp_path, tensor_parallel_size):
+    model_dir, prompts, expected, block_size = reference("qwen3_5_moe_text")
+    stacked = stacked_experts_checkpoint(model_dir, tmp_path / "stacked", num_experts=4)
+    options = dict(block_size=block_size, num_kv_blocks=300, device="cpu")
+    with LLM(str(stacked), tensor_parallel_size=tensor_parallel_size, **options) as llm:
+        assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == expected[:4]
