@@ -64,6 +64,14 @@ MOE_MODEL_TYPES = (
     "qwen3_5_moe_text",
 )
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+# Families with a per-head RMSNorm on q and k before rotary.
+QK_NORM_MODEL_TYPES = (
+    "qwen3",
+    "qwen3_moe",
+    *GEMMA3_MODEL_TYPES,
+    *GEMMA4_MODEL_TYPES,
+    *QWEN3_NEXT_MODEL_TYPES,
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -384,8 +392,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=not qwen2_like and bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA3_MODEL_TYPES, *GEMMA4_MODEL_TYPES)
-            or model_type in QWEN3_NEXT_MODEL_TYPES,
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
