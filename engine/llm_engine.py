@@ -28,6 +28,7 @@ from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.kv.events import KVEvents
 from pdserve.engine.kv.kv_manager import KVCacheManager
+from pdserve.engine.kv.state_pages import fitted_block_size
 from pdserve.engine.kv.tiers import KVTiers, TierStats, tiers_for
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -430,6 +431,7 @@ class LLMEngine(Engine):
         mcfg = ModelConfig.from_pretrained(self.model_dir)
         shard = TPShard(0, config.tensor_parallel_size)
         shard.check(mcfg)
+        config = self.config = _fit_to_model(config, mcfg)
         speculation = config.speculation()
         draft_model = None
         if speculation is not None and speculation.method == "draft_model":
@@ -549,3 +551,25 @@ class LLMEngine(Engine):
         if self.tiers is not None:
             self.tiers.close()
         self._restore_cpu_placement()
+
+
+def _fit_to_model(config: EngineConfig, mcfg: ModelConfig) -> EngineConfig:
+    """The config a node of this model runs: a hybrid model's pages must hold a linear layer's
+    state (`fitted_block_size`), and its states cannot step back over rejected drafts."""
+    if mcfg.linear_attention is None:
+        return config
+    if config.speculation() is not None:
+        raise ValueError(
+            f"speculative decoding is not supported for {mcfg.model_type}: its linear-attention "
+            "layers' states cannot be rolled back over rejected drafts"
+        )
+    block_size = fitted_block_size(mcfg, config.block_size)
+    if block_size != config.block_size:
+        logger.info(
+            "block_size %d -> %d: a block's page holds a linear-attention layer's state "
+            "(its conv window and recurrent matrices)",
+            config.block_size,
+            block_size,
+        )
+        config = replace(config, block_size=block_size)
+    return config

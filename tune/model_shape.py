@@ -73,6 +73,12 @@ class ModelShape:
                 f"pdserve tune does not model {cfg.model_type} yet (layers of unequal KV shapes, "
                 "layers reading another's KV, per-layer embeddings)"
             )
+        if cfg.linear_attention is not None:
+            # Its uniform layers would price a DeltaNet layer as attention: refused, not guessed.
+            raise UnsupportedModelError(
+                f"pdserve tune does not model {cfg.model_type} yet (linear-attention layers, "
+                "whose state is one block per sequence whatever its length)"
+            )
         return cls(
             num_sparse_layers=len(cfg.sparse_layers),
             num_experts=cfg.num_experts,

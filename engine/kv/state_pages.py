@@ -20,8 +20,12 @@ query, key and value channels [channels, kernel - 1], as transformers' in_proj_q
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,34 @@ class LinearStateShape:
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, tp_size: int = 1) -> LinearStateShape:
+        """A rank's shape of a hybrid model's linear layers' states, of tp_size ranks that
+        split the attention KV heads and the linear heads alike."""
+        linear = cfg.linear_attention
+        if linear is None:
+            raise ValueError(f"{cfg.model_type} has no linear-attention layers")
+        for what, count in (
+            ("attention KV heads", cfg.num_kv_heads),
+            ("linear key heads", linear.num_k_heads),
+            ("linear value heads", linear.num_v_heads),
+        ):
+            if count % tp_size:
+                raise ValueError(
+                    f"tensor_parallel_size {tp_size} does not divide {cfg.model_type}'s "
+                    f"{count} {what}"
+                )
+        return cls(
+            cfg.num_kv_heads // tp_size,
+            cfg.head_dim,
+            2,
+            linear.num_k_heads // tp_size,
+            linear.num_v_heads // tp_size,
+            linear.head_k_dim,
+            linear.head_v_dim,
+            linear.conv_kernel,
+        )
 
     def __post_init__(self) -> None:
         for name in ("num_k_heads", "num_v_heads"):
@@ -134,9 +166,12 @@ class LinearStateShape:
             plane.index_copy_(0, blocks, pages.contiguous())
 
 
-def fitted_block_size(requested: int, minimum: int) -> int:
-    """The block size a pool of linear layers' states uses: the requested one if its pages hold
-    a state, else its smallest multiple that does (0 minimum: the requested)."""
-    if minimum <= requested:
+def fitted_block_size(cfg: ModelConfig, requested: int) -> int:
+    """The block size a model's pool uses: the requested one if its pages hold a linear layer's
+    state (or the model has none), else the requested one's smallest multiple that does. It is
+    the same at every tensor-parallel size (a rank's state and page shrink alike), so prefill
+    and decode nodes of any sizes agree on it."""
+    if cfg.linear_attention is None:
         return requested
+    minimum = LinearStateShape.for_model(cfg).min_block_size()
     return requested * -(-minimum // requested)
