@@ -14,11 +14,15 @@ import torch
 from conftest import random_prompts
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.execution.forward_batch import AttentionBatch
+from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.kv.state_pages import LinearStateShape
 from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.models.gated_delta import chunked_gated_delta_rule, gated_delta_step
+from pdserve.engine.models.loader import load_model
 from pdserve.engine.models.qwen3_next import GatedDeltaNet
 from pdserve.engine.tp.shard import TPShard
+from pdserve.kernels.ops import select_ops
 
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 NEW_TOKENS = 16
@@ -30,20 +34,8 @@ SHARED = 88
 
 
 def smallest_block(model_dir: Path) -> int:
-    """The fewest tokens per block whose pages hold one linear layer's state (one rank)."""
-    cfg = ModelConfig.from_pretrained(model_dir)
-    linear = cfg.linear_attention
-    shape = LinearStateShape(
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.cache_planes,
-        linear.num_k_heads,
-        linear.num_v_heads,
-        linear.head_k_dim,
-        linear.head_v_dim,
-        linear.conv_kernel,
-    )
-    return shape.min_block_size()
+    """The fewest tokens per block whose pages hold one linear layer's state."""
+    return LinearStateShape.for_model(ModelConfig.from_pretrained(model_dir)).min_block_size()
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +155,28 @@ def test_two_tensor_parallel_ranks_match_transformers(reference, family):
     assert [first, second] == expected[4:]
 
 
-def test_a_block_too_small_for_the_state_is_refused(reference):
-    model_dir, prompts, _, block_size = reference("qwen3_5_text")
-    llm = LLM(str(model_dir), block_size=block_size - 1, num_kv_blocks=300, device="cpu")
+def test_a_block_size_too_small_for_the_state_is_raised_to_a_multiple_that_holds_it(reference):
+    """Asked for blocks of 4, the engine runs blocks of 12 (segments of another length than
+    at 11) and gives transformers' tokens."""
+    model_dir, prompts, expected, _ = reference("qwen3_5_text")
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=300, device="cpu")
+    assert llm.engine.layout.block_size == 12
+    assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == expected[:4]
+
+
+def test_a_pool_whose_pages_cannot_hold_the_state_is_refused(reference):
+    model_dir, _, _, block_size = reference("qwen3_5_text")
+    model = load_model(model_dir, "float32", "cpu")
+    layout = KVLayout.for_model(model.config, block_size - 1, "float32")
+    pool = KVPool(layout, num_blocks=4)
+    groups = layout.groups.num_groups
+    one = torch.zeros(1, dtype=torch.long)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    batch = AttentionBatch(
+        one, table, one + 1, torch.tensor([0, 1]), 1, (one,) * (groups - 1), (table,) * (groups - 1)
+    )
     with pytest.raises(ValueError, match="needs blocks of at least 11"):
-        llm.generate(prompts[0], GREEDY)
+        model(torch.tensor([5]), one, batch, pool, select_ops("cpu", "auto"))
 
 
 # --- the delta rule --------------------------------------------------------------------------
