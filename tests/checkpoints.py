@@ -345,8 +345,79 @@ FAMILIES["gemma4"] = dict(
     audio_config=None,
     initializer_range=0.2,
 )
-# Gemma's norms scale by 1 + weight: their weights lie around zero.
-NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}
+# The Gated DeltaNet hybrids: 2 linear key heads of 16 serving 4 value heads of 16, a
+# convolution of 4, gated attention of 4 heads over 2 KV heads of 32 (apart from hidden /
+# heads), partial rotary. Qwen3.5: a full layer every 2 (full_attention_interval), half of each
+# head turning. Qwen3.5-MoE: 3 linear layers to 1 full (layer_types), 4 experts top-2 and a
+# gated shared expert in every layer. Qwen3-Next: its fused projections, a quarter of each head
+# turning, a dense layer among sparse ones (mlp_only_layers), the top 2 not renormalised.
+HYBRID = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_num_value_heads=4,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=False,
+)
+HYBRID_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+FAMILIES["qwen3_5_text"] = dict(
+    model_type="qwen3_5_text",
+    **HYBRID,
+    full_attention_interval=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+FAMILIES["qwen3_5_moe_text"] = dict(
+    model_type="qwen3_5_moe_text",
+    **HYBRID,
+    **HYBRID_MOE,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
+FAMILIES["qwen3_next"] = dict(
+    model_type="qwen3_next",
+    **HYBRID,
+    **HYBRID_MOE,
+    mlp_only_layers=[1],
+    norm_topk_prob=False,
+)
+# That Qwen3.5 text model inside Qwen3_5ForConditionalGeneration (a tiny vision tower).
+FAMILIES["qwen3_5"] = dict(
+    model_type="qwen3_5",
+    text_config="qwen3_5_text",
+    vision_config=dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=16,
+    ),
+    initializer_range=0.2,
+)
+# Gemma's and the hybrids' norms scale by 1 + weight: their weights lie around zero.
+ZERO_CENTRED = (-0.5, 0.5)
+NORM_WEIGHTS = {
+    family: ZERO_CENTRED
+    for family in (
+        "gemma3_text",
+        "gemma3",
+        "qwen3_5_text",
+        "qwen3_5",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+    )
+}
 # Families whose biases and attention sinks are set random: transformers starts them at zero
 # (the sinks near it), which would test nothing.
 RANDOM_BIASES = ("gpt_oss",)

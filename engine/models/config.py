@@ -5,7 +5,10 @@ V3 (multi-head latent attention, group-limited routing over many small experts),
 Gemma 3's text model (`gemma3_text`, and the language model of a multimodal `gemma3`
 checkpoint), Gemma 4's (`gemma4_text`, `gemma4`: layers of unequal KV shapes, layers reading an
 earlier layer's KV, per-layer embeddings, an optional mixture of experts beside the MLP) and
-Llama 4's (chunked local and NoPE layers, interleaved dense and sparse layers).
+Llama 4's (chunked local and NoPE layers, interleaved dense and sparse layers), and the hybrids of
+Gated DeltaNet (linear attention) and gated full-attention layers: Qwen3.5's text model
+(`qwen3_5_text`, and the language model of a multimodal `qwen3_5` checkpoint), Qwen3.5-MoE's
+(`qwen3_5_moe_text`, `qwen3_5_moe`) and Qwen3-Next (`qwen3_next`).
 
 Anything this engine cannot run exactly is refused here, with the offending field named.
 """
@@ -36,10 +39,20 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3",
     "gemma4_text",
     "gemma4",  # Gemma4ForConditionalGeneration: its text model only
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5",  # Qwen3_5ForConditionalGeneration: its text model only
+    "qwen3_5_moe_text",
+    "qwen3_5_moe",  # Qwen3_5MoeForConditionalGeneration: its text model only
 )
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
 GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# The Gated DeltaNet hybrids, by the text model's type (a multimodal wrapper's is read as it).
+QWEN3_NEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+QWEN3_5_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# Their MoE kin with a shared expert scaled by its sigmoid gate.
+GATED_SHARED_EXPERT_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 MOE_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",
@@ -47,8 +60,18 @@ MOE_MODEL_TYPES = (
     *DEEPSEEK_MODEL_TYPES,
     "gpt_oss",
     "llama4_text",
+    "qwen3_next",
+    "qwen3_5_moe_text",
 )
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+# Families with a per-head RMSNorm on q and k before rotary.
+QK_NORM_MODEL_TYPES = (
+    "qwen3",
+    "qwen3_moe",
+    *GEMMA3_MODEL_TYPES,
+    *GEMMA4_MODEL_TYPES,
+    *QWEN3_NEXT_MODEL_TYPES,
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -191,6 +214,9 @@ class ModelConfig:
     gemma4: Gemma4Text | None = None
     # The linear-attention layers of a hybrid model (None: it has none).
     linear_attention: LinearAttention | None = None
+    # Rotary turns only the first rotary_dim of each head's dimensions (Qwen3-Next's and
+    # Qwen3.5's partial_rotary_factor); 0: all head_dim of them.
+    rotary_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -269,6 +295,11 @@ class ModelConfig:
     def is_sparse_layer(self, index: int) -> bool:
         return index in self.sparse_layers
 
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of a head that rotary turns: the width of the rotary table."""
+        return self.rotary_dim or self.head_dim
+
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type")
@@ -289,6 +320,11 @@ class ModelConfig:
             cfg = _gemma3_text_config(cfg)
         if model_type in GEMMA4_MODEL_TYPES:
             cfg = _gemma4_text_config(cfg)
+        if model_type in QWEN3_5_WRAPPERS:  # the multimodal checkpoint: its text model
+            cfg = _qwen3_5_text_config(cfg)
+            model_type = cfg["model_type"]
+        if model_type in QWEN3_NEXT_MODEL_TYPES:
+            cfg = _qwen3_next_config(cfg)
         act = cfg.get("hidden_act", "silu")
         # gpt-oss's transformers model reads no hidden_act: its experts' activation is fixed.
         if act != "silu" and model_type != "gpt_oss":
@@ -356,7 +392,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=not qwen2_like and bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA3_MODEL_TYPES, *GEMMA4_MODEL_TYPES),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -373,6 +409,7 @@ class ModelConfig:
             ),
             **_gemma3_fields(model_type, cfg),
             **_gemma4_fields(model_type, cfg),
+            **_qwen3_next_fields(model_type, cfg),
         )
 
     @classmethod
@@ -385,7 +422,7 @@ class ModelConfig:
     def inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies, with Llama-3, linear or YaRN scaling applied as
         transformers does."""
-        dim = self.head_dim
+        dim = self.rope_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = self.rope_scaling
         if not scaling or scaling["rope_type"] == "default":
@@ -412,7 +449,7 @@ class ModelConfig:
         """YaRN: extrapolate the fast dimensions, interpolate (divide by factor) the slow ones,
         ramp linearly between the dimensions where beta_fast and beta_slow rotations fit the
         original context."""
-        scaling, dim, base = self.rope_scaling, self.head_dim, self.rope_theta
+        scaling, dim, base = self.rope_scaling, self.rope_dim, self.rope_theta
         factor = self._rope_factor()
         old_context = float(
             scaling.get("original_max_position_embeddings") or self.max_position_embeddings
@@ -566,6 +603,8 @@ def _layer_kinds(model_type: str, cfg: dict) -> tuple[str, ...]:
     config's `layer_types` or, where a config has none, as transformers derives them (every
     layer of Mistral and Mixtral sliding; Qwen2's and Qwen3's from `max_window_layers` on, with
     `use_sliding_window`). Empty where every layer is full attention."""
+    if model_type in QWEN3_NEXT_MODEL_TYPES:
+        return tuple(HYBRID_LAYER_TYPES[name] for name in cfg["layer_types"])
     num_layers = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
@@ -669,7 +708,8 @@ def _moe_fields(model_type: str, cfg: dict) -> dict:
     else:
         num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
         width = cfg["moe_intermediate_size"]
-        shared = cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        gated = model_type in GATED_SHARED_EXPERT_TYPES
+        shared = cfg.get("shared_expert_intermediate_size", 0) if gated else 0
         renormalize = bool(cfg.get("norm_topk_prob", False))
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = set(cfg.get("mlp_only_layers") or ())
@@ -696,7 +736,7 @@ def _moe_fields(model_type: str, cfg: dict) -> dict:
         "num_experts_per_tok": top_k if sparse else 0,
         "moe_intermediate_size": width if sparse else 0,
         "shared_expert_intermediate_size": shared if sparse else 0,
-        "shared_expert_gated": model_type == "qwen2_moe",
+        "shared_expert_gated": model_type in GATED_SHARED_EXPERT_TYPES,
         "norm_topk_prob": renormalize,
         "sparse_layers": sparse,
         **(routing if sparse else {}),
@@ -1081,4 +1121,166 @@ def _gemma4_fields(model_type: str, cfg: dict) -> dict:
             pad_token_id=cfg.get("pad_token_id") or 0,
             placeholder_ids=tuple(cfg["placeholder_ids"]),
         ),
+    }
+
+
+# transformers' names of a hybrid's layer kinds in `layer_types`.
+HYBRID_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
+# Qwen3NextConfig's, Qwen3_5TextConfig's and Qwen3_5MoeTextConfig's defaults in transformers 5.24,
+# for what a config leaves out.
+HYBRID_DEFAULTS = {
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "full_attention_interval": 4,
+}
+HYBRID_TYPE_DEFAULTS = {
+    "qwen3_5_text": {
+        "vocab_size": 248320,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    "qwen3_5_moe_text": {
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "intermediate_size": 0,  # every layer's MLP is the experts'
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
+    "qwen3_next": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+    },
+}
+# What the top level of a multimodal Qwen3.5 checkpoint holds for its text model where its
+# text_config does not.
+QWEN3_5_TOP_LEVEL = ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "quantization_config")
+
+
+def _qwen3_5_text_config(cfg: dict) -> dict:
+    """The text model's config of a Qwen3_5(Moe)ForConditionalGeneration checkpoint: its
+    `text_config`, with the wrapper's dtype, special tokens and quantization where it names none,
+    and the wrapper's tie_word_embeddings (the one transformers ties the LM head by)."""
+    text = dict(cfg.get("text_config") or {})
+    for key in QWEN3_5_TOP_LEVEL:
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    text["model_type"] = QWEN3_5_WRAPPERS[cfg["model_type"]]
+    return text
+
+
+def _qwen3_next_config(cfg: dict) -> dict:
+    """A Qwen3-Next or Qwen3.5 (MoE) text config as the other families' read, over
+    transformers' defaults: its layer types (every full_attention_interval-th layer full where
+    it names none), the width rotary turns (partial_rotary_factor, in rope_parameters or, in 4.x
+    configs, at the top level; Qwen3.5's mrope sections turn text positions as plain rope), and
+    refusals of what the engine does not run as transformers does."""
+    model_type = cfg["model_type"]
+    text = {**HYBRID_DEFAULTS, **HYBRID_TYPE_DEFAULTS[model_type], **cfg}
+    num_layers = text["num_hidden_layers"]
+    if text.get("layer_types") is None:
+        interval = text["full_attention_interval"]
+        if not isinstance(interval, int) or interval < 1:
+            raise UnsupportedModelError(
+                f"config.json field 'full_attention_interval' = {interval!r} is not a positive "
+                "integer"
+            )
+        text["layer_types"] = [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(num_layers)
+        ]
+    types = text["layer_types"]
+    if len(types) != num_layers:
+        raise UnsupportedModelError(
+            f"config.json field 'layer_types' names {len(types)} layers, "
+            f"num_hidden_layers is {num_layers}"
+        )
+    for name in types:
+        if name not in HYBRID_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"config.json field 'layer_types' holds {name!r}, which {model_type} does not "
+                f"have (supported: {', '.join(HYBRID_LAYER_TYPES)})"
+            )
+    if text.get("attn_output_gate") is False:
+        raise UnsupportedModelError(
+            "config.json field 'attn_output_gate' = false is not supported: transformers' "
+            f"{model_type} always gates its attention's output"
+        )
+    k_heads, v_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    if k_heads < 1 or v_heads % k_heads:
+        raise UnsupportedModelError(
+            f"config.json field 'linear_num_value_heads' = {v_heads} is not a multiple of "
+            f"'linear_num_key_heads' = {k_heads}"
+        )
+    rope = text.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    head_dim = text["head_dim"]
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise UnsupportedModelError(
+            f"config.json field 'partial_rotary_factor' = {factor} turns {rotary_dim} of "
+            f"head_dim {head_dim} dimensions: it must turn an even number, at least two"
+        )
+    text["rotary_dim"] = rotary_dim
+    if model_type == "qwen3_5_moe_text":
+        # transformers' Qwen3.5-MoE makes every layer sparse and renormalises the top k.
+        if text.get("mlp_only_layers"):
+            raise UnsupportedModelError(
+                "config.json field 'mlp_only_layers' is not supported for qwen3_5_moe "
+                "(transformers' Qwen3.5-MoE has experts in every layer)"
+            )
+        if text.get("decoder_sparse_step", 1) != 1:
+            raise UnsupportedModelError(
+                f"config.json field 'decoder_sparse_step' = {text['decoder_sparse_step']} is not "
+                "supported for qwen3_5_moe (transformers' Qwen3.5-MoE has experts in every layer)"
+            )
+        if text.get("norm_topk_prob") is False:
+            raise UnsupportedModelError(
+                "config.json field 'norm_topk_prob' = false is not supported for qwen3_5_moe "
+                "(transformers' Qwen3.5-MoE router always renormalises)"
+            )
+        text["norm_topk_prob"] = True
+    return text
+
+
+def _qwen3_next_fields(model_type: str, cfg: dict) -> dict:
+    """The hybrids' fields of a config made by `_qwen3_next_config` ({} for other families)."""
+    if model_type not in QWEN3_NEXT_MODEL_TYPES:
+        return {}
+    return {
+        "linear_attention": LinearAttention(
+            num_k_heads=cfg["linear_num_key_heads"],
+            num_v_heads=cfg["linear_num_value_heads"],
+            head_k_dim=cfg["linear_key_head_dim"],
+            head_v_dim=cfg["linear_value_head_dim"],
+            conv_kernel=cfg["linear_conv_kernel_dim"],
+        ),
+        "rotary_dim": cfg["rotary_dim"],
     }

@@ -11,6 +11,7 @@ from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.gemma3 import Gemma3ForCausalLM
 from pdserve.engine.models.gemma4 import Gemma4ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.qwen3_next import Qwen3NextForCausalLM
 from pdserve.engine.models.weights import iter_checkpoint
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
@@ -21,6 +22,9 @@ FAMILIES: dict[str, type[LlamaForCausalLM]] = {
     "gemma3": Gemma3ForCausalLM,
     "gemma4_text": Gemma4ForCausalLM,
     "gemma4": Gemma4ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_text": Qwen3NextForCausalLM,  # a multimodal qwen3_5's config reads as this
+    "qwen3_5_moe_text": Qwen3NextForCausalLM,
 }
 
 

@@ -69,6 +69,12 @@ class CheckpointTensor:
         )
         return self._slice[index].to(self.dtype)
 
+    def read_slices(self, *index: int | range, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor at one index (an int) or range per leading dimension, cast (to `dtype`
+        where given, else to the model's): one expert's rows of a stacked experts tensor."""
+        key = tuple(i if isinstance(i, int) else slice(i.start, i.stop) for i in index)
+        return self._slice[key].to(dtype or self.dtype)
+
 
 def iter_checkpoint(model_dir: str | Path, dtype: torch.dtype) -> Iterator[CheckpointTensor]:
     """Every tensor of every shard, unread, in file order."""

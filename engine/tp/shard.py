@@ -44,6 +44,8 @@ class TPShard:
                     f"config.json field '{field}' = {value} is not divisible by "
                     f"tensor_parallel_size={size}"
                 )
+        if cfg.linear_attention is not None:
+            self._check_linear(cfg)
         kv = cfg.cache_heads  # MLA's one latent is whole on every rank
         if (kv >= size and kv % size) or (kv < size and size % kv):
             raise ValueError(
@@ -57,6 +59,23 @@ class TPShard:
                     f"and tensor_parallel_size={size}: the ranks must split every layer's KV "
                     "heads (replicating some layers' heads would change the pages' relative "
                     "sizes, which the KV pool's lanes rely on)"
+                )
+
+    def _check_linear(self, cfg: ModelConfig) -> None:
+        """A hybrid's linear layers split their key and value heads evenly, and its attention
+        layers their KV heads: a rank's linear states are laid over its pool heads, so those
+        cannot be replicated."""
+        linear, size = cfg.linear_attention, self.size
+        for field, value in (
+            ("linear_num_key_heads", linear.num_k_heads),
+            ("linear_num_value_heads", linear.num_v_heads),
+            ("num_key_value_heads", cfg.num_kv_heads),
+        ):
+            if value % size:
+                raise ValueError(
+                    f"config.json field '{field}' = {value} is not divisible by "
+                    f"tensor_parallel_size={size} (a linear-attention model's ranks split its "
+                    "linear heads and KV heads, none replicated)"
                 )
 
     def q_heads(self, num_heads: int) -> range:
