@@ -45,3 +45,5 @@ class Ops:
     fused_moe: Callable  # a mixture-of-experts MLP over stacked expert weights
     store_latent: Callable  # MLA: write tokens' latents into one layer's latent pages
     latent_attention: Callable  # MLA: absorbed attention, MQA over the latent pages
+    # Linear attention: one token of the gated delta rule for each decoding sequence
+    gated_delta_step: Callable

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdserve.kernels import attention_ref, mla_ref, moe_ref, norm_ref, rotary_ref
+from pdserve.kernels import attention_ref, gated_delta_ref, mla_ref, moe_ref, norm_ref, rotary_ref
 from pdserve.kernels.op_table import Ops
 
 REFERENCE = Ops(
@@ -21,6 +21,7 @@ REFERENCE = Ops(
     fused_moe=moe_ref.fused_moe,
     store_latent=mla_ref.store_latent,
     latent_attention=mla_ref.latent_attention,
+    gated_delta_step=gated_delta_ref.gated_delta_step,
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pdserve.kernels.op_table import Ops
 from pdserve.kernels.triton_attention import paged_attention
+from pdserve.kernels.triton_gated_delta import gated_delta_step
 from pdserve.kernels.triton_kv import store_kv
 from pdserve.kernels.triton_mla import latent_attention, store_latent
 from pdserve.kernels.triton_moe import fused_moe
@@ -21,4 +22,5 @@ TRITON = Ops(
     fused_moe=fused_moe,
     store_latent=store_latent,
     latent_attention=latent_attention,
+    gated_delta_step=gated_delta_step,
 )

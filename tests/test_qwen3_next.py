@@ -18,10 +18,10 @@ from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.kv.state_pages import LinearStateShape
 from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
-from pdserve.engine.models.gated_delta import chunked_gated_delta_rule, gated_delta_step
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.models.qwen3_next import GatedDeltaNet
 from pdserve.engine.tp.shard import TPShard
+from pdserve.kernels.gated_delta_ref import chunked_gated_delta_rule, gated_delta_step
 from pdserve.kernels.ops import select_ops
 
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")

@@ -23,12 +23,6 @@ from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.kv.groups import groups_for
 from pdserve.engine.kv.state_pages import LinearStateShape
 from pdserve.engine.models.config import ModelConfig
-from pdserve.engine.models.gated_delta import (
-    causal_conv,
-    causal_conv_step,
-    chunked_gated_delta_rule,
-    gated_delta_step,
-)
 from pdserve.engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.models.norm import RMSNorm
@@ -36,6 +30,11 @@ from pdserve.engine.models.weights import CheckpointTensor
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.parallel_layers import RowParallelLinear
 from pdserve.engine.tp.shard import TPShard
+from pdserve.kernels.gated_delta_ref import (
+    causal_conv,
+    causal_conv_step,
+    chunked_gated_delta_rule,
+)
 from pdserve.kernels.op_table import Ops
 
 # A linear layer's weight, read by its GatedDeltaNet: the layer, the name within it.
@@ -181,7 +180,7 @@ class GatedDeltaNet(nn.Module):
         writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if single:
             writes.append(
-                self._step(single, seq_lens, starts, mixed, g, beta, core, tables, planes)
+                self._step(single, seq_lens, starts, mixed, g, beta, core, tables, planes, ops)
             )
         for i in several:
             writes += self._segments(i, seq_lens, starts, mixed, g, beta, core, tables, planes)
@@ -216,8 +215,10 @@ class GatedDeltaNet(nn.Module):
         core: torch.Tensor,
         tables: torch.Tensor,
         planes: tuple[torch.Tensor, ...],
+        ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The sequences of one token each, together: one read of their states, one step.
+        """The sequences of one token each, together: one read of their states, one step (the
+        op table's: a Triton kernel on CUDA).
         Returns (the blocks of their tokens, the states to write there)."""
         bs = planes[0].shape[1]
         device = mixed.device
@@ -229,7 +230,7 @@ class GatedDeltaNet(nn.Module):
         )
         x, conv = causal_conv_step(mixed[rows], conv, self.conv_weight)
         q, k, v = self._heads(x)
-        out, recurrent = gated_delta_step(q, k, v, g[rows], beta[rows], recurrent)
+        out, recurrent = ops.gated_delta_step(q, k, v, g[rows], beta[rows], recurrent)
         core[rows] = out
         return tables[index, position // bs].long(), conv, recurrent
 

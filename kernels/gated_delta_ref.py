@@ -5,7 +5,8 @@ batch of decoding sequences, each from a given state and returning the state aft
 The recurrence per value head, with the key and query L2-normalised and the query scaled by
 1/sqrt(key dim): S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; out = S^T q. It runs in
 float32 whatever the model's dtype, as transformers' torch_chunk_gated_delta_rule and
-torch_recurrent_gated_delta_rule do; the chunked form is their UT-transform algorithm."""
+torch_recurrent_gated_delta_rule do; the chunked form is their UT-transform algorithm. The one-token
+form is the op table's `gated_delta_step` reference (`triton_gated_delta` is its CUDA kernel)."""
 
 from __future__ import annotations
 
