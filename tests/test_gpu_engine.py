@@ -59,6 +59,17 @@ def test_triton_engine_greedy_matches_cpu_reference(checkpoint_dir, family, bloc
     assert _generate(model, "cuda", kernel_backend="triton", **options) == expected
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_linear_attention_hybrids_on_cuda_match_cpu_reference(checkpoint_dir, family):
+    """Gated DeltaNet layers on CUDA (their decode step the Triton kernel, states in the pool's
+    pages, segments cut at block boundaries) generate the CPU reference's tokens, chunked and
+    with a prefix hit restoring a state snapshot."""
+    model = str(checkpoint_dir(family))
+    options = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=32)
+    expected = _generate(model, "cpu", **options)
+    assert _generate(model, "cuda", kernel_backend="triton", **options) == expected
+
+
 def test_triton_engine_on_the_default_tiny_model_matches_cpu_reference():
     options = dict(num_kv_blocks=256)
     expected = _generate(None, "cpu", **options)
