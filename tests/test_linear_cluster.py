@@ -44,8 +44,8 @@ def blocks_moved(offline: LLM, prompt_len: int) -> tuple[int, int]:
     return full * whole + linear, (full + linear) * whole
 
 
+# tcp between nodes of one rank each: the tests below (the default transport).
 CASES = [
-    ("tcp", 1, 1),
     ("shm", 1, 1),
     ("tcp", 2, 1),
     ("tcp", 1, 2),
