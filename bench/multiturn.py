@@ -269,11 +269,13 @@ def docs_table(*results: dict, columns: str = "tiers", digits: str = "0") -> str
 
 
 def snapshot_table(*results: dict, digits: str = "0") -> str:
-    """The docs' table of state snapshots, a row per mode run: the prompt tokens computed, the
-    blocks cached at the end, the first and the later turns' TTFT, and the later turns' TTFT of
-    the file's no-snapshots runs (their mean) over this row's; times with `digits` decimals."""
+    """The docs' table of state snapshots, a row per mode run with the run's number (its file's
+    place among `results`): the prompt tokens computed, the blocks cached at the end, the first
+    and the later turns' TTFT, and the later turns' TTFT of the file's no-snapshots runs (their
+    mean) over this row's; times with `digits` decimals."""
     d = int(digits)
     head = [
+        "run",
         "mode",
         "snapshot interval",
         "block tokens",
@@ -287,9 +289,11 @@ def snapshot_table(*results: dict, digits: str = "0") -> str:
     ]
     rows = [
         "| " + " | ".join(head) + " |",
-        "| " + " | ".join("---" if h == "mode" or "(ms)" in h else "---:" for h in head) + " |",
+        "| "
+        + " | ".join("---" if h in ("run", "mode") or "(ms)" in h else "---:" for h in head)
+        + " |",
     ]
-    for result in results:
+    for number, result in enumerate(results, 1):
         runs = result["runs"]
         baseline = [r["later_turns_ttft_ms"] for r in runs if r["system"] == "no-snapshots"]
         for r in runs:
@@ -302,6 +306,7 @@ def snapshot_table(*results: dict, digits: str = "0") -> str:
                 )
             interval = r["linear_snapshot_interval"]
             cells = [
+                str(number),
                 MODE_NAMES.get(r["system"], r["system"]),
                 "default" if interval is None else f"{interval:,}",
                 str(r["block_size"]),

@@ -118,9 +118,9 @@ def test_the_snapshot_table_sets_later_turns_against_the_no_snapshots_runs():
     )
     lines = table.split("\n")
     assert len(lines) == 4
-    assert lines[2].startswith("| snapshots | 1 | 80 | 6 (4) | 200 | 500 of 900 | 40 |")
+    assert lines[2].startswith("| 1 | snapshots | 1 | 80 | 6 (4) | 200 | 500 of 900 | 40 |")
     assert lines[2].endswith("| 2 / 4 | 4.00x / 2.50x |")
-    assert lines[3].startswith("| no snapshots | 1,000,000 |")
+    assert lines[3].startswith("| 1 | no snapshots | 1,000,000 |")
     assert lines[3].endswith("| 1.00x / 1.00x |")
 
 
