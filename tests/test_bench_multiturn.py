@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.bench.multiturn import build_parser, docs_table
+from pdserve.bench.multiturn import build_parser, docs_table, snapshot_table
 from pdserve.bench.serving.multiturn import MultiTurnWorkload, Turn, run_session
 from pdserve.cluster.client_messages import Event
 
@@ -92,3 +92,61 @@ def test_a_short_run_with_tiers_loads_prefixes_back_and_matches_the_plain_mode(t
     tiers, plain = results["runs"]
     assert tiers["tier_blocks_loaded"] > 0 and plain["tier_blocks_loaded"] == 0
     assert tiers["prompt_tokens_computed"] < plain["prompt_tokens_computed"]
+
+
+def test_the_snapshot_table_sets_later_turns_against_the_no_snapshots_runs():
+    def run(system: str, interval: int, p50: float, p90: float) -> dict:
+        return {
+            "system": system,
+            "linear_snapshot_interval": interval,
+            "block_size": 80,
+            "requests": 6,
+            "prompt_tokens_computed": 500,
+            "prompt_tokens": 900,
+            "cached_blocks": 40,
+            "first_turn_ttft_ms": {"requests": 2, "p50": 10.0, "p90": 12.0},
+            "later_turns_ttft_ms": {
+                "requests": 4,
+                "mean_prompt_len": 200.0,
+                "p50": p50,
+                "p90": p90,
+            },
+        }
+
+    table = snapshot_table(
+        {"runs": [run("snapshots", 1, 2.0, 4.0), run("no-snapshots", 1_000_000, 8.0, 10.0)]}
+    )
+    lines = table.split("\n")
+    assert len(lines) == 4
+    assert lines[2].startswith("| 1 | snapshots | 1 | 80 | 6 (4) | 200 | 500 of 900 | 40 |")
+    assert lines[2].endswith("| 2 / 4 | 4.00x / 2.50x |")
+    assert lines[3].startswith("| 1 | no snapshots | 1,000,000 |")
+    assert lines[3].endswith("| 1.00x / 1.00x |")
+
+
+@pytest.mark.cluster
+def test_a_hybrids_later_turns_compute_fewer_prompt_tokens_with_state_snapshots(
+    tmp_path, checkpoint_dir
+):
+    """A Qwen3.5 checkpoint served twice, with its linear layers' states cached at every block
+    boundary and with none: the same sessions' outputs agree (the command fails otherwise), and
+    with snapshots a later turn resumes from its history's last block, so the nodes compute
+    fewer prompt tokens and their caches hold the linear groups' blocks besides the full one's."""
+    import json
+
+    from pdserve.bench.multiturn import main
+
+    out = tmp_path / "snapshots.json"
+    argv = ["--model", str(checkpoint_dir("qwen3_5_text")), "--modes", "snapshots,no-snapshots"]
+    argv += ["--sessions", "2", "--concurrency", "1", "--turns", "3", "--first-len", "100"]
+    argv += ["--message-len", "10", "--output-len", "6", "--block-size", "8", "--kv-blocks", "256"]
+    argv += ["--work-dir", str(tmp_path / "work"), "--json", str(out)]
+    assert main(argv) == 0
+    snapshots, none = json.loads(out.read_text())["runs"]
+    assert snapshots["prompt_tokens"] == none["prompt_tokens"]
+    # Each later turn's history spans several blocks: without snapshots all of it is computed.
+    assert 2 * snapshots["prompt_tokens_computed"] < none["prompt_tokens_computed"]
+    assert snapshots["cached_blocks"] > none["cached_blocks"] > 0
+    assert (snapshots["linear_snapshot_interval"], none["linear_snapshot_interval"]) == (1, 10**6)
+    assert snapshots["block_size"] > 8  # raised until a page holds a state
+    assert snapshots["later_turns_ttft_ms"]["requests"] == 4

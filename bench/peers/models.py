@@ -1,6 +1,6 @@
-"""The checkpoints pdserve and its peers are compared on: random-weight Llama, Qwen3 and Mixtral models
-built with `transformers` (no model hub), with the pdserve-tiny tokenizer files, written once into
-the cache folder. Random weights cost what trained ones do; prompts are token ids, so the
+"""The checkpoints pdserve and its peers are compared on: random-weight Llama, Qwen3, Mixtral and
+Qwen3.5 (Gated DeltaNet hybrid) models built with `transformers` (no model hub), with the
+pdserve-tiny tokenizer files, written once into the cache folder. Random weights cost what trained ones do; prompts are token ids, so the
 tokenizer is only ever loaded. Every head_dim is at least 32 (vLLM's CPU attention refuses 16)."""
 
 from __future__ import annotations
@@ -80,6 +80,34 @@ MODELS: dict[str, dict] = {
         num_experts_per_tok=2,
         tie_word_embeddings=False,
     ),
+    # Qwen3.5's shape at small scale (`Qwen3_5TextConfig`): three Gated DeltaNet layers to one
+    # gated full-attention layer, 2 KV heads of 128 with a quarter of each turning, linear layers
+    # of 4 key and 8 value heads of 64 and a convolution of 4; contexts of 8k tokens. Its pool's
+    # blocks are raised to 80 tokens to hold a state (`fitted_block_size` of 16); 37.3M
+    # parameters, 8.4M of them in the embeddings and lm_head.
+    "qwen3.5-37m": dict(
+        model_type="qwen3_5_text",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        full_attention_interval=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=4,
+        linear_key_head_dim=64,
+        linear_num_value_heads=8,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=8192,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -91,6 +119,9 @@ def config_of(name: str) -> dict:
 
 
 def num_parameters(cfg: dict) -> int:
+    """Parameters of a Llama, Qwen3 or Mixtral bench model, counted from its config."""
+    if cfg.get("model_type") not in ("llama", "qwen3", "mixtral"):
+        raise ValueError(f"num_parameters does not count {cfg.get('model_type')} models")
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
