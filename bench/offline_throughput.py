@@ -625,8 +625,10 @@ def step_loop_table(results: dict) -> str:
 
 def describe_model(cfg: dict) -> str:
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    count = bench_models.num_parameters(cfg)
+    size = "parameters not counted" if count is None else f"{count / 1e6:.1f}M parameters"
     return (
-        f"{bench_models.num_parameters(cfg) / 1e6:.1f}M parameters ({cfg['model_type']}, hidden "
+        f"{size} ({cfg['model_type']}, hidden "
         f"{h}, {cfg['num_hidden_layers']} layers, {heads} heads / "
         f"{cfg['num_key_value_heads']} kv heads of {cfg.get('head_dim') or h // heads}, "
         f"intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}"

@@ -118,10 +118,11 @@ def config_of(name: str) -> dict:
     return _COMMON | MODELS[name]
 
 
-def num_parameters(cfg: dict) -> int:
-    """Parameters of a Llama, Qwen3 or Mixtral bench model, counted from its config."""
+def num_parameters(cfg: dict) -> int | None:
+    """Parameters of a Llama, Qwen3 or Mixtral bench model, counted from its config; None for a
+    family it does not count (a wrong count is worse than none)."""
     if cfg.get("model_type") not in ("llama", "qwen3", "mixtral"):
-        raise ValueError(f"num_parameters does not count {cfg.get('model_type')} models")
+        return None
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
