@@ -183,8 +183,11 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve_http(app: FastAPI, sock: socket.socket, stop: asyncio.Event) -> None:
-    """Run uvicorn in this event loop on `sock` until `stop` is set."""
+async def serve_http(
+    app: FastAPI, sock: socket.socket, stop: asyncio.Event, log_level: str | None = None
+) -> None:
+    """Run uvicorn in this event loop on `sock` until `stop` is set; its own logs at `log_level`
+    (uvicorn's names, trace among them; unset: the root logger's)."""
     root = logging.getLogger()
     log_filter = RequestIdLogFilter()
     for handler in root.handlers:
@@ -192,7 +195,7 @@ async def serve_http(app: FastAPI, sock: socket.socket, stop: asyncio.Event) -> 
     config = uvicorn.Config(
         AccessLog(TraceRequests(app) if tracing.enabled() else app),
         log_config=None,  # our logging setup, not uvicorn's
-        log_level=root.level,
+        log_level=root.level if log_level is None else log_level,
         access_log=False,  # AccessLog writes one line per request, after streaming
         lifespan="off",
         timeout_graceful_shutdown=5,

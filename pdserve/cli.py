@@ -21,6 +21,7 @@ from pdserve.engine.config import EngineConfig, RoleTensorParallel
 from pdserve.engine.embedded.catalog import EMBEDDED
 from pdserve.tune.command import DESCRIPTION as TUNE_DESCRIPTION
 from pdserve.tune.command import add_arguments as add_tune_arguments
+from pdserve.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 DESCRIPTION = (
     "pdserve serves open-weight LLMs (Hugging Face checkpoints of the Llama, Mistral, Qwen2 and "
@@ -145,6 +146,9 @@ def _serve(args: argparse.Namespace) -> int:
     from pdserve.serve import ServeOptions, run_serve
 
     start_nodes = args.command == "serve"
+    given = getattr(args, "model_arg", None) or getattr(args, "model", None)
+    for line in apply_vllm_flags(args, given):  # before anything starts: printed once
+        print(line, file=sys.stderr)
     node = values_from_args(NodeOptions, args)
     return run_serve(
         ServeOptions(
@@ -170,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
             start_nodes=start_nodes,
             log_dir=getattr(args, "log_dir", None),
             drain_timeout_s=args.drain_timeout,
+            http_log_level=getattr(args, "uvicorn_log_level", None),
         )
     )
 
@@ -357,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(engine, EngineConfig, exclude=("model",), suppress_defaults=True)
     add_flags(engine, RoleTensorParallel, suppress_defaults=True)
     add_flags(engine, NodeOptions, only=SERVE_NODE_FLAGS, suppress_defaults=True)
+    add_vllm_flags(serve)
     serve.set_defaults(func=_serve)
 
     coordinator = command(

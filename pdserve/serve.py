@@ -58,6 +58,7 @@ class ServeOptions:
     insecure: bool = False
     api_keys: tuple[str, ...] = ()  # the HTTP API's keys (none: open)
     otlp_traces_endpoint: str | None = None  # where the coordinator and its nodes send spans
+    http_log_level: str | None = None  # uvicorn's log level (unset: the process's)
 
 
 def cluster_keys(options: ServeOptions) -> ClusterKeys | None:
@@ -279,7 +280,8 @@ async def run_frontend(
         aliases=names[1:] + aliases,
         listed=names,
     )
-    await serve_http(build_app(serving, __version__, options.api_keys), sock, stop)
+    app = build_app(serving, __version__, options.api_keys)
+    await serve_http(app, sock, stop, log_level=options.http_log_level)
 
 
 def run_serve(options: ServeOptions) -> int:
