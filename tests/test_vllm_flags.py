@@ -5,6 +5,7 @@ command with one line saying what to use instead. No server is started."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 import pytest
@@ -142,3 +143,23 @@ def test_uvicorn_log_level_takes_vllms_names():
 def test_flags_given_as_one_and_accepted_print_nothing():
     args = parse("-pp", "1", "-dp", "1", "-tp", "1", "--max-logprobs", "3")
     assert apply_vllm_flags(args, None) == []
+
+
+def test_uvicorn_log_level_sets_the_http_servers_logs():
+    from fastapi import FastAPI
+
+    from pdserve.coordinator.api_server import listen_socket, serve_http
+
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    level = uvicorn_log.level
+
+    async def serve_then_stop() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.3, stop.set)
+        await serve_http(FastAPI(), listen_socket("127.0.0.1", 0), stop, log_level="debug")
+
+    try:
+        asyncio.run(serve_then_stop())
+        assert uvicorn_log.level == logging.DEBUG != logging.getLogger().level
+    finally:
+        uvicorn_log.setLevel(level)
