@@ -121,7 +121,6 @@ FLAGS = (
         "default: 1",
     ),
 )
-BY_DEST = {f.dest: f for f in FLAGS}
 # Coordinator settings that are vLLM flags of the same name and meaning.
 COORDINATOR_SETTINGS = ("max_logprobs",)
 # The logs a --disable-log-* flag quiets (the coordinator writes both, in serve's process).
