@@ -1,10 +1,13 @@
 """vLLM's metric names on /metrics of a real cluster (1 prefill + 1 decode node): after a few
 requests each `vllm:*` series, labelled with the served model's name, holds what its `pdserve_*`
-counterpart holds; the KV usage is the decode node's used blocks over its pool."""
+counterpart holds; the KV usage is the decode node's used blocks over its pool. The README's table
+names every vLLM name served."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import pytest
 from local_cluster import Cluster
@@ -13,10 +16,10 @@ from test_cluster import make_prompts
 from test_tp_cluster import complete_all
 from waiting import wait_until
 
+from pdserve.coordinator.config import CoordinatorConfig
+from pdserve.coordinator.coordinator import Coordinator
 from pdserve.coordinator.metrics import Metrics
 from pdserve.engine import SamplingParams
-
-pytestmark = pytest.mark.cluster
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 MODEL = "tiny-served"
@@ -49,6 +52,7 @@ def samples(metrics: Metrics) -> dict[str, float]:
     return out
 
 
+@pytest.mark.cluster
 def test_vllm_names_hold_what_their_pdserve_counterparts_hold():
     prompts = make_prompts(5, seed=51, lo=5, hi=40)
     with Cluster(1, 1) as cluster:
@@ -71,3 +75,17 @@ def test_vllm_names_hold_what_their_pdserve_counterparts_hold():
         free = m['pdserve_kv_blocks_free{node="decode-0"}']
         total = m['pdserve_kv_blocks_total{node="decode-0"}']
         assert 0.0 <= m["vllm:kv_cache_usage_perc"] == (total - free) / total <= 1.0
+
+
+def test_the_readme_tables_every_vllm_name_served():
+    coordinator = Coordinator(
+        CoordinatorConfig(), node_addr="tcp://127.0.0.1:0", client_addr="tcp://127.0.0.1:0"
+    )
+    served = {
+        f.name + ("_total" if f.type == "counter" else "")
+        for f in text_string_to_metric_families(Metrics(coordinator).render().decode())
+        if f.name.startswith("vllm:")
+    }
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    tabled = set(re.findall(r"^\| `(vllm:[a-z0-9_]+)", readme, re.MULTILINE))
+    assert tabled == served
