@@ -16,9 +16,11 @@ from test_cluster import make_prompts
 from test_tp_cluster import complete_all
 from waiting import wait_until
 
+from pdserve.cluster.node_messages import NodeRole
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.coordinator.metrics import Metrics
+from pdserve.coordinator.nodes import NodeState
 from pdserve.engine import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -77,10 +79,34 @@ def test_vllm_names_hold_what_their_pdserve_counterparts_hold():
         assert 0.0 <= m["vllm:kv_cache_usage_perc"] == (total - free) / total <= 1.0
 
 
-def test_the_readme_tables_every_vllm_name_served():
-    coordinator = Coordinator(
+def bare_coordinator() -> Coordinator:
+    """A coordinator never started: its registry of nodes is what the test puts there."""
+    return Coordinator(
         CoordinatorConfig(), node_addr="tcp://127.0.0.1:0", client_addr="tcp://127.0.0.1:0"
     )
+
+
+def node(node_id: str, role: NodeRole, free: int, total: int, alive: bool = True) -> NodeState:
+    return NodeState(
+        node_id, role, b"", total, 8, 256, "tcp", {}, {}, alive=alive, free_blocks=free
+    )
+
+
+def test_kv_cache_usage_is_the_live_decoding_nodes_used_blocks_over_their_pools():
+    coordinator = bare_coordinator()
+    for n in (
+        node("prefill-0", NodeRole.PREFILL, free=0, total=100),  # busy, and not counted
+        node("decode-0", NodeRole.DECODE, free=10, total=100),
+        node("both-0", NodeRole.COLOCATED, free=50, total=100),
+        node("decode-1", NodeRole.DECODE, free=0, total=100, alive=False),
+    ):
+        coordinator.nodes.nodes[n.node_id] = n
+    m = samples(Metrics(coordinator, model_name=MODEL))
+    assert m["vllm:kv_cache_usage_perc"] == (90 + 50) / 200
+
+
+def test_the_readme_tables_every_vllm_name_served():
+    coordinator = bare_coordinator()
     served = {
         f.name + ("_total" if f.type == "counter" else "")
         for f in text_string_to_metric_families(Metrics(coordinator).render().decode())
