@@ -1,7 +1,8 @@
 """Prometheus metrics of the serving API: the nodes' KV blocks, queues and prefix-cache lookups,
 the prefix index's size, and the requests in each phase, read from the coordinator at scrape time; request latency and
-KV handoff histograms fed by the coordinator's listeners. `deploy/grafana/pdserve.json` charts
-them."""
+KV handoff histograms fed by the coordinator's listeners; beside them the same numbers under
+vLLM's names (`vllm:*`, labelled `model_name`), for dashboards and endpoint pickers that read
+vLLM's. `deploy/grafana/pdserve.json` charts them."""
 
 from __future__ import annotations
 
@@ -64,13 +65,83 @@ TPOT_BUCKETS = (
     1.0,
     2.5,
 )
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read alike.
+VLLM_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+VLLM_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+VLLM_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class ClusterCollector:
     """Gauges computed from the coordinator's registry of nodes and its active requests."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, model_name: str) -> None:
         self.coordinator = coordinator
+        self.model_name = model_name
 
     def collect(self):  # noqa: ANN201
         c = self.coordinator
@@ -241,6 +312,34 @@ class ClusterCollector:
             "Requests not yet decoding: queued, prefilling, waiting for admission, transferring KV",
             len(states) - decoding,
         )
+        yield from self.vllm_gauges(decoding, len(states) - decoding)
+
+    def vllm_gauges(self, running: int, waiting: int):  # noqa: ANN201
+        """vLLM's engine gauges, the whole cluster read as one engine (as the endpoint picker
+        scrapes the coordinator as one server): its requests, and its decode nodes' KV."""
+        by_model = ["model_name"]
+        queues = {
+            "vllm:num_requests_running": ("Requests decoding (pdserve_requests_running)", running),
+            "vllm:num_requests_waiting": (
+                "Requests not yet decoding (pdserve_requests_waiting)",
+                waiting,
+            ),
+        }
+        for name, (doc, value) in queues.items():
+            family = GaugeMetricFamily(name, doc, labels=by_model)
+            family.add_metric([self.model_name], value)
+            yield family
+        # The decode nodes' pools hold the running requests and bound how many more fit.
+        decoders = [n for n in self.coordinator.nodes.nodes.values() if n.alive and n.role.decodes]
+        total = sum(n.num_blocks for n in decoders)
+        used = sum(n.num_blocks - n.free_blocks for n in decoders)
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of the decode nodes' KV blocks in use (0 to 1), by their last reports",
+            labels=by_model,
+        )
+        usage.add_metric([self.model_name], used / total if total else 0.0)
+        yield usage
 
 
 def tier_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
@@ -302,12 +401,13 @@ def add_tiers(families: dict, node_id: str, report: KVTierReport) -> None:
 
 
 class Metrics:
-    """One registry per server; `observe` is the coordinator listener."""
+    """One registry per server; `observe` is the coordinator listener. model_name: the served
+    model's name, the `model_name` label of the `vllm:*` metrics."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, model_name: str = "pdserve") -> None:
         disable_created_metrics()  # no `_created` series: they only add noise to every scrape
         self.registry = CollectorRegistry()
-        self.registry.register(ClusterCollector(coordinator))
+        self.registry.register(ClusterCollector(coordinator, model_name))
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Time from a request's arrival at the coordinator to its first token",
@@ -345,12 +445,15 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.vllm = VLLMRequestMetrics(self.registry, model_name)
         self._handed_off: dict[str, int] = {}  # request id -> the attempt whose handoff was timed
 
     def observe(self, name: str, state: RequestState) -> None:
         try:
             if name == "first_token" and state.first_token_at is not None:
-                self.ttft.observe(state.first_token_at - state.arrival)
+                ttft = state.first_token_at - state.arrival
+                self.ttft.observe(ttft)
+                self.vllm.ttft.observe(ttft)
             elif name == "tokens":
                 self._on_tokens(state)
             elif name == "finished":
@@ -372,15 +475,75 @@ class Metrics:
     def _on_finished(self, state: RequestState) -> None:
         self._handed_off.pop(state.request_id, None)
         reason = state.finish_reason or "error"
+        num_prompt, num_out = len(state.prompt_token_ids), len(state.output_token_ids)
         self.finished.labels(reason).inc()
-        self.prompt_tokens.inc(len(state.prompt_token_ids))
-        num_out = len(state.output_token_ids)
+        self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_out)
+        self.vllm.on_finished(reason, num_prompt, num_out)
         if reason not in ("stop", "length") or state.finished_at is None:
             return
-        self.e2e.observe(state.finished_at - state.arrival)
+        e2e = state.finished_at - state.arrival
+        self.e2e.observe(e2e)
+        self.vllm.e2e.observe(e2e)
         if state.first_token_at is not None and num_out > 1:
-            self.tpot.observe((state.finished_at - state.first_token_at) / (num_out - 1))
+            tpot = (state.finished_at - state.first_token_at) / (num_out - 1)
+            self.tpot.observe(tpot)
+            self.vllm.itl.observe(tpot)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VLLMRequestMetrics:
+    """The request histograms and counters under vLLM's names, each bound to the served model;
+    `Metrics` observes them where it observes its own, with the same values."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        by_model = ["model_name"]
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from a request's arrival to its first token (pdserve_time_to_first_token_seconds)",
+            by_model,
+            buckets=VLLM_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        # vLLM observes every gap between a request's tokens; pdserve one mean gap per request.
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Mean time between a request's output tokens after the first, one per request "
+            "(pdserve_time_per_output_token_seconds)",
+            by_model,
+            buckets=VLLM_ITL_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token (pdserve_e2e_request_latency_seconds)",
+            by_model,
+            buckets=VLLM_E2E_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens",
+            "Prompt tokens of finished requests (pdserve_prompt_tokens_total)",
+            by_model,
+            registry=registry,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Tokens generated (pdserve_generation_tokens_total)",
+            by_model,
+            registry=registry,
+        ).labels(model_name)
+        self.model_name = model_name
+        self.success = Counter(
+            "vllm:request_success",
+            "Requests ended, by finish reason (pdserve_requests_finished_total)",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+
+    def on_finished(self, reason: str, num_prompt: int, num_out: int) -> None:
+        self.success.labels(self.model_name, reason).inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_out)

@@ -74,7 +74,7 @@ class OpenAIServing:
         self.model_names = {model_name, *aliases}
         self.listed = listed or (model_name,)
         self.created = int(time.time())
-        self.metrics = Metrics(coordinator)
+        self.metrics = Metrics(coordinator, model_name)
         coordinator.listeners.append(self.metrics.observe)
 
     def models(self) -> dict:
