@@ -207,6 +207,19 @@ class CoordinatorConfig:
     max_logit_bias: int = setting(
         300, "logit_bias entries a request may give", live=True, minimum=0
     )
+    max_json_schema_bytes: int = setting(
+        64 << 10,
+        "bytes of a JSON schema a request constrains its output with (response_format, "
+        "structured_outputs, guided_json, a forced tool's parameters); larger ones get a 400",
+        live=True,
+        minimum=1,
+    )
+    max_json_schema_depth: int = setting(
+        32,
+        "how deeply the (sub)schemas of such a JSON schema may nest; deeper ones get a 400",
+        live=True,
+        minimum=1,
+    )
     enable_auto_tool_choice: bool = setting(
         False,
         "tool_choice auto: the model decides whether to call a tool, its calls parsed from its "

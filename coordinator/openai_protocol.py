@@ -14,6 +14,7 @@ from pdserve.cluster.structured_output import StructuredOutput
 from pdserve.coordinator.structured_request import (
     GUIDED,
     ConstraintRequestError,
+    SchemaBounds,
     requested_constraint,
 )
 from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
@@ -91,6 +92,12 @@ class Limits(Protocol):
     max_stop_strings: int
     max_stop_string_chars: int
     max_logit_bias: int
+    max_json_schema_bytes: int
+    max_json_schema_depth: int
+
+
+def schema_bounds(limits: Limits) -> SchemaBounds:
+    return SchemaBounds(limits.max_json_schema_bytes, limits.max_json_schema_depth)
 
 
 def at_most(value: int | None, limit: int, param: str) -> None:
@@ -176,13 +183,16 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    _schema_bounds: SchemaBounds | None = PrivateAttr(default=None)  # set when checked
 
     def constraint(self) -> tuple[StructuredOutput | None, str | None]:
         """The constraint the body asks for and the field it is in (400 naming the field if it
         cannot be taken)."""
         guided = {name: getattr(self, name) for name in GUIDED}
         try:
-            return requested_constraint(self.response_format, self.structured_outputs, guided)
+            return requested_constraint(
+                self.response_format, self.structured_outputs, guided, self._schema_bounds
+            )
         except ConstraintRequestError as exc:
             raise bad_request(str(exc), exc.param) from None
 
@@ -222,6 +232,7 @@ class _Sampling(_Body):
             )
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        self._schema_bounds = schema_bounds(limits)
         self.constraint()
 
 
@@ -306,6 +317,7 @@ class ChatCompletionRequest(_Sampling):
                 self.tools, self.tool_choice, self.parallel_tool_calls,
                 getattr(limits, "enable_auto_tool_choice", False),
                 getattr(limits, "tool_call_parser", None),
+                schema_bounds(limits),
             )  # fmt: skip
         except ConstraintRequestError as exc:
             raise bad_request(str(exc), exc.param) from None

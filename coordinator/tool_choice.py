@@ -18,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 
 from pdserve.cluster.structured_output import StructuredOutput
-from pdserve.coordinator.structured_request import ConstraintRequestError
+from pdserve.coordinator.structured_request import ConstraintRequestError, SchemaBounds
 from pdserve.coordinator.tool_parsers import PARSERS, ToolCall, ToolParser
 
 
@@ -71,8 +71,10 @@ def plan_tools(
     parallel_tool_calls: bool | None,
     auto_enabled: bool,
     parser_name: str | None,
+    bounds: SchemaBounds | None = None,
 ) -> ToolPlan:
-    """The request's plan; ConstraintRequestError naming the field for what cannot be taken."""
+    """The request's plan; ConstraintRequestError naming the field for what cannot be taken
+    (a schema the plan compiles outside bounds among them)."""
     functions = _functions(tools or [])
     parallel = parallel_tool_calls is not False
     if tool_choice is None:
@@ -96,6 +98,8 @@ def plan_tools(
         array = {"type": "array", "items": items, "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
+        if bounds is not None:
+            bounds.check(array, "the schema of the tools' calls (tool_choice required)", "tools")
         return ToolPlan("required", StructuredOutput.json_schema(array), parallel=parallel)
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
@@ -108,6 +112,8 @@ def plan_tools(
             raise ConstraintRequestError(
                 f"tool_choice names the function {name!r}, which is not in tools", "tool_choice"
             )
+        if bounds is not None:
+            bounds.check(functions[name], f"the parameters of {name!r}", "tools")
         spec = StructuredOutput.json_schema(functions[name])
         return ToolPlan("named", spec, function=name, parallel=parallel)
     raise ConstraintRequestError(
