@@ -31,6 +31,23 @@ SCHEMA = {
 }
 
 
+def nested(depth: int) -> dict:
+    """An object schema nested `depth` objects deep."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"inner": schema}, "required": ["inner"]}
+    return schema
+
+
+# What a user sent and pdserve once compiled for half a minute, accepting both.
+NESTED_300 = nested(300)
+PROPERTIES_3000 = {
+    "type": "object",
+    "properties": {f"field_{i:04d}": {"type": "string", "maxLength": 200} for i in range(3000)},
+    "required": [f"field_{i:04d}" for i in range(3000)],
+}
+
+
 class Pet(BaseModel):
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=99)
@@ -149,6 +166,9 @@ def kv_blocks(url: str) -> dict[str, tuple[float, float]]:
         ({"guided_grammar": "root ::= oops"}, "guided_grammar", "oops"),
         ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
         ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "at most one"),
+        # The default bounds (64 KiB, 32 levels), checked before anything compiles.
+        ({"guided_json": NESTED_300}, "guided_json", "--max-json-schema-depth"),
+        ({"guided_json": PROPERTIES_3000}, "guided_json", "--max-json-schema-bytes"),
     ],
 )
 def test_a_constraint_that_cannot_be_taken_is_a_400_naming_its_field(
