@@ -30,7 +30,7 @@ class Event(Message, tag="event"):
     finish_reason: str | None = None  # stop | length | abort | error
     logprobs: list[TokenLogprobs] = []
     error: str | None = None
-    error_code: str | None = None  # overloaded | unavailable | invalid | internal
+    error_code: str | None = None  # overloaded | unavailable | invalid | shutdown | internal
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -184,10 +185,16 @@ class _Server(uvicorn.Server):
 
 
 async def serve_http(
-    app: FastAPI, sock: socket.socket, stop: asyncio.Event, log_level: str | None = None
+    app: FastAPI,
+    sock: socket.socket,
+    stop: asyncio.Event,
+    log_level: str | None = None,
+    on_stop: Callable[[], object] | None = None,
 ) -> None:
     """Run uvicorn in this event loop on `sock` until `stop` is set; its own logs at `log_level`
-    (uvicorn's names, trace among them; unset: the root logger's)."""
+    (uvicorn's names, trace among them; unset: the root logger's). on_stop runs once `stop` is
+    set, before uvicorn waits for the responses under way (it ends them: nothing is left for
+    uvicorn to cancel)."""
     root = logging.getLogger()
     log_filter = RequestIdLogFilter()
     for handler in root.handlers:
@@ -213,6 +220,8 @@ async def serve_http(
         waiting = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, waiting}, return_when=asyncio.FIRST_COMPLETED)
         waiting.cancel()
+        if on_stop is not None:
+            on_stop()
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

@@ -48,6 +48,7 @@ stats_logger = logging.getLogger("pdserve.stats")
 __all__ = ["Coordinator", "RequestHandle", "SubmitError"]
 
 TICK_S = 0.1
+SHUTDOWN_MESSAGE = "the server is shutting down"
 MAX_SESSIONS = 4096  # node sockets whose link sessions are kept (the least recent go)
 
 
@@ -101,6 +102,7 @@ class Coordinator:
         self._node_bind = node_addr
         self._client_bind = client_addr
         self._streams: dict[str, asyncio.Queue[Event]] = {}  # by request id
+        self.shutting_down = False  # set by cut_requests: nothing new is admitted
         self._tasks: list[asyncio.Task] = []
         self.node_endpoint = ""
         self.client_endpoint = ""
@@ -303,6 +305,8 @@ class Coordinator:
         self, token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestHandle:
         """Admit a request into the cluster; raises SubmitError if it is refused."""
+        if self.shutting_down:
+            raise SubmitError("shutdown", SHUTDOWN_MESSAGE)
         self.check_room(1, len(token_ids))
         try:  # what cannot go on the wire is refused here, before the request holds anything
             node_messages.orders.encode(node_messages.Generate("-", token_ids, params, 0))
@@ -321,6 +325,20 @@ class Coordinator:
             return False
         self._deliver(self.core.abort(request_id, time.monotonic(), reason))
         return True
+
+    def cut_requests(self) -> int:
+        """Shutdown: end every open request now with a "shutdown" error event (its reader answers
+        at once) and free it on every node; later submissions are refused. Returns how many."""
+        self.shutting_down = True
+        cut = list(self._streams.items())
+        self._streams.clear()  # the abort's own finish event goes nowhere: the error ended it
+        for request_id, events in cut:
+            state = self.requests.get(request_id)
+            streamed = len(state.output_token_ids) if state is not None else 0
+            logger.info("[%s] cut by shutdown after %d tokens streamed", request_id, streamed)
+            events.put_nowait(Event(request_id, error=SHUTDOWN_MESSAGE, error_code="shutdown"))
+            self._deliver(self.core.abort(request_id, time.monotonic()))
+        return len(cut)
 
     # --- delivery --------------------------------------------------------------------------------
 

@@ -58,7 +58,8 @@ STALL_S = 0.5
 
 
 class SubmitError(Exception):
-    """A request refused before it reaches any node. code: overloaded | unavailable | invalid."""
+    """A request refused before it reaches any node. code: overloaded | unavailable | invalid
+    | shutdown."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -65,7 +65,7 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def coordinator_error(code: str, message: str) -> APIError:
     """What the coordinator refused or failed with (a SubmitError's or an error event's code:
-    invalid | overloaded | unavailable | timeout | internal), as the client sees it."""
+    invalid | overloaded | unavailable | shutdown | timeout | internal), as the client sees it."""
     if code == "invalid":
         return bad_request(message)
     if code == "overloaded":
@@ -75,6 +75,10 @@ def coordinator_error(code: str, message: str) -> APIError:
     if code == "unavailable":
         return APIError(
             503, message, "service_unavailable", code="unavailable", retry_after=RETRY_AFTER_S
+        )
+    if code == "shutdown":  # another replica may serve it: worth a retry
+        return APIError(
+            503, message, "server_shutdown", code="server_shutdown", retry_after=RETRY_AFTER_S
         )
     if code == "timeout":
         return APIError(504, message, "timeout_error", code="timeout")

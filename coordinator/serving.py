@@ -299,7 +299,8 @@ class OpenAIServing:
             async with contextlib.aclosing(_interleaved(choices)) as items:
                 async for item in items:
                     if isinstance(item, APIError):
-                        logger.warning("stream failed: %s", item.message)
+                        if item.code != "server_shutdown":  # the coordinator logged the cut
+                            logger.warning("stream failed: %s", item.message)
                         yield sse(item.body())
                         break
                     if item.text or item.logprobs or item.finish_reason:

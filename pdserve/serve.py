@@ -281,7 +281,11 @@ async def run_frontend(
         listed=names,
     )
     app = build_app(serving, __version__, options.api_keys)
-    await serve_http(app, sock, stop, log_level=options.http_log_level)
+    # Stopping ends every open stream at once with an error event, and every whole response
+    # under way with a 503, rather than letting uvicorn cut them after its grace period.
+    await serve_http(
+        app, sock, stop, log_level=options.http_log_level, on_stop=coordinator.cut_requests
+    )
 
 
 def run_serve(options: ServeOptions) -> int:
