@@ -92,6 +92,14 @@ class EngineConfig:
         "without a step of its own (its KV is computed with the next step's token); the output "
         "is the same token for token; not for requests that ask for logprobs",
     )
+    grammar_compile_timeout_s: float = setting(
+        10.0,
+        "structured outputs: seconds a request waits for its grammar to compile (from when it "
+        "reaches the node) before it ends with an error naming this limit; the compile itself "
+        "cannot be stopped: it runs on, holding the node's compile thread, and its grammar is "
+        "cached, so the same spec compiles at once next time",
+        above=0,
+    )
     scheduling_policy: str = setting(
         "continuous",
         "node step loops: continuous (admit whenever there is room) or static (a batch runs until all of it finished; the baseline)",

@@ -115,6 +115,12 @@ def _compile_message(kind: str, exc: Exception) -> str:
     return f"the {what[kind]} cannot be used: {text}"
 
 
+def _timeout_message(kind: str, timeout_s: float) -> str:
+    what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+    grammar = "the grammar" if kind == "grammar" else f"the grammar of the {what[kind]}"
+    return f"{grammar} did not compile within {timeout_s:g} s (--grammar-compile-timeout-s)"
+
+
 class Constraint:
     """One sequence's matcher over its compiled grammar (once `future` is done)."""
 
@@ -124,17 +130,28 @@ class Constraint:
         self._matcher: Any = None
         self.num_accepted = 0  # output tokens matched so far
         self._row: torch.Tensor | None = None  # for forced_token
+        self._expired: str | None = None  # why the sequence stopped waiting for its grammar
 
     @property
     def ready(self) -> bool:
-        return self.future.done()
+        return self._expired is not None or self.future.done()
 
     @property
     def error(self) -> str | None:
-        """Why the grammar could not be compiled, once its compilation ended (else None)."""
+        """Why the grammar could not be compiled, once its compilation ended or was given up
+        (else None)."""
+        if self._expired is not None:
+            return self._expired
         if not self.future.done() or self.future.exception() is None:
             return None
         return str(self.future.exception())
+
+    def expire(self, timeout_s: float) -> None:
+        """Stop waiting for the grammar, which did not compile within timeout_s: `ready`, with
+        that as its `error`. The compile itself cannot be stopped: it runs on, and its grammar
+        is cached for the next request with this spec."""
+        if not self.future.done():
+            self._expired = _timeout_message(self.spec.kind, timeout_s)
 
     def sync(self, outputs: list[int]) -> None:
         """Accept the output tokens not accepted yet (the request's outputs so far)."""

@@ -161,9 +161,10 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = StepStats()
         # Structured outputs: the node's compiled grammars (None: this engine takes none), and
-        # the sequences whose grammar is still compiling, with where each goes once it is ready.
+        # the sequences whose grammar is still compiling, with where each goes once it is ready
+        # and when it stops waiting (time.monotonic()).
         self.grammars: Grammars | None = None
-        self._compiling: list[tuple[Sequence, str]] = []
+        self._compiling: list[tuple[Sequence, str, float]] = []
         # Called with each step's schedule before it executes (layer-wise KV streaming).
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
 
@@ -190,19 +191,25 @@ class Engine:
         """Into the scheduler's waiting queue or running batch, once its grammar is compiled
         (a request waits for its grammar here, never blocking a step)."""
         if seq.constraint is not None and not seq.constraint.ready:
-            self._compiling.append((seq, where))
+            deadline = time.monotonic() + self.config.grammar_compile_timeout_s
+            self._compiling.append((seq, where, deadline))
         elif where == "waiting":
             self.scheduler.add(seq)
         else:
             self.scheduler.add_running(seq)
 
     def _take_compiled(self) -> list[RequestOutput]:
-        """Queue the sequences whose grammar is ready; end those whose grammar failed."""
+        """Queue the sequences whose grammar is ready; end those whose grammar failed or did not
+        compile by their deadline (the compile thread goes on; later compiles queue behind it)."""
         failed = []
         still = []
-        for seq, where in self._compiling:
+        now = time.monotonic()
+        for seq, where, deadline in self._compiling:
+            if not seq.constraint.ready and now >= deadline:
+                seq.constraint.expire(self.config.grammar_compile_timeout_s)
+                logger.warning("[%s] %s", seq.request_id, seq.constraint.error)
             if not seq.constraint.ready:
-                still.append((seq, where))
+                still.append((seq, where, deadline))
             elif seq.constraint.error is not None:
                 self.seqs.pop(seq.request_id, None)
                 self.scheduler.kv.free(seq)  # an arrived sequence's blocks, if any
@@ -342,7 +349,7 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             if self._compiling and not failed:  # nothing to run but a grammar being compiled
-                wait([s.constraint.future for s, _ in self._compiling], timeout=0.002)
+                wait([s.constraint.future for s, _, _ in self._compiling], timeout=0.002)
             elif self.tiers is not None and self.tiers.busy:  # nothing but copies in flight
                 self.tiers.wait(0.002)
             return failed
