@@ -18,7 +18,7 @@ from pdserve.bench.stories import grammar
 from pdserve.bench.stories.recognizer import accepts_call, read
 from pdserve.coordinator.structured_request import ConstraintRequestError
 from pdserve.coordinator.tool_call_stream import ToolCallStream
-from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
+from pdserve.coordinator.tool_choice import CALLS_PER_TOOL, ToolPlan, plan_tools
 from pdserve.coordinator.tool_parsers import PARSERS, ToolCall
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
@@ -50,9 +50,6 @@ def test_required_and_named_choices_are_constraints_over_the_functions_schemas()
     plan = plan_tools(TOOLS, "required", False, False, None)
     schema = json.loads(plan.constraint.spec)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
-    assert "maxItems" not in json.loads(
-        plan_tools(TOOLS, "required", None, False, None).constraint.spec
-    )
     named = plan_tools(
         TOOLS, {"type": "function", "function": {"name": "find_animal"}}, None, False, None
     )
@@ -62,6 +59,54 @@ def test_required_and_named_choices_are_constraints_over_the_functions_schemas()
         None,
         [ToolCall("where_is", '{"character": "cat"}'), ToolCall("find_animal", '{"name": "Finn"}')],
     )
+
+
+def test_required_with_parallel_calls_is_an_array_the_grammar_closes_at_a_bound():
+    """A model that keeps appending calls is stopped by the grammar closing the array, not by
+    max_tokens: one call without parallel calls, CALLS_PER_TOOL per tool with them."""
+    for parallel in (None, True):
+        schema = json.loads(plan_tools(TOOLS, "required", parallel, False, None).constraint.spec)
+        assert (schema["minItems"], schema["maxItems"]) == (1, CALLS_PER_TOOL * len(TOOLS))
+    one = json.loads(plan_tools(TOOLS, "required", False, False, None).constraint.spec)
+    assert (one["minItems"], one["maxItems"]) == (1, 1)
+
+
+CALLS = [
+    '{"name": "where_is", "parameters": {"character": "cat"}}',
+    '{"name": "find_animal", "parameters": {"name": "Finn"}}',
+]
+
+
+@pytest.mark.parametrize(
+    "text,whole",
+    [
+        (f"[{CALLS[0]}, {CALLS[1]}]", 2),
+        (f"[{CALLS[0]}, {CALLS[1][:-1]}", 1),  # cut before the last brace
+        (f"[{CALLS[0]}, {CALLS[1]}", 2),  # cut before the array's end
+        (f"[{CALLS[0]},", 1),
+        (f"[{CALLS[0]}", 1),
+        (f"[{CALLS[0][:20]}", 0),
+        ("[", 0),
+    ],
+)
+def test_a_required_output_cut_short_is_its_whole_calls(text, whole):
+    """finish_reason length: the calls written whole come back as tool_calls, the cut one is
+    dropped, and none of the array's JSON is content."""
+    content, calls = plan_tools(TOOLS, "required", None, False, None).calls(text)
+    expected = [
+        ToolCall("where_is", '{"character": "cat"}'),
+        ToolCall("find_animal", '{"name": "Finn"}'),
+    ]
+    assert content is None and calls == expected[:whole]
+    stream = ToolCallStream(plan_tools(TOOLS, "required", None, False, None))
+    delta = stream.delta(text, finished=True)
+    assert "content" not in delta
+    streamed = [
+        ToolCall(c["function"]["name"], c["function"]["arguments"])
+        for c in delta.get("tool_calls", [])
+    ]
+    assert streamed == expected[:whole]
+    assert stream.finish_reason("length") == "length"
 
 
 def test_without_tool_choice_a_request_is_auto_where_the_server_enables_it():
