@@ -88,6 +88,7 @@ CALLS = [
         (f"[{CALLS[0][:20]}", 0),
         ("[", 0),
     ],
+    ids=["whole", "cut-in-call", "cut-before-end", "cut-after-comma", "one", "cut-first", "open"],
 )
 def test_a_required_output_cut_short_is_its_whole_calls(text, whole):
     """finish_reason length: the calls written whole come back as tool_calls, the cut one is
@@ -242,6 +243,38 @@ def test_named_and_required_calls_whole_and_streamed(client, choice):
         (call.function.name, json.loads(call.function.arguments))
     ]
     assert calls[0]["id"].startswith("call_")
+
+
+def test_required_parallel_calls_end_at_the_bound_and_a_cut_response_keeps_its_whole_calls(
+    client,
+):
+    """pdserve-stories, asked for required calls with parallel calls on, keeps appending calls:
+    the grammar closes the array at its bound (finish_reason tool_calls, not length). Cut by
+    max_tokens, the response is the calls written whole, as tool_calls; the cut one is dropped
+    and none of the array's JSON is content, whole and streamed."""
+    model = client.models.list().data[0].id
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Where is the cat?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+    )
+    whole = client.chat.completions.create(max_tokens=900, **kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert len(whole.message.tool_calls) == CALLS_PER_TOOL * len(TOOLS)
+    every = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    for name, arguments in every:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    cut = client.chat.completions.create(max_tokens=100, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in cut.message.tool_calls]
+    assert 1 <= len(calls) < len(every) and calls == every[: len(calls)]
+    finish, content, streamed = assemble(
+        client.chat.completions.create(stream=True, max_tokens=100, **kwargs)
+    )
+    assert finish == "length" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
 
 
 @pytest.mark.parametrize("character", ["cat", "fox", "Tom"])
