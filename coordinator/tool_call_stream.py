@@ -65,9 +65,9 @@ class ToolCallStream:
     def _calls_at_end(self, finished: bool, text: str) -> dict:
         if not finished:
             return {}
-        _, calls = self.plan.calls(text)
-        if not calls:
-            return {"content": text} if text else {}
+        content, calls = self.plan.calls(text)
+        if not calls:  # none whole (cut in the first) is nothing; text not an array is content
+            return {"content": content} if content else {}
         self.called = True
         return {"tool_calls": [call_delta(i, c) for i, c in enumerate(calls)]}
 

@@ -5,7 +5,8 @@ decided before it runs, and how its output becomes `tool_calls`:
 - `auto`: the model decides; its calls are parsed from its own format (the server's
   `tool_call_parser`, with `enable_auto_tool_choice`);
 - `required`: at least one call, enforced by a constraint: a JSON array of
-  `{"name": ..., "parameters": {...}}` over the tools' parameter schemas;
+  `{"name": ..., "parameters": {...}}` over the tools' parameter schemas, of one call without
+  `parallel_tool_calls` and at most `CALLS_PER_TOOL` per tool with it, so the grammar closes it;
 - a named function: that call, its arguments enforced by the function's parameter schema.
 
 A request with tools and no tool_choice is `auto` where the server enables it, else `none`.
@@ -14,6 +15,7 @@ A request with tools and no tool_choice is `auto` where the server enables it, e
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -39,12 +41,12 @@ class ToolPlan:
         if self.mode == "named":
             return None, [ToolCall(self.function, _compact(text))]
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:
+            items = complete_items(text)
+            if items is None:
                 return text, []
             calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
-                     for i in items]  # fmt: skip
+                     for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)
+                     and isinstance(i.get("parameters"), dict)]  # fmt: skip
             return None, calls
         if self.mode == "auto":
             content, calls = self.parser.parse(text)
@@ -52,6 +54,29 @@ class ToolPlan:
                 calls = calls[:1]
             return (content or None) if calls else text, calls
         return text, []
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def complete_items(text: str) -> list | None:
+    """The whole items of a JSON array, also of one cut short (finish_reason length), an
+    unfinished last item dropped; None when the text does not open an array."""
+    decoder = json.JSONDecoder()
+    at = _SPACE.match(text).end()
+    if not text.startswith("[", at):
+        return None
+    items: list = []
+    while True:
+        at = _SPACE.match(text, at + 1).end()  # past "[" or ","
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items  # the array's end, or a cut item
+        items.append(item)
+        at = _SPACE.match(text, at).end()
+        if not text.startswith(",", at):
+            return items
 
 
 def _compact(text: str) -> str:
@@ -63,6 +88,11 @@ def _compact(text: str) -> str:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+# A required array's bound with parallel calls: several calls of one tool (one per city, say) are
+# common, dozens are a model that does not stop; the grammar closes the array at the bound.
+CALLS_PER_TOOL = 4
 
 
 def plan_tools(
@@ -95,9 +125,8 @@ def plan_tools(
         return ToolPlan("auto", parser=PARSERS[parser_name](), parallel=parallel)
     if tool_choice == "required":
         items = {"anyOf": [_call_schema(name, schema) for name, schema in functions.items()]}
-        array = {"type": "array", "items": items, "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
+        most = CALLS_PER_TOOL * len(functions) if parallel else 1
+        array = {"type": "array", "items": items, "minItems": 1, "maxItems": most}
         if bounds is not None:
             bounds.check(array, "the schema of the tools' calls (tool_choice required)", "tools")
         return ToolPlan("required", StructuredOutput.json_schema(array), parallel=parallel)

@@ -18,7 +18,7 @@ from pdserve.bench.stories import grammar
 from pdserve.bench.stories.recognizer import accepts_call, read
 from pdserve.coordinator.structured_request import ConstraintRequestError
 from pdserve.coordinator.tool_call_stream import ToolCallStream
-from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
+from pdserve.coordinator.tool_choice import CALLS_PER_TOOL, ToolPlan, plan_tools
 from pdserve.coordinator.tool_parsers import PARSERS, ToolCall
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
@@ -50,9 +50,6 @@ def test_required_and_named_choices_are_constraints_over_the_functions_schemas()
     plan = plan_tools(TOOLS, "required", False, False, None)
     schema = json.loads(plan.constraint.spec)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
-    assert "maxItems" not in json.loads(
-        plan_tools(TOOLS, "required", None, False, None).constraint.spec
-    )
     named = plan_tools(
         TOOLS, {"type": "function", "function": {"name": "find_animal"}}, None, False, None
     )
@@ -62,6 +59,55 @@ def test_required_and_named_choices_are_constraints_over_the_functions_schemas()
         None,
         [ToolCall("where_is", '{"character": "cat"}'), ToolCall("find_animal", '{"name": "Finn"}')],
     )
+
+
+def test_required_with_parallel_calls_is_an_array_the_grammar_closes_at_a_bound():
+    """A model that keeps appending calls is stopped by the grammar closing the array, not by
+    max_tokens: one call without parallel calls, CALLS_PER_TOOL per tool with them."""
+    for parallel in (None, True):
+        schema = json.loads(plan_tools(TOOLS, "required", parallel, False, None).constraint.spec)
+        assert (schema["minItems"], schema["maxItems"]) == (1, CALLS_PER_TOOL * len(TOOLS))
+    one = json.loads(plan_tools(TOOLS, "required", False, False, None).constraint.spec)
+    assert (one["minItems"], one["maxItems"]) == (1, 1)
+
+
+CALLS = [
+    '{"name": "where_is", "parameters": {"character": "cat"}}',
+    '{"name": "find_animal", "parameters": {"name": "Finn"}}',
+]
+
+
+@pytest.mark.parametrize(
+    "text,whole",
+    [
+        (f"[{CALLS[0]}, {CALLS[1]}]", 2),
+        (f"[{CALLS[0]}, {CALLS[1][:-1]}", 1),  # cut before the last brace
+        (f"[{CALLS[0]}, {CALLS[1]}", 2),  # cut before the array's end
+        (f"[{CALLS[0]},", 1),
+        (f"[{CALLS[0]}", 1),
+        (f"[{CALLS[0][:20]}", 0),
+        ("[", 0),
+    ],
+    ids=["whole", "cut-in-call", "cut-before-end", "cut-after-comma", "one", "cut-first", "open"],
+)
+def test_a_required_output_cut_short_is_its_whole_calls(text, whole):
+    """finish_reason length: the calls written whole come back as tool_calls, the cut one is
+    dropped, and none of the array's JSON is content."""
+    content, calls = plan_tools(TOOLS, "required", None, False, None).calls(text)
+    expected = [
+        ToolCall("where_is", '{"character": "cat"}'),
+        ToolCall("find_animal", '{"name": "Finn"}'),
+    ]
+    assert content is None and calls == expected[:whole]
+    stream = ToolCallStream(plan_tools(TOOLS, "required", None, False, None))
+    delta = stream.delta(text, finished=True)
+    assert "content" not in delta
+    streamed = [
+        ToolCall(c["function"]["name"], c["function"]["arguments"])
+        for c in delta.get("tool_calls", [])
+    ]
+    assert streamed == expected[:whole]
+    assert stream.finish_reason("length") == "length"
 
 
 def test_without_tool_choice_a_request_is_auto_where_the_server_enables_it():
@@ -197,6 +243,38 @@ def test_named_and_required_calls_whole_and_streamed(client, choice):
         (call.function.name, json.loads(call.function.arguments))
     ]
     assert calls[0]["id"].startswith("call_")
+
+
+def test_required_parallel_calls_end_at_the_bound_and_a_cut_response_keeps_its_whole_calls(
+    client,
+):
+    """pdserve-stories, asked for required calls with parallel calls on, keeps appending calls:
+    the grammar closes the array at its bound (finish_reason tool_calls, not length). Cut by
+    max_tokens, the response is the calls written whole, as tool_calls; the cut one is dropped
+    and none of the array's JSON is content, whole and streamed."""
+    model = client.models.list().data[0].id
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Where is the cat?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+    )
+    whole = client.chat.completions.create(max_tokens=900, **kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert len(whole.message.tool_calls) == CALLS_PER_TOOL * len(TOOLS)
+    every = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    for name, arguments in every:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    cut = client.chat.completions.create(max_tokens=100, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in cut.message.tool_calls]
+    assert 1 <= len(calls) < len(every) and calls == every[: len(calls)]
+    finish, content, streamed = assemble(
+        client.chat.completions.create(stream=True, max_tokens=100, **kwargs)
+    )
+    assert finish == "length" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
 
 
 @pytest.mark.parametrize("character", ["cat", "fox", "Tom"])
