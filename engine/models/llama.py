@@ -111,10 +111,24 @@ class Attention(nn.Module):
         ops: Ops,
     ) -> torch.Tensor:
         q, k, v = self.project(hidden, positions, cos_sin, ops)
+        out = self.paged(q, k, v, batch, pool, ops)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def paged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """The tokens' K and V stored in this layer's pages, then their queries' attention over
+        the pages of their KV group: [tokens, heads, head_dim]."""
         k_cache, v_cache = pool.layer(self.layer_index)
         slot_mapping, block_tables = batch.group(self.kv_group)
         ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        out = ops.paged_attention(
+        return ops.paged_attention(
             q,
             k_cache,
             v_cache,
@@ -126,7 +140,6 @@ class Attention(nn.Module):
             **self.mask,
             sinks=self.sinks,
         )
-        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -186,7 +199,20 @@ class DecoderLayer(nn.Module):
             normed = ops.rms_norm(hidden, norm.weight, norm.eps)
         else:
             normed, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.self_attn(normed, positions, batch, pool, cos_sin, ops), residual
+        return self.mix(normed, positions, batch, pool, cos_sin, ops), residual
+
+    def mix(
+        self,
+        normed: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        cos_sin: torch.Tensor,
+        ops: Ops,
+    ) -> torch.Tensor:
+        """The layer's token mixer on the normed stream: its attention (a family whose layers
+        mix tokens otherwise names its own)."""
+        return self.self_attn(normed, positions, batch, pool, cos_sin, ops)
 
     def feed_forward(
         self, hidden: torch.Tensor, residual: torch.Tensor, ops: Ops

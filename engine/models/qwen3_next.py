@@ -87,21 +87,9 @@ class GatedAttention(Attention):
             q_rot, k_rot = ops.apply_rotary(q[..., :rot], k[..., :rot], positions, cos_sin)
             q = torch.cat([q_rot, q[..., rot:]], dim=-1)
             k = torch.cat([k_rot, k[..., rot:]], dim=-1)
-        k_cache, v_cache = pool.layer(self.layer_index)
-        slot_mapping, block_tables = batch.group(self.kv_group)
-        ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        out = ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            self.scale,
-            batch.max_query_len,
-            **self.mask,
+        out = self.paged(q, k, v, batch, pool, ops).reshape(-1, self.q_size) * torch.sigmoid(
+            gate.reshape(-1, self.q_size)
         )
-        out = out.reshape(-1, self.q_size) * torch.sigmoid(gate.reshape(-1, self.q_size))
         return self.o_proj(out)
 
 
@@ -408,24 +396,17 @@ class HybridDecoderLayer(DecoderLayer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def attend(
+    def mix(
         self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
+        normed: torch.Tensor,
         positions: torch.Tensor,
         batch: AttentionBatch,
         pool: KVPool,
         cos_sin: torch.Tensor,
         ops: Ops,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        norm = self.input_layernorm
-        if residual is None:
-            residual = hidden
-            normed = ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            normed, residual = ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+    ) -> torch.Tensor:
         mixer = self.self_attn if self.linear_attn is None else self.linear_attn
-        return mixer(normed, positions, batch, pool, cos_sin, ops), residual
+        return mixer(normed, positions, batch, pool, cos_sin, ops)
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
