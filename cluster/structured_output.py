@@ -1,7 +1,10 @@
 """A request's structured-output constraint as it travels with the request to every node that
 samples for it: a JSON schema, a regular expression, a list of choices or an EBNF grammar. Each
 node compiles it for its own tokenizer (`pdserve.engine.grammar`); what can be checked without
-the compiler is checked here, when the constraint is made or decoded off the wire."""
+the compiler is checked here, when the constraint is made or decoded off the wire.
+
+A reasoning model's constraint applies to its answer only: `after` holds the token ids that end
+its reasoning (`</think>`), and the grammar begins after their first occurrence in the output."""
 
 from __future__ import annotations
 
@@ -30,14 +33,22 @@ UNENFORCED_KEYWORDS = (
     "unevaluatedItems",
 )
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar this large is junk, not a constraint
+MAX_AFTER_TOKENS = 16  # a reasoning end marker is a token or a few
 
 
 class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     kind: str  # json | regex | choice | grammar
     spec: str = ""  # the JSON schema (as JSON text), the regex or the EBNF grammar
     choices: list[str] = []  # kind choice: the output is exactly one of them
+    # The grammar begins after the first occurrence of these tokens in the output (the end of
+    # its reasoning); empty: at the output's start.
+    after: list[int] = []
 
     def __post_init__(self) -> None:
+        if len(self.after) > MAX_AFTER_TOKENS or not all(
+            isinstance(t, int) and 0 <= t < 2**31 for t in self.after
+        ):
+            raise ValueError(f"after is at most {MAX_AFTER_TOKENS} token ids")
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}")
         if len(self.spec) > MAX_SPEC_CHARS:
@@ -71,7 +82,8 @@ class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
     @property
     def key(self) -> tuple[str, str, tuple[str, ...]]:
-        """What identifies the compiled grammar: equal keys compile to the same grammar."""
+        """What identifies the compiled grammar: equal keys compile to the same grammar (where
+        it begins is no part of it)."""
         return (self.kind, self.spec, tuple(self.choices))
 
     @classmethod

@@ -77,6 +77,7 @@ class ChoiceStream:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
+        self.output_token_ids: list[int] = []
         self.finish_reason: str | None = None
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
@@ -148,6 +149,7 @@ class ChoiceStream:
         for i, token_id in enumerate(event.token_ids):
             offset = len(self.detokenizer.text)
             self.num_output_tokens += 1
+            self.output_token_ids.append(token_id)
             pieces.append(self.stop.feed(self.detokenizer.step(token_id)))
             if self.want_logprobs and i < len(event.logprobs) and event.logprobs[i]:
                 lp = event.logprobs[i]

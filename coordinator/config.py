@@ -24,6 +24,7 @@ from pdserve.engine.config import EngineConfig, RoleTensorParallel
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # (pdserve.coordinator.tool_parsers)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # (pdserve.coordinator.reasoning_parsers)
 # Node settings the file does not hold, and where they come from instead.
 NOT_IN_FILE = {
     **{name: f"give pdserve serve --{name}" for name in ("model", "dtype", "device", "transport")},
@@ -232,6 +233,14 @@ class CoordinatorConfig:
         "write them), llama3_json or mistral (unset: tool_choice auto is refused)",
         live=True,
         choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "the format of the model's reasoning, returned apart from its answer as "
+        "reasoning_content: deepseek_r1 or qwen3 (<think> ... </think>); a request's constraint "
+        "and tool calls then apply to the answer (unset: the reasoning is content)",
+        live=True,
+        choices=REASONING_PARSERS,
     )
     metrics_require_api_key: bool = setting(
         False, "with API keys, /metrics needs one too (else it is open, as /health is)", live=True

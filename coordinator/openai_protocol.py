@@ -297,6 +297,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    # More variables for the chat template (vLLM's): `enable_thinking` among them.
+    chat_template_kwargs: dict[str, Any] | None = None
     _tool_plan: ToolPlan = PrivateAttr(default_factory=lambda: ToolPlan("none"))
 
     @property
@@ -331,6 +333,22 @@ class ChatCompletionRequest(_Sampling):
             raise bad_request("messages must be a non-empty array", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+# What the server itself gives the chat template: a request's chat_template_kwargs may not.
+RESERVED_TEMPLATE_VARIABLES = (
+    "messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    taken = sorted(set(kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do",
+            "chat_template_kwargs",
+        )
 
 
 class TokenizeCompletionRequest(_Body):
@@ -350,10 +368,12 @@ class TokenizeChatRequest(_Body):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self, limits: Limits) -> None:
         if not self.messages:
             raise bad_request("messages must be a non-empty array", "messages")
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 class DetokenizeRequest(_Body):

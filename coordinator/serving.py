@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -30,6 +31,8 @@ from pdserve.coordinator.openai_protocol import (
     coordinator_error,
     parse_body,
 )
+from pdserve.coordinator.reasoning_parsers import PARSERS as REASONING_PARSERS
+from pdserve.coordinator.reasoning_parsers import ReasoningPlan
 from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class OpenAIServing:
         self.model_names = {model_name, *aliases}
         self.listed = listed or (model_name,)
         self.created = int(time.time())
+        self._markers: dict[str, list[int]] = {}
         self.metrics = Metrics(coordinator, model_name)
         coordinator.listeners.append(self.metrics.observe)
 
@@ -94,6 +98,19 @@ class OpenAIServing:
                 for name in self.listed
             ],
         }
+
+    def reasoning_plan(self, prompt_text: str) -> ReasoningPlan | None:
+        """How a chat request whose prompt renders as prompt_text reasons, with the server's
+        reasoning parser (None without one)."""
+        name = self.coordinator.config.reasoning_parser
+        return None if name is None else REASONING_PARSERS[name]().plan(prompt_text)
+
+    def marker_ids(self, marker: str) -> list[int]:
+        """A reasoning marker's token ids (one id for models that made it a token of its own)."""
+        ids = self._markers.get(marker)
+        if ids is None:
+            ids = self._markers[marker] = self.tokenizer.encode(marker, add_special_tokens=False)
+        return ids
 
     def response_model(self, requested: str | None) -> str:
         """The `model` a response carries: the name the request used, or the first name."""
@@ -158,12 +175,17 @@ class OpenAIServing:
         default_max: int | None,
         num_logprobs: int | None,
         prompt_param: str,
+        reasoning: ReasoningPlan | None = None,
     ) -> Submission:
+        """reasoning: the chat request's reasoning, past which its constraint begins."""
         n = body.n or 1
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
         params: list[SamplingParams] = []
         structured, constraint_param = body.constraint()
+        if structured is not None and reasoning is not None and reasoning.may_reason:
+            after = self.marker_ids(reasoning.parser.end)
+            structured = msgspec.structs.replace(structured, after=after)
         for ids in prompts:
             max_tokens = self.max_tokens(requested_max, len(ids), default_max, prompt_param)
             for i in range(n):
@@ -275,9 +297,10 @@ class OpenAIServing:
         render: Callable[[ChoiceDelta], dict],
         head: list[dict],
         include_usage: bool,
+        reasoning: ReasoningPlan | None = None,
     ) -> EventStream:
         """The choices' deltas as Server-Sent Events, each rendered as a chunk by `render`."""
-        chunks = self._events(choices, n, base, render, head, include_usage)
+        chunks = self._events(choices, n, base, render, head, include_usage, reasoning)
         return EventStream(chunks, on_close=lambda: self.abort(choices))
 
     async def _events(
@@ -288,6 +311,7 @@ class OpenAIServing:
         render: Callable[[ChoiceDelta], dict],
         head: list[dict],
         include_usage: bool,
+        reasoning: ReasoningPlan | None,
     ) -> AsyncIterator[str]:
         """The head chunks, each choice's deltas as they come, the usage chunk if asked,
         `[DONE]`. An error ends the stream with an error chunk; leaving it early (the client went
@@ -307,23 +331,39 @@ class OpenAIServing:
                         yield sse({**render(item), **usage_null})
                 else:
                     if include_usage:
-                        yield sse({**base, "choices": [], "usage": self.usage(choices, n)})
+                        yield sse(
+                            {**base, "choices": [], "usage": self.usage(choices, n, reasoning)}
+                        )
             yield "data: [DONE]\n\n"
         finally:
             if any(c.finish_reason is None for c in choices):
                 logger.info("stream left early: aborting its unfinished choices")
             await self.abort(choices)
 
-    def usage(self, choices: list[ChoiceStream], n: int) -> dict:
+    def usage(
+        self, choices: list[ChoiceStream], n: int, reasoning: ReasoningPlan | None = None
+    ) -> dict:
+        """The request's token counts; with reasoning, how many of the completion's reasoned."""
         firsts = [c for c in choices if c.index % n == 0]  # the prompt counts once, not n times
         prompt = sum(c.num_prompt_tokens for c in firsts)
         completion = sum(c.num_output_tokens for c in choices)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)},
         }
+        if reasoning is not None:
+            start, end = (
+                self.marker_ids(reasoning.parser.start),
+                self.marker_ids(reasoning.parser.end),
+            )
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(
+                    reasoning.reasoning_tokens(c.output_token_ids, start, end) for c in choices
+                )
+            }
+        return usage
 
 
 async def _interleaved(choices: list[ChoiceStream]) -> AsyncIterator[ChoiceDelta | APIError]:

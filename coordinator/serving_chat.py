@@ -1,5 +1,6 @@
 """`POST /v1/chat/completions`: messages through the model's chat template, n choices, whole or
-streamed as `chat.completion.chunk`s, with logprobs in the chat format."""
+streamed as `chat.completion.chunk`s, with logprobs in the chat format; a reasoning model's
+reasoning apart from its answer (`reasoning_content`), and tool calls as `tool_calls`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.coordinator.access_log import name_request
+from pdserve.coordinator.chat_output import ChatOutput, ChatOutputStream, chat_output
 from pdserve.coordinator.choice_stream import ChoiceDelta, TokenLogprob
 from pdserve.coordinator.openai_protocol import ChatCompletionRequest, bad_request
 from pdserve.coordinator.serving import OpenAIServing
-from pdserve.coordinator.tool_call_stream import ToolCallStream, call_delta
+from pdserve.coordinator.tool_call_stream import call_delta
 
 
 class OpenAIServingChat:
@@ -24,10 +26,13 @@ class OpenAIServingChat:
         serving = self.serving
         body = await serving.parse(request, ChatCompletionRequest)
         request_id = name_request("chatcmpl")
-        prompt = self.prompt(body)
+        prompt, prompt_text = self.prompt(body)
+        reasoning = serving.reasoning_plan(prompt_text)
         requested = body.max_completion_tokens or body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        sub = serving.submission(body, [prompt], requested, None, num_logprobs, "messages")
+        sub = serving.submission(
+            body, [prompt], requested, None, num_logprobs, "messages", reasoning
+        )
         choices = await serving.submit(request_id, sub)
         base = {
             "id": request_id,
@@ -55,18 +60,18 @@ class OpenAIServingChat:
                 }
                 for c in choices
             ]
-
-            plan = body.tool_plan
-            tool_streams = {c.index: ToolCallStream(plan) for c in choices}
+            outputs = {c.index: ChatOutputStream(body.tool_plan, reasoning) for c in choices}
 
             def render(d: ChoiceDelta) -> dict:
-                finish_reason = d.finish_reason
-                if plan.calls_tools:
-                    stream = tool_streams[d.index]
-                    delta = stream.delta(d.text, d.finish_reason is not None)
-                    finish_reason = stream.finish_reason(finish_reason)
-                else:
-                    delta = {"content": d.text} if d.text else {}
+                output = outputs[d.index]
+                piece = output.feed(d.text, d.finish_reason is not None)
+                delta: dict = {}
+                if piece.reasoning:  # (vLLM's two names for it)
+                    delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
+                if piece.content:
+                    delta["content"] = piece.content
+                if piece.tool_calls:
+                    delta["tool_calls"] = piece.tool_calls
                 return {
                     **chunk,
                     "choices": [
@@ -74,12 +79,14 @@ class OpenAIServingChat:
                             "index": d.index,
                             "delta": delta,
                             "logprobs": logprobs(d.logprobs),
-                            "finish_reason": finish_reason,
+                            "finish_reason": output.finish_reason(d.finish_reason),
                         }
                     ],
                 }
 
-            return serving.stream(choices, sub.n, chunk, render, head, body.include_usage)
+            return serving.stream(
+                choices, sub.n, chunk, render, head, body.include_usage, reasoning
+            )
         results = await serving.collect(request, choices)
         return JSONResponse(
             {
@@ -87,43 +94,42 @@ class OpenAIServingChat:
                 "choices": [
                     {
                         "index": r.index,
-                        **self.message(body, r.text, r.finish_reason),
+                        **self.message(
+                            chat_output(r.text, r.finish_reason, body.tool_plan, reasoning)
+                        ),  # fmt: skip
                         "logprobs": logprobs(r.logprobs),
                     }
                     for r in results
                 ],
-                "usage": serving.usage(choices, sub.n),
+                "usage": serving.usage(choices, sub.n, reasoning),
             }
         )
 
     @staticmethod
-    def message(body: ChatCompletionRequest, text: str, finish_reason: str) -> dict:
-        """A choice's message and finish reason: with tools, its calls as `tool_calls`."""
-        if not body.tool_plan.calls_tools:
-            return {
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-            }
-        content, calls = body.tool_plan.calls(text)
-        message: dict = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call_delta(i, c) for i, c in enumerate(calls)]
+    def message(output: ChatOutput) -> dict:
+        """A choice's message and finish reason: its reasoning as `reasoning_content` (and
+        `reasoning`), its calls as `tool_calls`."""
+        message: dict = {"role": "assistant", "content": output.content}
+        if output.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = output.reasoning
+        if output.calls:
+            message["tool_calls"] = [call_delta(i, c) for i, c in enumerate(output.calls)]
             for call in message["tool_calls"]:
                 call.pop("index")
-            if finish_reason == "stop":
-                finish_reason = "tool_calls"
-        return {"message": message, "finish_reason": finish_reason}
+        return {"message": message, "finish_reason": output.finish_reason}
 
-    def prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The messages through the chat template, as token ids."""
+    def prompt(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
+        """The messages through the chat template, as token ids and as text."""
         messages = [m.template_dict() for m in body.messages]
+        tokenizer = self.serving.tokenizer
         try:
-            ids = self.serving.tokenizer.encode_chat(
-                messages, body.add_generation_prompt, tools=body.tools
+            text = tokenizer.render_chat(
+                messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs
             )
-        except (jinja2.TemplateError, ValueError) as exc:
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages") from None
-        return self.serving.check_token_ids(ids, "messages")
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return self.serving.check_token_ids(ids, "messages"), text
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict:
         vocab = self.serving.vocab

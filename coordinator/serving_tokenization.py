@@ -32,7 +32,10 @@ class OpenAIServingTokenization:
             messages = [m.template_dict() for m in body.messages]
             try:
                 ids = tokenizer.encode_chat(
-                    messages, body.add_generation_prompt, body.add_special_tokens
+                    messages,
+                    body.add_generation_prompt,
+                    body.add_special_tokens,
+                    template_kwargs=body.chat_template_kwargs,
                 )
             except (jinja2.TemplateError, ValueError) as exc:
                 raise bad_request(f"the chat template failed: {exc}", "messages") from None

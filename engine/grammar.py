@@ -6,7 +6,10 @@ tokens as a bitmask.
 A constraint follows the request's outputs, wherever they were sampled: before each fill it
 accepts every output token of the sequence it has not seen yet, so a sequence that arrives from
 another node (its first token sampled there), is preempted and recomputed, or is re-prefilled
-after a failover is matched exactly as if one node had made it all.
+after a failover is matched exactly as if one node had made it all. A constraint whose spec has
+`after` (a reasoning model's end-of-reasoning tokens) is inactive until those tokens appear in the
+output: the reasoning is sampled freely, the answer under the grammar, and since the start is found
+in the outputs themselves, it is found the same way on every node that samples.
 """
 
 from __future__ import annotations
@@ -131,6 +134,10 @@ class Constraint:
         self.num_accepted = 0  # output tokens matched so far
         self._row: torch.Tensor | None = None  # for forced_token
         self._expired: str | None = None  # why the sequence stopped waiting for its grammar
+        self.after = list(spec.after)
+        # Where in the output the grammar begins (None: its `after` tokens have not appeared).
+        self.start: int | None = None if self.after else 0
+        self._searched = 0  # outputs searched for `after` so far
 
     @property
     def ready(self) -> bool:
@@ -153,13 +160,33 @@ class Constraint:
         if not self.future.done():
             self._expired = _timeout_message(self.spec.kind, timeout_s)
 
+    @property
+    def active(self) -> bool:
+        """The grammar applies to the next token (after `sync`)."""
+        return self._matcher is not None
+
+    def _find_start(self, outputs: list[int]) -> None:
+        """Where the grammar begins: past the first occurrence of `after` in the outputs."""
+        n = len(self.after)
+        at = max(0, self._searched - n + 1)
+        for i in range(at, len(outputs) - n + 1):
+            if outputs[i : i + n] == self.after:
+                self.start = i + n
+                return
+        self._searched = len(outputs)
+
     def sync(self, outputs: list[int]) -> None:
-        """Accept the output tokens not accepted yet (the request's outputs so far)."""
+        """Accept the output tokens not accepted yet (the request's outputs so far); before its
+        `after` tokens appear, only look for them."""
+        if self.start is None:
+            self._find_start(outputs)
+            if self.start is None:
+                return
         if self._matcher is None:
             import xgrammar
 
             self._matcher = xgrammar.GrammarMatcher(self.future.result())
-        for token in outputs[self.num_accepted :]:
+        for token in outputs[self.start + self.num_accepted :]:
             if not self._matcher.accept_token(token):
                 raise ConstraintError(f"token {token} breaks the {self.spec.kind} constraint")
             self.num_accepted += 1
@@ -169,7 +196,7 @@ class Constraint:
         return self._matcher is not None and self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """The allowed next tokens into row `row` of bitmask (after `sync`)."""
+        """The allowed next tokens into row `row` of bitmask (after `sync`, when `active`)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def forced_token(self, vocab_size: int) -> int | None:

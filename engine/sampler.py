@@ -209,9 +209,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         raw_logprobs = torch.log_softmax(_rows(logits, logprob_rows), dim=-1)
     apply_penalties(logits, seqs)
     constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+    for i in constrained:
+        seqs[i].constraint.sync(seqs[i].request_output_ids)
+    constrained = [i for i in constrained if seqs[i].constraint.active]  # (past any reasoning)
     if constrained:
-        for i in constrained:
-            seqs[i].constraint.sync(seqs[i].request_output_ids)
         apply_constraints(logits, constrained, [seqs[i].constraint for i in constrained])
     sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if len(sampled_rows) == len(seqs):

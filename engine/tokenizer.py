@@ -107,9 +107,21 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
-        """tools: the request's tools (OpenAI's format, as Hugging Face templates take them)."""
+        """tools: the request's tools (OpenAI's format, as Hugging Face templates take them);
+        template_kwargs: more variables for the template (`enable_thinking`)."""
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
         # The rendered template usually carries its special tokens already.
-        extra = {"tools": tools} if tools else {}
-        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The messages through the chat template, as text."""
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        return self.apply_chat_template(messages, add_generation_prompt, **extra)

@@ -40,7 +40,12 @@ SERVE_NODE_FLAGS = tuple(
 )
 # The coordinator's own settings offered as flags too (vLLM users expect this one on the command
 # line); every other one is a key of --config.
-SERVE_COORDINATOR_FLAGS = ("max_pending_requests", "enable_auto_tool_choice", "tool_call_parser")
+SERVE_COORDINATOR_FLAGS = (
+    "max_pending_requests",
+    "enable_auto_tool_choice",
+    "tool_call_parser",
+    "reasoning_parser",
+)
 # A Hugging Face hub id: ORG/NAME, nothing else in it.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 

@@ -1,6 +1,7 @@
 """Structured outputs through the disaggregated path: the prefill node samples the first token
 under the constraint, the decode node rebuilds its matcher from the spec over the tokens already
-accepted, and a decode node killed mid-output or a prefill node killed after admission changes
+accepted (a constraint that begins past a marker, as a reasoning model's does, finds it there
+too), and a decode node killed mid-output or a prefill node killed after admission changes
 nothing: every output is the offline engine's, and valid. A constraint no node can compile is
 refused with its reason, holding no block."""
 
@@ -11,6 +12,7 @@ import json
 import time
 
 import jsonschema
+import msgspec
 import pytest
 from local_cluster import Cluster
 
@@ -21,6 +23,8 @@ from pdserve.coordinator.coordinator import SubmitError
 from pdserve.coordinator.metrics import Metrics
 from pdserve.coordinator.request_state import Phase
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.embedded.catalog import resolve_model_dir
+from pdserve.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.cluster
 
@@ -36,6 +40,10 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SPEC = StructuredOutput.json_schema(SCHEMA)
+# As a reasoning model's constraint is: past a marker (here the first period), which the node
+# that samples finds in the outputs, also in those another node sampled.
+PERIOD = Tokenizer(resolve_model_dir(MODEL)).encode(".", add_special_tokens=False)
+SPEC_AFTER = msgspec.structs.replace(SPEC, after=PERIOD)
 PROMPTS = [
     "Once upon a time there was a cat.",
     "Where is the dog?",
@@ -45,6 +53,7 @@ PROMPTS = [
 PARAMS = [
     SamplingParams(max_tokens=80, temperature=0, structured=SPEC),
     SamplingParams(max_tokens=80, temperature=0.9, seed=7, structured=SPEC),
+    SamplingParams(max_tokens=100, temperature=0.9, seed=5, structured=SPEC_AFTER),
 ]
 
 
@@ -58,7 +67,10 @@ def expected(offline: LLM) -> list[list[int]]:
 
 
 def check_valid(offline: LLM, outputs: list[list[int]]) -> None:
-    for tokens in outputs:
+    for tokens, params in zip(outputs, [p for p in PARAMS for _ in PROMPTS]):
+        after = params.structured.after
+        if after:  # free text up to the marker, JSON past it
+            tokens = tokens[tokens.index(after[0]) + 1 :]
         jsonschema.validate(json.loads(offline.tokenizer.decode(tokens)), SCHEMA)
 
 

@@ -242,3 +242,39 @@ def test_forced_tokens_are_not_appended_for_a_request_with_logprobs():
     assert out.text in spec.choices
     assert llm.engine.stats.num_forced_tokens == 0
     assert len(out.logprobs) == len(out.token_ids)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.9])
+def test_a_constraint_after_a_marker_leaves_the_text_before_it_free(llm, temperature):
+    """A reasoning model's constraint begins past its end-of-reasoning tokens (`after`): here
+    the first period. Up to it the output is what it is unconstrained (greedy, and sampled with a
+    seed); past it, it is JSON that validates."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    period = llm.tokenizer.encode(".", add_special_tokens=False)
+    assert len(period) == 1
+    spec = StructuredOutput(kind="json", spec=json.dumps(schema), after=period)
+    prompts = ["Once upon a time there was a cat.", "Lily had a red ball."]
+    free = SamplingParams(max_tokens=60, temperature=temperature, seed=3)
+    constrained = free.replace(max_tokens=120, structured=spec)
+    for prompt in prompts:
+        unconstrained = llm.generate(prompt, free)[0].token_ids
+        out = llm.generate(prompt, constrained)[0]
+        cut = out.token_ids.index(period[0]) + 1
+        assert out.token_ids[:cut] == unconstrained[:cut]
+        assert not llm.tokenizer.decode(out.token_ids[:cut]).lstrip().startswith("{")
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(llm.tokenizer.decode(out.token_ids[cut:])), schema)
+
+
+def test_a_constraint_whose_marker_never_comes_never_applies(llm):
+    spec = StructuredOutput(
+        kind="json", spec='{"type": "object"}', after=[llm.tokenizer.vocab_size - 1]
+    )
+    params = SamplingParams(max_tokens=30, temperature=0)
+    want = llm.generate("Once upon a time", params)[0].token_ids
+    assert llm.generate("Once upon a time", params.replace(structured=spec))[0].token_ids == want
