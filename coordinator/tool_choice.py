@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdserve.cluster.structured_output import StructuredOutput
 from pdserve.coordinator.structured_request import ConstraintRequestError, SchemaBounds
-from pdserve.coordinator.tool_parsers import PARSERS, ToolCall, ToolParser
+from pdserve.coordinator.tool_parsers import PARSERS, Step, ToolCall, ToolParser, array_call
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +44,7 @@ class ToolPlan:
             items = complete_items(text)
             if items is None:
                 return text, []
-            calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
-                     for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)
-                     and isinstance(i.get("parameters"), dict)]  # fmt: skip
-            return None, calls
+            return None, [c for c in map(REQUIRED_CALLS.call, items) if c is not None]
         if self.mode == "auto":
             content, calls = self.parser.parse(text)
             if not self.parallel:
@@ -77,6 +74,32 @@ def complete_items(text: str) -> list | None:
         at = _SPACE.match(text, at).end()
         if not text.startswith(",", at):
             return items
+
+
+class RequiredCalls:
+    """A required choice's array of `{"name": ..., "parameters": {...}}`, read the way a stream
+    reads a parser's format (`ToolParser.call`, `call_start`, `next_call`)."""
+
+    args_key = "parameters"
+
+    def call(self, obj: object) -> ToolCall | None:
+        if not (
+            isinstance(obj, dict)
+            and isinstance(obj.get("name"), str)
+            and isinstance(obj.get("parameters"), dict)
+        ):
+            return None
+        return ToolCall(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False))
+
+    def call_start(self, text: str) -> int | None:
+        return 0  # all of it is calls
+
+    def next_call(self, text: str, start: int, after: int | None) -> Step:
+        at = _SPACE.match(text, start).end()
+        return ("wait", at) if at == len(text) else array_call(text, at, after)
+
+
+REQUIRED_CALLS = RequiredCalls()
 
 
 def _compact(text: str) -> str:
