@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.coordinator.reasoning_parsers import ReasoningPlan, ReasoningStream
+from pdserve.coordinator.reasoning_parsers import ReasoningPlan
 from pdserve.coordinator.tool_call_stream import ToolCallStream
 from pdserve.coordinator.tool_choice import ToolPlan
 from pdserve.coordinator.tool_parsers import ToolCall
@@ -43,7 +43,7 @@ class ChatOutputStream:
 
     def __init__(self, tools: ToolPlan, reasoning: ReasoningPlan | None) -> None:
         self.tools = ToolCallStream(tools) if tools.calls_tools else None
-        self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
+        self.reasoning = reasoning.parser.stream(reasoning) if reasoning is not None else None
 
     def feed(self, text: str, finished: bool) -> OutputDelta:
         """finished: this is the output's last piece."""

@@ -62,8 +62,10 @@ class ChoiceStream:
         stop: list[str],
         logprobs: bool,
         constraint_param: str | None = None,
+        keep_special_tokens: bool = False,
     ) -> None:
-        """constraint_param: the request field of its constraint, which an error names."""
+        """constraint_param: the request field of its constraint, which an error names;
+        keep_special_tokens: the text shows them (a reasoning format's markers)."""
         self.coordinator = coordinator
         self.constraint_param = constraint_param
         self._events = aiter(handle)
@@ -71,7 +73,9 @@ class ChoiceStream:
         self.index = index
         self.request_id = handle.request_id
         self.handle = handle
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=not keep_special_tokens
+        )
         self.stop = StopStringMatcher(stop)
         self.want_logprobs = logprobs
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -24,7 +24,8 @@ from pdserve.engine.config import EngineConfig, RoleTensorParallel
 
 PREFILL_ROUTING = ("least_loaded", "prefix_affinity")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # (pdserve.coordinator.tool_parsers)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # (pdserve.coordinator.reasoning_parsers)
+# (pdserve.coordinator.reasoning_parsers)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 # Node settings the file does not hold, and where they come from instead.
 NOT_IN_FILE = {
     **{name: f"give pdserve serve --{name}" for name in ("model", "dtype", "device", "transport")},
@@ -237,8 +238,9 @@ class CoordinatorConfig:
     reasoning_parser: str | None = setting(
         None,
         "the format of the model's reasoning, returned apart from its answer as "
-        "reasoning_content: deepseek_r1 or qwen3 (<think> ... </think>); a request's constraint "
-        "and tool calls then apply to the answer (unset: the reasoning is content)",
+        "reasoning_content: deepseek_r1 or qwen3 (<think> ... </think>), openai_gptoss (harmony's "
+        "analysis channel); a request's constraint and tool calls then apply to the answer "
+        "(unset: the reasoning is content)",
         live=True,
         choices=REASONING_PARSERS,
     )

@@ -299,6 +299,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # More variables for the chat template (vLLM's): `enable_thinking` among them.
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # (vLLM's) false: the reasoning is parsed out, not returned
     _tool_plan: ToolPlan = PrivateAttr(default_factory=lambda: ToolPlan("none"))
 
     @property

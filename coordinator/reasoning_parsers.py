@@ -9,9 +9,14 @@ which text ends the reasoning (a request's constraint and tool calls apply to th
   `<think>` open (Qwen3.5's and the 2507 thinking models' templates), or when the output itself
   opens with `<think>` (Qwen3's); otherwise it is all answer.
 
-For both, a prompt that ends with a closed think block (`enable_thinking: false` renders
-`<think>\\n\\n</think>\\n\\n`) means no reasoning: the output is all answer. An output that ends
-while still reasoning (no `</think>`: cut by max_tokens) is all reasoning. The reasoning is
+- `openai_gptoss`: gpt-oss's harmony channels, read from the text with its special tokens kept:
+  `<|channel|>analysis<|message|>` reasoning `<|end|>`, then `<|start|>assistant<|channel|>final
+  <|message|>` answer (`<|return|>`). Several analysis messages join with a newline; text in the
+  commentary channel (a preamble) is answer.
+
+For `<think>` formats, a prompt that ends with a closed think block (`enable_thinking: false`
+renders `<think>\\n\\n</think>\\n\\n`) means no reasoning: the output is all answer. An output that
+ends while still reasoning (no end marker: cut by max_tokens) is all reasoning. The reasoning is
 returned without its surrounding whitespace, the answer without its leading whitespace.
 """
 
@@ -23,13 +28,19 @@ START, END = "<think>", "</think>"
 
 
 class ReasoningParser:
-    """One format: where an output's reasoning begins and ends."""
+    """One format: where an output's reasoning begins and ends (`end`: the text after which the
+    answer, and so its constraint, begins)."""
 
     name: str
     start = START
     end = END
     # Reasoning from the output's start when the prompt says nothing (no open or closed block).
     reasons_by_default: bool
+    # The output is read as text with the model's special tokens (harmony's markers are).
+    keeps_special_tokens = False
+
+    def stream(self, plan: ReasoningPlan) -> ReasoningStream | HarmonyStream:
+        return ReasoningStream(plan)
 
     def plan(self, prompt_text: str) -> ReasoningPlan:
         """What a request whose prompt (as rendered text) is prompt_text does."""
@@ -51,7 +62,23 @@ class Qwen3Parser(ReasoningParser):
     reasons_by_default = False
 
 
-PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser)}
+class GptOssParser(ReasoningParser):
+    name = "openai_gptoss"
+    start = "<|channel|>analysis<|message|>"
+    end = "<|channel|>final<|message|>"
+    reasons_by_default = False
+    keeps_special_tokens = True
+
+    def plan(self, prompt_text: str) -> ReasoningPlan:
+        return ReasoningPlan(self, opens=None)  # it reasons when it opens the analysis channel
+
+    def stream(self, plan: ReasoningPlan) -> HarmonyStream:
+        return HarmonyStream()
+
+
+PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, GptOssParser)
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +96,7 @@ class ReasoningPlan:
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole output as (its reasoning, None if it has none; its answer)."""
-        stream = ReasoningStream(self)
+        stream = self.parser.stream(self)
         reasoning, answer = stream.feed(text, finished=True)
         return (reasoning if stream.reasoned else None), answer
 
@@ -173,3 +200,86 @@ class ReasoningStream:
             return ""
         out, self.held = self.held, ""
         return out
+
+
+# Harmony's markers: a message's header is `<|start|>ROLE<|channel|>NAME<|message|>` (the first
+# one's `<|start|>assistant` is the prompt's), its body ends at `<|end|>`, `<|return|>` (the
+# output's end) or `<|call|>`.
+CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
+BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_MARKERS = (CHANNEL, MESSAGE, "<|start|>", *BODY_ENDS)
+
+
+class HarmonyStream:
+    """A harmony output's text deltas split into (reasoning delta, answer delta): the analysis
+    channel is reasoning, every other channel answer. Text that may begin a marker is held."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.channel: str | None = None  # the message being read (None: between messages)
+        self.reasoned = False
+        self.answered = False
+        self.first_piece = True  # the next body text is its message's first
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str]:
+        self.held += text
+        reasoning: list[str] = []
+        answer: list[str] = []
+        while True:
+            if self.channel is None:
+                if not self._header(finished):
+                    break
+                continue
+            end, at = _first_of(self.held, BODY_ENDS)
+            if end is None:
+                keep = 0 if finished else max(_partial_suffix(self.held, m) for m in BODY_ENDS)
+                body, self.held = (
+                    self.held[: len(self.held) - keep],
+                    self.held[len(self.held) - keep :],
+                )
+            else:
+                body, self.held = self.held[:at], self.held[at + len(end) :]
+            self._body(body, reasoning, answer)
+            if end is None:
+                break
+            self.channel = None
+        return "".join(reasoning), "".join(answer)
+
+    def _header(self, finished: bool) -> bool:
+        """Reads a message's header: False while it is incomplete."""
+        at = self.held.find(MESSAGE)
+        if at < 0:
+            unmarked = not self.held.startswith("<|") and not "<|".startswith(self.held)
+            if finished or unmarked:  # text outside any message: answer
+                self.channel, self.first_piece = "final", True
+                return True
+            return False
+        header, self.held = self.held[:at], self.held[at + len(MESSAGE) :]
+        name = header.rpartition(CHANNEL)[2].split()[0] if CHANNEL in header else "final"
+        self.channel = name
+        self.first_piece = True
+        return True
+
+    def _body(self, body: str, reasoning: list[str], answer: list[str]) -> None:
+        if not body:
+            return
+        if self.channel == "analysis":
+            if self.first_piece and self.reasoned:
+                reasoning.append("\n")  # between two analysis messages
+            self.reasoned = True
+            reasoning.append(body)
+        else:
+            if self.first_piece and self.answered:
+                answer.append("\n")
+            self.answered = True
+            answer.append(body)
+        self.first_piece = False
+
+
+def _first_of(text: str, markers: tuple[str, ...]) -> tuple[str | None, int]:
+    """The marker that occurs first in text, and where."""
+    found = [(text.find(m), m) for m in markers if m in text]
+    if not found:
+        return None, -1
+    at, marker = min(found)
+    return marker, at

@@ -52,6 +52,8 @@ class Submission:
     # The field a constraint came from: a constrained request is answered once its nodes have
     # compiled the constraint, so what they cannot compile is a 400 naming that field.
     constraint_param: str | None = None
+    # The output's text keeps the model's special tokens (a reasoning format made of them).
+    keep_special_tokens: bool = False
 
 
 class OpenAIServing:
@@ -212,8 +214,15 @@ class OpenAIServing:
                     )
                 except ValueError as exc:
                     raise bad_request(str(exc), str(exc).split()[0]) from None
+        keep_special = reasoning is not None and reasoning.parser.keeps_special_tokens
         return Submission(
-            prompts, params, n, body.stop_strings, num_logprobs is not None, constraint_param
+            prompts,
+            params,
+            n,
+            body.stop_strings,
+            num_logprobs is not None,
+            constraint_param,
+            keep_special,
         )
 
     # --- running requests ----------------------------------------------------------------------
@@ -238,6 +247,7 @@ class OpenAIServing:
                         sub.stop,
                         sub.logprobs,
                         sub.constraint_param,
+                        sub.keep_special_tokens,
                     )
                 )
         except SubmitError as exc:

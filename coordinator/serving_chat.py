@@ -66,7 +66,7 @@ class OpenAIServingChat:
                 output = outputs[d.index]
                 piece = output.feed(d.text, d.finish_reason is not None)
                 delta: dict = {}
-                if piece.reasoning:  # (vLLM's two names for it)
+                if piece.reasoning and body.include_reasoning:  # (vLLM's two names for it)
                     delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
                 if piece.content:
                     delta["content"] = piece.content
@@ -95,8 +95,9 @@ class OpenAIServingChat:
                     {
                         "index": r.index,
                         **self.message(
-                            chat_output(r.text, r.finish_reason, body.tool_plan, reasoning)
-                        ),  # fmt: skip
+                            chat_output(r.text, r.finish_reason, body.tool_plan, reasoning),
+                            body.include_reasoning,
+                        ),
                         "logprobs": logprobs(r.logprobs),
                     }
                     for r in results
@@ -106,11 +107,11 @@ class OpenAIServingChat:
         )
 
     @staticmethod
-    def message(output: ChatOutput) -> dict:
+    def message(output: ChatOutput, include_reasoning: bool = True) -> dict:
         """A choice's message and finish reason: its reasoning as `reasoning_content` (and
         `reasoning`), its calls as `tool_calls`."""
         message: dict = {"role": "assistant", "content": output.content}
-        if output.reasoning is not None:
+        if output.reasoning is not None and include_reasoning:
             message["reasoning_content"] = message["reasoning"] = output.reasoning
         if output.calls:
             message["tool_calls"] = [call_delta(i, c) for i, c in enumerate(output.calls)]

@@ -19,8 +19,18 @@ CLOSED_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 THOUGHT = "The cat is Tom's pet.\nTom's cat lives in the barn."
 ANSWER = 'The cat is in the barn. {"a": "<b>"}'
 
+GPT_PROMPT = "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+A, F = "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"
+
 # (parser, prompt, output, reasoning or None, answer)
 CASES = [
+    # Harmony: the analysis channel is reasoning, the final channel the answer.
+    ("openai_gptoss", GPT_PROMPT, f"{A}{THOUGHT}<|end|>{F}{ANSWER}<|return|>", THOUGHT, ANSWER),
+    ("openai_gptoss", GPT_PROMPT, f"{A}One.<|end|><|start|>assistant{A}Two.<|end|>{F}{ANSWER}",
+     "One.\nTwo.", ANSWER),  # fmt: skip
+    ("openai_gptoss", GPT_PROMPT, f"<|channel|>final<|message|>{ANSWER}<|return|>", None, ANSWER),
+    ("openai_gptoss", GPT_PROMPT, f"{A}{THOUGHT}", THOUGHT, ""),  # cut while thinking
+    ("openai_gptoss", GPT_PROMPT, ANSWER, None, ANSWER),  # no harmony markup at all
     # The template opened the block: reasoning from the output's start.
     ("deepseek_r1", OPEN_PROMPT, f"\n{THOUGHT}\n</think>\n\n{ANSWER}", THOUGHT, ANSWER),
     ("qwen3", OPEN_PROMPT, f"{THOUGHT}\n</think>\n\n{ANSWER}", THOUGHT, ANSWER),
@@ -46,7 +56,7 @@ CASES = [
 
 
 def streamed(plan, text: str, size: int) -> tuple[str | None, str, list[tuple[str, str]]]:
-    stream = ReasoningStream(plan)
+    stream = plan.parser.stream(plan)
     pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
     out = [stream.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
     reasoning = "".join(r for r, _ in out)
