@@ -7,6 +7,7 @@ inputs refused with the OpenAI error body naming their field, holding nothing.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -20,7 +21,14 @@ from waiting import wait_until
 
 from pdserve.bench.stories import grammar
 from pdserve.bench.stories.recognizer import read
+from pdserve.coordinator.chat_output import ChatOutputStream
+from pdserve.coordinator.choice_stream import ChoiceDelta
+from pdserve.coordinator.openai_protocol import APIError
+from pdserve.coordinator.reasoning_parsers import PARSERS as REASONING_PARSERS
 from pdserve.coordinator.response_store import ResponseStore
+from pdserve.coordinator.responses_protocol import ResponsesRequest
+from pdserve.coordinator.serving_responses import OpenAIServingResponses, ResponseEventStream
+from pdserve.coordinator.tool_choice import ToolPlan, plan_tools
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 pytestmark = pytest.mark.cluster
@@ -95,6 +103,109 @@ def check_event_order(events: list) -> None:
         else:
             assert e.output_index in open_items, e.type
     assert not open_items
+
+
+# --- the events, without a model -------------------------------------------------------------
+
+
+def parse_events(text: str) -> list[dict]:
+    """SSE text as its events: each `event:` line names the type its `data:` carries."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def test_reasoning_content_and_a_call_stream_as_three_items_in_turn():
+    """With a reasoning parser and hermes calls, one output is a reasoning item, a message and a
+    function call, each opened, written and closed before the next; their done events and the
+    items carry the whole text."""
+    chat_tools = [{"type": "function", "function": WHERE_IS}]
+    tools = plan_tools(chat_tools, "auto", None, True, "hermes")
+    reasoning = REASONING_PARSERS["deepseek_r1"]().plan("<|im_start|>assistant\n")
+    stream = ResponseEventStream(ChatOutputStream(tools, reasoning))
+    call = '<tool_call>\n{"name": "where_is", "arguments": {"character": "cat"}}\n</tool_call>'
+    pieces = ["I should ", "look.</think>", "Let me ", "see. ", call[:20], call[20:]]
+    text = "".join(
+        "".join(stream.feed(piece, "stop" if i == len(pieces) - 1 else None))
+        for i, piece in enumerate(pieces)
+    )
+    events = parse_events(text)
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["output_index"] for e in events] == [0] * 7 + [1] * 7 + [2] * 4
+    thought, message, made = stream.items
+    assert thought["content"] == [{"type": "reasoning_text", "text": "I should look."}]
+    assert message["content"][0]["text"] == "Let me see."
+    assert (made["name"], json.loads(made["arguments"])) == ("where_is", {"character": "cat"})
+    assert made["call_id"].startswith("call_") and made["status"] == "completed"
+    assert events[-1]["item"] == made
+
+
+class FailingChoice:
+    """A choice whose stream fails after one piece, as a node lost past its retries does."""
+
+    finish_reason = None
+    aborted = 0
+
+    async def deltas(self):
+        yield ChoiceDelta(0, "Once")
+        raise APIError(503, "no node is available", "service_unavailable", code="unavailable")
+
+    async def abort(self) -> None:
+        self.aborted += 1
+
+
+class StubServing:
+    async def abort(self, choices: list) -> None:
+        for choice in choices:
+            await choice.abort()
+
+
+def test_an_error_mid_stream_ends_it_with_an_error_event_and_aborts():
+    responses = OpenAIServingResponses.__new__(OpenAIServingResponses)
+    responses.serving = StubServing()
+    choice = FailingChoice()
+    body = ResponsesRequest(input="Hi", stream=True)
+    events = responses._events(body, ToolPlan("none"), None, [choice], {"id": "resp_x"}, [])
+
+    async def drain() -> str:
+        return "".join([e async for e in events])
+
+    out = parse_events(asyncio.run(drain()))
+    assert [e["type"] for e in out] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "error",
+    ]
+    assert (out[-1]["code"], out[-1]["message"]) == ("unavailable", "no node is available")
+    assert choice.aborted == 1
 
 
 # --- text -----------------------------------------------------------------------------------
