@@ -30,7 +30,7 @@ from pdserve.coordinator.responses_protocol import (
 )
 from pdserve.coordinator.serving import EventStream, OpenAIServing, _interleaved
 from pdserve.coordinator.serving_chat import OpenAIServingChat
-from pdserve.coordinator.tool_choice import ToolPlan
+from pdserve.coordinator.tool_choice import ToolPlan, new_call_id
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +112,8 @@ def output_items(output: ChatOutput) -> list[dict]:
     if output.content or not output.calls:
         items.append({**message_item(output.content or ""), "status": status})
     for call in output.calls:
-        items.append(call_item(_call_id(), call.name, call.arguments))
+        items.append(call_item(new_call_id(), call.name, call.arguments))
     return items
-
-
-def _call_id() -> str:
-    return "call_" + secrets.token_hex(12)
 
 
 class OpenAIServingResponses:
