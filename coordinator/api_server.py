@@ -32,9 +32,11 @@ from pdserve.coordinator.openai_protocol import (
     coordinator_error,
 )
 from pdserve.coordinator.request_guard import KEYED_PREFIXES, RequestGuard
+from pdserve.coordinator.responses_protocol import ResponsesRequest
 from pdserve.coordinator.serving import OpenAIServing
 from pdserve.coordinator.serving_chat import OpenAIServingChat
 from pdserve.coordinator.serving_completion import OpenAIServingCompletion
+from pdserve.coordinator.serving_responses import OpenAIServingResponses
 from pdserve.coordinator.serving_tokenization import OpenAIServingTokenization
 from pdserve.engine.embedded.catalog import model_name
 
@@ -51,6 +53,7 @@ def default_model_names(model: str | None) -> tuple[str, ...]:
 REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/completions": (CompletionRequest,),
     "/v1/chat/completions": (ChatCompletionRequest,),
+    "/v1/responses": (ResponsesRequest,),
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/detokenize": (DetokenizeRequest,),
 }
@@ -99,6 +102,7 @@ def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = 
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
     tokenization = OpenAIServingTokenization(serving)
+    responses = OpenAIServingResponses(serving, chat)
     app.add_middleware(RequestGuard, api_keys=api_keys, config=lambda: serving.coordinator.config)
 
     @app.exception_handler(APIError)
@@ -125,6 +129,18 @@ def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await chat.create_chat_completion(request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create_response(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

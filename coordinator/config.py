@@ -244,6 +244,20 @@ class CoordinatorConfig:
         live=True,
         choices=REASONING_PARSERS,
     )
+    max_stored_responses: int = setting(
+        1000,
+        "Responses API responses kept in the coordinator's memory (store: true) for "
+        "previous_response_id and GET /v1/responses/{id}, with their conversation; the least "
+        "recently used beyond this count are dropped (0: none kept)",
+        live=True,
+        minimum=0,
+    )
+    stored_response_ttl_s: float = setting(
+        3600.0,
+        "a stored response older than this is dropped (a 404 when asked for)",
+        live=True,
+        above=0,
+    )
     metrics_require_api_key: bool = setting(
         False, "with API keys, /metrics needs one too (else it is open, as /health is)", live=True
     )
