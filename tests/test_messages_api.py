@@ -7,10 +7,12 @@ rendered from a reasoning parser's split (checked without a model)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -22,8 +24,15 @@ from waiting import wait_until
 from pdserve.bench.stories import grammar
 from pdserve.coordinator.anthropic_protocol import CountTokensRequest
 from pdserve.coordinator.chat_output import ChatOutputStream, chat_output
+from pdserve.coordinator.choice_stream import ChoiceDelta
+from pdserve.coordinator.openai_protocol import coordinator_error
 from pdserve.coordinator.reasoning_parsers import PARSERS
-from pdserve.coordinator.serving_messages import BlockStream, content_blocks
+from pdserve.coordinator.serving_messages import (
+    AnthropicServingMessages,
+    BlockStream,
+    content_blocks,
+)
+from pdserve.coordinator.stop_strings import StopStringMatcher
 from pdserve.coordinator.tool_choice import ToolPlan
 from pdserve.tune.local_server import SINGLE_THREAD_ENV
 
@@ -324,3 +333,42 @@ def test_reasoning_streams_as_a_thinking_block_before_the_text_and_whole_as_its_
         {"type": "thinking", "thinking": thinking, "signature": ""},
         {"type": "text", "text": text},
     ]
+
+
+class _CutChoice:
+    """A choice that writes a little, then is cut by the server's shutdown."""
+
+    index, request_id = 0, "msg-cut-0"
+    num_prompt_tokens, num_cached_tokens, num_output_tokens = 5, 0, 2
+    finish_reason: str | None = None
+    stop = StopStringMatcher([])
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        yield ChoiceDelta(0, "The cat")
+        raise coordinator_error("shutdown", "the server is shutting down")
+
+    async def abort(self) -> None:
+        self.finish_reason = "abort"
+
+
+def test_a_stream_cut_by_the_servers_shutdown_ends_with_an_error_event_and_aborts():
+    choice, aborted = _CutChoice(), []
+
+    async def abort(choices: list) -> None:
+        aborted.extend(choices)
+
+    messages = AnthropicServingMessages(SimpleNamespace(abort=abort), None)  # type: ignore[arg-type]
+
+    async def read() -> list[str]:
+        events = messages._events([choice], {"id": "msg_cut"}, ToolPlan("none"), None)
+        return [e async for e in events]
+
+    events = asyncio.run(read())
+    names = [e.split("\n")[0].removeprefix("event: ") for e in events]
+    assert names == ["message_start", "content_block_start", "content_block_delta", "error"]
+    error = json.loads(events[-1].split("\n")[1].removeprefix("data: "))
+    assert error == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "the server is shutting down"},
+    }
+    assert aborted == [choice]
