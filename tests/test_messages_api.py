@@ -1,9 +1,10 @@
 """Anthropic's Messages API on pdserve's HTTP server, the same request underneath as chat
 completions: with the official `anthropic` client, a message whole and streamed is the greedy chat
 completion's text token for token; pdserve-stories calls its tool and answers from the tool's
-result; tool_choice any, stop sequences, count_tokens, `x-api-key`; bad bodies are 4xx in
-Anthropic's error shape naming the field, and leave every KV block free. Thinking blocks are
-rendered from a reasoning parser's split (checked without a model)."""
+result; tool_choice any, stop sequences, output_config's schema, count_tokens, `x-api-key`; bad
+bodies are 4xx in Anthropic's error shape naming the field, and leave every KV block free.
+Thinking blocks are rendered from a reasoning parser's split, and a stream cut by shutdown ends
+with an error event (both checked without a model)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess
@@ -213,6 +215,26 @@ def test_tool_choice_any_gives_a_call_and_count_tokens_is_the_messages_input_tok
     assert set(message.content[0].input) == {"character"}
     counted = client.messages.count_tokens(tool_choice=choice, **body)
     assert counted.input_tokens == message.usage.input_tokens > 0
+    server.wait_until_idle()
+
+
+@cluster
+def test_output_config_format_constrains_the_text_to_the_schema(server):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    message = server.client().messages.create(
+        model=MODEL,
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Describe Tom in JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body=GREEDY,
+    )
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(text_of(message)), schema)
     server.wait_until_idle()
 
 
