@@ -61,22 +61,22 @@ def error_body(exc: APIError) -> dict:
 # --- content blocks ----------------------------------------------------------------------------
 
 
-class TextBlock(_Body):
+class TextBlockParam(_Body):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlockParam(_Body):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlockParam(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[TextBlockParam] | None = None
     is_error: bool | None = None
 
     def text(self) -> str:
@@ -84,28 +84,32 @@ class ToolResultBlock(_Body):
         return f"Error: {text}" if self.is_error else text
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlockParam(_Body):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Body):
+class RedactedThinkingBlockParam(_Body):
     type: Literal["redacted_thinking"]
     data: str
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlockParam
+    | ToolUseBlockParam
+    | ToolResultBlockParam
+    | ThinkingBlockParam
+    | RedactedThinkingBlockParam,
     Field(discriminator="type"),
 ]
 
 
-def _text(content: str | list[TextBlock]) -> str:
+def _text(content: str | list[TextBlockParam]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-class Message(_Body):
+class MessageParam(_Body):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
@@ -115,7 +119,7 @@ class Message(_Body):
         dropped (the template renders what it keeps of it)."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        text = "".join(b.text for b in self.content if isinstance(b, TextBlockParam))
         if self.role == "assistant":
             calls = [
                 {
@@ -124,7 +128,7 @@ class Message(_Body):
                     "function": {"name": b.name, "arguments": json.dumps(b.input)},
                 }
                 for b in self.content
-                if isinstance(b, ToolUseBlock)
+                if isinstance(b, ToolUseBlockParam)
             ]
             message: dict = {"role": "assistant", "content": text}
             if calls:
@@ -133,7 +137,7 @@ class Message(_Body):
         out = [
             {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
             for b in self.content
-            if isinstance(b, ToolResultBlock)
+            if isinstance(b, ToolResultBlockParam)
         ]
         if text or not out:
             out.append({"role": "user", "content": text})
@@ -141,7 +145,11 @@ class Message(_Body):
 
     def check_blocks(self, index: int) -> None:
         """A 400 for a block its role cannot send."""
-        wrong = (ToolResultBlock,) if self.role == "assistant" else (ToolUseBlock, ThinkingBlock)
+        wrong = (
+            (ToolResultBlockParam,)
+            if self.role == "assistant"
+            else (ToolUseBlockParam, ThinkingBlockParam)
+        )
         for i, block in enumerate(self.content if isinstance(self.content, list) else ()):
             if isinstance(block, wrong):
                 raise bad_request(
@@ -154,7 +162,7 @@ class Message(_Body):
 # --- tools, tool_choice, thinking --------------------------------------------------------------
 
 
-class Tool(_Body):
+class ToolParam(_Body):
     name: str = Field(min_length=1)
     input_schema: dict[str, Any]
     description: str | None = None
@@ -167,56 +175,58 @@ class Tool(_Body):
         return {"type": "function", "function": function}
 
 
-class ToolChoiceAuto(_Body):
+class ToolChoiceAutoParam(_Body):
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceAny(_Body):
+class ToolChoiceAnyParam(_Body):
     type: Literal["any"]
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceTool(_Body):
+class ToolChoiceToolParam(_Body):
     type: Literal["tool"]
     name: str
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceNone(_Body):
+class ToolChoiceNoneParam(_Body):
     type: Literal["none"]
 
 
 ToolChoice = Annotated[
-    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+    ToolChoiceAutoParam | ToolChoiceAnyParam | ToolChoiceToolParam | ToolChoiceNoneParam,
+    Field(discriminator="type"),
 ]
 
 
-class ThinkingEnabled(_Body):
+class ThinkingConfigEnabledParam(_Body):
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=1)
 
 
-class ThinkingAdaptive(_Body):
+class ThinkingConfigAdaptiveParam(_Body):
     type: Literal["adaptive"]
 
 
-class ThinkingDisabled(_Body):
+class ThinkingConfigDisabledParam(_Body):
     type: Literal["disabled"]
 
 
 Thinking = Annotated[
-    ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")
+    ThinkingConfigEnabledParam | ThinkingConfigAdaptiveParam | ThinkingConfigDisabledParam,
+    Field(discriminator="type"),
 ]
 
 
-class OutputFormat(_Body):
+class JSONOutputFormatParam(_Body):
     type: Literal["json_schema"]
     json_schema: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
-    format: OutputFormat | None = None
+class OutputConfigParam(_Body):
+    format: JSONOutputFormatParam | None = None
     effort: str | None = None  # accepted, unused
 
 
@@ -227,9 +237,9 @@ class CountTokensRequest(_Body):
     """`POST /v1/messages/count_tokens`: what the prompt of a message is made of."""
 
     model: str
-    messages: list[Message]
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    messages: list[MessageParam]
+    system: str | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
@@ -279,7 +289,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
-    output_config: OutputConfig | None = None
+    output_config: OutputConfigParam | None = None
     metadata: dict[str, Any] | None = None  # accepted, unused
 
     def chat_fields(self) -> dict[str, Any]:

@@ -321,6 +321,20 @@ def test_a_client_that_leaves_a_stream_frees_its_request(server):
     server.wait_until_idle()
 
 
+@cluster
+def test_the_openapi_schema_lists_the_messages_bodies(server):
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    for path, model in [
+        ("/v1/messages", "MessagesRequest"),
+        ("/v1/messages/count_tokens", "CountTokensRequest"),
+    ]:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert "messages" in schema["components"]["schemas"][model]["required"]
+    assert "max_tokens" in schema["components"]["schemas"]["MessagesRequest"]["required"]
+    assert "ToolResultBlockParam" in schema["components"]["schemas"]  # nested models resolve
+
+
 # --- rendering, without a model ---------------------------------------------------------------
 
 
