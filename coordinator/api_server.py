@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn, in the coordinator's event loop): its
-routes (completions, chat completions, models, vLLM's tokenize and detokenize, version, health,
-Prometheus metrics, the OpenAPI schema and its docs page), the OpenAI error body for every
-failure, and running it on a socket bound before the nodes start."""
+routes (completions, chat completions, Anthropic's messages, models, vLLM's tokenize and
+detokenize, version, health, Prometheus metrics, the OpenAPI schema and its docs page), the OpenAI
+error body for every failure (Anthropic's on the Messages API's paths), and running it on a socket
+bound before the nodes start."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.cluster import tracing
 from pdserve.coordinator.access_log import AccessLog, RequestIdLogFilter
+from pdserve.coordinator.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    error_body,
+    is_messages_path,
+)
 from pdserve.coordinator.http_tracing import TraceRequests
 from pdserve.coordinator.metrics import CONTENT_TYPE
 from pdserve.coordinator.openai_protocol import (
@@ -36,6 +43,7 @@ from pdserve.coordinator.responses_protocol import ResponsesRequest
 from pdserve.coordinator.serving import OpenAIServing
 from pdserve.coordinator.serving_chat import OpenAIServingChat
 from pdserve.coordinator.serving_completion import OpenAIServingCompletion
+from pdserve.coordinator.serving_messages import AnthropicServingMessages
 from pdserve.coordinator.serving_responses import OpenAIServingResponses
 from pdserve.coordinator.serving_tokenization import OpenAIServingTokenization
 from pdserve.engine.embedded.catalog import model_name
@@ -56,6 +64,8 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/responses": (ResponsesRequest,),
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/detokenize": (DetokenizeRequest,),
+    "/v1/messages": (MessagesRequest,),
+    "/v1/messages/count_tokens": (CountTokensRequest,),
 }
 
 
@@ -87,8 +97,10 @@ def openapi_schema(app: FastAPI, keyed: bool = False) -> dict:
     return schema
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+def error_response(exc: APIError, path: str = "") -> JSONResponse:
+    """The error body of the API the path is: Anthropic's for the Messages API, else OpenAI's."""
+    body = error_body(exc) if is_messages_path(path) else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers())
 
 
 def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = ()) -> FastAPI:
@@ -101,6 +113,7 @@ def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = 
     )
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
+    messages = AnthropicServingMessages(serving, chat)
     tokenization = OpenAIServingTokenization(serving)
     responses = OpenAIServingResponses(serving, chat)
     app.add_middleware(RequestGuard, api_keys=api_keys, config=lambda: serving.coordinator.config)
@@ -109,17 +122,18 @@ def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = 
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.status >= 500:
             logger.warning("%d: %s", exc.status, exc.message)
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+        return error_response(APIError(exc.status_code, str(exc.detail), kind), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(
-            APIError(500, "internal server error", "server_error", code="internal_error")
+            APIError(500, "internal server error", "server_error", code="internal_error"),
+            request.url.path,
         )
 
     @app.post("/v1/completions")
@@ -141,6 +155,14 @@ def build_app(serving: OpenAIServing, version: str, api_keys: tuple[str, ...] = 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         return responses.delete(response_id)
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request) -> Response:
+        return await messages.create_message(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request) -> dict:
+        return await messages.count_tokens(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

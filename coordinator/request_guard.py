@@ -1,5 +1,5 @@
 """What every HTTP request passes before a route sees it: the API key (`Authorization: Bearer
-KEY`, compared in constant time; 401 without one) on the model's routes, and the size of its body
+KEY`, or Anthropic's `x-api-key: KEY`, compared in constant time; 401 without one) on the model's routes, and the size of its body
 (413 beyond `max_request_body_bytes`, before the body is read where its length is declared)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi.responses import JSONResponse
 
+from pdserve.coordinator.anthropic_protocol import error_body, is_messages_path
 from pdserve.coordinator.config import CoordinatorConfig
 from pdserve.coordinator.openai_protocol import APIError
 
@@ -53,7 +54,8 @@ class RequestGuard:
         config = self._config()
         refusal = self._authorize(scope, config) or self._declared_size(scope, config)
         if refusal is not None:
-            response = JSONResponse(refusal.body(), refusal.status, refusal.headers())
+            body = error_body(refusal) if is_messages_path(scope["path"]) else refusal.body()
+            response = JSONResponse(body, refusal.status, refusal.headers())
             await response(scope, receive, send)
             return
         await self.app(scope, self._bounded(receive, config.max_request_body_bytes), send)
@@ -65,14 +67,12 @@ class RequestGuard:
         )
         if not self._keys or not keyed:
             return None
-        header = _header(scope, b"authorization")
-        scheme, _, given = (header or b"").partition(b" ")
-        if header is None or scheme.lower() != b"bearer":
+        given = _given_key(scope)
+        if given is None:
             return Unauthorized(
                 "You didn't provide an API key. Give it in an Authorization header using Bearer "
-                "auth (Authorization: Bearer YOUR_KEY)."
+                "auth (Authorization: Bearer YOUR_KEY), or in an x-api-key header."
             )
-        given = given.strip()
         matched = False
         for key in self._keys:  # every key compared, in constant time each
             matched |= hmac.compare_digest(given, key)
@@ -101,6 +101,15 @@ class RequestGuard:
             return message
 
         return bounded
+
+
+def _given_key(scope: Scope) -> bytes | None:
+    """The key a request gives: its bearer token, else its x-api-key header (Anthropic's)."""
+    header = _header(scope, b"authorization")
+    scheme, _, given = (header or b"").partition(b" ")
+    if header is not None and scheme.lower() == b"bearer":
+        return given.strip()
+    return _header(scope, b"x-api-key")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -304,7 +304,8 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY",
         default=None,
-        help="the HTTP API takes only requests with `Authorization: Bearer KEY`; "
+        help="the HTTP API takes only requests with `Authorization: Bearer KEY` (or "
+        "`x-api-key: KEY`); "
         "repeat for several keys (unset: $PDSERVE_API_KEY, else open)",
     )
     p.add_argument(

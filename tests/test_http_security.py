@@ -53,7 +53,7 @@ max_pending_requests = {max_pending}
 max_pending_tokens = {max_tokens}
 metrics_require_api_key = {metrics_keyed}
 """
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/messages"
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -395,16 +395,28 @@ NO_INPUT_EXAMPLES = 10
 
 
 def check_answer(method: str, path: str, response: httpx.Response) -> None:
-    """No server error; an error is an OpenAI error body; a success is what the route promises."""
+    """No server error; an error is an OpenAI error body (Anthropic's on the Messages API's
+    paths); a success is what the route promises."""
     assert response.status_code < 500, response.text
     kind = response.headers.get("content-type", "")
     if response.status_code >= 400:
         assert kind.startswith("application/json"), kind
+        if path.startswith(MESSAGES):
+            body = response.json()
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            assert body["error"]["type"] and body["error"]["message"]
+            return
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         return
     if path == "/metrics":
         assert "pdserve_kv_blocks_free" in response.text
+        return
+    if kind.startswith("text/event-stream") and path == MESSAGES:
+        events = [
+            json.loads(line[6:]) for line in response.text.splitlines() if line[:6] == "data: "
+        ]
+        assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
         return
     if kind.startswith("text/event-stream"):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
@@ -420,6 +432,11 @@ def check_answer(method: str, path: str, response: httpx.Response) -> None:
             assert choice["finish_reason"] in ("stop", "length")
             text = choice["text"] if path == COMPLETIONS else choice["message"]["content"]
             assert isinstance(text, str)
+    elif path == MESSAGES:
+        assert data["type"] == "message" and data["usage"]["output_tokens"] >= 0
+        assert data["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+    elif path == f"{MESSAGES}/count_tokens":
+        assert data["input_tokens"] > 0
     elif path == "/tokenize":
         assert data["count"] == len(data["tokens"])
     elif path == "/detokenize":
@@ -436,6 +453,8 @@ def test_schema_fuzzing_finds_no_server_error_and_leaves_every_block_free(server
     assert labels >= {
         "POST /v1/completions",
         "POST /v1/chat/completions",
+        "POST /v1/messages",
+        "POST /v1/messages/count_tokens",
         "POST /tokenize",
         "POST /detokenize",
         "GET /v1/models",
