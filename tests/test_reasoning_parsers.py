@@ -26,8 +26,13 @@ A, F = "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|me
 CASES = [
     # Harmony: the analysis channel is reasoning, the final channel the answer.
     ("openai_gptoss", GPT_PROMPT, f"{A}{THOUGHT}<|end|>{F}{ANSWER}<|return|>", THOUGHT, ANSWER),
-    ("openai_gptoss", GPT_PROMPT, f"{A}One.<|end|><|start|>assistant{A}Two.<|end|>{F}{ANSWER}",
-     "One.\nTwo.", ANSWER),  # fmt: skip
+    (
+        "openai_gptoss",
+        GPT_PROMPT,
+        f"{A}One.<|end|><|start|>assistant{A}Two.<|end|>{F}{ANSWER}",
+        "One.\nTwo.",
+        ANSWER,
+    ),  # fmt: skip
     ("openai_gptoss", GPT_PROMPT, f"<|channel|>final<|message|>{ANSWER}<|return|>", None, ANSWER),
     ("openai_gptoss", GPT_PROMPT, f"{A}{THOUGHT}", THOUGHT, ""),  # cut while thinking
     ("openai_gptoss", GPT_PROMPT, ANSWER, None, ANSWER),  # no harmony markup at all
