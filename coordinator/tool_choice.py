@@ -152,7 +152,7 @@ def plan_tools(
         array = {"type": "array", "items": items, "minItems": 1, "maxItems": most}
         if bounds is not None:
             bounds.check(array, "the schema of the tools' calls (tool_choice required)", "tools")
-        return ToolPlan("required", StructuredOutput.json_schema(array), parallel=parallel)
+        return ToolPlan("required", _constraint(array), parallel=parallel)
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type") != "function" or not isinstance(name, str):
@@ -166,11 +166,20 @@ def plan_tools(
             )
         if bounds is not None:
             bounds.check(functions[name], f"the parameters of {name!r}", "tools")
-        spec = StructuredOutput.json_schema(functions[name])
+        spec = _constraint(functions[name])
         return ToolPlan("named", spec, function=name, parallel=parallel)
     raise ConstraintRequestError(
         'tool_choice is "none", "auto", "required" or a named function', "tool_choice"
     )
+
+
+def _constraint(schema: dict) -> StructuredOutput:
+    """The tools' schema as a constraint; ConstraintRequestError naming `tools` if it cannot be
+    one (a keyword that would not be enforced)."""
+    try:
+        return StructuredOutput.json_schema(schema)
+    except ValueError as exc:
+        raise ConstraintRequestError(f"a tool's parameters: {exc}", "tools") from None
 
 
 def _functions(tools: list[dict]) -> dict[str, dict]:

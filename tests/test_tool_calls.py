@@ -393,3 +393,14 @@ def test_a_bad_tool_request_is_a_400_naming_its_field(client, extra, param):
     response = httpx.post(f"{base}/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "cond"}}])
+def test_a_tool_schema_the_constraint_cannot_enforce_is_refused_naming_tools(choice):
+    """A keyword the compiler would not enforce, in a forced tool's parameters, is a 400 naming
+    tools (it was a 500: found by fuzzing /v1/messages/count_tokens)."""
+    cond = {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}
+    tools = [{"type": "function", "function": {"name": "cond", "parameters": cond}}]
+    with pytest.raises(ConstraintRequestError, match="'if'|'then'") as info:
+        plan_tools(tools, choice, None, False, None)
+    assert info.value.param == "tools"
