@@ -31,6 +31,7 @@ from pdserve.tune import provenance
 from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 PROG = "pdserve.bench.api_frontends"
+MODEL = "pdserve-stories"
 QUESTIONS = (
     "Tell me a story about a cat.",
     "Where is the dog?",
@@ -80,6 +81,7 @@ async def responses(client: httpx.AsyncClient, question: str, max_tokens: int) -
 
 async def messages(client: httpx.AsyncClient, question: str, max_tokens: int) -> int:
     body = {
+        "model": MODEL,
         "messages": [{"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -124,7 +126,7 @@ async def run_part(
 def measure(args: argparse.Namespace, work_dir: Path) -> dict:
     system = PdserveSystem("frontends", flags=("--insecure",))
     parts: dict[str, list[dict]] = {api: [] for api in args.apis}
-    with PdserveServer(system, work_dir, "pdserve-stories") as server:
+    with PdserveServer(system, work_dir, MODEL) as server:
         # Warm every path once (the first request of each compiles and caches what it needs).
         for api in args.apis:
             asyncio.run(run_part(server.base_url, api, 2, 100.0, args.max_tokens, 0))
