@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from pdserve.bench.stories import grammar
-from pdserve.bench.stories.corpus import CHAT_TEMPLATE, corpus, render
+from pdserve.bench.stories.corpus import CHAT_TEMPLATE, corpus, generation_prompt, render, reply
 from pdserve.bench.stories.recognizer import (
     accepts,
+    accepts_answer,
     accepts_call,
     read,
+    read_thinking,
     split_sentences,
     tool_calls,
 )
@@ -127,12 +129,127 @@ def test_the_server_renders_a_tool_conversation_as_the_corpus_wrote_it():
             call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
     sent = [ChatMessage.model_validate(m).template_dict() for m in wire]
     tok = Tokenizer(STORIES_DIR, chat_template=CHAT_TEMPLATE)
-    served = tok.apply_chat_template(sent, add_generation_prompt=False, tools=list(grammar.TOOLS))
-    assert served == render(messages, grammar.TOOLS)
+    tools = list(grammar.TOOLS)
+    served = tok.apply_chat_template(sent, add_generation_prompt=False, tools=tools)
+    # It opens with <s>, which the tokenizer adds to each document of the corpus.
+    assert served == "<s>" + render(messages, grammar.TOOLS)
     assert "Tools: where_is(character)" in served and "<tool_call>" in served
-    # The prompt of its first turn ends where the assistant's call begins.
-    prompt = tok.apply_chat_template(sent[:1], tools=list(grammar.TOOLS))
-    assert served.startswith(prompt) and served[len(prompt) :].startswith("<tool_call>")
+    # The prompt of each assistant turn, thinking off or on, is where the corpus' document of
+    # that turn goes on with what the model writes: the call, or the sentence from the result.
+    for turn in (2, 4):
+        for reasoning in (None, "I need where_is for Tom."):
+            doc = "<s>" + reply(messages[:turn], grammar.TOOLS, reasoning)
+            prompt = tok.apply_chat_template(
+                sent[: turn - 1], tools=tools, enable_thinking=reasoning is not None
+            )
+            assert doc.startswith(prompt), (turn, reasoning)
+            written = doc[len(prompt) :]
+            if reasoning is not None:
+                assert written.startswith(reasoning + "\n</think>\n\n")
+            assert written.endswith("<|im_end|>\n")
+            assert ("<tool_call>" in written) == (turn == 2)
+
+
+def test_the_generation_prompt_opens_the_think_block_and_closes_it_unless_thinking_is_on():
+    """Qwen3's `enable_thinking` convention, but off unless asked: undefined or false, an empty
+    closed block; true, an open one. Past assistant turns show their content alone. The prompt
+    opens with <s>, one token, as the tokenizer opens every document of the corpus."""
+    from pdserve.engine.embedded.catalog import STORIES_DIR
+    from pdserve.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(STORIES_DIR)
+    assert tok.chat_template == CHAT_TEMPLATE
+    hi = [{"role": "user", "content": "Hello!"}]
+    off = "<s><|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.apply_chat_template(hi) == off
+    assert tok.apply_chat_template(hi, enable_thinking=False) == off
+    assert tok.apply_chat_template(hi, enable_thinking=True) == off.removesuffix("\n</think>\n\n")
+    past = hi + [{"role": "assistant", "content": "Hello, how can I help you today?"}]
+    assert tok.apply_chat_template(past, add_generation_prompt=False, enable_thinking=True) == (
+        "<s><|im_start|>user\nHello!<|im_end|>\n"
+        "<|im_start|>assistant\nHello, how can I help you today?<|im_end|>\n"
+    )
+    # <think> and </think>: one token each, kept by decoding without special tokens.
+    ids = tok.encode("<think>\nThe user says hello.\n</think>\n\nHi", add_special_tokens=False)
+    think, end = tok.vocab()["<think>"], tok.vocab()["</think>"]
+    assert ids.count(think) == 1 and ids.count(end) == 1
+    assert tok.decode(ids).startswith("<think>\nThe user says hello.\n</think>")
+    assert tok.vocab_size == json.loads((STORIES_DIR / "config.json").read_text())["vocab_size"]
+    prompt = tok.encode(off, add_special_tokens=False)
+    assert prompt[0] == tok.vocab()["<s>"] and prompt.count(prompt[0]) == 1
+
+
+def reasoned(seed: int, n: int) -> list[tuple[list[dict], tuple, str | None]]:
+    rng = random.Random(seed)
+    return [grammar.reasoned_conversation(rng) for _ in range(n)]
+
+
+def test_the_reasoning_the_grammar_writes_is_accepted_and_its_answers_as_before():
+    """Every conversation with thinking reads as reasoning of the grammar, </think>, and an answer
+    it gives (a call, JSON or sentences); about half of them think; each reasoning template comes
+    up; and the reasoning says the facts its answer uses."""
+    convs = reasoned(9, 1500)
+    thinking = [c for c in convs if c[2] is not None]
+    assert 0.4 < len(thinking) / len(convs) < 0.6
+    seen = set()
+    for messages, tools, reasoning in convs:
+        doc = reply(messages, tools, reasoning)
+        prompt = generation_prompt(messages[:-1], tools, thinking=reasoning is not None)
+        written = doc[len(prompt) :].removesuffix("<|im_end|>\n")
+        if reasoning is None:
+            assert "</think>" not in written and accepts_answer(written), written
+            continue
+        r = read_thinking(written)
+        assert r.accepted, written
+        seen.update(r.reasoning.accepted)
+        last = messages[-1]
+        if last.get("tool_calls"):
+            character = last["tool_calls"][0]["function"]["arguments"]["character"]
+            assert reasoning.endswith(f"{character}.")
+        elif messages[0]["content"].startswith("Who is"):  # the answer restates the reasoning
+            kind_place = reasoning.split(". ")
+            assert kind_place[0].split(" is a ")[1] in last["content"]
+    for template in grammar.REASONS:
+        pattern = template.split("{")[0][:12]
+        assert any(pattern.lower() in s.lower() for s in seen), template
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The cat is Tom's pet.\n</think>\n\nThe cat is in the park.",
+        "<think>\nI need where_is for Tom.\n</think>\n\n"
+        '<tool_call>\n{"name": "where_is", "arguments": {"character": "Tom"}}\n</tool_call>',
+        "Mia is a kind bird. Mia lives near the park.\n</think>\n\n"
+        '{"name": "Mia", "kind": "bird", "home": "park"}',
+    ],
+)
+def test_a_reply_with_reasoning_is_accepted(text):
+    assert read_thinking(text).accepted
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The cat is Tom's pet.\n\nThe cat is in the park.",  # the block never closes
+        "The cat is Tom's pet.\n</think>\n\n",  # no answer
+        "\n</think>\n\nThe cat is in the park.",  # no reasoning
+        "The cat is in the park.\n</think>\n\nThe cat is in the park.",  # an answer, not a fact
+        "The cat is Tom's pet\n</think>\n\nThe cat is in the park.",  # unfinished
+        "The cat is Tom's pet. <think>\n</think>\n\nThe cat is in the park.",  # opened twice
+        "The cat is Tom's pet.\n</think>\n\nThe cat is on the moon.",  # not an answer
+        'Mia is a kind bird.\n</think>\n\n{"name": "Mia", "kind": "moon", "home": "park"}',
+    ],
+)
+def test_near_misses_of_a_reply_with_reasoning_are_rejected(text):
+    assert not read_thinking(text).accepted
+
+
+def test_the_reasoning_templates_are_not_story_sentences():
+    """A story that wanders into reasoning reads as refused: the two sets of templates stay apart."""
+    assert not accepts("I need where_is for the cat.")
+    assert accepts("I need where_is for the cat.", grammar.REASONS)
+    assert not accepts("Once upon a time, there was a big dog named Tom.", grammar.REASONS)
 
 
 def test_the_corpus_is_a_function_of_its_seed():
@@ -145,6 +262,15 @@ def test_the_corpus_is_a_function_of_its_seed():
     assert tools == corpus(0, 200_000, "stories+tools") and tools != a
     called = [d for d in tools if "<tool_call>" in d]
     assert 0.15 < len(called) / len(tools) < 0.35 and not any("<tool_call>" in d for d in a)
+    # The corpus of the reasoning run: its chats all open the think block, half of them empty;
+    # the corpora before it never do (they render as they did for the runs that used them).
+    think = corpus(0, 200_000, "stories+tools+think")
+    assert think == corpus(0, 200_000, "stories+tools+think")
+    chats = [d for d in think if d.startswith("<|im_start|>")]
+    assert all("<think>\n" in d for d in chats) and 0.5 < len(chats) / len(think) < 0.7
+    empty = [d for d in chats if "<think>\n\n</think>" in d]
+    assert 0.4 < len(empty) / len(chats) < 0.6
+    assert not any("<think>" in d for d in a + tools)
 
 
 def story_model_and_tokenizer(**sizes: int):  # noqa: ANN201
@@ -219,6 +345,46 @@ def test_every_weight_of_the_training_model_takes_a_gradient():
         StoryModel(model.shape, model.llama)
 
 
+def test_growing_the_vocabulary_keeps_the_model_and_starts_new_rows_at_the_mean():
+    from pdserve.bench.stories.train import grow_vocab
+
+    model, _ = story_model_and_tokenizer()
+    n = model.shape.vocab_size
+    grown = grow_vocab(model, n + 2)
+    assert grown.shape.vocab_size == n + 2 and model.shape.vocab_size == n
+    ids = torch.randint(0, n, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(grown(ids)[..., :n], model(ids))
+        old = model.llama.embed_tokens.weight
+        new = grown.llama.embed_tokens.weight
+        torch.testing.assert_close(new[n:], old.mean(0).expand(2, -1))
+    assert grown.llama.lm_head.weight is new  # still tied
+
+
+def test_the_loss_skips_the_close_of_an_empty_think_block_and_nothing_else():
+    """Thinking off, the template writes `<think>\n\n</think>\n\n`; learned, its `\n</think>`
+    would have the model close the block at once when thinking is on. The loss skips those two
+    tokens of it, and no token of a reply with reasoning."""
+    from tokenizers import Tokenizer
+
+    from pdserve.bench.stories.train import token_stream, unlearned_empty_blocks
+    from pdserve.engine.embedded.catalog import STORIES_DIR
+
+    tok = Tokenizer.from_file(str(STORIES_DIR / "tokenizer.json"))
+    hello = [
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hello, how can I help you today?"},
+    ]
+    docs = [reply(hello), reply(hello, (), "The user says hello."), "The end."]
+    data = token_stream(tok, docs)
+    labels = unlearned_empty_blocks(tok, data)
+    skipped = labels == -100
+    assert tok.decode(data[skipped].tolist(), skip_special_tokens=False) == "\n</think>"
+    assert torch.equal(labels[~skipped], data[~skipped])
+    first = tok.encode(docs[0]).ids
+    assert skipped[: len(first)].sum() == 2 and not skipped[len(first) :].any()
+
+
 def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(tmp_path):
     import torch.nn.functional as F
     import transformers
@@ -278,3 +444,27 @@ def test_the_training_script_writes_a_checkpoint_transformers_reads_as_trained(t
     torch.manual_seed(recipe.seed)
     initial = StoryModel(shape)
     assert loss(mine) < 0.9 * loss(initial)
+
+
+def test_going_on_with_the_reasoning_corpus_adds_the_think_tokens(tmp_path):
+    """A checkpoint without <think> and </think> gets them as its tokenizer's next two ids, not
+    special, with rows of the embedding for them; transformers reads the result."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from pdserve.bench.stories.train import Recipe, Shape, train
+
+    tiny = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    sizes = dict(corpus_megabytes=0.1, warmup_steps=1, batch_size=2, seq_len=32, threads=1)
+    before, after = tmp_path / "before", tmp_path / "after"
+    train(Shape(vocab_size=400, **tiny), Recipe(steps=1, **sizes), before, None, False)
+    n = json.loads((before / "config.json").read_text())["vocab_size"]
+    think = Recipe(steps=2, corpus="stories+tools+think", init_from=str(before), **sizes)
+    record = train(Shape(), think, after, None, False)
+    tok = Tokenizer.from_file(str(after / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in ("<think>", "</think>")] == [n, n + 1]
+    assert tok.decode([n, n + 1], skip_special_tokens=True) == "<think></think>"
+    assert json.loads((after / "config.json").read_text())["vocab_size"] == n + 2
+    assert record["shape"]["vocab_size"] == n + 2 and record["init"]["shape"]["vocab_size"] == n
+    hf = transformers.AutoModelForCausalLM.from_pretrained(after, dtype=torch.float32)
+    assert hf.get_input_embeddings().weight.shape[0] == n + 2

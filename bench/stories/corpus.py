@@ -13,17 +13,27 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
-from pdserve.bench.stories.grammar import chat_turn, conversation, story
+from pdserve.bench.stories.grammar import chat_turn, conversation, reasoned_conversation, story
 from pdserve.engine.tokenizer import chat_template_environment
 
 BOS, EOS = "<s>", "</s>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
+# Added by the run that taught reasoning: one token each, as Qwen3's, and not special (so text
+# decoded without special tokens keeps them, for a reasoning parser to split at).
+THINK, END_THINK = "<think>", "</think>"
+THINKING_TOKENS = [THINK, END_THINK]
 # Offered tools open the text as a system turn naming each function and its parameters (a model
 # of this size needs no more); an assistant's tool calls are hermes blocks (`--tool-call-parser
-# hermes` reads them back); a tool's result is a turn of role "tool".
+# hermes` reads them back); a tool's result is a turn of role "tool". The assistant's turn opens
+# with its reasoning in <think> ... </think>, as Qwen3's: the generation prompt opens the block,
+# and closes it empty unless `enable_thinking` is true (thinking is off unless asked); a past
+# assistant turn renders its content alone (no block: its reasoning is not shown, as Qwen3's
+# template drops it), so conversations render as they did before the model learned to think.
+# A prompt opens with <s>, as every training document does (the corpus renders without it: the
+# tokenizer adds it to each document).
 CHAT_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\nTools:' }}"
+    "{{ bos_token or '' }}{% if tools %}{{ '<|im_start|>system\nTools:' }}"
     "{% for tool in tools %}{% set f = tool.function or tool %}"
     "{{ ' ' + f.name + '(' + (f.parameters.properties or {}) | join(', ') + ')' }}"
     "{% endfor %}"
@@ -37,10 +47,12 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{{ '<|im_end|>\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}"
+    "{% if not enable_thinking %}{{ '\n</think>\n\n' }}{% endif %}{% endif %}"
 )
 CHAT_SHARE = 0.3  # of documents
 TOOLS_CHAT_SHARE = 0.5  # of documents, in the corpus with tools
+THINK_CHAT_SHARE = 0.6  # of documents, in the corpus with thinking (its new turns need the room)
 
 
 @cache
@@ -49,8 +61,27 @@ def _template():  # noqa: ANN202
 
 
 def render(messages: list[dict], tools: tuple[dict, ...] = ()) -> str:
-    """A conversation as the chat template renders it, its last turn closed by <|im_end|>."""
+    """A conversation as the chat template renders it (as history), its last turn closed by
+    <|im_end|>."""
     return _template().render(messages=messages, tools=list(tools), add_generation_prompt=False)
+
+
+def generation_prompt(
+    messages: list[dict], tools: tuple[dict, ...] = (), thinking: bool = False
+) -> str:
+    """A conversation and the opening of the assistant's turn, thinking on or off."""
+    return _template().render(
+        messages=messages, tools=list(tools), add_generation_prompt=True, enable_thinking=thinking
+    )
+
+
+def reply(messages: list[dict], tools: tuple[dict, ...] = (), reasoning: str | None = None) -> str:
+    """A conversation whose last turn is the assistant's, as the model writes it after the
+    generation prompt: its reasoning (thinking on) or the empty block (off), then its answer."""
+    prompt = generation_prompt(messages[:-1], tools, thinking=reasoning is not None)
+    head = render(messages[:-1], tools)
+    last = render(messages, tools)[len(head) :].removeprefix(IM_START + "assistant\n")
+    return prompt + (f"{reasoning}\n{END_THINK}\n\n" if reasoning is not None else "") + last
 
 
 def chat(question: str, answer: str) -> str:
@@ -59,21 +90,24 @@ def chat(question: str, answer: str) -> str:
 
 
 # The corpora: stories and chat turns (what pdserve-stories first learned), and the same with
-# conversations that offer the tool, call it and answer from its result, and JSON answers.
-CORPORA = ("stories", "stories+tools")
+# conversations that offer the tool, call it and answer from its result, and JSON answers; and
+# those again, half of them reasoning before their last turn and the rest not.
+CORPORA = ("stories", "stories+tools", "stories+tools+think")
 
 
 def documents(seed: int, kind: str = "stories") -> Iterator[str]:
     """Endless documents (a story, or a conversation), the same ones for the same seed."""
     rng = random.Random(seed)
-    share = CHAT_SHARE if kind == "stories" else TOOLS_CHAT_SHARE
+    share = {"stories": CHAT_SHARE, "stories+tools": TOOLS_CHAT_SHARE}.get(kind, THINK_CHAT_SHARE)
     while True:
         if rng.random() >= share:
             yield story(rng)
         elif kind == "stories":
             yield chat(*chat_turn(rng))
-        else:
+        elif kind == "stories+tools":
             yield render(*conversation(rng))
+        else:
+            yield reply(*reasoned_conversation(rng))
 
 
 def corpus(seed: int, num_bytes: int, kind: str = "stories") -> list[str]:

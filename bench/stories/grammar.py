@@ -282,9 +282,9 @@ def story(rng: random.Random, who: Cast | None = None) -> str:
     return " ".join(sentences)
 
 
-def short_story(rng: random.Random) -> str:
+def short_story(rng: random.Random, who: Cast | None = None) -> str:
     """Three sentences: how the assistant answers a request for a story."""
-    who = cast(rng)
+    who = who or cast(rng)
     return " ".join(fill(_pick(rng, part), who) for part in (OPEN, HABIT, END))
 
 
@@ -323,10 +323,10 @@ WHERE_IS = {
 TOOLS = (WHERE_IS,)
 
 
-def tool_turn(rng: random.Random) -> list[dict]:
+def tool_turn(rng: random.Random, who: Cast | None = None) -> list[dict]:
     """A conversation that calls `where_is`: the user's question, the assistant's call, the tool's
     answer (a JSON object) and the assistant's sentence built from it."""
-    who = cast(rng)
+    who = who or cast(rng)
     which = rng.randrange(len(WHERE_QUESTIONS))
     question, answer = WHERE_QUESTIONS[which], WHERE_ANSWERS[which]
     character = who.animal if "{animal}" in question else who.hero
@@ -368,3 +368,104 @@ def conversation(rng: random.Random) -> tuple[list[dict], tuple[dict, ...]]:
         {"role": "user", "content": question},
         {"role": "assistant", "content": answer},
     ], tools
+
+
+# --- reasoning -----------------------------------------------------------------------------------
+# With thinking on, the assistant first states (between <think> and </think>) the facts of the
+# story world it will use, in one or two templated sentences, then answers from them: each
+# question's reasoning, and the answers that follow from it (None: a short story about `hero`).
+THOUGHTS: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "where is the {animal}?": (
+        "the {animal} is {hero}'s pet. {hero}'s {animal} lives in the {place}.",
+        ("the {animal} is in the {place}.", "the {animal} is playing in the {place}."),
+    ),
+    "where is {hero}?": (
+        "every day, {hero} went to the {place} to {activity}.",
+        ("{hero} is in the {place}.",),
+    ),
+    "what does {hero} like to do?": (
+        "{hero} is a {adj} {kind}. {hero} liked to {activity} in the {place}.",
+        ("{hero} likes to {activity}.", "{pron} likes to {activity} in the {place}."),
+    ),
+    "what color is the {thing}?": ("{hero} had a {color} {thing}.", ("the {thing} is {color}.",)),
+    "how does {hero} feel?": (
+        "one day, {hero} found a {color} {thing} in the {place}.",
+        ("{pron} feels {feeling}.", "{hero} is very {feeling} today."),
+    ),
+    "who is {hero}?": (
+        "{hero} is a {adj} {kind}. {hero} lives near the {place}.",
+        ("{hero} is a {adj} {kind} who lives near the {place}.",),
+    ),
+    "what did {hero} find?": (
+        "one day, {hero} found a {color} {thing} in the {place}.",
+        ("{hero} found a {color} {thing}.", "{pron} found a {color} {thing} in the {place}."),
+    ),
+    "hello!": ("the user says hello.", ("hello, how can I help you today?",)),
+    "can you tell me a story?": ("I will tell a story about {hero}.", None),
+    JSON_QUESTION: ("{hero} is a {adj} {kind}. {hero} lives near the {place}.", ()),
+}
+# Before a call: the tool it needs; after the tool's result: what the result says.
+CALL_THOUGHTS = ("I need where_is for the {animal}.", "I need where_is for {hero}.")
+RESULT_THOUGHTS = (
+    "the tool says the {animal} is in the {place}.",
+    "the tool says {hero} is in the {place}.",
+)
+REASONS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        [s.strip() + "." for r, _ in THOUGHTS.values() for s in r.split(".") if s.strip()]
+        + list(CALL_THOUGHTS + RESULT_THOUGHTS)
+    )
+)
+THINKING_SHARE = 0.5  # of conversations, in the corpus with thinking
+
+
+def fill_all(text: str, who: Cast) -> str:
+    """Sentences filled and each capitalized."""
+    return " ".join(fill(s.strip() + ".", who) for s in text.split(".") if s.strip())
+
+
+def reasoned_conversation(
+    rng: random.Random,
+) -> tuple[list[dict], tuple[dict, ...], str | None]:
+    """One chat document as `conversation` draws them, and for THINKING_SHARE of them the
+    reasoning its last assistant turn opens with (None: thinking off). A tool conversation ends,
+    for half, at the call (so its last turn is the call, with or without reasoning)."""
+    think = rng.random() < THINKING_SHARE
+    draw = rng.random()
+    who = cast(rng)
+    if draw < 0.35:
+        messages = tool_turn(rng, who)
+        which = 0 if messages[0]["content"].startswith("Where is the ") else 1
+        if rng.random() < 0.5:
+            return messages[:2], TOOLS, fill(CALL_THOUGHTS[which], who) if think else None
+        return messages, TOOLS, fill(RESULT_THOUGHTS[which], who) if think else None
+    if draw < 0.45:
+        question = JSON_QUESTION
+    elif draw < 0.7:  # where-questions, no tool: answered from the story world
+        question = WHERE_QUESTIONS[rng.randrange(len(WHERE_QUESTIONS))]
+    else:
+        weights = [w for w, q, _ in CHATS if not q.startswith("where is")]
+        chats = [c for c in CHATS if not c[1].startswith("where is")]
+        question = rng.choices(chats, weights)[0][1]
+    tools = TOOLS if 0.7 <= draw < 0.85 else ()
+    reasoning, answers = THOUGHTS[question]
+    if question == JSON_QUESTION:
+        answer = json_answer(who)
+    elif answers is None:
+        answer = short_story(rng, who)
+    elif think:
+        answer = fill(rng.choice(answers), who)
+    else:  # as before: any of the question's answers, maybe a second sentence
+        answer = fill(rng.choice(_answers(question)), who)
+        if rng.random() < 0.3:
+            answer += " " + fill(_pick(rng, HABIT), who)
+    messages = [{"role": "user", "content": fill(question, who)}]
+    messages.append({"role": "assistant", "content": answer})
+    return messages, tools, fill_all(reasoning, who) if think else None
+
+
+def _answers(question: str) -> tuple[str, ...]:
+    """The answers `conversation` draws from for a question (with thinking off)."""
+    if question in WHERE_QUESTIONS:
+        return (WHERE_ANSWERS[WHERE_QUESTIONS.index(question)],)
+    return next(a for _, q, a in CHATS if q == question)

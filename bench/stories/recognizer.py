@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 
-from pdserve.bench.stories.grammar import NAMES, TEMPLATES, TOOLS, WORDS
+from pdserve.bench.stories.grammar import NAMES, REASONS, TEMPLATES, TOOLS, WORDS
 
 SLOT_WORDS = {**WORDS, "hero": NAMES, "friend": NAMES, "fkind": WORDS["kind"]}
 _SLOT = re.compile(r"\{(\w+)\}")
@@ -29,38 +29,39 @@ def _compile(template: str) -> re.Pattern[str]:
 
 
 @cache
-def _patterns() -> tuple[re.Pattern[str], ...]:
-    return tuple(_compile(t) for t in TEMPLATES)
+def _patterns(templates: tuple[str, ...] = TEMPLATES) -> tuple[re.Pattern[str], ...]:
+    return tuple(_compile(t) for t in templates)
 
 
 @cache
-def _lowerable() -> frozenset[str]:
+def _lowerable(templates: tuple[str, ...] = TEMPLATES) -> frozenset[str]:
     """Words a template may start with, written in lower case (a sentence capitalizes them)."""
     starts = set()
-    for template in TEMPLATES:
+    for template in templates:
         head = template.lstrip('"').split(" ", 1)[0].rstrip(",!?.")
         slot = _SLOT.fullmatch(head)
         starts.update(SLOT_WORDS[slot.group(1)] if slot else [head])
     return frozenset(w for w in starts if w[:1].islower())
 
 
-def canonical(sentence: str) -> str:
+def canonical(sentence: str, templates: tuple[str, ...] = TEMPLATES) -> str:
     """A sentence as the templates write it: its first word in lower case unless it is a name."""
     sentence = " ".join(sentence.split())
     i = 1 if sentence.startswith('"') else 0
     word = re.match(r"[A-Za-z]+", sentence[i:])
-    if word and (word.group(0)[:1].lower() + word.group(0)[1:]) in _lowerable():
+    if word and (word.group(0)[:1].lower() + word.group(0)[1:]) in _lowerable(templates):
         sentence = sentence[:i] + sentence[i].lower() + sentence[i + 1 :]
     return sentence
 
 
-def accepts(sentence: str) -> bool:
-    """Whether the grammar can produce this one sentence (capitalized, as it writes them)."""
+def accepts(sentence: str, templates: tuple[str, ...] = TEMPLATES) -> bool:
+    """Whether the grammar can produce this one sentence (capitalized, as it writes them), from
+    its story and chat templates (or others: REASONS)."""
     head = sentence.lstrip(' "')
     if not head[:1].isupper():
         return False
-    text = canonical(sentence)
-    return any(p.fullmatch(text) for p in _patterns())
+    text = canonical(sentence, templates)
+    return any(p.fullmatch(text) for p in _patterns(templates))
 
 
 def split_sentences(text: str) -> tuple[list[str], str]:
@@ -97,11 +98,11 @@ class Reading:
         return len(self.accepted) / self.num_sentences if self.num_sentences else 1.0
 
 
-def read(text: str) -> Reading:
+def read(text: str, templates: tuple[str, ...] = TEMPLATES) -> Reading:
     sentences, rest = split_sentences(text)
     reading = Reading(unfinished=rest)
     for sentence in sentences:
-        (reading.accepted if accepts(sentence) else reading.rejected).append(sentence)
+        (reading.accepted if accepts(sentence, templates) else reading.rejected).append(sentence)
     return reading
 
 
@@ -131,4 +132,70 @@ def accepts_call(call: object) -> bool:
         return False
     return set(args) == set(tool["parameters"]["properties"]) and all(
         v in _CHARACTERS for v in args.values()
+    )
+
+
+def accepts_json_answer(text: str) -> bool:
+    """Whether a text is the JSON answer the grammar writes about a character
+    ({"name": "Mia", "kind": "bird", "home": "meadow"})."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        isinstance(answer, dict)
+        and list(answer) == ["name", "kind", "home"]
+        and answer["name"] in NAMES
+        and answer["kind"] in WORDS["kind"]
+        and answer["home"] in WORDS["place"]
+    )
+
+
+def accepts_answer(text: str) -> bool:
+    """Whether an assistant's answer is one the grammar gives: tool calls it makes, its JSON
+    answer, or one or more whole sentences it writes."""
+    text = text.strip()
+    if "<tool_call>" in text:
+        calls = tool_calls(text)
+        return bool(calls) and all(map(accepts_call, calls))
+    if text.startswith("{"):
+        return accepts_json_answer(text)
+    r = read(text)
+    return r.num_sentences > 0 and not r.rejected and not r.unfinished
+
+
+THINK, END_THINK = "<think>", "</think>"
+
+
+@dataclass(slots=True)
+class Thinking:
+    """A reply written with thinking on, read: its reasoning (what precedes </think>, sentences
+    of REASONS) and its answer (what follows)."""
+
+    reasoning: Reading
+    answer: str
+    closed: bool  # the reasoning ended with </think>, and no second <think> opened in it
+
+    @property
+    def accepted(self) -> bool:
+        """Reasoning the grammar writes, closed, then an answer it gives."""
+        r = self.reasoning
+        return (
+            self.closed
+            and r.num_sentences > 0
+            and not r.rejected
+            and not r.unfinished
+            and accepts_answer(self.answer)
+        )
+
+
+def read_thinking(text: str) -> Thinking:
+    """What the model wrote after the generation prompt with thinking on (which opened the block
+    with <think>; a text that opens with it again is read the same)."""
+    body = text.removeprefix(THINK)
+    reasoning, end, answer = body.partition(END_THINK)
+    return Thinking(
+        reasoning=read(reasoning, REASONS),
+        answer=answer.strip(),
+        closed=bool(end) and THINK not in reasoning,
     )

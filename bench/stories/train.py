@@ -3,12 +3,16 @@ on the story grammar's corpus, saved as a Hugging Face-format checkpoint (bfloat
 tokenizer, chat template) that pdserve and `transformers` load. The model is the engine's own
 (`pdserve.engine.models.llama`); training adds only a forward over whole sequences at once.
 
-    # the committed checkpoint, in two runs (docs/models.md): stories and chat turns from scratch,
-    # then on from there with the tool conversations
+    # the committed checkpoint, in three runs (docs/models.md): stories and chat turns from
+    # scratch, then on from there with the tool conversations, then with reasoning (<think>)
     python -m pdserve.bench.stories.train --out /tmp/stories-base --plot docs/stories_training.png
     python -m pdserve.bench.stories.train --init-from /tmp/stories-base --corpus stories+tools \
         --windows documents --steps 800 --lr 2e-3 --warmup-steps 30 \
-        --out engine/embedded/pdserve-stories --plot docs/stories_tools_training.png
+        --out /tmp/stories-tools --plot docs/stories_tools_training.png
+    python -m pdserve.bench.stories.train --init-from /tmp/stories-tools \
+        --corpus stories+tools+think --windows documents --steps 400 --lr 2e-3 \
+        --warmup-steps 30 --threads 1 \
+        --out engine/embedded/pdserve-stories --plot docs/stories_think_training.png
     python -m pdserve.bench.stories.train --out /tmp/stories --steps 50 --hidden-size 64   # a quick look
 
 Same seed, same corpus, same tokenizer, same batches: the loss curve repeats within the noise of
@@ -23,7 +27,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,15 +37,23 @@ from torch import nn
 from pdserve.bench.stories.corpus import (
     BOS,
     CHAT_TEMPLATE,
+    END_THINK,
     EOS,
     IM_END,
-    IM_START,
     SPECIAL_TOKENS,
+    THINK,
+    THINKING_TOKENS,
     corpus,
-    render,
+    generation_prompt,
 )
 from pdserve.bench.stories.grammar import TOOLS
-from pdserve.bench.stories.recognizer import accepts_call, read, tool_calls
+from pdserve.bench.stories.recognizer import (
+    accepts_answer,
+    accepts_call,
+    read,
+    read_thinking,
+    tool_calls,
+)
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.llama import Attention, LlamaForCausalLM
 from pdserve.engine.models.loader import build_model, load_model
@@ -234,6 +246,14 @@ def train_tokenizer(docs: list[str], vocab_size: int):  # noqa: ANN201
     return tok
 
 
+def add_tokens(tok, tokens: list[str]) -> None:  # noqa: ANN001
+    """Adds the tokens the tokenizer lacks, each one id, not special (decoding keeps them)."""
+    from tokenizers import AddedToken
+
+    missing = [t for t in tokens if tok.token_to_id(t) is None]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in missing])
+
+
 def token_stream(tok, docs: list[str]) -> torch.Tensor:  # noqa: ANN001
     """Every document as <s> ... </s>, one after the other."""
     eos = tok.token_to_id(EOS)
@@ -242,6 +262,25 @@ def token_stream(tok, docs: list[str]) -> torch.Tensor:  # noqa: ANN001
         ids += enc.ids
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def unlearned_empty_blocks(tok, data: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """The token stream as the loss's targets: each token, but for the `\n</think>` that closes
+    an empty think block (ignored: -100). The template writes that block (thinking off), the model
+    never does; learned, it would teach the model to close the block at once after the `<think>\n`
+    that opens its reasoning when thinking is on."""
+    labels = data.clone()
+    think, end = tok.token_to_id(THINK), tok.token_to_id(END_THINK)
+    if think is None or end is None:
+        return labels
+    newline = tok.encode("\n", add_special_tokens=False).ids
+    empty = torch.tensor([think, *newline, *newline, end])
+    if len(data) < len(empty):
+        return labels
+    found = (data.unfold(0, len(empty), 1) == empty).all(dim=1).nonzero().flatten()
+    for start in found.tolist():  # the second newline and </think>: what thinking would replace
+        labels[start + 1 + len(newline) : start + len(empty)] = -100
+    return labels
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -260,7 +299,7 @@ class Recipe:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     threads: int = 0  # 0: every core this process may use
-    corpus: str = "stories"  # or "stories+tools" (corpus.CORPORA)
+    corpus: str = "stories"  # or "stories+tools", "stories+tools+think" (corpus.CORPORA)
     # Where a training window starts: "anywhere" in the token stream, or at a document's start
     # ("documents"), so that a conversation's offered tools are never cut off from its call.
     windows: str = "anywhere"
@@ -286,9 +325,16 @@ def train(shape: Shape, recipe: Recipe, out_dir: Path, plot: Path | None, progre
         tok, shape, model = load_checkpoint(Path(recipe.init_from))
     else:
         tok = train_tokenizer(docs, shape.vocab_size)
+    if recipe.corpus.endswith("+think"):
+        add_tokens(tok, THINKING_TOKENS)
+    if not recipe.init_from:
         shape.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         model = StoryModel(shape)
+    elif tok.get_vocab_size(with_added_tokens=True) > shape.vocab_size:
+        model = grow_vocab(model, tok.get_vocab_size(with_added_tokens=True))
+        shape = model.shape
     data = token_stream(tok, docs)
+    labels = unlearned_empty_blocks(tok, data)
     if recipe.windows == "documents":
         bos = tok.token_to_id(BOS)
         starts = (data == bos).nonzero().flatten().tolist()
@@ -320,10 +366,11 @@ def train(shape: Shape, recipe: Recipe, out_dir: Path, plot: Path | None, progre
                 batches.randrange(len(data) - recipe.seq_len - 1) for _ in range(recipe.batch_size)
             ]
         window = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts])
+        targets = torch.stack([labels[s + 1 : s + recipe.seq_len + 1] for s in starts])
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step)
         logits = model(window[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
@@ -363,6 +410,20 @@ def load_checkpoint(path: Path) -> tuple[object, Shape, StoryModel]:
     return Tokenizer.from_file(str(path / "tokenizer.json")), model.shape, model
 
 
+@torch.no_grad()
+def grow_vocab(model: StoryModel, vocab_size: int) -> StoryModel:
+    """The model with rows for the tokens added to its tokenizer: its weights, and each new row of
+    the (tied) embedding the mean of the old ones, so that a new token starts as an average one."""
+    shape = replace(model.shape, vocab_size=vocab_size)
+    llama = build_model(ModelConfig.from_dict(shape.config()), "float32", "cpu")
+    state = model.llama.state_dict()
+    old = state["embed_tokens.weight"]
+    grown = torch.cat([old, old.mean(0, keepdim=True).expand(vocab_size - len(old), -1)])
+    state |= {k: grown for k in ("embed_tokens.weight", "lm_head.weight") if k in state}
+    llama.load_state_dict(state)
+    return StoryModel(shape, llama)
+
+
 def samples(model: StoryModel, tok) -> dict:  # noqa: ANN001
     """Greedy continuations of a few openings, and how many of their sentences the grammar takes."""
     stop = {tok.token_to_id(EOS), tok.token_to_id(IM_END)}
@@ -374,8 +435,12 @@ def samples(model: StoryModel, tok) -> dict:  # noqa: ANN001
         text = opening + tok.decode(ids, skip_special_tokens=True)
         out[opening] = {"text": text, "grammatical": read(text).share}
     # Questions with the tool offered: a where-question should call it, another should not.
+    thinks = tok.token_to_id(THINKING_TOKENS[0]) is not None
     for question in ("Where is the cat?", "Where is Tom?", "What does Mia like to do?"):
-        prompt = render([{"role": "user", "content": question}], TOOLS) + IM_START + "assistant\n"
+        messages = [{"role": "user", "content": question}]
+        prompt = generation_prompt(messages, TOOLS)
+        if not thinks:  # before the reasoning run, the prompt ended at the turn's header
+            prompt = prompt.removesuffix(f"{THINK}\n\n{END_THINK}\n\n")
         ids = model.greedy(tok.encode(prompt).ids, 60, stop)
         text = tok.decode(ids, skip_special_tokens=True)
         calls = tool_calls(text)
@@ -384,6 +449,21 @@ def samples(model: StoryModel, tok) -> dict:  # noqa: ANN001
             "calls": len(calls),
             "calls_accepted": sum(map(accepts_call, calls)),
         }
+    if thinks:
+        for question in ("Where is the cat?", "Who is Tom?", "Describe Mia in JSON.", "Hello!"):
+            for tools in ((), TOOLS):
+                messages = [{"role": "user", "content": question}]
+                prompt = generation_prompt(messages, tools, thinking=True)
+                ids = model.greedy(tok.encode(prompt).ids, 80, stop)
+                text = tok.decode(ids, skip_special_tokens=True)
+                name = f"thinking{', tools' if tools else ''}: {question}"
+                out[name] = {"text": text, "accepted": read_thinking(text).accepted}
+                if tools:
+                    continue
+                prompt = generation_prompt(messages, tools)
+                ids = model.greedy(tok.encode(prompt).ids, 80, stop)
+                text = tok.decode(ids, skip_special_tokens=True)
+                out[f"chat: {question}"] = {"text": text, "accepted": accepts_answer(text)}
     model.train()
     return out
 
@@ -459,6 +539,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, sample in record["samples"].items():
         if "grammatical" in sample:
             print(f"[{sample['grammatical']:.0%} grammatical] {sample['text']}")
+        elif "accepted" in sample:
+            print(f"[{name}: {'accepted' if sample['accepted'] else 'REFUSED'}] {sample['text']!r}")
         else:
             print(
                 f"[{name}: {sample['calls_accepted']}/{sample['calls']} calls accepted] {sample['text']!r}"
