@@ -1,7 +1,7 @@
 """Structured outputs through the disaggregated path: the prefill node samples the first token
 under the constraint, the decode node rebuilds its matcher from the spec over the tokens already
-accepted (a constraint that begins past a marker, as a reasoning model's does, finds it there
-too), and a decode node killed mid-output or a prefill node killed after admission changes
+accepted (a constraint that begins past the end of the reasoning, as a reasoning model's does,
+finds it there too), and a decode node killed mid-output or a prefill node killed after admission changes
 nothing: every output is the offline engine's, and valid. A constraint no node can compile is
 refused with its reason, holding no block."""
 
@@ -40,16 +40,28 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SPEC = StructuredOutput.json_schema(SCHEMA)
-# As a reasoning model's constraint is: past a marker (here the first period), which the node
-# that samples finds in the outputs, also in those another node sampled.
-PERIOD = Tokenizer(resolve_model_dir(MODEL)).encode(".", add_special_tokens=False)
-SPEC_AFTER = msgspec.structs.replace(SPEC, after=PERIOD)
+TOKENIZER = Tokenizer(resolve_model_dir(MODEL))
+# As a reasoning model's constraint is: past the end of its reasoning, which the node that samples
+# finds in the outputs, also in those another node sampled. pdserve-stories thinks when its chat
+# template is asked to (the two chat prompts below).
+THINK_END = TOKENIZER.encode("</think>", add_special_tokens=False)
+SPEC_AFTER = msgspec.structs.replace(SPEC, after=THINK_END)
 PROMPTS = [
     "Once upon a time there was a cat.",
     "Where is the dog?",
     "Tell me about the river.",
     "Lily had a red ball.",
 ]
+THINKING = [
+    TOKENIZER.encode(
+        TOKENIZER.render_chat(
+            [{"role": "user", "content": q}], template_kwargs={"enable_thinking": True}
+        ),
+        add_special_tokens=False,
+    )
+    for q in ("Describe Zoe in JSON.", "Where is the cat?")
+]
+PROMPT_IDS = [TOKENIZER.encode(p) for p in PROMPTS] + THINKING
 PARAMS = [
     SamplingParams(max_tokens=80, temperature=0, structured=SPEC),
     SamplingParams(max_tokens=80, temperature=0.9, seed=7, structured=SPEC),
@@ -63,29 +75,28 @@ def offline() -> LLM:
 
 
 def expected(offline: LLM) -> list[list[int]]:
-    return [o.token_ids for p in PARAMS for o in offline.generate(PROMPTS, p)]
+    return [o.token_ids for p in PARAMS for o in offline.generate(PROMPT_IDS, p)]
 
 
 def check_valid(offline: LLM, outputs: list[list[int]]) -> None:
-    marked = 0
-    for tokens, params in zip(outputs, [p for p in PARAMS for _ in PROMPTS]):
+    reasoned = 0
+    for tokens, params in zip(outputs, [p for p in PARAMS for _ in PROMPT_IDS]):
         after = params.structured.after
-        if after:  # free text up to the marker, JSON past it; no marker: all free
+        if after:  # free reasoning up to its end, JSON past it; no end: all free
             if after[0] not in tokens:
                 continue
             tokens = tokens[tokens.index(after[0]) + 1 :]
-            marked += 1
+            reasoned += 1
         jsonschema.validate(json.loads(offline.tokenizer.decode(tokens)), SCHEMA)
-    if len(outputs) == len(PARAMS) * len(PROMPTS):
-        assert marked >= 2  # (the outputs are the offline engine's: this holds or never does)
+    if len(outputs) == len(PARAMS) * len(PROMPT_IDS):
+        assert reasoned == len(THINKING)  # (the offline engine's outputs: holds or never does)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_constrained_outputs_through_a_handoff_equal_the_offline_engines(transport, offline):
     want = expected(offline)
     with Cluster(1, 1, transport=transport, model=MODEL) as cluster:
-        prompt_ids = [offline.tokenizer.encode(p) for p in PROMPTS]
-        got = asyncio.run(run_all_ids(cluster.client_addr, prompt_ids))
+        got = asyncio.run(run_all_ids(cluster.client_addr, PROMPT_IDS))
         assert got == want
         check_valid(offline, got)
         cluster.wait_until_idle()
@@ -98,10 +109,10 @@ def test_forced_tokens_through_a_handoff_and_colocated_give_the_offline_engines_
     handoff fewer, as the prefill node forces none)."""
     want = expected(offline)
     forcing = LLM(MODEL, num_kv_blocks=1024, block_size=8, forced_tokens=True)
-    assert [o.token_ids for p in PARAMS for o in forcing.generate(PROMPTS, p)] == want
+    assert [o.token_ids for p in PARAMS for o in forcing.generate(PROMPT_IDS, p)] == want
     offline_forced = forcing.engine.stats.num_forced_tokens
     assert offline_forced > 0
-    prompt_ids = [offline.tokenizer.encode(p) for p in PROMPTS]
+    prompt_ids = PROMPT_IDS
     for colocated in (False, True):
         with Cluster(1, 1, colocated=colocated, model=MODEL, forced_tokens=True) as cluster:
             got = asyncio.run(run_all_ids(cluster.client_addr, prompt_ids))
@@ -124,7 +135,7 @@ async def run_all_ids(addr: str, prompt_ids: list[list[int]]) -> list[list[int]]
 
 
 def test_a_decode_node_killed_mid_output_changes_nothing(offline):
-    prompt_ids = [offline.tokenizer.encode(p) for p in PROMPTS]
+    prompt_ids = PROMPT_IDS
     want = expected(offline)
     with Cluster(1, 2, model=MODEL) as cluster:
 
