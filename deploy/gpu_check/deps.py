@@ -75,6 +75,7 @@ SCANNED = (
 # Imported only by code gpu-check never runs on the host, and why.
 NOT_NEEDED_ON_HOST = {
     "openai": "tests/test_http_api.py's OpenAI-client checks run in the CPU suite only",
+    "anthropic": "tests/test_messages_api.py's Anthropic-client checks run in the CPU suite only",
     "schemathesis": "tests/test_http_security.py's schema fuzzing runs in the CPU suite only",
     "kubernetes_validate": "tests/test_deploy.py's manifest checks run in the CPU suite only",
     "jsonschema": "tests/test_structured_output.py's schema checks run in the CPU suite only",
