@@ -331,6 +331,7 @@ class ModelConfig:
             model_type = cfg["model_type"]
         if model_type in QWEN3_NEXT_MODEL_TYPES:
             cfg = _qwen3_next_config(cfg)
+        quantization = _quantization(model_type, cfg.get("quantization_config"))
         act = cfg.get("hidden_act", "silu")
         # gpt-oss's transformers model reads no hidden_act: its experts' activation is fixed.
         if act != "silu" and model_type != "gpt_oss":
@@ -340,7 +341,6 @@ class ModelConfig:
         layer_kinds = _layer_kinds(model_type, cfg)
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("config.json field 'mlp_bias' = true is not supported")
-        quantization = _quantization(model_type, cfg.get("quantization_config"))
         # transformers 5 writes `rope_parameters` (theta inside); 4.x `rope_theta` + `rope_scaling`.
         rope_parameters = cfg.get("rope_parameters") or {}
         default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
