@@ -1,6 +1,7 @@
 """A linear layer whose weight stays block-scaled FP8 in memory (with its float32 scales) and is
 dequantized into the activations' dtype on every call: the memory is the point, so nothing
-dequantized is kept between calls. Fused projections (q/k/v, gate/up) hold each part's rows
+dequantized is kept between calls (on CPU the dequantization, a pass over the whole weight, costs
+far more than a decode step's matmul on a kept float copy: the price of the memory). Fused projections (q/k/v, gate/up) hold each part's rows
 with that part's own scale rows, so a part whose rows end in a ragged block fuses too."""
 
 from __future__ import annotations
@@ -54,14 +55,13 @@ class Fp8Linear(nn.Module):
         self._index(self.weight.device)
 
     def _index(self, device: torch.device) -> None:
-        """Each weight row's scale row and each column's scale column (plain attributes: a
-        model built on the meta device makes them again where its weights land)."""
+        """Each weight row's scale row (a plain attribute: a model built on the meta device makes
+        it again where its weights land)."""
         rows, scale_offset = [], 0
         for n in self.out_parts:
             rows.append(scale_offset + torch.arange(n, device=device) // self.block[0])
             scale_offset += -(-n // self.block[0])
         self.scale_rows = torch.cat(rows)
-        self.scale_cols = torch.arange(self.in_features, device=device) // self.block[1]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):  # noqa: ANN202
         """Moves (and `to_empty`) reach the FP8 weight and its scales; dtype casts of the model
@@ -78,8 +78,20 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in `dtype`: each FP8 element times its block's scale."""
-        scales = self.weight_scale_inv[self.scale_rows][:, self.scale_cols]
-        return (self.weight.to(torch.float32) * scales).to(dtype)
+        # Each row's scales [out, scale columns], broadcast over the whole column blocks, then
+        # the ragged last block's columns (a full [out, in] gather of scales is slower).
+        row_scales = self.weight_scale_inv.index_select(0, self.scale_rows)
+        weight = self.weight.to(torch.float32)
+        out, cols = weight.shape
+        whole = cols // self.block[1] * self.block[1]
+        body = (
+            weight[:, :whole].view(out, -1, self.block[1])
+            * row_scales[:, : whole // self.block[1], None]
+        )
+        parts = [body.view(out, whole)]
+        if whole < cols:
+            parts.append(weight[:, whole:] * row_scales[:, -1:])
+        return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantized(x.dtype)
