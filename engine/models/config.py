@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.quant.fp8_scheme import Fp8Scheme
+from pdserve.engine.quant.fp8_scheme import Fp8Scheme, UnsupportedQuantizationError
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -528,15 +528,18 @@ def _quantization(model_type: str, qcfg: dict | None) -> Fp8Scheme | None:
         raise UnsupportedModelError(
             f"config.json field 'quantization_config' = {qcfg!r} is not supported (an object)"
         )
-    scheme = Fp8Scheme.from_config(qcfg)
     if model_type not in QUANTIZED_MODEL_TYPES:
+        method = qcfg.get("quant_method", "?")
         raise UnsupportedModelError(
-            f"config.json field 'quantization_config' (fp8) is not supported for model_type "
-            f"{model_type!r} yet: quantized weights load into the dense "
+            f"config.json field 'quantization_config' ({method}) is not supported for "
+            f"model_type {model_type!r} yet: quantized weights load into the dense "
             f"{', '.join(QUANTIZED_MODEL_TYPES)} families only (not into experts, latent "
             "attention or other layer kinds)"
         )
-    return scheme
+    try:
+        return Fp8Scheme.from_config(qcfg)
+    except UnsupportedQuantizationError as err:
+        raise UnsupportedModelError(str(err)) from None
 
 
 def _llama4_text_config(cfg: dict) -> dict:
