@@ -48,6 +48,27 @@ FAMILIES: dict[str, dict] = {
         sliding_window=None,
         tie_word_embeddings=False,
     ),
+    # Shaped for block-scaled FP8 (tests/test_quant_fp8.py): in blocks of 16, hidden_size 72
+    # ends in a ragged block while every tensor-parallel share (of 2) is whole blocks.
+    "llama_fp8": dict(
+        model_type="llama",
+        hidden_size=72,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        tie_word_embeddings=False,
+    ),
+    # In blocks of 32, intermediate_size 88 ends in a ragged block: gate and up fuse unaligned.
+    "qwen3_fp8": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=88,
+        tie_word_embeddings=False,
+    ),
     # Mixtures of experts (4 experts, top-2): every token's two experts, renormalised.
     "mixtral": dict(
         model_type="mixtral",
@@ -482,6 +503,79 @@ def build_checkpoint(
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     for name in TOKENIZER_FILES:
         shutil.copy(tiny / name, out_dir / name)
+    return out_dir
+
+
+def quantize_checkpoint_fp8(
+    src: Path, out_dir: Path, block: tuple[int, int], not_converted: tuple[str, ...] = ()
+) -> Path:
+    """A copy of the float checkpoint `src` in Hugging Face's fine-grained FP8 layout (what
+    DeepSeek-V3 and Qwen3-FP8 publish): each linear projection's `weight` as float8_e4m3fn
+    and its `weight_scale_inv` [ceil(out / block[0]), ceil(in / block[1])] float32, and
+    config.json's quantization_config; embeddings, norms and lm_head as they were."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.quant.fp8_reference import quantize
+    from pdserve.engine.quant.fp8_scheme import QUANTIZABLE_PROJECTIONS
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    quantized: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        module = name.removesuffix(".weight")
+        projection = module.rsplit(".", 1)[-1]
+        if (
+            name.endswith(".weight")
+            and projection in QUANTIZABLE_PROJECTIONS
+            and not any(n in module for n in not_converted)
+        ):
+            quantized[name], quantized[module + ".weight_scale_inv"] = quantize(tensor, block)
+        else:
+            quantized[name] = tensor
+    save_file(quantized, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        **({"modules_to_not_convert": list(not_converted)} if not_converted else {}),
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name not in ("config.json",):
+            shutil.copy(path, out_dir / path.name)
+    return out_dir
+
+
+def dequantize_checkpoint_fp8(src: Path, out_dir: Path) -> Path:
+    """The float32 checkpoint whose weights are exactly an FP8 checkpoint's, dequantized by the
+    reference: what the FP8 checkpoint's tokens must equal."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.quant.fp8_reference import dequantize
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    tensors = load_file(str(src / "model.safetensors"))
+    plain = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = tensors.get(name.removesuffix("weight") + "weight_scale_inv")
+        plain[name] = tensor if scale is None else dequantize(tensor, scale, block)
+    save_file(plain, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out_dir / path.name)
     return out_dir
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.quant.fp8_scheme import Fp8Scheme, UnsupportedQuantizationError
+
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "mistral",
@@ -45,6 +47,8 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_moe_text",
     "qwen3_5_moe",  # Qwen3_5MoeForConditionalGeneration: its text model only
 )
+# The families whose checkpoints may hold quantized linear layers (`pdserve.engine.quant`).
+QUANTIZED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
 GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -217,6 +221,8 @@ class ModelConfig:
     # Rotary turns only the first rotary_dim of each head's dimensions (Qwen3-Next's and
     # Qwen3.5's partial_rotary_factor); 0: all head_dim of them.
     rotary_dim: int = 0
+    # The checkpoint's quantized weights (None: plain float weights).
+    quantization: Fp8Scheme | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -325,6 +331,7 @@ class ModelConfig:
             model_type = cfg["model_type"]
         if model_type in QWEN3_NEXT_MODEL_TYPES:
             cfg = _qwen3_next_config(cfg)
+        quantization = _quantization(model_type, cfg.get("quantization_config"))
         act = cfg.get("hidden_act", "silu")
         # gpt-oss's transformers model reads no hidden_act: its experts' activation is fixed.
         if act != "silu" and model_type != "gpt_oss":
@@ -334,12 +341,6 @@ class ModelConfig:
         layer_kinds = _layer_kinds(model_type, cfg)
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("config.json field 'mlp_bias' = true is not supported")
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
-            raise UnsupportedModelError(
-                f"config.json field 'quantization_config' ({method}) is not supported: "
-                "pdserve loads float32, bfloat16 and float16 weights"
-            )
         # transformers 5 writes `rope_parameters` (theta inside); 4.x `rope_theta` + `rope_scaling`.
         rope_parameters = cfg.get("rope_parameters") or {}
         default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
@@ -388,6 +389,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
+            quantization=quantization,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
@@ -515,6 +517,29 @@ def _gpt_oss_defaults(cfg: dict) -> dict:
             "original_max_position_embeddings": 4096,
         }
     return cfg
+
+
+def _quantization(model_type: str, qcfg: dict | None) -> Fp8Scheme | None:
+    """The scheme of a quantized checkpoint: fine-grained FP8 in the dense families' linear
+    layers; every other method, value or family refused by field."""
+    if not qcfg:
+        return None
+    if not isinstance(qcfg, dict):
+        raise UnsupportedModelError(
+            f"config.json field 'quantization_config' = {qcfg!r} is not supported (an object)"
+        )
+    if model_type not in QUANTIZED_MODEL_TYPES:
+        method = qcfg.get("quant_method", "?")
+        raise UnsupportedModelError(
+            f"config.json field 'quantization_config' ({method}) is not supported for "
+            f"model_type {model_type!r} yet: quantized weights load into the dense "
+            f"{', '.join(QUANTIZED_MODEL_TYPES)} families only (not into experts, latent "
+            "attention or other layer kinds)"
+        )
+    try:
+        return Fp8Scheme.from_config(qcfg)
+    except UnsupportedQuantizationError as err:
+        raise UnsupportedModelError(str(err)) from None
 
 
 def _llama4_text_config(cfg: dict) -> dict:

@@ -8,6 +8,7 @@ the paged KV pool and the experts through the kernel op table."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 
@@ -25,6 +26,7 @@ from pdserve.engine.models.mla import LatentAttention
 from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.models.norm import RMSNorm
 from pdserve.engine.models.weights import CheckpointTensor
+from pdserve.engine.quant.fp8_linear import Fp8Linear
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.parallel_layers import (
     ParallelLMHead,
@@ -49,6 +51,34 @@ EXPERT_PROJECTIONS = {
 }
 
 
+def projection(
+    cfg: ModelConfig,
+    names: list[str],
+    in_features: int,
+    out_parts: tuple[int, ...],
+    bias: bool,
+    group: TPGroup | None = None,
+    row_parallel: bool = False,
+) -> nn.Module:
+    """The layer of one projection (or of several fused, `names` their checkpoint modules and
+    `out_parts` their rows): FP8 where the checkpoint quantizes it, else a plain linear layer
+    (row-parallel: its input split across the ranks of `group`)."""
+    scheme = cfg.quantization
+    quantized = [scheme is not None and scheme.quantizes(name) for name in names]
+    if any(quantized) and not all(quantized):
+        raise ValueError(
+            "config.json field 'quantization_config.modules_to_not_convert' keeps some of "
+            f"{', '.join(names)} unquantized but not all: pdserve fuses them into one layer"
+        )
+    if all(quantized) and scheme is not None:
+        return Fp8Linear(
+            in_features, out_parts, bias, scheme.block, group if row_parallel else None
+        )
+    if row_parallel:
+        return RowParallelLinear(in_features, sum(out_parts), bias, group)
+    return Linear(in_features, sum(out_parts), bias=bias)
+
+
 class Attention(nn.Module):
     def __init__(
         self, cfg: ModelConfig, layer_index: int, shard: TPShard, group: TPGroup | None
@@ -67,10 +97,23 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         # q, k and v of this rank's heads in one matmul (column-parallel); loading concatenates
         # the checkpoint's three projections.
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        prefix = f"model.layers.{layer_index}.self_attn."
+        self.qkv_proj = projection(
+            cfg,
+            [prefix + p for p in ("q_proj", "k_proj", "v_proj")],
+            cfg.hidden_size,
+            (self.q_size, self.kv_size, self.kv_size),
+            cfg.attention_bias,
         )
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, group)
+        self.o_proj = projection(
+            cfg,
+            [prefix + "o_proj"],
+            self.q_size,
+            (cfg.hidden_size,),
+            cfg.o_proj_bias,
+            group,
+            row_parallel=True,
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -149,13 +192,22 @@ class MLP(nn.Module):
         shard: TPShard,
         group: TPGroup | None,
         width: int | None = None,
+        prefix: str | None = None,
     ) -> None:
         """width: this rank's columns (by default its share of the config's intermediate_size);
-        without a group the down projection's output is this rank's partial sum."""
+        without a group the down projection's output is this rank's partial sum. prefix: the
+        checkpoint's name of this MLP (`model.layers.3.mlp.`), where its projections may be
+        quantized."""
         super().__init__()
-        self.intermediate_size = width or len(shard.columns(cfg.intermediate_size))
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, False, group)
+        self.intermediate_size = width = width or len(shard.columns(cfg.intermediate_size))
+        if prefix is None:  # an expert's or another family's MLP: never quantized
+            cfg = _unquantized(cfg)
+        prefix = prefix or ""
+        names = [prefix + "gate_proj", prefix + "up_proj"]
+        self.gate_up_proj = projection(cfg, names, cfg.hidden_size, (width, width), False)
+        self.down_proj = projection(
+            cfg, [prefix + "down_proj"], width, (cfg.hidden_size,), False, group, True
+        )
 
     def forward(self, x: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -176,7 +228,7 @@ class DecoderLayer(nn.Module):
         elif cfg.is_sparse_layer(layer_index):
             self.mlp = SparseMoE(cfg, shard, group, MLP)
         else:
-            self.mlp = MLP(cfg, shard, group)
+            self.mlp = MLP(cfg, shard, group, prefix=f"model.layers.{layer_index}.mlp.")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -386,6 +438,14 @@ class LlamaForCausalLM(nn.Module):
             split = slices.get(parts[-2]) if len(parts) >= 2 else None
             if split is not None and split[1] == 1 and parts[-1] == "bias":
                 split = None  # a row-parallel layer's bias is whole on every rank
+            if split is not None and parts[-1] in ("weight", "weight_scale_inv"):
+                module = self.get_submodule(".".join(parts[:-2] + [split[0]]))
+                if isinstance(module, Fp8Linear):
+                    dest, dim, part, size, offset = split
+                    offset = 0 if dim == 0 and dest == parts[-2] else offset
+                    module.load(parts[-1], tensor, dim, part, size, offset)
+                    seen.add(name)
+                    continue
             if split is None:
                 param, want, part, offset = params[local], None, None, 0
                 full = tuple(param.shape)
@@ -478,6 +538,19 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.e_score_correction_bias = bias.float()
 
     def _checkpoint_names(self) -> list[str]:
+        """Every weight the checkpoint must hold: each FP8 projection's scales beside it."""
+        names = self._plain_checkpoint_names()
+        scheme = self.config.quantization
+        if scheme is None:
+            return names
+        scales = [
+            n.removesuffix("weight") + "weight_scale_inv"
+            for n in names
+            if n.endswith(".weight") and scheme.quantizes(n.removesuffix(".weight"))
+        ]
+        return names + scales
+
+    def _plain_checkpoint_names(self) -> list[str]:
         cfg = self.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not cfg.tie_word_embeddings:
@@ -529,6 +602,10 @@ class LlamaForCausalLM(nn.Module):
             if cfg.shared_expert_gated:
                 names.append(moe + "shared_expert_gate.weight")
         return names
+
+
+def _unquantized(cfg: ModelConfig) -> ModelConfig:
+    return cfg if cfg.quantization is None else dataclasses.replace(cfg, quantization=None)
 
 
 def _extra_layer(local: str, num_layers: int) -> bool:

@@ -43,6 +43,11 @@ class CheckpointTensor:
     def shape(self) -> tuple[int, ...]:
         return tuple(self._slice.get_shape())
 
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype in the file, as safetensors names it (F32, BF16, F8_E4M3)."""
+        return self._slice.get_dtype()
+
     def read(
         self,
         rows: range | None = None,

@@ -16,6 +16,7 @@ from pdserve.engine.cpu import linear as cpu_linear
 from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.models.loader import load_model
+from pdserve.engine.quant.fp8_linear import Fp8Linear
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.ops import select_ops
@@ -52,6 +53,8 @@ class ModelShard:
         self.device = config.rank_device(shard.rank)
         dtype = config.resolved_dtype()
         self.model = load_model(model_dir, dtype, self.device, shard, group)
+        if shard.is_first:
+            logger.info("%s", weight_line(self.model))
         if cpu_linear.choose(config.cpu_linear, self.device, dtype, config.compile):
             n = cpu_linear.pack(self.model)
             logger.info("cpu_linear: %d linear layers packed for oneDNN", n)
@@ -157,6 +160,27 @@ class ModelShard:
             self.runner.capture_decode_graphs(
                 min(config.cuda_graph_max_batch_size, config.max_num_seqs), self.context_limit
             )
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes this rank's weights take, as stored (a tied weight once): what leaves the rest
+    of a GPU's memory to the KV pool."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def weight_line(model: torch.nn.Module) -> str:
+    """The start-up log's weights: their bytes on this rank, and the quantized layers' share."""
+    total = weight_bytes(model)
+    quantized = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    line = f"weights: {total / 2**20:.1f} MiB on this rank"
+    if quantized:
+        fp8 = sum(weight_bytes(m) for m in quantized)
+        scheme = model.config.quantization
+        line += (
+            f", of which {fp8 / 2**20:.1f} MiB in {len(quantized)} linear layers kept in "
+            f"{scheme.label} (weights and float32 scales; dequantized per call)"
+        )
+    return line
 
 
 def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:

@@ -46,6 +46,8 @@ class TPShard:
                 )
         if cfg.linear_attention is not None:
             self._check_linear(cfg)
+        if cfg.quantization is not None and size > 1:
+            self._check_blocks(cfg)
         kv = cfg.cache_heads  # MLA's one latent is whole on every rank
         if (kv >= size and kv % size) or (kv < size and size % kv):
             raise ValueError(
@@ -77,6 +79,36 @@ class TPShard:
                     f"tensor_parallel_size={size} (a linear-attention model's ranks split its "
                     "linear heads and KV heads, none replicated)"
                 )
+
+    def _check_blocks(self, cfg: ModelConfig) -> None:
+        """Every rank's share of a block-quantized projection starts on a block boundary, so
+        the FP8 weight and its scales split along the same lines."""
+        block = cfg.quantization.block
+        hd = cfg.head_dim
+        ranks = [TPShard(r, self.size) for r in range(self.size)]
+        q = [
+            range(s.q_heads(cfg.num_heads).start * hd, s.q_heads(cfg.num_heads).stop * hd)
+            for s in ranks
+        ]
+        kv = [kv_head_range(s.rank, s.size, cfg.num_kv_heads) for s in ranks]
+        kv = [range(r.start * hd, r.stop * hd) for r in kv]
+        mlp = [s.columns(cfg.intermediate_size) for s in ranks]
+        splits = [
+            ("q_proj", "rows", q, block[0]),
+            ("k_proj and v_proj", "rows", kv, block[0]),
+            ("o_proj", "columns", q, block[1]),
+            ("gate_proj and up_proj", "rows", mlp, block[0]),
+            ("down_proj", "columns", mlp, block[1]),
+        ]
+        for what, axis, parts, size in splits:
+            for rank, part in enumerate(parts):
+                if part.start % size:
+                    raise ValueError(
+                        f"quantization_config.weight_block_size = {list(block)} and "
+                        f"tensor_parallel_size={self.size}: rank {rank}'s {axis} of {what} "
+                        f"start at {part.start}, inside a block of {size} (each rank's share "
+                        "must be whole blocks)"
+                    )
 
     def q_heads(self, num_heads: int) -> range:
         per = num_heads // self.size

@@ -1,0 +1,156 @@
+"""A linear layer whose weight stays block-scaled FP8 in memory (with its float32 scales) and is
+dequantized into the activations' dtype on every call: the memory is the point, so nothing
+dequantized is kept between calls (on CPU the dequantization, a pass over the whole weight, costs
+far more than a decode step's matmul on a kept float copy: the price of the memory). Fused projections (q/k/v, gate/up) hold each part's rows
+with that part's own scale rows, so a part whose rows end in a ragged block fuses too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pdserve.engine.quant.fp8_reference import FP8, scale_shape
+
+if TYPE_CHECKING:  # the models import this layer; it only reads what they hand it
+    from pdserve.engine.models.weights import CheckpointTensor
+    from pdserve.engine.tp.group import TPGroup
+
+
+def _blocks(part: range, block: int) -> range:
+    """The blocks that hold `part` of a dimension (a rank's share starts on a block boundary)."""
+    return range(part.start // block, -(-part.stop // block))
+
+
+class Fp8Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_parts: tuple[int, ...],
+        bias: bool,
+        block: tuple[int, int],
+        group: TPGroup | None = None,
+    ) -> None:
+        """out_parts: the output rows of each fused projection in order (one part: unfused).
+        With a group the layer is row-parallel: its input is this rank's share, its partial
+        outputs are summed across ranks and the whole bias added once."""
+        super().__init__()
+        self.in_features = in_features
+        self.out_parts = out_parts
+        self.out_features = sum(out_parts)
+        self.block = block
+        self.group = group
+        scale_rows = sum(-(-n // block[0]) for n in out_parts)
+        scale_cols = -(-in_features // block[1])
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, in_features, dtype=FP8), requires_grad=False
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(scale_rows, scale_cols, dtype=torch.float32), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        self._index(self.weight.device)
+
+    def _index(self, device: torch.device) -> None:
+        """Each weight row's scale row (a plain attribute: a model built on the meta device makes
+        it again where its weights land)."""
+        rows, scale_offset = [], 0
+        for n in self.out_parts:
+            rows.append(scale_offset + torch.arange(n, device=device) // self.block[0])
+            scale_offset += -(-n // self.block[0])
+        self.scale_rows = torch.cat(rows)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):  # noqa: ANN202
+        """Moves (and `to_empty`) reach the FP8 weight and its scales; dtype casts of the model
+        (`model.to(torch.bfloat16)`) do not: they keep their stored dtypes."""
+        device = fn(torch.empty(0, device=self.weight.device)).device
+        for name in ("weight", "weight_scale_inv"):
+            param = getattr(self, name)
+            moved = torch.empty_like(param, device=device) if param.is_meta else param.to(device)
+            setattr(self, name, nn.Parameter(moved, requires_grad=False))
+        if self.bias is not None:
+            self.bias = nn.Parameter(fn(self.bias.detach()), requires_grad=False)
+        self._index(device)
+        return self
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in `dtype`: each FP8 element times its block's scale."""
+        # Each row's scales [out, scale columns], broadcast over the whole column blocks, then
+        # the ragged last block's columns (a full [out, in] gather of scales is slower).
+        row_scales = self.weight_scale_inv.index_select(0, self.scale_rows)
+        weight = self.weight.to(torch.float32)
+        out, cols = weight.shape
+        whole = cols // self.block[1] * self.block[1]
+        body = (
+            weight[:, :whole].view(out, -1, self.block[1])
+            * row_scales[:, : whole // self.block[1], None]
+        )
+        parts = [body.view(out, whole)]
+        if whole < cols:
+            parts.append(weight[:, whole:] * row_scales[:, -1:])
+        return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized(x.dtype)
+        if self.group is None:
+            return F.linear(x, weight, self.bias)
+        y = self.group.all_reduce(F.linear(x, weight))
+        return y if self.bias is None else y + self.bias
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def load(
+        self, kind: str, tensor: CheckpointTensor, dim: int, part: range, size: int, offset: int
+    ) -> None:
+        """Read this rank's `part` (of `size`, along `dim`: 0 rows, 1 columns) of a checkpoint
+        projection's `weight` or `weight_scale_inv` into place; a fused part's rows go at row
+        `offset`, its scale rows after the scale rows of the parts before it."""
+        b0, b1 = self.block
+        if dim == 0:
+            full = (size, self.in_features)
+        else:
+            full = (self.out_features, size)
+        if kind == "weight_scale_inv":
+            full = scale_shape(full, self.block)
+        if tuple(tensor.shape) != full:
+            raise ValueError(
+                f"weight '{tensor.name}' has shape {tuple(tensor.shape)}, expected {full}"
+                + (f" (blocks of {b0}x{b1})" if kind == "weight_scale_inv" else "")
+            )
+        stored = tensor.stored_dtype
+        want = "F8_E4M3" if kind == "weight" else "F32"
+        if stored != want:
+            raise ValueError(
+                f"weight '{tensor.name}' is stored as {stored}; an FP8 checkpoint "
+                f"(quantization_config) stores it as {want}"
+            )
+        with torch.no_grad():
+            if kind == "weight":
+                target = self.weight.data
+                if dim == 0:
+                    target.narrow(0, offset, len(part)).copy_(tensor.read(rows=part, dtype=FP8))
+                else:
+                    target.copy_(tensor.read(columns=part, dtype=FP8))
+                return
+            target = self.weight_scale_inv.data
+            if dim == 0:
+                rows = _blocks(part, b0)
+                start = self._scale_offset(offset)
+                target.narrow(0, start, len(rows)).copy_(
+                    tensor.read(rows=rows, dtype=torch.float32)
+                )
+            else:
+                target.copy_(tensor.read(columns=_blocks(part, b1), dtype=torch.float32))
+
+    def _scale_offset(self, row_offset: int) -> int:
+        """The first scale row of the fused part whose rows start at row_offset."""
+        rows = scales = 0
+        for n in self.out_parts:
+            if rows == row_offset:
+                return scales
+            rows += n
+            scales += -(-n // self.block[0])
+        raise ValueError(f"no fused part starts at row {row_offset} of {self.out_parts}")

@@ -1,0 +1,77 @@
+"""The scheme of a Hugging Face fine-grained FP8 checkpoint (DeepSeek-V3/R1, Qwen3-*-FP8), read
+from its config's `quantization_config`; any other method or value is refused by field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The projections a dense Llama-family layer quantizes (embeddings and lm_head stay unquantized).
+QUANTIZABLE_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class UnsupportedQuantizationError(ValueError):
+    """A checkpoint's quantization_config names a method or value this engine does not run."""
+
+
+def _refuse(field: str, value: object, supported: str) -> UnsupportedQuantizationError:
+    return UnsupportedQuantizationError(
+        f"config.json field 'quantization_config.{field}' = {value!r} is not supported "
+        f"(supported: {supported})"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """Block-scaled FP8 weights: each quantized linear's `weight` float8_e4m3fn [out, in] and
+    `weight_scale_inv` float32 [ceil(out / block[0]), ceil(in / block[1])]; activations stay
+    in the model's dtype (dynamic activation scales are a GPU kernel's business, not the
+    weights'). not_converted: names that keep their plain weights (transformers' substring
+    match of `modules_to_not_convert`)."""
+
+    block: tuple[int, int]
+    not_converted: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, qcfg: dict) -> Fp8Scheme:
+        method = qcfg.get("quant_method")
+        if method != "fp8":
+            raise _refuse("quant_method", method, "'fp8'")
+        fmt = qcfg.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise _refuse("fmt", fmt, "'e4m3'")
+        activations = qcfg.get("activation_scheme", "dynamic")
+        if activations != "dynamic":
+            raise _refuse("activation_scheme", activations, "'dynamic'")
+        block = qcfg.get("weight_block_size")
+        if (
+            not isinstance(block, list | tuple)
+            or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)
+        ):
+            raise _refuse("weight_block_size", block, "two positive integers, e.g. [128, 128]")
+        not_converted: list[str] = []
+        for field in ("modules_to_not_convert", "ignored_layers"):  # vLLM's name for it
+            names = qcfg.get(field) or []
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise _refuse(field, names, "a list of module names")
+            not_converted += names
+        return cls(block=(block[0], block[1]), not_converted=tuple(not_converted))
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint holds `module` (its full name, e.g.
+        model.layers.0.self_attn.q_proj) in FP8."""
+        if module.rsplit(".", 1)[-1] not in QUANTIZABLE_PROJECTIONS:
+            return False
+        return not any(name in module for name in self.not_converted)
+
+    @property
+    def label(self) -> str:
+        return f"fp8 e4m3, blocks of {self.block[0]}x{self.block[1]}"
