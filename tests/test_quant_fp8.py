@@ -1,6 +1,6 @@
 """Hugging Face fine-grained FP8 checkpoints (DeepSeek-V3/R1's and Qwen3-FP8's layout): tiny
 float32 checkpoints made by `transformers`, quantized by our writer of the published layout
-(`tests/checkpoints.py: quantize_checkpoint_fp8`), served with their weights kept in FP8.
+(`pdserve.engine.quant.fp8_checkpoint`), served with their weights kept in FP8.
 
 The tokens' references: the same weights dequantized into a float32 checkpoint, run by pdserve
 and by transformers. transformers (5.x) loads an FP8 checkpoint on a CPU only with `accelerate`
@@ -17,17 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from checkpoints import (
-    build_checkpoint,
-    dequantize_checkpoint_fp8,
-    hf_greedy,
-    quantize_checkpoint_fp8,
-)
+from checkpoints import build_checkpoint, dequantize_checkpoint_fp8, hf_greedy
 from conftest import random_prompts
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.loader import load_model
+from pdserve.engine.quant.fp8_checkpoint import write_fp8_checkpoint
 from pdserve.engine.quant.fp8_linear import Fp8Linear
 from pdserve.engine.quant.fp8_reference import FP8, dequantize, quantize, scale_shape
 from pdserve.engine.tp.model_shard import weight_line
@@ -51,7 +47,7 @@ def fp8_dirs(tmp_path_factory: pytest.TempPathFactory):
         if family not in built:
             root = tmp_path_factory.mktemp(family)
             plain = build_checkpoint(family, root / "float32")
-            fp8 = quantize_checkpoint_fp8(plain, root / "fp8", SHAPES[family])
+            fp8 = write_fp8_checkpoint(plain, root / "fp8", SHAPES[family])
             built[family] = fp8, dequantize_checkpoint_fp8(fp8, root / "dequantized")
         return built[family]
 
@@ -151,7 +147,7 @@ def test_fp8_greedy_tokens_equal_transformers_on_the_same_fp8_checkpoint(tmp_pat
         "accelerate", reason="transformers loads FP8 checkpoints only with accelerate installed"
     )
     plain = build_checkpoint("llama", tmp_path / "float32")  # 64 and 128 wide: whole blocks
-    fp8 = quantize_checkpoint_fp8(plain, tmp_path / "fp8", (16, 16))
+    fp8 = write_fp8_checkpoint(plain, tmp_path / "fp8", (16, 16))
     prompts = random_prompts(6, PROMPT_LENGTHS)
     assert greedy(fp8, prompts) == hf_greedy(fp8, prompts, GREEDY.max_tokens)
 

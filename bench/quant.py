@@ -1,0 +1,125 @@
+"""What a quantized checkpoint costs and saves on the CPU, side by side in one run against the
+same model in bfloat16: the weight bytes the loaded model holds, and the offline engine's
+throughput on the same greedy requests (each writing exactly max_tokens), rounds alternating.
+The FP8 checkpoint is the bf16 one written in Hugging Face's fine-grained layout
+(`engine.quant.fp8_checkpoint`, blocks of 128x128); activations are bfloat16 for both.
+
+    python -m pdserve.bench.quant
+    python -m pdserve.bench.quant --model llama-50m --requests 8 --max-tokens 32 \
+        --json-out bench/results/quant_fp8_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.bench.peers import models as bench_models
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.quant.fp8_checkpoint import write_fp8_checkpoint
+from pdserve.tune import provenance
+
+PROG = "pdserve.bench.quant"
+BLOCK = (128, 128)
+
+
+def weight_bytes(llm: LLM) -> int:
+    """The bytes of the loaded model's parameters (a tied head counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in llm.engine.model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def throughput(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return tokens / (time.perf_counter() - start), tokens
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict:
+    plain = bench_models.resolve(args.model)
+    fp8 = write_fp8_checkpoint(plain, work / "fp8", BLOCK)
+    engines = {
+        "bf16": LLM(str(plain), dtype="bfloat16", num_kv_blocks=1024, block_size=16),
+        "fp8": LLM(str(fp8), dtype="bfloat16", num_kv_blocks=1024, block_size=16),
+    }
+    prompts = [
+        [(7 * i + j) % 1000 + 2 for j in range(args.prompt_len)] for i in range(args.requests)
+    ]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    outputs = {}
+    for name, llm in engines.items():  # warm-up, and the outputs compared
+        outputs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    rounds = []
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        row = {}
+        for name in order:
+            rate, tokens = throughput(engines[name], prompts, params)
+            row[name] = {"tokens_per_s": round(rate, 1), "tokens": tokens}
+        rounds.append(row)
+        print(
+            f"round {r + 1}: " + ", ".join(f"{n} {row[n]['tokens_per_s']} tok/s" for n in engines)
+        )
+    same = sum(a == b for a, b in zip(outputs["bf16"], outputs["fp8"]))
+    return {
+        "model": args.model,
+        "weight_bytes": {name: weight_bytes(llm) for name, llm in engines.items()},
+        "rounds": rounds,
+        "fp8_over_bf16": round(
+            statistics.median(r["fp8"]["tokens_per_s"] / r["bf16"]["tokens_per_s"] for r in rounds),
+            3,
+        ),
+        "same_greedy_outputs": f"{same} of {len(prompts)}",
+    }
+
+
+def docs_table(*results: dict) -> str:
+    """Weight bytes and throughput, bf16 against FP8, a row per model (bench.docs renders it)."""
+    lines = [
+        "| model | weights bf16 | weights FP8 | FP8 / bf16 bytes | tok/s bf16, per round | "
+        "tok/s FP8, per round | FP8 / bf16 tok/s (median) | same greedy outputs |",
+        "| --- | ---: | ---: | ---: | --- | --- | ---: | --- |",
+    ]
+    for res in results:
+        w = res["weight_bytes"]
+        per = {n: " / ".join(f"{r[n]['tokens_per_s']:,.0f}" for r in res["rounds"]) for n in w}
+        lines.append(
+            f"| {res['model']} | {w['bf16'] / 2**20:.1f} MiB | {w['fp8'] / 2**20:.1f} MiB | "
+            f"{w['fp8'] / w['bf16']:.2f} | {per['bf16']} | {per['fp8']} | "
+            f"{res['fp8_over_bf16']:.2f} | {res['same_greedy_outputs']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-9m", help="a bench model (bench.peers.models)")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args(argv)
+    record = provenance.start(sys.argv if argv is None else ["python", "-m", PROG, *argv])
+    with tempfile.TemporaryDirectory(prefix="pdserve-quant-") as tmp:
+        results = measure(args, Path(tmp))
+    results = provenance.finish(record) | results
+    print(docs_table(results))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
