@@ -100,8 +100,9 @@ class ReasoningPlan:
         reasoning, answer = stream.feed(text, finished=True)
         return (reasoning if stream.reasoned else None), answer
 
-    def reasoning_tokens(self, output_ids: list[int], start_ids: list[int], end_ids: list[int]
-                         ) -> int:  # fmt: skip
+    def reasoning_tokens(
+        self, output_ids: list[int], start_ids: list[int], end_ids: list[int]
+    ) -> int:
         """How many of the output's tokens are reasoning: up to its end marker's (included)."""
         if self.opens is False or not end_ids:
             return 0
