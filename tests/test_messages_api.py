@@ -19,8 +19,8 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ServeProcess
+from served_metrics import idle as served_idle
 from waiting import wait_until
 
 from pdserve.bench.stories import grammar
@@ -77,16 +77,7 @@ class Server:
 
     def idle(self) -> bool:
         """Every KV block free and no request left at the coordinator."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        m = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                m[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        free = sum(v for k, v in m.items() if k.startswith("pdserve_kv_blocks_free{"))
-        total = sum(v for k, v in m.items() if k.startswith("pdserve_kv_blocks_total{"))
-        busy = m["pdserve_requests_running"] + m["pdserve_requests_waiting"]
-        return total > 0 and free == total and busy == 0
+        return served_idle(self.url)
 
     def wait_until_idle(self) -> None:
         wait_until(self.idle, "every KV block free and no request left at the coordinator")

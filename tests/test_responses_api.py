@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
+from served_metrics import idle as served_idle
 from waiting import wait_until
 
 from pdserve.bench.stories import grammar
@@ -64,15 +64,7 @@ class Served:
 
     def idle(self) -> bool:
         """Every KV block free and no request left at the coordinator."""
-        m = {}
-        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                m[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        free = sum(v for k, v in m.items() if k.startswith("pdserve_kv_blocks_free{"))
-        total = sum(v for k, v in m.items() if k.startswith("pdserve_kv_blocks_total{"))
-        busy = m["pdserve_requests_running"] + m["pdserve_requests_waiting"]
-        return total > 0 and free == total and busy == 0
+        return served_idle(self.url)
 
 
 @pytest.fixture(scope="module")
