@@ -167,7 +167,7 @@ def test_a_rank_share_inside_a_block_is_refused_naming_the_sizes(fp8_dirs, tmp_p
     with pytest.raises(ValueError) as err:
         TPShard(0, 2).check(config)
     message = str(err.value)
-    assert "weight_block_size = [32, 32]" in message and "tensor_parallel_size=2" in message
+    assert "blocks of 32x32" in message and "tensor_parallel_size=2" in message
     assert "k_proj and v_proj start at 16, inside a block of 32" in message
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.quant.fp8_scheme import Fp8Scheme, UnsupportedQuantizationError
+from pdserve.engine.quant.scheme import QuantScheme, UnsupportedQuantizationError
+from pdserve.engine.quant.schemes import scheme_from_config
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -222,7 +223,7 @@ class ModelConfig:
     # Qwen3.5's partial_rotary_factor); 0: all head_dim of them.
     rotary_dim: int = 0
     # The checkpoint's quantized weights (None: plain float weights).
-    quantization: Fp8Scheme | None = None
+    quantization: QuantScheme | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -519,9 +520,9 @@ def _gpt_oss_defaults(cfg: dict) -> dict:
     return cfg
 
 
-def _quantization(model_type: str, qcfg: dict | None) -> Fp8Scheme | None:
-    """The scheme of a quantized checkpoint: fine-grained FP8 in the dense families' linear
-    layers; every other method, value or family refused by field."""
+def _quantization(model_type: str, qcfg: dict | None) -> QuantScheme | None:
+    """The scheme of a quantized checkpoint (`pdserve.engine.quant.schemes`) in the dense
+    families' linear layers; every other method, value or family refused by field."""
     if not qcfg:
         return None
     if not isinstance(qcfg, dict):
@@ -537,7 +538,7 @@ def _quantization(model_type: str, qcfg: dict | None) -> Fp8Scheme | None:
             "attention or other layer kinds)"
         )
     try:
-        return Fp8Scheme.from_config(qcfg)
+        return scheme_from_config(qcfg)
     except UnsupportedQuantizationError as err:
         raise UnsupportedModelError(str(err)) from None
 

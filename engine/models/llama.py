@@ -26,7 +26,7 @@ from pdserve.engine.models.mla import LatentAttention
 from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.models.norm import RMSNorm
 from pdserve.engine.models.weights import CheckpointTensor
-from pdserve.engine.quant.fp8_linear import Fp8Linear
+from pdserve.engine.quant.linear import QuantLinear
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.parallel_layers import (
     ParallelLMHead,
@@ -61,7 +61,8 @@ def projection(
     row_parallel: bool = False,
 ) -> nn.Module:
     """The layer of one projection (or of several fused, `names` their checkpoint modules and
-    `out_parts` their rows): FP8 where the checkpoint quantizes it, else a plain linear layer
+    `out_parts` their rows): the scheme's quantized layer where the checkpoint quantizes it,
+    else a plain linear layer
     (row-parallel: its input split across the ranks of `group`)."""
     scheme = cfg.quantization
     quantized = [scheme is not None and scheme.quantizes(name) for name in names]
@@ -71,9 +72,7 @@ def projection(
             f"{', '.join(names)} unquantized but not all: pdserve fuses them into one layer"
         )
     if all(quantized) and scheme is not None:
-        return Fp8Linear(
-            in_features, out_parts, bias, scheme.block, group if row_parallel else None
-        )
+        return scheme.linear(in_features, out_parts, bias, group if row_parallel else None)
     if row_parallel:
         return RowParallelLinear(in_features, sum(out_parts), bias, group)
     return Linear(in_features, sum(out_parts), bias=bias)
@@ -438,9 +437,9 @@ class LlamaForCausalLM(nn.Module):
             split = slices.get(parts[-2]) if len(parts) >= 2 else None
             if split is not None and split[1] == 1 and parts[-1] == "bias":
                 split = None  # a row-parallel layer's bias is whole on every rank
-            if split is not None and parts[-1] in ("weight", "weight_scale_inv"):
+            if split is not None and parts[-1] != "bias":
                 module = self.get_submodule(".".join(parts[:-2] + [split[0]]))
-                if isinstance(module, Fp8Linear):
+                if isinstance(module, QuantLinear) and parts[-1] in module.kinds:
                     dest, dim, part, size, offset = split
                     offset = 0 if dim == 0 and dest == parts[-2] else offset
                     module.load(parts[-1], tensor, dim, part, size, offset)
@@ -538,17 +537,20 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.e_score_correction_bias = bias.float()
 
     def _checkpoint_names(self) -> list[str]:
-        """Every weight the checkpoint must hold: each FP8 projection's scales beside it."""
+        """Every weight the checkpoint must hold: a quantized projection's tensors (its scheme's
+        `tensor_names`) in place of its `weight`."""
         names = self._plain_checkpoint_names()
         scheme = self.config.quantization
         if scheme is None:
             return names
-        scales = [
-            n.removesuffix("weight") + "weight_scale_inv"
-            for n in names
-            if n.endswith(".weight") and scheme.quantizes(n.removesuffix(".weight"))
-        ]
-        return names + scales
+        held = []
+        for name in names:
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and scheme.quantizes(module):
+                held += [f"{module}.{kind}" for kind in scheme.tensor_names]
+            else:
+                held.append(name)
+        return held
 
     def _plain_checkpoint_names(self) -> list[str]:
         cfg = self.config

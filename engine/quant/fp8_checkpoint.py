@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.quant.fp8_reference import quantize
-from pdserve.engine.quant.fp8_scheme import QUANTIZABLE_PROJECTIONS
+from pdserve.engine.quant.scheme import QUANTIZABLE_PROJECTIONS
 
 
 def write_fp8_checkpoint(

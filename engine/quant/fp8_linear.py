@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pdserve.engine.quant.fp8_reference import FP8, scale_shape
+from pdserve.engine.quant.linear import QuantLinear
 
 if TYPE_CHECKING:  # the models import this layer; it only reads what they hand it
     from pdserve.engine.models.weights import CheckpointTensor
@@ -25,7 +25,9 @@ def _blocks(part: range, block: int) -> range:
     return range(part.start // block, -(-part.stop // block))
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantLinear):
+    kinds = ("weight", "weight_scale_inv")
+
     def __init__(
         self,
         in_features: int,
@@ -92,13 +94,6 @@ class Fp8Linear(nn.Module):
         if whole < cols:
             parts.append(weight[:, whole:] * row_scales[:, -1:])
         return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantized(x.dtype)
-        if self.group is None:
-            return F.linear(x, weight, self.bias)
-        y = self.group.all_reduce(F.linear(x, weight))
-        return y if self.bias is None else y + self.bias
 
     # --- loading -------------------------------------------------------------------------------
 

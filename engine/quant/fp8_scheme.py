@@ -4,28 +4,14 @@ from its config's `quantization_config`; any other method or value is refused by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-# The projections a dense Llama-family layer quantizes (embeddings and lm_head stay unquantized).
-QUANTIZABLE_PROJECTIONS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+from pdserve.engine.quant.scheme import QUANTIZABLE_PROJECTIONS
+from pdserve.engine.quant.scheme import refuse as _refuse
 
-
-class UnsupportedQuantizationError(ValueError):
-    """A checkpoint's quantization_config names a method or value this engine does not run."""
-
-
-def _refuse(field: str, value: object, supported: str) -> UnsupportedQuantizationError:
-    return UnsupportedQuantizationError(
-        f"config.json field 'quantization_config.{field}' = {value!r} is not supported "
-        f"(supported: {supported})"
-    )
+if TYPE_CHECKING:
+    from pdserve.engine.quant.fp8_linear import Fp8Linear
+    from pdserve.engine.tp.group import TPGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +61,22 @@ class Fp8Scheme:
     @property
     def label(self) -> str:
         return f"fp8 e4m3, blocks of {self.block[0]}x{self.block[1]}"
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale_inv")
+
+    @property
+    def alignment(self) -> tuple[int, int]:
+        return self.block
+
+    def linear(
+        self,
+        in_features: int,
+        out_parts: tuple[int, ...],
+        bias: bool,
+        group: TPGroup | None,
+    ) -> Fp8Linear:
+        from pdserve.engine.quant.fp8_linear import Fp8Linear
+
+        return Fp8Linear(in_features, out_parts, bias, self.block, group)

@@ -16,7 +16,7 @@ from pdserve.engine.cpu import linear as cpu_linear
 from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.models.loader import load_model
-from pdserve.engine.quant.fp8_linear import Fp8Linear
+from pdserve.engine.quant.linear import QuantLinear
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.ops import select_ops
@@ -171,14 +171,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def weight_line(model: torch.nn.Module) -> str:
     """The start-up log's weights: their bytes on this rank, and the quantized layers' share."""
     total = weight_bytes(model)
-    quantized = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     line = f"weights: {total / 2**20:.1f} MiB on this rank"
     if quantized:
-        fp8 = sum(weight_bytes(m) for m in quantized)
+        packed = sum(weight_bytes(m) for m in quantized)
         scheme = model.config.quantization
         line += (
-            f", of which {fp8 / 2**20:.1f} MiB in {len(quantized)} linear layers kept in "
-            f"{scheme.label} (weights and float32 scales; dequantized per call)"
+            f", of which {packed / 2**20:.1f} MiB in {len(quantized)} linear layers kept in "
+            f"{scheme.label} (weights and their scales; dequantized per call)"
         )
     return line
 

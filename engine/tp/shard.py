@@ -82,8 +82,8 @@ class TPShard:
 
     def _check_blocks(self, cfg: ModelConfig) -> None:
         """Every rank's share of a block-quantized projection starts on a block boundary, so
-        the FP8 weight and its scales split along the same lines."""
-        block = cfg.quantization.block
+        the quantized weight and its scales split along the same lines."""
+        block = cfg.quantization.alignment
         hd = cfg.head_dim
         ranks = [TPShard(r, self.size) for r in range(self.size)]
         q = [
@@ -104,10 +104,10 @@ class TPShard:
             for rank, part in enumerate(parts):
                 if part.start % size:
                     raise ValueError(
-                        f"quantization_config.weight_block_size = {list(block)} and "
+                        f"quantization_config ({cfg.quantization.label}) and "
                         f"tensor_parallel_size={self.size}: rank {rank}'s {axis} of {what} "
                         f"start at {part.start}, inside a block of {size} (each rank's share "
-                        "must be whole blocks)"
+                        "must be whole blocks, groups or packed words)"
                     )
 
     def q_heads(self, num_heads: int) -> range:

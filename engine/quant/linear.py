@@ -1,0 +1,47 @@
+"""The base of every layer whose weight stays quantized in memory: it is dequantized into the
+activations' dtype on every call (nothing dequantized is kept between calls: the memory is the
+point), and reads its checkpoint tensors itself, in the logical [out, in] terms the models split
+by, whatever the format's packing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.weights import CheckpointTensor
+    from pdserve.engine.tp.group import TPGroup
+
+
+class QuantLinear(nn.Module):
+    """Subclasses set `in_features`, `out_parts`, `out_features`, `group` and `bias` and
+    implement `dequantized` and `load`; `kinds` names the checkpoint tensors `load` reads."""
+
+    kinds: tuple[str, ...] = ()
+    in_features: int
+    out_parts: tuple[int, ...]
+    out_features: int
+    group: TPGroup | None
+    bias: nn.Parameter | None
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in `dtype` (the format's reference dequantization)."""
+        raise NotImplementedError
+
+    def load(
+        self, kind: str, tensor: CheckpointTensor, dim: int, part: range, size: int, offset: int
+    ) -> None:
+        """Read this rank's `part` (of `size`, along the logical `dim`: 0 output rows, 1 input
+        columns) of one checkpoint tensor (`kind`, one of `kinds`) into place; a fused part's
+        rows go at output row `offset`."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized(x.dtype)
+        if self.group is None:
+            return F.linear(x, weight, self.bias)
+        y = self.group.all_reduce(F.linear(x, weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,71 @@
+"""What every quantized checkpoint's scheme tells the models: which projections it quantizes,
+the tensors that stand for each one's `weight` in the checkpoint, the layer that keeps them in
+memory, and the grid a tensor-parallel rank's share must start on. Each format
+(`fp8_scheme.Fp8Scheme`, ...) implements it; `schemes.scheme_from_config` picks one by the
+config's `quant_method`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.engine.quant.linear import QuantLinear
+    from pdserve.engine.tp.group import TPGroup
+
+# The projections a dense Llama-family layer quantizes (embeddings and lm_head stay unquantized).
+QUANTIZABLE_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class UnsupportedQuantizationError(ValueError):
+    """A checkpoint's quantization_config names a method or value this engine does not run."""
+
+
+def refuse(field: str, value: object, supported: str) -> UnsupportedQuantizationError:
+    """The error naming the `quantization_config` field whose value is not run."""
+    return UnsupportedQuantizationError(
+        f"config.json field 'quantization_config.{field}' = {value!r} is not supported "
+        f"(supported: {supported})"
+    )
+
+
+class QuantScheme(Protocol):
+    @property
+    def label(self) -> str:
+        """How the start-up line names the format (e.g. `fp8 e4m3, blocks of 128x128`)."""
+        ...
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The tensors a quantized projection holds in the checkpoint in place of `weight`
+        (e.g. `weight`, `weight_scale_inv`), each required."""
+        ...
+
+    @property
+    def alignment(self) -> tuple[int, int]:
+        """The multiple (output rows, input columns) a tensor-parallel rank's share of a
+        quantized projection must start at: its packed words, blocks or groups stay whole."""
+        ...
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint holds `module` (its full name, e.g.
+        model.layers.0.self_attn.q_proj) quantized."""
+        ...
+
+    def linear(
+        self,
+        in_features: int,
+        out_parts: tuple[int, ...],
+        bias: bool,
+        group: TPGroup | None,
+    ) -> QuantLinear:
+        """The layer of a (fused) quantized projection: `out_parts` its parts' output rows;
+        with a group, row-parallel (its input this rank's share, its outputs summed)."""
+        ...

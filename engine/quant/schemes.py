@@ -1,0 +1,22 @@
+"""The scheme of a quantized checkpoint, chosen by its config's `quantization_config.quant_method`;
+any other method is refused by field."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdserve.engine.quant.fp8_scheme import Fp8Scheme
+from pdserve.engine.quant.scheme import QuantScheme, refuse
+
+# quant_method -> the scheme read from the whole quantization_config.
+SCHEMES: dict[str, Callable[[dict], QuantScheme]] = {
+    "fp8": Fp8Scheme.from_config,
+}
+
+
+def scheme_from_config(qcfg: dict) -> QuantScheme:
+    method = qcfg.get("quant_method")
+    reader = SCHEMES.get(method) if isinstance(method, str) else None
+    if reader is None:
+        raise refuse("quant_method", method, ", ".join(repr(m) for m in SCHEMES))
+    return reader(qcfg)
