@@ -469,12 +469,15 @@ def test_padded_decode_inputs_through_triton_ops_generate_what_the_reference_doe
 # --- compiling for a GPU without one -----------------------------------------------------------
 
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-TRITON_TYPES.update({torch.int32: "i32", torch.int64: "i64"})
+TRITON_TYPES.update({torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"})
 
 
-def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
-    """Compile one recorded launch for an H100 as Triton's launcher would specialize it (16-byte
-    aligned pointers, ints divisible by 16 marked so) and fail on any compile error or spill."""
+def _compile_for_sm90(  # noqa: ANN201
+    kernel, args: tuple, kwargs: dict, scratch: Path, capability: int = 90
+):
+    """Compile one recorded launch for an H100 (or another `capability`) as Triton's launcher
+    would specialize it (16-byte aligned pointers, ints divisible by 16 marked so) and fail on any
+    compile error or spill; returns the compiled kernel (its `asm` holds the PTX)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -484,7 +487,8 @@ def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
     values = dict(zip(kernel.arg_names, args), **kwargs)
     if "UPCAST_DOT" in values:  # the launches were recorded off-GPU; compile the GPU variant
         values["UPCAST_DOT"] = False
-        operand = values.get("k_cache_ptr", values.get("hidden_ptr", values.get("act_ptr")))
+        names = ("k_cache_ptr", "hidden_ptr", "act_ptr", "x_ptr")
+        operand = next(values[name] for name in names if name in values)
         values["DOT_PRECISION"] = "ieee" if operand.dtype == torch.float32 else None
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
@@ -505,7 +509,7 @@ def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
             if value % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constexprs, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.exists():
         cubin = scratch / f"{kernel.__name__}.cubin"
@@ -514,6 +518,7 @@ def _compile_for_sm90(kernel, args: tuple, kwargs: dict, scratch: Path) -> None:
             [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True
         ).stdout
         assert "STACK:0 " in usage, f"{kernel.__name__} spills registers: {usage}"
+    return compiled
 
 
 @pytest.mark.skipif(INTERPRETED, reason="checked in the parent process")

@@ -1,4 +1,5 @@
-"""A linear layer whose weight stays block-scaled FP8 in memory (with its float32 scales) and is
+"""A linear layer whose weight stays block-scaled FP8 in memory (with its float32 scales). On a
+GPU, Triton's block-scaled GEMM reads it as it is (`fp8_gemm` says which variant); elsewhere it is
 dequantized into the activations' dtype on every call: the memory is the point, so nothing
 dequantized is kept between calls (on CPU the dequantization, a pass over the whole weight, costs
 far more than a decode step's matmul on a kept float copy: the price of the memory). Fused projections (q/k/v, gate/up) hold each part's rows
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pdserve.engine.quant.fp8_gemm import Fp8Gemm, fp8_gemm_on
 from pdserve.engine.quant.fp8_reference import FP8, scale_shape
 from pdserve.engine.quant.linear import QuantLinear
 
@@ -94,6 +96,24 @@ class Fp8Linear(QuantLinear):
         if whole < cols:
             parts.append(weight[:, whole:] * row_scales[:, -1:])
         return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """On a GPU, Triton's block-scaled GEMM (`fp8_gemm` chooses FP8 dots or W8A16) reads the
+        FP8 weight as it is; elsewhere the torch reference dequantizes it per call."""
+        gemm = fp8_gemm_on(x.device)
+        if gemm is Fp8Gemm.DEQUANTIZE:
+            return super().matmul(x, bias)
+        from pdserve.kernels import triton_fp8_block  # only where Triton runs
+
+        kernel = (
+            triton_fp8_block.fp8_block_matmul
+            if gemm is Fp8Gemm.FP8
+            else triton_fp8_block.w8a16_block_matmul
+        )
+        rows = x.reshape(-1, self.in_features)
+        y = kernel(rows, self.weight, self.weight_scale_inv, self.block, self.scale_rows)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
 
     # --- loading -------------------------------------------------------------------------------
 

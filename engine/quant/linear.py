@@ -39,9 +39,13 @@ class QuantLinear(nn.Module):
         rows go at output row `offset`."""
         raise NotImplementedError
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight^T (+ bias): the reference dequantizes per call; a format with a GPU kernel
+        overrides this to run it where it can."""
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantized(x.dtype)
         if self.group is None:
-            return F.linear(x, weight, self.bias)
-        y = self.group.all_reduce(F.linear(x, weight))
+            return self.matmul(x, self.bias)
+        y = self.group.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,42 @@
+"""Which GEMM a block-scaled FP8 layer runs on a device: Triton's FP8 tensor-core kernel where the
+GPU has FP8 dots (capability 8.9 and up: Ada, Hopper, Blackwell), its W8A16 variant on older
+GPUs with bf16 tensor cores, and the per-call torch dequantization elsewhere (CPU, or no Triton).
+A decision from the device's facts alone, so it is tested without a GPU."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib.util
+
+import torch
+
+
+class Fp8Gemm(enum.Enum):
+    FP8 = "fp8"  # activations quantized per token and K block, FP8 dots
+    W8A16 = "w8a16"  # weight decoded in-kernel, activations as they are
+    DEQUANTIZE = "dequantize"  # the torch reference: dequantize per call, then F.linear
+
+
+FP8_DOTS = (8, 9)  # the first capability with FP8 tensor cores (Ada)
+BF16_DOTS = (8, 0)  # the first with bf16 tensor cores (Ampere)
+
+
+def fp8_gemm(device_type: str, capability: tuple[int, int] | None, triton: bool) -> Fp8Gemm:
+    """The GEMM for a device of `device_type` with CUDA `capability`, Triton installed or not."""
+    if device_type != "cuda" or capability is None or not triton:
+        return Fp8Gemm.DEQUANTIZE
+    if capability >= FP8_DOTS:
+        return Fp8Gemm.FP8
+    if capability >= BF16_DOTS:
+        return Fp8Gemm.W8A16
+    return Fp8Gemm.DEQUANTIZE
+
+
+@functools.cache
+def fp8_gemm_on(device: torch.device) -> Fp8Gemm:
+    """`fp8_gemm` for a tensor's device, looked up once per device."""
+    if device.type != "cuda":
+        return Fp8Gemm.DEQUANTIZE
+    capability = torch.cuda.get_device_capability(device)
+    return fp8_gemm(device.type, capability, importlib.util.find_spec("triton") is not None)
