@@ -29,7 +29,10 @@ from pdserve.kernels.w4a16_ref import pack_int4, w4a16_matmul_ref
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from pdserve.kernels.triton_e4m3 import e4m3_to_float32, round_to_e4m3  # noqa: E402
 
 # Outputs here are of magnitude up to ~8. float32: both sides multiply the same float32 values
 # and differ only in summation order (worst seen 1.0e-6). bfloat16 and float16: the kernels
@@ -48,6 +51,40 @@ def test_kernels_match_references_under_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this is the child process")
     run_interpreted(__file__)
+
+
+# --- e4m3 by bit arithmetic ----------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(bits_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, e4m3_to_float32(tl.load(bits_ptr + i)))
+
+
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, round_to_e4m3(tl.load(x_ptr + i)).to(tl.float8e4nv))
+
+
+@interpreted
+def test_e4m3_bytes_decode_and_float32_rounds_exactly_as_torch_casts():
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    decoded = torch.empty(256)
+    _decode_kernel[(1,)](every_byte, decoded, 256)
+    expected = every_byte.view(torch.float8_e4m3fn).float()
+    finite = ~expected.isnan()  # 0x7f and 0xff: quantizers never write NaN
+    assert torch.equal(decoded[finite], expected[finite])
+    # Magnitudes across e4m3's range (subnormals below 2**-6), ties, and rounding that carries
+    # into the next exponent (31.9 -> 32: the case the interpreter's own cast gets wrong).
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=gen) * 2.0 ** torch.randint(-12, 9, (4096,), generator=gen)
+    x[:6] = torch.tensor([31.9, -125.5, 2**-10, 3 * 2**-10, 448.0, 0.0])
+    x = x.clamp(-448, 448)
+    rounded = torch.empty(4096, dtype=torch.float8_e4m3fn)
+    _cast_kernel[(1,)](x, rounded, 4096)
+    assert torch.equal(rounded.float(), x.to(torch.float8_e4m3fn).float())
 
 
 # --- W4A16 --------------------------------------------------------------------------------------
