@@ -20,9 +20,9 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     if q.min() < 0 or q.max() > 15:
         raise ValueError("4-bit values must lie in 0..15")
     rows, cols = q.shape
-    padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int64)
+    padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int64, device=q.device)
     padded[:, :cols] = q.to(torch.int64)
-    shifts = torch.arange(8, dtype=torch.int64) * 4
+    shifts = torch.arange(8, dtype=torch.int64, device=q.device) * 4
     words = (padded.view(rows, -1, 8) << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 

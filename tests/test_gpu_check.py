@@ -46,7 +46,7 @@ def test_each_plan_fits_one_device_run_with_room_for_start_and_report():
 
 
 def test_quick_plan_runs_the_steps_in_the_issues_order_and_gpu_steps_need_cuda():
-    order = "install env tests kernels tiles model_step moe serving parity".split()
+    order = "install env tests kernels tiles model_step moe quant_gemm serving parity".split()
     assert [s.name for s in QUICK] == order
     assert all("cuda" in s.needs for s in QUICK[3:])
     # the tests step runs everywhere: without CUDA it lists the CUDA tests as not proven
@@ -561,6 +561,7 @@ def test_the_serving_steps_float32_yardstick_tells_rounding_from_a_wrong_token(t
         ("bench_steps", ["kernels"]),
         ("bench_steps", ["model_step"]),
         ("bench_steps", ["moe"]),
+        ("bench_steps", ["quant_gemm"]),
         ("tiles", []),
         ("serving", []),
     ],

@@ -1,4 +1,4 @@
-"""Steps `kernels`, `model_step`, `moe` and `kv_transfer`: the benchmarks of bench/ run as they run for
+"""Steps `kernels`, `model_step`, `moe`, `quant_gemm` and `kv_transfer`: the benchmarks of bench/ run as they run for
 the docs (their tables go to the step's log, their JSON into the record), with the headline
 figures the report compares with the aims.
 
@@ -75,6 +75,36 @@ def moe(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
     return "; ".join(parts)
 
 
+def quant_gemm(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
+    from pdserve.bench import quant_gemm as bench
+
+    data = bench.main(["--json", str(out)])
+    record.data = data
+    rows = data["rows"]
+    for r in rows:
+        if not r["equal"]:
+            record.fail(
+                f"{r['kernel']} {'x'.join(map(str, r['weight']))} at {r['rows']} rows",
+                f"differs from its reference by {r['max_error']:.1e} of the largest output "
+                f"(tolerance {r['tolerance']:.0e})",
+            )
+    record.figures = {
+        f"{r['kernel']}_{'x'.join(map(str, r['weight']))}_m{r['rows']}_x_bf16": r["speedup"]
+        for r in rows
+    }
+    parts = [data["device"]]
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        mine = [r for r in rows if r["kernel"] == kernel]
+        one, big = min(mine, key=lambda r: r["rows"]), max(mine, key=lambda r: r["rows"])
+        parts.append(
+            f"{kernel} {one['speedup']:.2f}x cuBLAS bf16 at {one['rows']} row, "
+            f"{big['speedup']:.2f}x at {big['rows']}"
+        )
+    equal = sum(r["equal"] for r in rows)
+    parts.append(f"{equal} of {len(rows)} cases equal to their reference")
+    return "; ".join(parts)
+
+
 def kv_transfer(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
     from pdserve.bench import kv_transfer as bench
 
@@ -98,6 +128,7 @@ BENCHES = {
     "kernels": kernels,
     "model_step": model_step,
     "moe": moe,
+    "quant_gemm": quant_gemm,
     "kv_transfer": kv_transfer,
 }
 

@@ -22,6 +22,8 @@ ENTRY_MODULES = (
     "pdserve.engine.execution.decode_graphs",
     "pdserve.kernels.triton_ops",
     "pdserve.kernels.kv_pages_triton",
+    "pdserve.kernels.triton_fp8_block",
+    "pdserve.kernels.triton_moe_fp8",
     "kv_transfer",
     "pdserve.kv_transfer.cuda_ipc",
     "pdserve.kv_transfer.nccl",
@@ -32,6 +34,7 @@ ENTRY_MODULES = (
     "pdserve.cli",
     "pdserve.bench.kernels",
     "pdserve.bench.model_step",
+    "pdserve.bench.quant_gemm",
     "pdserve.bench.serve_load",
 )
 

@@ -40,7 +40,7 @@ QUICK = (
     INSTALL,
     ENV,
     # Not a GPU step: without CUDA it lists every CUDA test as not proven here, and why.
-    Step("tests", "every test that skips without CUDA", "pdserve.deploy.gpu_check.gpu_tests", 145),
+    Step("tests", "every test that skips without CUDA", "pdserve.deploy.gpu_check.gpu_tests", 115),
     gpu_step(
         "kernels", "pdserve.bench.kernels --quick (Llama-3-8B attention)", BENCH, 50, "kernels"
     ),
@@ -49,8 +49,17 @@ QUICK = (
         "model_step", "pdserve.bench.model_step --quick (Llama-3-8B)", BENCH, 70, "model_step"
     ),
     gpu_step("moe", "pdserve.bench.moe --quick (a Qwen3-30B-A3B MoE layer)", BENCH, 25, "moe"),
+    # Every quantized GEMM against cuBLAS bf16 and its reference; most of its box is compiling
+    # the kernels (15 tile variants).
     gpu_step(
-        "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.deploy.gpu_check.serving", 115
+        "quant_gemm",
+        "pdserve.bench.quant_gemm (W4A16, FP8 block, FP8 MoE)",
+        BENCH,
+        45,
+        "quant_gemm",
+    ),
+    gpu_step(
+        "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.deploy.gpu_check.serving", 100
     ),
     gpu_step(
         "parity", "float32: Triton vs torch vs transformers", "pdserve.deploy.gpu_check.parity", 35

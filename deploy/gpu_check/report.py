@@ -276,6 +276,45 @@ def details_kernels(r: StepResult) -> list[str]:
     return lines
 
 
+def details_quant_gemm(r: StepResult) -> list[str]:
+    d = r.data
+    lines = [
+        f"{d['device']} (capability {'.'.join(map(str, d['capability']))}); "
+        f"`{d.get('command', '')}`. Equal: the largest difference from the kernel's torch "
+        "reference within its tolerance, as a fraction of the largest output.",
+        "",
+    ]
+    lines += table(
+        [
+            "kernel",
+            "weight",
+            "rows",
+            "µs",
+            "µs cuBLAS bf16",
+            "× bf16",
+            "weight GB/s",
+            "TFLOP/s",
+            "equal",
+        ],  # fmt: skip
+        (
+            [
+                x["kernel"],
+                "x".join(map(str, x["weight"])),
+                x["rows"],
+                _num(x["us"]),
+                _num(x["bf16_us"]),
+                f"{x['speedup']:.2f}",
+                f"{x['weight_gbps']:.0f}",
+                f"{x['tflops']:.1f}",
+                f"{'yes' if x['equal'] else 'NO'} ({x['max_error']:.1e})",
+            ]
+            for x in d["rows"]
+        ),
+        "llrrrrrrl",
+    )
+    return lines
+
+
 def details_model_step(r: StepResult) -> list[str]:
     d = r.data
     lines = [
@@ -440,6 +479,7 @@ DETAILS = {
     "tests": details_tests,
     "kernels": details_kernels,
     "model_step": details_model_step,
+    "quant_gemm": details_quant_gemm,
     "tiles": details_tiles,
     "serving": details_serving,
     "parity": details_parity,
