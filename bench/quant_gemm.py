@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.kernels import graph_time_ms
-from pdserve.engine.quant.fp8_gemm import Fp8Gemm, fp8_gemm
+from pdserve.engine.quant.gemm_choice import Fp8Gemm, fp8_gemm
 from pdserve.kernels import moe_ref
 from pdserve.kernels.fp8_block_ref import dequantize_blocks, fp8_block_matmul_ref
 from pdserve.kernels.w4a16_ref import pack_int4, w4a16_matmul_ref

@@ -135,7 +135,9 @@ def _launch(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    weight_bytes = weight.view(torch.uint8)
+    # The kernel steps along K with unit stride (no copy when they are, as layers keep them).
+    weight_bytes = weight.contiguous().view(torch.uint8)
+    weight_scale_inv = weight_scale_inv.contiguous()
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _fp8_block_kernel[grid](
         x,

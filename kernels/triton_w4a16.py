@@ -17,6 +17,7 @@ import triton.language as tl
 from pdserve.kernels.w4a16_ref import SYMMETRIC_ZERO
 
 PACK = 8  # 4-bit values per int32 word
+_SYMMETRIC_ZERO = tl.constexpr(float(SYMMETRIC_ZERO))
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def _w4a16_kernel(
             z = tl.load(zeros_ptr + cols * stride_zn + group, mask=col_mask, other=0).to(tl.float32)
             w = (q - z[None, :]) * s.to(tl.float32)[None, :]
         else:
-            w = (q - 8.0) * s.to(tl.float32)[None, :]
+            w = (q - _SYMMETRIC_ZERO) * s.to(tl.float32)[None, :]
         w = w.to(x_ptr.dtype.element_ty)
         if UPCAST_DOT:
             x = x.to(tl.float32)
@@ -157,6 +158,9 @@ def w4a16_matmul(
         raise ValueError(f"zeros must be [{n}, {groups}] like scales, got {tuple(zeros.shape)}")
     tiles = tiles or w4a16_tiles(m, x.dtype)
     block_k = group_block_k(tiles.block_k, group_size, k)
+    # The kernel steps along K with unit stride (no copy when they are, as layers keep them).
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -186,6 +190,3 @@ def w4a16_matmul(
         num_stages=tiles.num_stages,
     )
     return out
-
-
-assert SYMMETRIC_ZERO == 8  # the kernel's symmetric zero point, written as a literal

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.quant.fp8_gemm import Fp8Gemm, fp8_gemm
+from pdserve.engine.quant.gemm_choice import Fp8Gemm, fp8_gemm, w4a16_gemm
 from pdserve.kernels.fp8_block_ref import (
     dequantize_blocks,
     fp8_block_matmul_ref,
@@ -94,3 +94,5 @@ def test_an_fp8_layer_runs_fp8_dots_from_ada_on_w8a16_on_ampere_and_torch_elsewh
     device, capability, triton, gemm
 ):
     assert fp8_gemm(device, capability, triton) is gemm
+    # A 4-bit layer runs its Triton kernel wherever the W8A16 fallback can run.
+    assert w4a16_gemm(device, capability, triton) == (gemm is not Fp8Gemm.DEQUANTIZE)

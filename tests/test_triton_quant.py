@@ -192,7 +192,7 @@ def test_fp8_linear_with_ragged_fused_parts_runs_the_kernel_its_device_chooses(m
     # q/k/v-like parts of 40, 24 and 8 rows in blocks of 16: each part's last block is ragged
     # and keeps its own scale row, so the kernel reads each row's scale row from the layer.
     from pdserve.engine.quant import fp8_linear
-    from pdserve.engine.quant.fp8_gemm import Fp8Gemm
+    from pdserve.engine.quant.gemm_choice import Fp8Gemm
 
     parts, block, k = (40, 24, 8), (16, 32), 72
     layer = fp8_linear.Fp8Linear(k, parts, bias=True, block=block)

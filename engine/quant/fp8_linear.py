@@ -1,6 +1,6 @@
 """A linear layer whose weight stays block-scaled FP8 in memory (with its float32 scales). On a
-GPU, Triton's block-scaled GEMM reads it as it is (`fp8_gemm` says which variant); elsewhere it is
-dequantized into the activations' dtype on every call: the memory is the point, so nothing
+GPU, Triton's block-scaled GEMM reads it as it is (`gemm_choice` says which variant); elsewhere
+it is dequantized into the activations' dtype on every call: the memory is the point, so nothing
 dequantized is kept between calls (on CPU the dequantization, a pass over the whole weight, costs
 far more than a decode step's matmul on a kept float copy: the price of the memory). Fused projections (q/k/v, gate/up) hold each part's rows
 with that part's own scale rows, so a part whose rows end in a ragged block fuses too."""
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pdserve.engine.quant.fp8_gemm import Fp8Gemm, fp8_gemm_on
 from pdserve.engine.quant.fp8_reference import FP8, scale_shape
+from pdserve.engine.quant.gemm_choice import Fp8Gemm, fp8_gemm_on
 from pdserve.engine.quant.linear import QuantLinear
 
 if TYPE_CHECKING:  # the models import this layer; it only reads what they hand it
@@ -98,8 +98,8 @@ class Fp8Linear(QuantLinear):
         return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """On a GPU, Triton's block-scaled GEMM (`fp8_gemm` chooses FP8 dots or W8A16) reads the
-        FP8 weight as it is; elsewhere the torch reference dequantizes it per call."""
+        """On a GPU, Triton's block-scaled GEMM (`gemm_choice.fp8_gemm` picks FP8 dots or W8A16)
+        reads the FP8 weight as it is; elsewhere the torch reference dequantizes it per call."""
         gemm = fp8_gemm_on(x.device)
         if gemm is Fp8Gemm.DEQUANTIZE:
             return super().matmul(x, bias)

@@ -1,7 +1,8 @@
-"""Which GEMM a block-scaled FP8 layer runs on a device: Triton's FP8 tensor-core kernel where the
-GPU has FP8 dots (capability 8.9 and up: Ada, Hopper, Blackwell), its W8A16 variant on older
-GPUs with bf16 tensor cores, and the per-call torch dequantization elsewhere (CPU, or no Triton).
-A decision from the device's facts alone, so it is tested without a GPU."""
+"""Which GEMM a quantized layer runs on a device, decided from the device's facts alone (so it is
+tested without a GPU). A block-scaled FP8 layer: Triton's FP8 tensor-core kernel where the GPU
+has FP8 dots (capability 8.9 and up: Ada, Hopper, Blackwell), its W8A16 variant on older GPUs
+with bf16 tensor cores, the per-call torch dequantization elsewhere (CPU, or no Triton). A 4-bit
+layer: Triton's W4A16 kernel on GPUs with bf16 tensor cores, the torch dequantization elsewhere."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ def fp8_gemm_on(device: torch.device) -> Fp8Gemm:
         return Fp8Gemm.DEQUANTIZE
     capability = torch.cuda.get_device_capability(device)
     return fp8_gemm(device.type, capability, importlib.util.find_spec("triton") is not None)
+
+
+def w4a16_gemm(device_type: str, capability: tuple[int, int] | None, triton: bool) -> bool:
+    """Whether a 4-bit layer on such a device runs `triton_w4a16.w4a16_matmul` (else the torch
+    dequantization)."""
+    return device_type == "cuda" and capability is not None and triton and capability >= BF16_DOTS
+
+
+@functools.cache
+def w4a16_gemm_on(device: torch.device) -> bool:
+    """`w4a16_gemm` for a tensor's device, looked up once per device."""
+    if device.type != "cuda":
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    return w4a16_gemm(device.type, capability, importlib.util.find_spec("triton") is not None)
