@@ -421,6 +421,28 @@ def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
     assert "(details incomplete" not in full
 
 
+def test_the_quant_gemm_details_compare_each_kernel_with_cublas_and_show_a_difference():
+    from pdserve.bench.quant_gemm import TOLERANCE, _row
+
+    # 2 x 4096 x 4096 FLOPs; W4A16 reads 4096 x 4096 / 2 bytes of weights (plus scales).
+    rows = [
+        _row("w4a16", [4096, 4096], 1, 10.0, 20.0, 8.5e6, 2.0 * 4096 * 4096, 4e-3),
+        _row("fp8_block", [4096, 4096], 2048, 500.0, 400.0, 1.7e7, 2.0 * 2048 * 4096**2, 0.2),
+    ]
+    assert rows[0]["equal"] and not rows[1]["equal"]
+    assert rows[1]["tolerance"] == TOLERANCE["gemm"]
+    data = {"device": "NVIDIA H200", "capability": [9, 0], "command": "bench", "rows": rows}
+    result = StepResult("quant_gemm", "quant_gemm", "failed", 30, summary="s", data=data)
+    run = {"command": "c", "plan": "quick", "started": "now", "seconds": 1.0, "budget_s": 540.0}
+    text = report.render(run, [result])
+    assert "(details incomplete" not in text
+    assert "| w4a16 | 4096x4096 | 1 | 10.0 | 20.0 | 2.00 | 850 | 3.4 | yes (4.0e-03) |" in text
+    assert (
+        "| fp8_block | 4096x4096 | 2048 | 500.0 | 400.0 | 0.80 | 34 | 137.4 | NO (2.0e-01) |"
+        in text
+    )
+
+
 def test_the_first_screen_counts_what_the_cuda_tests_proved_and_what_one_gpu_cannot():
     """A skip is not a pass and a selected test that never reported is a failure: the report's
     second line says how many tests proved their path, failed, or could not run on this host
