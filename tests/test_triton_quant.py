@@ -316,3 +316,52 @@ def test_quantized_gemms_compile_for_h100_without_spills(monkeypatch, tmp_path):
         if kwargs.get("FP8_DOT") is False:  # the fallback, for GPUs without FP8: an A100
             assert not fp8_mma
             _compile_for_sm90(kernel, args, kwargs, tmp_path, capability=80)
+
+
+# --- on CUDA ------------------------------------------------------------------------------------
+
+
+def _close_on_gpu(out: torch.Tensor, expected: torch.Tensor, fraction: float) -> None:
+    """Within `fraction` of the largest expected magnitude (bfloat16 rounds at 2**-9)."""
+    error = (out.float() - expected.float()).abs().max() / expected.float().abs().max()
+    assert error <= fraction, f"{error:.2e} of the largest output"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 33, 300])
+def test_quantized_gemms_on_cuda_equal_their_references(m):
+    # bfloat16 on the GPU's tensor cores, N and K ending mid block (1000 x 1040, blocks of 128).
+    from pdserve.engine.quant.fp8_linear import Fp8Linear
+    from pdserve.engine.quant.gemm_choice import Fp8Gemm, fp8_gemm_on
+    from pdserve.kernels.triton_fp8_block import fp8_block_matmul, w8a16_block_matmul
+    from pdserve.kernels.triton_moe_fp8 import fused_moe_fp8
+    from pdserve.kernels.triton_w4a16 import w4a16_matmul
+
+    cuda, dtype, n, k, block = torch.device("cuda"), torch.bfloat16, 1000, 1040, (128, 128)
+    x, qweight, scales, zeros = (t.cuda() for t in w4a16_inputs(m, n, k, 128, True, dtype))
+    expected = w4a16_matmul_ref(x, qweight, scales, zeros, 128)
+    _close_on_gpu(w4a16_matmul(x, qweight, scales, zeros, 128), expected, 1e-2)
+    x, weight, scale_inv = (t.cuda() for t in fp8_inputs(m, n, k, block, dtype))
+    exact = fp8_block_matmul_ref(x, weight, scale_inv, block, quantize_x=False)
+    _close_on_gpu(w8a16_block_matmul(x, weight, scale_inv, block), exact, 1e-2)
+    gemm = fp8_gemm_on(cuda)
+    if gemm is Fp8Gemm.FP8:
+        expected = fp8_block_matmul_ref(x, weight, scale_inv, block)
+        _close_on_gpu(fp8_block_matmul(x, weight, scale_inv, block), expected, 1e-2)
+    else:
+        expected = exact
+    layer = Fp8Linear(k, (n,), bias=False, block=block).to(cuda)
+    layer.weight.data.copy_(weight)
+    layer.weight_scale_inv.data.copy_(scale_inv)
+    _close_on_gpu(layer(x), expected, 1e-2)  # the kernel its device chose
+    (w13, w13_scale, w2, w2_scale), (w13_f, w2_f) = fp8_experts(8, 256, 384, block)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(m, 256, generator=gen).to(dtype).cuda()
+    weights, ids = torch.topk(torch.randn(m, 8, generator=gen).softmax(-1), 2)
+    weights, ids = weights.cuda(), ids.cuda()
+    experts = [t.cuda() for t in (w13, w13_scale, w2, w2_scale)]
+    expected = moe_ref.fused_moe(
+        hidden, w13_f.to(dtype).cuda(), w2_f.to(dtype).cuda(), weights, ids
+    )
+    _close_on_gpu(fused_moe_fp8(hidden, *experts, weights, ids, block), expected, 3e-2)
