@@ -37,8 +37,8 @@ class EngineConfig:
     kv_cache_dtype: str = setting(
         "auto",
         "KV cache dtype: auto (the model's dtype) or fp8 (float8_e4m3fn with a float32 scale per "
-        "token and KV head inside each page: about half the bytes of bfloat16; not for MLA, "
-        "linear-attention or mixed-page-shape models)",
+        "token and KV head inside each page: about half the bytes of bfloat16; not for "
+        "linear-attention hybrids or models whose layers' pages differ in shape)",
         choices=KV_CACHE_DTYPES,
     )
     kv_cache_bytes: int | None = setting(

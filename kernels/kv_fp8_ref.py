@@ -12,11 +12,12 @@ dequantized into the query's dtype, through the backend's own kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from pdserve.kernels import attention_ref
+from pdserve.kernels import attention_ref, mla_ref
 from pdserve.kernels.op_table import Ops, PagedAttention
 
 FP8_KV_DTYPE = "fp8_e4m3"  # a KV layout's dtype: float8_e4m3fn values with their scales
@@ -71,6 +72,13 @@ def read_blocks(block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return ids.to(torch.int64), tables
 
 
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`mla_ref.store_latent` into FP8 pages [num_blocks, block_size, 1, L + R + 4]: one scale
+    per token for its whole latent row, the rotary part with it (FP8 is a float: a part up to
+    2^6 below the row's largest value keeps its 3 mantissa bits)."""
+    mla_ref.store_latent(quantize_rows(latent), cache, slot_mapping)
+
+
 def dequantizing(attention: PagedAttention) -> PagedAttention:
     """`attention` over FP8 pages: the blocks the tables name, dequantized into the query's
     dtype, then `attention` itself over them."""
@@ -109,13 +117,39 @@ def dequantizing(attention: PagedAttention) -> PagedAttention:
     return paged_attention
 
 
+def dequantizing_latent(latent_attention: Callable) -> Callable:
+    """MLA's `latent_attention` over FP8 latent pages: the blocks the tables name, dequantized
+    into the query's dtype, then `latent_attention` itself over them."""
+
+    def attend(
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        max_query_len: int | None,
+        value_dim: int,
+    ) -> torch.Tensor:
+        ids, tables = read_blocks(block_tables)
+        latents = dequantize_rows(cache.index_select(0, ids), query.dtype)
+        return latent_attention(
+            query, latents, tables, seq_lens, query_start_loc, scale, max_query_len, value_dim
+        )
+
+    return attend
+
+
 def fp8_cache_ops(ops: Ops) -> Ops:
     """A backend's ops over an FP8 pool: K/V quantized by the torch path at store time (on
     every backend, the Triton one too), attention by the backend's kernel over dequantized
-    blocks. Its name differs, so CUDA graphs (which need host-sync-free kernels) stay off."""
+    blocks; MLA's latent attention likewise. Its name differs, so CUDA graphs (which need
+    host-sync-free kernels) stay off."""
     return replace(
         ops,
         name=f"{ops.name}+fp8",
         store_kv=store_kv,
         paged_attention=dequantizing(ops.paged_attention),
+        store_latent=store_latent,
+        latent_attention=dequantizing_latent(ops.latent_attention),
     )

@@ -172,12 +172,10 @@ class KVLayout:
 
 
 def check_fp8_cache(cfg: ModelConfig) -> None:
-    """Refuse an FP8 cache for the models whose pages hold more than attention's K and V rows:
-    MLA's latent, linear attention's state, and pages of unequal shapes in lanes."""
+    """Refuse an FP8 cache for the models whose pages hold more than attention's K and V rows
+    (or MLA's latent rows): linear attention's state, and pages of unequal shapes in lanes."""
     what = None
-    if cfg.is_mla:
-        what = "multi-head latent attention's latent cache"
-    elif cfg.linear_attention is not None:
+    if cfg.linear_attention is not None:
         what = "linear attention's state, kept in the same pages as the attention KV,"
     elif cfg.has_mixed_kv_shapes:
         what = "layers of unequal KV page shapes (pages in lanes)"
