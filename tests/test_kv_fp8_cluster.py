@@ -1,10 +1,10 @@
 """The FP8 KV cache served disaggregated, for real (`--kv-cache-dtype fp8` on every node of a 1
-prefill + 1 decode cluster of the embedded model): over tcp and shm, and from a prefill node of
-two tensor-parallel ranks (its pages re-split by heads, scales with them), every stream equals
-the offline engine's with an FP8 cache; the handoff moves FP8 pages, the metric counts their
-bytes (a bfloat16 cache's would be (head_dim + 4) / (2 head_dim) of them, not half: 36/64); a
-decode node of another KV dtype refuses the pages and the request fails cleanly, naming the
-field."""
+prefill + 1 decode cluster): the embedded model over tcp from a prefill node of two
+tensor-parallel ranks (its pages re-split by heads, scales with them), and a DeepSeek-V2
+checkpoint over shm (MLA's latent rows in FP8): every stream equals the offline engine's with an
+FP8 cache; the handoff moves FP8 pages and the metric counts their bytes ((head_dim + 4) /
+(2 head_dim) of a bfloat16 cache's: 36/64 for the embedded model); a decode node of another KV
+dtype refuses the pages and the request fails cleanly, naming the field."""
 
 from __future__ import annotations
 
@@ -26,27 +26,24 @@ pytestmark = pytest.mark.cluster
 MODEL = "pdserve-stories"
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 BLOCK_SIZE = 8
-CASES = [("shm", 1), ("tcp", 2)]
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(MODEL, kv_cache_dtype="fp8", num_kv_blocks=1024, block_size=BLOCK_SIZE)
+CASES = [("stories", "tcp", 2), ("deepseek_v2", "shm", 1)]
 
 
 @pytest.mark.parametrize(
-    "transport,prefill_tp", CASES, ids=[f"{t}-prefill-tp{n}" for t, n in CASES]
+    "model,transport,prefill_tp", CASES, ids=[f"{m}-{t}-prefill-tp{n}" for m, t, n in CASES]
 )
 def test_fp8_pages_stream_the_offline_fp8_tokens_and_move_their_bytes(
-    transport, prefill_tp, offline
+    model, transport, prefill_tp, checkpoint_dir
 ):
+    model = MODEL if model == "stories" else str(checkpoint_dir(model))  # MLA: latent rows
+    offline = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=1024, block_size=BLOCK_SIZE)
     prompts = make_prompts(6, seed=51, lo=10, hi=60)
     expected = expected_outputs(offline, prompts, GREEDY)
     with Cluster(
         1,
         1,
         transport=transport,
-        model=MODEL,
+        model=model,
         kv_cache_dtype="fp8",
         node_engines={"prefill-0": {"tensor_parallel_size": prefill_tp}},
         num_kv_blocks=160,
@@ -69,7 +66,8 @@ def test_fp8_pages_stream_the_offline_fp8_tokens_and_move_their_bytes(
             (value,) = [ln.split()[-1] for ln in text.splitlines() if ln.startswith(line)]
             assert float(value) == sent
     bf16 = KVLayout.from_dict({**layout.to_dict(), "dtype": "bfloat16"})
-    assert sent / (moved * bf16.bytes_per_block) == (32 + 4) / 64
+    width = layout.head_dim  # 32 for the embedded model: 36/64 of bf16's bytes
+    assert sent / (moved * bf16.bytes_per_block) == (width + 4) / (2 * width)
 
 
 def test_a_decode_node_of_another_kv_dtype_refuses_the_pages_and_the_request_fails_cleanly():
