@@ -14,6 +14,7 @@ import struct
 
 import pytest
 import torch
+from checkpoints import FAMILIES
 from test_kv_transfer import blocks_bits, wait_result
 
 from pdserve.engine import LLM, SamplingParams
@@ -137,8 +138,8 @@ def test_an_fp8_layout_stores_bytes_with_a_scale_per_token_and_head():
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "gemma4_text"])
-def test_models_whose_pages_hold_more_than_k_and_v_rows_refuse_fp8_by_name(family, checkpoint_dir):
-    cfg = ModelConfig.from_pretrained(checkpoint_dir(family))
+def test_models_whose_pages_hold_more_than_k_and_v_rows_refuse_fp8_by_name(family):
+    cfg = ModelConfig.from_dict(dict(FAMILIES[family]))  # the tiny checkpoints' configs
     with pytest.raises(ValueError, match=f"^kv_cache_dtype fp8: {cfg.model_type}'s"):
         KVLayout.for_model(cfg, 16, FP8_KV_DTYPE)
     KVLayout.for_model(cfg, 16, "float32")  # the model's dtype is fine
@@ -190,12 +191,13 @@ def pair() -> tuple[LLM, LLM]:
     )
 
 
-def test_the_fp8_pool_holds_the_quantized_rows_of_the_float_pool(pair):
-    plain, fp8 = pair
+def test_the_fp8_pool_holds_the_quantized_rows_of_the_float_pool():
+    plain = LLM(MODEL, device="cpu", num_kv_blocks=8, block_size=8)
+    fp8 = LLM(MODEL, device="cpu", num_kv_blocks=8, block_size=8, kv_cache_dtype="fp8")
     assert fp8.engine.pool.kv.dtype == torch.uint8
     assert fp8.engine.pool.kv.shape[-1] == HEAD_DIM + 4
     prompt = prompts(1, seed=3, lo=30, hi=31)[0]  # 30 tokens: blocks 0..3 of a fresh pool
-    for llm in pair:
+    for llm in (plain, fp8):
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
     # Layer 0's K and V come from the prompt alone, so they are the same floats in both
     # engines: the FP8 pool holds exactly their quantized rows, scales included.
