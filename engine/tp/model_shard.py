@@ -194,6 +194,8 @@ def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:
         what = f"a latent of {layout.head_dim} per layer"
     else:
         what = f"K and V of {layout.num_kv_heads} heads x {layout.head_dim} per layer"
+    if layout.is_fp8:
+        what += ", each row with its float32 scale"
     if not layout.layer_kinds:
         return (
             f"KV cache: {num_blocks} blocks of {layout.block_size} = {tokens} tokens, "
