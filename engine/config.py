@@ -9,6 +9,7 @@ from pdserve.cluster.schema import setting, validate
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 CPU_LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
@@ -33,6 +34,13 @@ class EngineConfig:
         minimum=1,
     )
     block_size: int = setting(16, "tokens per KV block", minimum=1)
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache dtype: auto (the model's dtype) or fp8 (float8_e4m3fn with a float32 scale per "
+        "token and KV head inside each page: about half the bytes of bfloat16; not for "
+        "linear-attention hybrids or models whose layers' pages differ in shape)",
+        choices=KV_CACHE_DTYPES,
+    )
     kv_cache_bytes: int | None = setting(
         None, "CPU KV pool budget per node in bytes (unset: 1 GiB)", minimum=1
     )
@@ -206,6 +214,12 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+    def kv_dtype(self) -> str:
+        """The KV layout's dtype: the model's, or FP8 pages with their scales."""
+        from pdserve.kernels.kv_fp8_ref import FP8_KV_DTYPE
+
+        return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.resolved_dtype()
 
 
 NODE_ROLES = ("prefill", "decode", "colocated")

@@ -473,7 +473,7 @@ class LLMEngine(Engine):
         self.model = self.shard.model
         self.ops = self.shard.ops
         self.runner = self.shard.runner
-        layout = KVLayout.for_model(mcfg, config.block_size, config.resolved_dtype())
+        layout = KVLayout.for_model(mcfg, config.block_size, config.kv_dtype())
         eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mcfg.eos_token_ids))
         proposer = None
         if draft_model is not None:

@@ -111,7 +111,7 @@ class PageLanding:
             pages.scatter(kv, self.to_device(data), ids, layers, heads)
             return None
         parts = iter(payload.parts)
-        page = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+        page = (layout.block_size, layout.num_kv_heads, layout.page_width)
         for layer in range(*layers):
             for plane in range(layout.planes):
                 start = 0

@@ -99,7 +99,7 @@ def source_runs(ids: list[int]) -> list[tuple[int, int]]:
 
 
 def pool_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
-    """[slots, planes, num_blocks, block_size, num_kv_heads, head_dim], as in KVPool (a slot per
+    """[slots, planes, num_blocks, block_size, num_kv_heads, page_width], as in KVPool (a slot per
     layer, or per layer of the largest KV group: what transfers call layers)."""
     return (
         layout.num_slots,
@@ -107,7 +107,7 @@ def pool_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
         num_blocks,
         layout.block_size,
         layout.num_kv_heads,
-        layout.head_dim,
+        layout.page_width,
     )
 
 
@@ -137,7 +137,7 @@ class Chunk:
             self.hi - self.lo,
             layout.block_size,
             layout.num_kv_heads,
-            layout.head_dim,
+            layout.page_width,
         )
 
 

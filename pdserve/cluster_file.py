@@ -38,7 +38,7 @@ from pdserve.launch import NodeSpec, share_cores
 T = TypeVar("T")
 TRANSPORTS = ("auto", *NODE_TRANSPORTS)
 # Engine settings every node of a cluster shares: the top of the file, not a role's table.
-CLUSTER_WIDE = ("model", "dtype", "block_size")
+CLUSTER_WIDE = ("model", "dtype", "block_size", "kv_cache_dtype")
 # What a role's table cannot set, and why.
 NOT_PER_ROLE = {
     **{name: "set it at the top of the file: every node shares it" for name in CLUSTER_WIDE},

@@ -13,6 +13,11 @@ slot's (`KVPool.layer_pages`): a contiguous [num_blocks * lanes, block_size, hea
 view whose page b * lanes + lane is the layer's part of block b. Transfers move whole slots, so
 they move lanes with them; they cannot cut such pages by heads, so nodes of unequal
 tensor-parallel sizes cannot exchange them.
+
+An FP8 cache (dtype `fp8_e4m3`, `--kv-cache-dtype fp8`) keeps its pages as bytes, each (token,
+KV head) row its head_dim FP8 values then their float32 scale (`pdserve.kernels.kv_fp8_ref`):
+the pool's last dimension is `page_width`, head_dim + 4, so a page never moves without its
+scales, and cutting pages by heads still cuts byte ranges.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from pdserve.engine.kv.groups import KVGroups, groups_for
 from pdserve.engine.models.config import ModelConfig
+from pdserve.kernels.kv_fp8_ref import FP8_KV_DTYPE, row_width
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +40,7 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "fp8_e4m3" (FP8 values and their scales)
     planes: int = 2  # K and V; 1: MLA's latent alone
     # Each layer's kind ("full", "sliding 128", "chunked 8192"); empty: every layer full.
     layer_kinds: tuple[str, ...] = ()
@@ -43,6 +49,11 @@ class KVLayout:
     layer_shapes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.is_fp8 and self.layer_shapes:
+            raise ValueError(
+                "kv_cache_dtype fp8: layers of unequal KV page shapes share their pages in lanes, "
+                "which FP8 pages do not have; use kv_cache_dtype auto"
+            )
         if self.layer_shapes:
             largest = max(heads * dim for heads, dim in self.layer_shapes)
             if len(self.layer_shapes) != self.num_layers or not self.layer_kinds:
@@ -66,6 +77,8 @@ class KVLayout:
         read an earlier layer's, `ModelConfig.kv_donors`). num_kv_heads: a tensor-parallel
         rank's share of the KV heads; heads_of(n): its share of a layer's n, where layers'
         counts differ."""
+        if dtype == FP8_KV_DTYPE:
+            check_fp8_cache(cfg)
         n = cfg.num_cache_layers
         kinds = cfg.layer_kinds[:n]
         if not cfg.has_mixed_kv_shapes:
@@ -91,8 +104,20 @@ class KVLayout:
         return self.groups.num_slots if self.layer_kinds else self.num_layers
 
     @property
+    def is_fp8(self) -> bool:
+        """Pages of FP8 values with a scale per (token, KV head) row."""
+        return self.dtype == FP8_KV_DTYPE
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        """The pages' element type as stored: bytes (uint8) for an FP8 cache."""
+        return torch.uint8 if self.is_fp8 else getattr(torch, self.dtype)
+
+    @property
+    def page_width(self) -> int:
+        """Elements of one (token, KV head) row as stored: head_dim, or with FP8 its bytes and
+        its scale's."""
+        return row_width(self.head_dim) if self.is_fp8 else self.head_dim
 
     @property
     def bytes_per_block(self) -> int:
@@ -103,7 +128,7 @@ class KVLayout:
             * self.planes
             * self.block_size
             * self.num_kv_heads
-            * self.head_dim
+            * self.page_width
             * elem
         )
 
@@ -146,6 +171,21 @@ class KVLayout:
             raise ValueError(f"KV layout mismatch in field '{name}': {mine!r} != {theirs!r}")
 
 
+def check_fp8_cache(cfg: ModelConfig) -> None:
+    """Refuse an FP8 cache for the models whose pages hold more than attention's K and V rows
+    (or MLA's latent rows): linear attention's state, and pages of unequal shapes in lanes."""
+    what = None
+    if cfg.linear_attention is not None:
+        what = "linear attention's state, kept in the same pages as the attention KV,"
+    elif cfg.has_mixed_kv_shapes:
+        what = "layers of unequal KV page shapes (pages in lanes)"
+    if what is not None:
+        raise ValueError(
+            f"kv_cache_dtype fp8: {cfg.model_type}'s {what} cannot be stored in FP8 pages; "
+            "use kv_cache_dtype auto"
+        )
+
+
 def model_groups(cfg: ModelConfig) -> KVGroups:
     """The KV groups of a model's layers that keep KV, as every node's and rank's pool has them:
     they depend on the layers' kinds and their pages' relative sizes, not on the heads a rank
@@ -173,7 +213,7 @@ class KVPool:
             num_blocks,
             layout.block_size,
             layout.num_kv_heads,
-            layout.head_dim,
+            layout.page_width,
         )
         if kv is None:
             kv = torch.zeros(shape, dtype=layout.torch_dtype, device=device)

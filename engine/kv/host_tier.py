@@ -45,7 +45,7 @@ class HostTier:
             layout.planes,
             layout.block_size,
             layout.num_kv_heads,
-            layout.head_dim,
+            layout.page_width,
         )
         self.buffer = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
         self.events = events

@@ -19,6 +19,7 @@ from pdserve.engine.models.loader import load_model
 from pdserve.engine.quant.linear import QuantLinear
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
+from pdserve.kernels.kv_fp8_ref import fp8_cache_ops
 from pdserve.kernels.ops import select_ops
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class ModelShard:
         self.layout = KVLayout.for_model(
             mcfg,
             config.block_size,
-            dtype,
+            config.kv_dtype(),
             len(shard.kv_heads(mcfg.cache_heads)),
             heads_of=lambda heads: len(shard.kv_heads(heads)),
         )
@@ -79,6 +80,8 @@ class ModelShard:
         else:
             self.pool = pool_factory(self.layout, num_blocks)
         self.ops = select_ops(self.device, config.kernel_backend)
+        if self.layout.is_fp8:
+            self.ops = fp8_cache_ops(self.ops)
         self.runner = ModelRunner(self.model, self.pool, self.ops, self.device)
         if config.compile:
             self._compile()
@@ -191,6 +194,8 @@ def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:
         what = f"a latent of {layout.head_dim} per layer"
     else:
         what = f"K and V of {layout.num_kv_heads} heads x {layout.head_dim} per layer"
+    if layout.is_fp8:
+        what += ", each row with its float32 scale"
     if not layout.layer_kinds:
         return (
             f"KV cache: {num_blocks} blocks of {layout.block_size} = {tokens} tokens, "
