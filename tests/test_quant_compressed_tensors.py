@@ -93,6 +93,7 @@ def greedy(model_dir: Path, prompts: list[list[int]], **engine: object) -> list[
 
 def checkpoint_tensors(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """The tensors as the loader hands them to a layer: written, then opened unread."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp_path / "t.safetensors"))
     handle = safe_open(str(tmp_path / "t.safetensors"), framework="pt")
     return {name: CheckpointTensor(handle, name, torch.float32) for name in tensors}
@@ -150,6 +151,21 @@ def test_the_packed_layer_dequantizes_the_hand_packed_words(tmp_path):
         layer.load(kind, tensor, 0, range(2), 2, 0)
     assert torch.equal(layer.dequantized(torch.float32), EXPECTED)
     assert layer.weight_packed.dtype == torch.int32 and layer.weight_packed.shape == (2, 1)
+
+
+def test_fused_fp8_parts_keep_their_own_tensor_scales_stored_as_one_value_or_a_scalar(tmp_path):
+    layer = ScaledInt8Fp8Linear(2, (1, 2), False, PRESETS["FP8"], None)  # e.g. q and k of a qkv
+    q = {"weight": torch.tensor([[1.0, -2.0]]).to(FP8), "weight_scale": torch.tensor([0.5])}
+    k = {
+        "weight": torch.tensor([[4.0, 1.0], [2.0, 8.0]]).to(FP8),
+        "weight_scale": torch.tensor(3.0),
+    }
+    for offset, held in ((0, q), (1, k)):
+        tensors = checkpoint_tensors(tmp_path / str(offset), held)
+        rows = range(len(held["weight"]))
+        for kind, tensor in tensors.items():
+            layer.load(kind, tensor, 0, rows, len(rows), offset)
+    assert layer.dequantized(torch.float32).tolist() == [[0.5, -1], [12, 3], [6, 24]]
 
 
 def test_the_layout_is_compressed_tensors_own():

@@ -112,7 +112,7 @@ class _CompressedTensorsLinear(QuantLinear):
         rows = target.narrow(0, offset, len(part)) if dim == 0 else target
         if strategy == "tensor":
             _check(tensor, ((), (1,)), "one scale for the tensor")
-            rows.fill_(float(tensor.read(dtype=torch.float32).reshape(-1)[0]))
+            rows.fill_(float(tensor.read_slices(dtype=torch.float32).reshape(-1)[0]))  # [1] or ()
             return
         groups = 1 if strategy == "channel" else full[1] // self.group_size
         _check(tensor, ((full[0], groups),), f"{strategy} scales")
