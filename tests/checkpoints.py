@@ -533,6 +533,40 @@ def dequantize_checkpoint_fp8(src: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def dequantize_checkpoint_compressed_tensors(src: Path, out_dir: Path) -> Path:
+    """The float32 checkpoint whose weights are exactly a compressed-tensors checkpoint's,
+    dequantized by the reference: what its tokens must equal."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.quant.compressed_tensors_reference import dequantize, unpack_int4
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    tensors = load_file(str(src / "model.safetensors"))
+    plain = {}
+    for name, tensor in tensors.items():
+        module, _, kind = name.rpartition(".")
+        scale = tensors.get(f"{module}.weight_scale")
+        if scale is None:
+            plain[name] = tensor
+        elif kind == "weight_packed":
+            out, cols = tensors[f"{module}.weight_shape"].tolist()
+            zero = tensors.get(f"{module}.weight_zero_point")
+            zero = None if zero is None else unpack_int4(zero, out, dim=0)
+            plain[f"{module}.weight"] = dequantize(unpack_int4(tensor, cols), scale, zero)
+        elif kind == "weight":
+            plain[name] = dequantize(tensor, scale)
+    save_file(plain, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out_dir / path.name)
+    return out_dir
+
+
 def hf_greedy(
     model_dir: Path,
     prompts: list[list[int]],

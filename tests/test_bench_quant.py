@@ -27,3 +27,23 @@ def test_a_short_run_measures_bytes_and_throughput_of_both(tmp_path):
     assert res["weight_bytes"]["bf16"] - res["weight_bytes"]["fp8"] == saved
     assert res["rounds"][0]["fp8"]["tokens"] == res["rounds"][0]["bf16"]["tokens"] == 8
     assert "| llama-9m |" in docs_table(res)
+
+
+def test_a_w4a16_run_holds_half_a_byte_a_weight_plus_float32_group_scales(tmp_path):
+    out = tmp_path / "quant.json"
+    argv = ["--format", "ct-w4a16", "--requests", "2", "--max-tokens", "4", "--rounds", "1",
+            "--json-out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    cfg = bench_models.config_of("llama-9m")
+    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes = [(heads * head_dim, hidden), (kv * head_dim, hidden), (kv * head_dim, hidden),
+              (hidden, heads * head_dim), (inter, hidden), (inter, hidden), (hidden, inter)]  # fmt: skip
+    linear = layers * sum(o * i for o, i in shapes)
+    scales = layers * sum(o * (i // 128) for o, i in shapes)
+    # bf16 spends 2 bytes per projection weight, W4A16 half a byte plus 4 per group of 128.
+    saved = 2 * linear - (linear // 2 + 4 * scales)
+    assert res["weight_bytes"]["bf16"] - res["weight_bytes"]["ct-w4a16"] == saved
+    assert res["rounds"][0]["ct-w4a16"]["tokens"] == 8
+    assert "| llama-9m |" in docs_table(res) and "weights W4A16" in docs_table(res)

@@ -238,7 +238,7 @@ def test_the_published_fp8_config_loads():
     "field,value",
     [
         ("quant_method", "awq"),
-        ("quant_method", "compressed-tensors"),
+        ("quant_method", "bitsandbytes"),
         ("fmt", "e5m2"),
         ("activation_scheme", "static"),
         ("weight_block_size", [128]),
