@@ -35,6 +35,7 @@ from pdserve.engine.models.loader import load_model
 from pdserve.engine.models.weights import CheckpointTensor
 from pdserve.engine.quant.compressed_tensors_checkpoint import (
     PRESETS,
+    compress,
     quantization_config,
     write_compressed_tensors_checkpoint,
 )
@@ -151,6 +152,24 @@ def test_the_packed_layer_dequantizes_the_hand_packed_words(tmp_path):
         layer.load(kind, tensor, 0, range(2), 2, 0)
     assert torch.equal(layer.dequantized(torch.float32), EXPECTED)
     assert layer.weight_packed.dtype == torch.int32 and layer.weight_packed.shape == (2, 1)
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM"])
+def test_the_gpu_kernel_reads_the_layer_as_it_is_kept(preset, tmp_path):
+    """What a GPU layer hands Triton's W4A16 GEMM (`kernel_operands`) multiplies like the layer's
+    own dequantization: checked through the kernel's torch reference, so without a GPU."""
+    from pdserve.kernels.w4a16_ref import w4a16_matmul_ref
+
+    torch.manual_seed(0)
+    scheme = dataclasses.replace(PRESETS[preset], group_size=8)
+    float_weight = torch.randn(6, 24)
+    packed = compress(float_weight, scheme)
+    layer = PackedInt4Linear(24, (6,), False, scheme, None)
+    for kind, tensor in checkpoint_tensors(tmp_path, packed).items():
+        layer.load(kind, tensor, 0, range(6), 6, 0)
+    x = torch.randn(3, 24)
+    expected = x @ layer.dequantized(torch.float32).T
+    torch.testing.assert_close(w4a16_matmul_ref(x, *layer.kernel_operands(torch.float32)), expected)
 
 
 def test_fused_fp8_parts_keep_their_own_tensor_scales_stored_as_one_value_or_a_scalar(tmp_path):

@@ -23,6 +23,7 @@ from pdserve.engine.quant.compressed_tensors_reference import (
     PER_WORD,
     unpack_int4,
 )
+from pdserve.engine.quant.gemm_choice import w4a16_gemm_on
 from pdserve.engine.quant.linear import QuantLinear
 
 if TYPE_CHECKING:  # the models import these layers; they only read what they hand them
@@ -238,6 +239,30 @@ class PackedInt4Linear(_CompressedTensorsLinear):
             )
             words = tensor.read(columns=cols, dtype=torch.int32)
             target.copy_(unpack_int4(words, full[0], 0))
+
+    def kernel_operands(
+        self, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """(qweight, scales, zeros, group_size) for `triton_w4a16.w4a16_matmul`, whose layout is
+        this one's: the packed words as they are, the scales in `dtype`, and the zero points as
+        the kernel's unsigned ones (a stored value less its zero point is q - 8 - z, which the
+        kernel computes as q - (z + 8); None when symmetric: the kernel's own 8)."""
+        zeros = None
+        if not self.scheme.symmetric:
+            zeros = (self.weight_zero_point.to(torch.int32) + INT4_OFFSET).to(torch.uint8)
+        return self.weight_packed, self.weight_scale.to(dtype), zeros, self.group_size
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """On a GPU with bf16 tensor cores, Triton's W4A16 GEMM reads the packed words as they
+        are (`gemm_choice.w4a16_gemm`); elsewhere the torch reference dequantizes per call."""
+        if not w4a16_gemm_on(x.device):
+            return super().matmul(x, bias)
+        from pdserve.kernels.triton_w4a16 import w4a16_matmul  # only where Triton runs
+
+        rows = x.reshape(-1, self.in_features)
+        y = w4a16_matmul(rows, *self.kernel_operands(x.dtype))
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in `dtype`: each 4-bit value less its group's zero point, times
