@@ -1,12 +1,16 @@
 """What a quantized checkpoint costs and saves on the CPU, side by side in one run against the
 same model in bfloat16: the weight bytes the loaded model holds, and the offline engine's
 throughput on the same greedy requests (each writing exactly max_tokens), rounds alternating.
-The FP8 checkpoint is the bf16 one written in Hugging Face's fine-grained layout
-(`engine.quant.fp8_checkpoint`, blocks of 128x128); activations are bfloat16 for both.
+The quantized checkpoint is the bf16 one written by our writer of the format's published layout
+(`--format`): fp8, Hugging Face's fine-grained layout (`engine.quant.fp8_checkpoint`, blocks of
+128x128); awq, AutoAWQ's 4-bit GEMM layout in groups of 128; gptq, AutoGPTQ's 4-bit layout in
+groups of 128, symmetric, act-order (`engine.quant.packed_checkpoint`). Activations are bfloat16
+for both.
 
     python -m pdserve.bench.quant
     python -m pdserve.bench.quant --model llama-50m --requests 8 --max-tokens 32 \
         --json-out bench/results/quant_fp8_cpu.json
+    python -m pdserve.bench.quant --format gptq --json-out bench/results/quant_gptq_llama9m.json
 """
 
 from __future__ import annotations
@@ -22,10 +26,18 @@ from pathlib import Path
 from pdserve.bench.peers import models as bench_models
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.quant.fp8_checkpoint import write_fp8_checkpoint
+from pdserve.engine.quant.packed_checkpoint import write_awq_checkpoint, write_gptq_checkpoint
 from pdserve.tune import provenance
 
 PROG = "pdserve.bench.quant"
 BLOCK = (128, 128)
+GROUP = 128
+# --format -> the writer of that layout from the bf16 checkpoint.
+WRITERS = {
+    "fp8": lambda plain, out: write_fp8_checkpoint(plain, out, BLOCK),
+    "awq": lambda plain, out: write_awq_checkpoint(plain, out, GROUP),
+    "gptq": lambda plain, out: write_gptq_checkpoint(plain, out, GROUP, desc_act=True),
+}
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -48,10 +60,11 @@ def throughput(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tu
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
     plain = bench_models.resolve(args.model)
-    fp8 = write_fp8_checkpoint(plain, work / "fp8", BLOCK)
+    fmt = args.format
+    quantized = WRITERS[fmt](plain, work / fmt)
     engines = {
         "bf16": LLM(str(plain), dtype="bfloat16", num_kv_blocks=1024, block_size=16),
-        "fp8": LLM(str(fp8), dtype="bfloat16", num_kv_blocks=1024, block_size=16),
+        fmt: LLM(str(quantized), dtype="bfloat16", num_kv_blocks=1024, block_size=16),
     }
     prompts = [
         [(7 * i + j) % 1000 + 2 for j in range(args.prompt_len)] for i in range(args.requests)
@@ -71,13 +84,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         print(
             f"round {r + 1}: " + ", ".join(f"{n} {row[n]['tokens_per_s']} tok/s" for n in engines)
         )
-    same = sum(a == b for a, b in zip(outputs["bf16"], outputs["fp8"]))
+    same = sum(a == b for a, b in zip(outputs["bf16"], outputs[fmt]))
     return {
         "model": args.model,
+        **({} if fmt == "fp8" else {"format": fmt}),
         "weight_bytes": {name: weight_bytes(llm) for name, llm in engines.items()},
         "rounds": rounds,
-        "fp8_over_bf16": round(
-            statistics.median(r["fp8"]["tokens_per_s"] / r["bf16"]["tokens_per_s"] for r in rounds),
+        f"{fmt}_over_bf16": round(
+            statistics.median(r[fmt]["tokens_per_s"] / r["bf16"]["tokens_per_s"] for r in rounds),
             3,
         ),
         "same_greedy_outputs": f"{same} of {len(prompts)}",
@@ -85,19 +99,23 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
 
 
 def docs_table(*results: dict) -> str:
-    """Weight bytes and throughput, bf16 against FP8, a row per model (bench.docs renders it)."""
+    """Weight bytes and throughput, bf16 against the quantized format (FP8 where a result names
+    none), a row per model (bench.docs renders it)."""
+    name = results[0].get("format", "fp8") if results else "fp8"
+    label = name.upper()
     lines = [
-        "| model | weights bf16 | weights FP8 | FP8 / bf16 bytes | tok/s bf16, per round | "
-        "tok/s FP8, per round | FP8 / bf16 tok/s (median) | same greedy outputs |",
+        f"| model | weights bf16 | weights {label} | {label} / bf16 bytes | tok/s bf16, per round "
+        f"| tok/s {label}, per round | {label} / bf16 tok/s (median) | same greedy outputs |",
         "| --- | ---: | ---: | ---: | --- | --- | ---: | --- |",
     ]
     for res in results:
+        fmt = res.get("format", "fp8")
         w = res["weight_bytes"]
         per = {n: " / ".join(f"{r[n]['tokens_per_s']:,.0f}" for r in res["rounds"]) for n in w}
         lines.append(
-            f"| {res['model']} | {w['bf16'] / 2**20:.1f} MiB | {w['fp8'] / 2**20:.1f} MiB | "
-            f"{w['fp8'] / w['bf16']:.2f} | {per['bf16']} | {per['fp8']} | "
-            f"{res['fp8_over_bf16']:.2f} | {res['same_greedy_outputs']} |"
+            f"| {res['model']} | {w['bf16'] / 2**20:.1f} MiB | {w[fmt] / 2**20:.1f} MiB | "
+            f"{w[fmt] / w['bf16']:.2f} | {per['bf16']} | {per[fmt]} | "
+            f"{res[f'{fmt}_over_bf16']:.2f} | {res['same_greedy_outputs']} |"
         )
     return "\n".join(lines)
 
@@ -105,6 +123,9 @@ def docs_table(*results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-9m", help="a bench model (bench.peers.models)")
+    parser.add_argument(
+        "--format", choices=list(WRITERS), default="fp8", help="the quantized layout measured"
+    )
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)

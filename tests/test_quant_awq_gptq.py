@@ -36,16 +36,16 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPT_LENGTHS = [3, 9, 17, 30]
 # name -> (family, writer options): AWQ with and without biases (qwen2: q/k/v biases, tied
 # embeddings); GPTQ symmetric in groups, asymmetric in act-order (each projection's inputs
-# grouped in an order of its own), one group per output, and 8-bit in GPTQModel's v2 format.
+# grouped in an order of its own), and 8-bit asymmetric with one group per output in GPTQModel's
+# v2 format.
 CHECKPOINTS = {
     "awq": ("llama", dict(format="awq", group_size=16)),
     "awq_qwen2": ("qwen2", dict(format="awq", group_size=32)),
     "gptq_sym": ("llama", dict(format="gptq", group_size=16, sym=True)),
     "gptq_act_order": ("qwen3", dict(format="gptq", group_size=16, desc_act=True, sym=False)),
-    "gptq_asym_per_output": ("llama", dict(format="gptq", group_size=-1, sym=False)),
-    "gptq_8bit_v2": (
-        "mistral",
-        dict(format="gptq", group_size=32, bits=8, checkpoint_format="gptq_v2"),
+    "gptq_8bit_per_output_v2": (
+        "llama",
+        dict(format="gptq", group_size=-1, bits=8, sym=False, checkpoint_format="gptq_v2"),
     ),
 }
 

@@ -38,7 +38,7 @@ class AwqScheme:
         name, bits = field(qcfg, "bits", "w_bit", default=4)
         if bits != 4:
             raise _refuse(name, bits, "4")
-        name, group = field(qcfg, "group_size", "q_group_size")
+        name, group = field(qcfg, "group_size", "q_group_size", default=128)
         if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
             raise _refuse(name, group, "a positive number of inputs, e.g. 128")
         name, zero_point = field(qcfg, "zero_point", default=True)
