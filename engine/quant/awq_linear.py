@@ -53,8 +53,9 @@ class AwqLinear(PackedLinear):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in `dtype` (as `awq_reference.dequantize`, computed in float32):
         each 4-bit value minus its group's zero point, times its group's scale."""
-        q = unpack(self.qweight, BITS, 1, AWQ_ORDER)  # [in, out]
-        zeros = unpack(self.qzeros, BITS, 1, AWQ_ORDER)
+        # Small integers are exact in float32, where the arithmetic is faster than in int32.
+        q = unpack(self.qweight, BITS, 1, AWQ_ORDER).float()  # [in, out]
+        zeros = unpack(self.qzeros, BITS, 1, AWQ_ORDER).float()
         scales = self.scales.float()
         n, g = self.in_features, self.group_size
         if n % g == 0:  # whole groups: broadcast over each group's inputs

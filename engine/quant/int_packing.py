@@ -47,8 +47,8 @@ def unpack(
     k = per_word(bits)
     order = order or tuple(range(k))
     moved = words.movedim(dim, -1)
-    shifts = torch.arange(k, dtype=torch.int32, device=words.device) * bits
-    slots = (moved.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    if list(order) != list(range(k)):
-        slots = slots[..., [order.index(j) for j in range(k)]]  # slot of each value
-    return slots.reshape(*moved.shape[:-1], -1).movedim(-1, dim)
+    # Value j of a run sits in slot order.index(j): shift each value's own slot down.
+    slots = [order.index(j) for j in range(k)]
+    shifts = torch.tensor(slots, dtype=torch.int32, device=words.device) * bits
+    values = (moved.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return values.reshape(*moved.shape[:-1], -1).movedim(-1, dim)
