@@ -176,6 +176,43 @@ def test_awq_writer_rounds_each_weight_to_within_half_its_step():
     assert ((w - weight).abs() <= step * (0.5 + 2**4 / 2**12)).all()
 
 
+@pytest.mark.parametrize(
+    "bits,group,desc_act,sym,v1",
+    [
+        (4, 16, False, False, True),
+        (4, 16, True, False, True),
+        (4, -1, False, True, True),
+        (8, 32, False, False, False),
+        (4, 24, False, False, True),
+    ],  # fmt: skip (a table of cases)
+)
+def test_the_gptq_layer_dequantizes_fused_parts_as_the_reference(bits, group, desc_act, sym, v1):
+    """Each fused part (q, k, v) by its own g_idx; inputs in order take the layer's broadcast
+    path, act-order and one group per output its gather (groups of 24: 64 inputs end ragged)."""
+    layer = GptqLinear(64, (16, 8, 8), False, bits, group, desc_act, v1)
+    parts = []
+    for i, rows in enumerate((16, 8, 8)):
+        weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(i))
+        g_idx = gptq_reference.act_order_groups(64, group, i if desc_act else None)
+        packed = gptq_reference.quantize(weight, g_idx, bits, sym, v1)
+        parts.append((*packed, g_idx))
+        layer.g_idx.data[i] = g_idx
+    layer.qweight.data = torch.cat([p[0] for p in parts], dim=1)
+    layer.qzeros.data = torch.cat([p[1] for p in parts], dim=1)
+    layer.scales.data = torch.cat([p[2] for p in parts], dim=1)
+    expected = torch.cat([gptq_reference.dequantize(*p[:3], p[3], bits, v1) for p in parts])
+    assert torch.equal(layer.dequantized(torch.float32), expected)
+
+
+def test_the_awq_layer_dequantizes_fused_parts_as_the_reference():
+    layer = AwqLinear(64, (16, 8), False, 16)
+    parts = [awq_reference.quantize(torch.randn(rows, 64), 16) for rows in (16, 8)]
+    for kind, i in (("qweight", 0), ("qzeros", 1), ("scales", 2)):
+        getattr(layer, kind).data = torch.cat([p[i] for p in parts], dim=1)
+    expected = torch.cat([awq_reference.dequantize(*p, 16) for p in parts])
+    assert torch.equal(layer.dequantized(torch.float32), expected)
+
+
 def test_the_written_checkpoints_hold_the_published_names_dtypes_and_shapes(packed_dirs):
     from safetensors import safe_open
 

@@ -70,11 +70,20 @@ class GptqLinear(PackedLinear):
         q = unpack(self.qweight, self.bits, 0).float()  # [in, out]
         zeros = stored_zeros(self.qzeros, self.bits, self.v1).float()
         scales = self.scales.float()
+        n_in, g = self.in_features, self.group_size
+        # Inputs in order, whole groups (no act-order): broadcast each group's zero and scale
+        # over its inputs instead of gathering them per input.
+        ordered = g > 0 and n_in % g == 0 and len(scales) == n_in // g
+        in_order = torch.arange(n_in, device=q.device) // g if ordered else None
         parts, start = [], 0
         for i, n in enumerate(self.out_parts):
             cols = slice(start, start + n)
-            groups = self.g_idx[i].long()
-            parts.append((q[:, cols] - zeros[groups, cols]) * scales[groups, cols])
+            if ordered and torch.equal(self.g_idx[i], in_order.to(torch.int32)):
+                w = (q[:, cols].reshape(-1, g, n) - zeros[:, None, cols]) * scales[:, None, cols]
+                parts.append(w.reshape(n_in, n))
+            else:
+                groups = self.g_idx[i].long()
+                parts.append((q[:, cols] - zeros[groups, cols]) * scales[groups, cols])
             start += n
         w = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         return w.T.to(dtype)
