@@ -4,13 +4,15 @@ throughput on the same greedy requests (each writing exactly max_tokens), rounds
 The quantized checkpoint is the bf16 one written by our writers of the published layouts
 (`--format`): `fp8`, Hugging Face's fine-grained FP8 (`engine.quant.fp8_checkpoint`, blocks of
 128x128), or compressed-tensors (`engine.quant.compressed_tensors_checkpoint`) `ct-w4a16` (4-bit,
-groups of 128), `ct-fp8` (FP8 per channel) or `ct-int8` (INT8 per channel); activations are
-bfloat16 for both.
+groups of 128), `ct-fp8` (FP8 per channel) or `ct-int8` (INT8 per channel), `awq` (AutoAWQ's
+4-bit GEMM layout in groups of 128) or `gptq` (AutoGPTQ's 4-bit layout in groups of 128,
+symmetric, act-order; `engine.quant.packed_checkpoint`); activations are bfloat16 for both.
 
     python -m pdserve.bench.quant
     python -m pdserve.bench.quant --model llama-50m --requests 8 --max-tokens 32 \
         --json-out bench/results/quant_fp8_cpu.json
     python -m pdserve.bench.quant --format ct-w4a16 --json-out bench/results/quant_ct-w4a16_llama9m.json
+    python -m pdserve.bench.quant --format gptq --json-out bench/results/quant_gptq_llama9m.json
 """
 
 from __future__ import annotations
@@ -30,20 +32,33 @@ from pdserve.engine.quant.compressed_tensors_checkpoint import (
     write_compressed_tensors_checkpoint,
 )
 from pdserve.engine.quant.fp8_checkpoint import write_fp8_checkpoint
+from pdserve.engine.quant.packed_checkpoint import write_awq_checkpoint, write_gptq_checkpoint
 from pdserve.tune import provenance
 
 PROG = "pdserve.bench.quant"
 BLOCK = (128, 128)
 # --format -> the compressed-tensors preset written (llm-compressor's names).
 CT_FORMATS = {"ct-w4a16": "W4A16", "ct-fp8": "FP8_DYNAMIC", "ct-int8": "W8A8"}
-FORMATS = ("fp8", *CT_FORMATS)
-LABELS = {"fp8": "FP8", "ct-w4a16": "W4A16", "ct-fp8": "CT FP8", "ct-int8": "INT8"}
+GROUP = 128  # awq and gptq
+FORMATS = ("fp8", *CT_FORMATS, "awq", "gptq")
+LABELS = {
+    "fp8": "FP8",
+    "ct-w4a16": "W4A16",
+    "ct-fp8": "CT FP8",
+    "ct-int8": "INT8",
+    "awq": "AWQ",
+    "gptq": "GPTQ",
+}
 
 
 def write_quantized(plain: Path, out_dir: Path, fmt: str) -> Path:
     """The bf16 checkpoint `plain` written in format `fmt` (one of FORMATS)."""
     if fmt == "fp8":
         return write_fp8_checkpoint(plain, out_dir, BLOCK)
+    if fmt == "awq":
+        return write_awq_checkpoint(plain, out_dir, GROUP)
+    if fmt == "gptq":
+        return write_gptq_checkpoint(plain, out_dir, GROUP, desc_act=True)
     return write_compressed_tensors_checkpoint(plain, out_dir, PRESETS[CT_FORMATS[fmt]])
 
 

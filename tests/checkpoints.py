@@ -613,3 +613,40 @@ def build_draft_checkpoint(model_dir: Path, out_dir: Path, num_layers: int) -> P
     from pdserve.bench.speculative import first_layers_checkpoint
 
     return first_layers_checkpoint(model_dir, out_dir, num_layers)
+
+
+def dequantize_checkpoint_packed(src: Path, out_dir: Path) -> Path:
+    """The float32 checkpoint whose weights are exactly an AWQ or GPTQ checkpoint's, dequantized
+    by the format's reference: what the packed checkpoint's tokens must equal."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.quant import awq_reference, gptq_reference
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    qcfg = config.pop("quantization_config")
+    tensors = load_file(str(src / "model.safetensors"))
+    plain = {}
+    for name, tensor in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if kind in ("qzeros", "scales", "g_idx"):
+            continue
+        if kind != "qweight":
+            plain[name] = tensor
+            continue
+        zeros, scales = tensors[module + ".qzeros"], tensors[module + ".scales"]
+        if qcfg["quant_method"] == "awq":
+            weight = awq_reference.dequantize(tensor, zeros, scales, qcfg["group_size"])
+        else:
+            v1 = qcfg.get("checkpoint_format", "gptq") == "gptq"
+            g_idx = tensors[module + ".g_idx"]
+            weight = gptq_reference.dequantize(tensor, zeros, scales, g_idx, qcfg["bits"], v1)
+        plain[module + ".weight"] = weight
+    save_file(plain, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out_dir / path.name)
+    return out_dir

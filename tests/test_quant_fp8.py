@@ -237,7 +237,6 @@ def test_the_published_fp8_config_loads():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("quant_method", "awq"),
         ("quant_method", "bitsandbytes"),
         ("fmt", "e5m2"),
         ("activation_scheme", "static"),

@@ -36,6 +36,30 @@ def refuse(field: str, value: object, supported: str) -> UnsupportedQuantization
     )
 
 
+def not_converted(qcfg: dict) -> tuple[str, ...]:
+    """`modules_to_not_convert` (transformers' substring match), checked to be a list."""
+    names = qcfg.get("modules_to_not_convert") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise refuse("modules_to_not_convert", names, "a list of module names")
+    return tuple(names)
+
+
+def quantizes(module: str, skipped: tuple[str, ...]) -> bool:
+    """Whether a checkpoint that skips `skipped` holds `module` (its full name) quantized."""
+    if module.rsplit(".", 1)[-1] not in QUANTIZABLE_PROJECTIONS:
+        return False
+    return not any(name in module for name in skipped)
+
+
+def config_field(qcfg: dict, *names: str, default: object = None) -> tuple[str, object]:
+    """(the name, the value) of the first of `names` the config holds (AutoAWQ's own config
+    spells some fields differently from transformers'), else of the first with `default`."""
+    for name in names:
+        if name in qcfg:
+            return name, qcfg[name]
+    return names[0], default
+
+
 class QuantScheme(Protocol):
     @property
     def label(self) -> str:

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdserve.engine.quant.awq_scheme import AwqScheme
 from pdserve.engine.quant.compressed_tensors_scheme import CompressedTensorsScheme
 from pdserve.engine.quant.fp8_scheme import Fp8Scheme
+from pdserve.engine.quant.gptq_scheme import GptqScheme
 from pdserve.engine.quant.scheme import QuantScheme, refuse
 
 # quant_method -> the scheme read from the whole quantization_config.
 SCHEMES: dict[str, Callable[[dict], QuantScheme]] = {
     "fp8": Fp8Scheme.from_config,
     "compressed-tensors": CompressedTensorsScheme.from_config,
+    "awq": AwqScheme.from_config,
+    "gptq": GptqScheme.from_config,
 }
 
 
