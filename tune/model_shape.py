@@ -20,7 +20,8 @@ layer, and the blocks a sequence holds or a handoff moves are those the KV manag
 
 A block-scaled FP8 checkpoint (DeepSeek-V3's, `fp8_block`) keeps every projection of attention,
 the MLPs and the experts at one byte a weight plus a float32 scale a block, as a node holds them
-(`pdserve.engine.quant`); embeddings, the LM head and the routers stay in the model's dtype."""
+(`pdserve.engine.quant`); embeddings, the LM head, the routers and MLA's kv_b_proj (dequantized
+at load) are in the model's dtype."""
 
 from __future__ import annotations
 
@@ -310,8 +311,14 @@ class ModelShape:
         return self.mlp_bytes(self.moe_intermediate_size, dtype)
 
     def layers_weight_bytes(self, dtype: str) -> int:
-        """Every decoder layer's matmul weights as held, every expert counted."""
-        attention = sum(self.matrix_bytes(r, c, dtype) for r, c in self.attention_matrices())
+        """Every decoder layer's matmul weights as held, every expert counted. MLA's kv_b_proj
+        is held in `dtype` whatever the checkpoint: a node folds it into each head's query and
+        output at load (`pdserve.engine.models.mla`)."""
+        matrices = self.attention_matrices()
+        attention = sum(self.matrix_bytes(r, c, dtype) for r, c in matrices)
+        if self.is_mla:
+            rows, cols = matrices[-2]  # kv_b_proj
+            attention += rows * cols * DTYPE_BYTES[dtype] - self.matrix_bytes(rows, cols, dtype)
         dense = self.num_layers - self.num_sparse_layers
         router = self.hidden_size * (self.num_experts + (1 if self.shared_expert_gated else 0))
         sparse = (
