@@ -5,7 +5,7 @@ checkpoints made by `transformers`, written FP8 by our writer of the published l
 shared experts and routed experts kept in FP8.
 
 The tokens' references: the same weights dequantized into a float32 checkpoint, run by pdserve
-and by transformers (which runs no FP8 experts on a CPU)."""
+and by transformers (which runs no FP8 experts on a CPU); and one served 1P+1D cluster."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from checkpoints import build_checkpoint, dequantize_checkpoint_fp8, hf_greedy
@@ -29,6 +30,7 @@ from pdserve.engine.quant.fp8_linear import Fp8Linear
 from pdserve.engine.quant.fp8_reference import FP8, dequantize
 from pdserve.engine.tp.model_shard import weight_line
 from pdserve.engine.tp.shard import TPShard
+from pdserve.tune.local_server import PdserveServer, PdserveSystem
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPT_LENGTHS = [3, 11, 26]
@@ -290,3 +292,29 @@ def test_a_broken_expert_tensor_is_refused_naming_it(fp8_dirs, tmp_path, change,
     with pytest.raises(ValueError) as err:
         load_model(broken, "float32", "cpu")
     assert expected in str(err.value)
+
+
+# --- served --------------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_pdserve_serve_disaggregated_gives_the_offline_fp8_deepseek_tokens(fp8_dirs, tmp_path):
+    fp8, _ = fp8_dirs("deepseek_v3")
+    prompt = random_prompts(13, [14])[0]
+    with LLM(str(fp8), num_kv_blocks=64, device="cpu") as llm:
+        (out,) = llm.generate([prompt], GREEDY)
+        expected = llm.tokenizer.decode(out.token_ids)
+    system = PdserveSystem("fp8-v3", prefill_nodes=1, decode_nodes=1, flags=("--insecure",))
+    with PdserveServer(system, tmp_path, str(fp8)) as server:
+        body = {
+            "model": httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"],
+            "prompt": prompt,
+            "max_tokens": GREEDY.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+        logs = "".join(p.read_text() for p in (tmp_path / "fp8-v3").rglob("*.log"))
+    assert reply["choices"][0]["text"] == expected
+    assert reply["usage"]["completion_tokens"] == GREEDY.max_tokens
+    assert "2 layers' experts kept in fp8 e4m3, blocks of 16x16" in logs
