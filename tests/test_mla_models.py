@@ -204,7 +204,17 @@ REFUSED = [
     ("deepseek_v3", {"n_group": 3}, "'n_group' = 3"),
     ("deepseek_v3", {"topk_group": 5}, "'topk_group' = 5"),
     ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, "'num_experts_per_tok' = 3"),
-    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "'quantization_config'"),
+    (
+        "deepseek_v3",
+        {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "fmt": "e5m2",
+                "weight_block_size": [8, 8],
+            }
+        },
+        "'quantization_config.fmt' = 'e5m2'",
+    ),
     ("deepseek_v3", {"attention_bias": True}, "'attention_bias' = true"),
 ]
 

@@ -256,8 +256,8 @@ def test_each_unsupported_field_value_is_refused_by_name(field, value):
     )
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
-def test_fp8_experts_and_latent_attention_are_refused_naming_the_model_type(model_type):
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next"])
+def test_fp8_in_a_family_without_quantized_layers_is_refused_naming_the_model_type(model_type):
     cfg = {
         **llama_config(),
         "model_type": model_type,

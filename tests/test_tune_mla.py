@@ -4,6 +4,8 @@ tensor-parallel group that splits the heads but holds the latent whole on every 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -44,8 +46,7 @@ V2 = ModelShape(
     v_head_dim=128,
 )
 
-# The published config.json files (V3's fp8 quantization_config left out: pdserve refuses it,
-# and the shape is the same).
+# The published config.json files, V3's FP8 quantization_config included.
 YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "original_max_position_embeddings": 4096}
 V3_CONFIG = {
     "model_type": "deepseek_v3",
@@ -79,6 +80,12 @@ V3_CONFIG = {
     "rms_norm_eps": 1e-06,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
 }
 V2_LITE_CONFIG = {
     "model_type": "deepseek_v2",
@@ -352,7 +359,44 @@ def test_the_simulator_builds_a_one_plane_latent_pool_and_moves_latents():
 
 def test_deepseek_v3_in_bf16_fits_no_node_of_eight_h100s_or_h200s():
     # 1.34 TB of weights against 8 x 80 GB or 8 x 141 GB: no room for KV on any node size.
-    assert V3.weight_bytes("bfloat16") / 1e12 == pytest.approx(1.342, abs=0.001)
+    v3_bf16 = dataclasses.replace(V3, fp8_block=None)
+    assert v3_bf16.weight_bytes("bfloat16") == v3_bf16.num_params * 2
+    assert v3_bf16.weight_bytes("bfloat16") / 1e12 == pytest.approx(1.342, abs=0.001)
     for device in ("h100", "h200"):
-        with pytest.raises(ValueError, match="leaves no room for KV on 8 x"):
-            roofline_profile(V3, device)
+        with pytest.raises(ValueError, match="GB of bfloat16 weights.*no room for KV on 8 x"):
+            roofline_profile(v3_bf16, device)
+
+
+def test_deepseek_v3_in_fp8_is_a_byte_a_weight_and_a_float32_scale_a_block():
+    # The projections' 668.0 B weights at a byte each; the embedding, the LM head, the 58
+    # routers and kv_b_proj (dequantized at load) in bfloat16. Scales: 128x128 blocks of each
+    # matrix, ragged ones whole. Per layer q_a 12 x 56, q_b 192 x 12, kv_a 5 x 56 (576 rows),
+    # o 56 x 128; the 3 dense MLPs' 3 x 144 x 56; each expert and shared expert 3 x 16 x 56.
+    embedding, routers, kv_b = 129280 * 7168, 58 * 256 * 7168, 61 * 128 * 256 * 512
+    fp8_weights = V3.num_params - 2 * embedding - routers - kv_b
+    assert fp8_weights / 1e9 == pytest.approx(668.05, abs=0.01)
+    attention_blocks = 12 * 56 + 192 * 12 + 5 * 56 + 56 * 128
+    blocks = 61 * attention_blocks + 3 * 3 * 144 * 56 + 58 * 257 * 3 * 16 * 56
+    held = fp8_weights + 4 * blocks + 2 * (2 * embedding + routers + kv_b)
+    assert V3.weight_bytes("bfloat16") == held
+    assert V3.weight_bytes("bfloat16") / 1e9 == pytest.approx(674.2, abs=0.1)  # 0.16 GB of scales
+    experts = 58 * 256 * (3 * 2048 * 7168 + 4 * 3 * 16 * 56)
+    assert V3.expert_weight_bytes("bfloat16") == experts
+    assert V3.step_weight_bytes("bfloat16") == held - experts - 2 * embedding
+
+
+@pytest.mark.parametrize("name", [n for n, shape in PRESETS.items() if shape.fp8_block is None])
+def test_float_weights_are_sized_as_before(name):
+    shape = PRESETS[name]
+    assert shape.weight_bytes("bfloat16") == shape.num_params * 2
+    for gpus in (1, 2, 8):
+        assert shape.replicated_bytes(gpus, "bfloat16") == shape.replicated_params(gpus) * 2
+
+
+def test_deepseek_v3_in_fp8_fits_a_node_of_eight_h200s_not_eight_h100s():
+    profile = roofline_profile(V3, "h200")
+    assert profile.tp_sizes == [8]  # 1, 2 and 4 GPUs leave no room for KV
+    assert profile.devices_per_node == 8
+    assert profile.kv_blocks > 30000  # over 480,000 tokens of latent KV
+    with pytest.raises(ValueError, match=r"674 GB of fp8 \(blocks of 128x128\) and bfloat16"):
+        roofline_profile(V3, "h100")

@@ -16,7 +16,12 @@ on every rank (`kv_replicas`, `replicated_params`).
 Layers that keep different state (`layer_kinds`: full attention, a sliding window, chunked local
 attention) form KV groups as a node's pool does (`pdserve.engine.kv.groups`): a long prompt costs
 the KV of its full-attention layers per token and at most a window (and a chunk) in each other
-layer, and the blocks a sequence holds or a handoff moves are those the KV manager counts."""
+layer, and the blocks a sequence holds or a handoff moves are those the KV manager counts.
+
+A block-scaled FP8 checkpoint (DeepSeek-V3's, `fp8_block`) keeps every projection of attention,
+the MLPs and the experts at one byte a weight plus a float32 scale a block, as a node holds them
+(`pdserve.engine.quant`); embeddings, the LM head, the routers and MLA's kv_b_proj (dequantized
+at load) are in the model's dtype."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from pdserve.engine.kv.cache import KVLayout
 from pdserve.engine.kv.groups import KVGroups, groups_for
 from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
+from pdserve.engine.quant.fp8_scheme import Fp8Scheme
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -64,6 +70,9 @@ class ModelShape:
     # Each layer's attention kind as the KV cache sees it ("full", "sliding W", "chunked C";
     # ModelConfig.layer_kinds); empty: every layer full attention.
     layer_kinds: tuple[str, ...] = ()
+    # Block-scaled FP8 projections (the checkpoint's weight_block_size); None: every weight in
+    # the model's dtype.
+    fp8_block: tuple[int, int] | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
@@ -91,6 +100,7 @@ class ModelShape:
             qk_nope_head_dim=cfg.qk_nope_head_dim,
             v_head_dim=cfg.v_head_dim,
             layer_kinds=cfg.layer_kinds,
+            fp8_block=_fp8_block(cfg),
             name=name,
             num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size,
@@ -114,6 +124,8 @@ class ModelShape:
         fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         if "layer_kinds" in fields:  # a JSON list
             fields["layer_kinds"] = tuple(fields["layer_kinds"])
+        if fields.get("fp8_block") is not None:
+            fields["fp8_block"] = tuple(fields["fp8_block"])
         return cls(**fields)
 
     def to_dict(self) -> dict:
@@ -255,7 +267,85 @@ class ModelShape:
         return self.layers_params + self.embedding_params + head
 
     def weight_bytes(self, dtype: str) -> int:
-        return self.num_params * DTYPE_BYTES[dtype]
+        """Every weight as a node holds it: the projections in FP8 with their scales where the
+        checkpoint is, the rest in `dtype`."""
+        head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.layers_weight_bytes(dtype) + (self.embedding_params + head) * DTYPE_BYTES[dtype]
+
+    def weights_label(self, dtype: str) -> str:
+        """How the weights are held, for messages: `bfloat16`, or FP8 beside it."""
+        if self.fp8_block is None:
+            return dtype
+        return f"fp8 (blocks of {self.fp8_block[0]}x{self.fp8_block[1]}) and {dtype}"
+
+    def matrix_bytes(self, rows: int, cols: int, dtype: str) -> int:
+        """One projection's weight [rows, cols]: in `dtype`, or FP8 and a float32 scale a block."""
+        if self.fp8_block is None:
+            return rows * cols * DTYPE_BYTES[dtype]
+        b0, b1 = self.fp8_block
+        return rows * cols + 4 * -(-rows // b0) * -(-cols // b1)
+
+    def attention_matrices(self) -> list[tuple[int, int]]:
+        """One layer's attention projections, [rows, cols] each (their sizes sum to
+        `attention_params`); MLA's down-projections first."""
+        h, heads = self.hidden_size, self.num_heads
+        if not self.is_mla:
+            q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return [(kv, h), (kv, h), (q, h), (h, q)]
+        q_out = heads * self.q_head_dim
+        if self.q_lora_rank:
+            q = [(self.q_lora_rank, h), (q_out, self.q_lora_rank)]
+        else:
+            q = [(q_out, h)]
+        kv_b = (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+        return [*q, (self.cache_head_dim, h), kv_b, (h, heads * self.v_head_dim)]
+
+    def mlp_bytes(self, width: int, dtype: str) -> int:
+        """A gated MLP of `width`: gate, up and down projections."""
+        return 2 * self.matrix_bytes(width, self.hidden_size, dtype) + self.matrix_bytes(
+            self.hidden_size, width, dtype
+        )
+
+    def expert_bytes(self, dtype: str) -> int:
+        """One routed expert as held."""
+        return self.mlp_bytes(self.moe_intermediate_size, dtype)
+
+    def layers_weight_bytes(self, dtype: str) -> int:
+        """Every decoder layer's matmul weights as held, every expert counted. MLA's kv_b_proj
+        is held in `dtype` whatever the checkpoint: a node folds it into each head's query and
+        output at load (`pdserve.engine.models.mla`)."""
+        matrices = self.attention_matrices()
+        attention = sum(self.matrix_bytes(r, c, dtype) for r, c in matrices)
+        if self.is_mla:
+            rows, cols = matrices[-2]  # kv_b_proj
+            attention += rows * cols * DTYPE_BYTES[dtype] - self.matrix_bytes(rows, cols, dtype)
+        dense = self.num_layers - self.num_sparse_layers
+        router = self.hidden_size * (self.num_experts + (1 if self.shared_expert_gated else 0))
+        sparse = (
+            attention
+            + router * DTYPE_BYTES[dtype]
+            + (self.mlp_bytes(self.shared_expert_intermediate_size, dtype))
+            + self.num_experts * self.expert_bytes(dtype)
+        )
+        dense_bytes = attention + self.mlp_bytes(self.intermediate_size, dtype)
+        return dense * dense_bytes + self.num_sparse_layers * sparse
+
+    def replicated_bytes(self, gpus: int, dtype: str) -> int:
+        """`replicated_params` as held: MLA's down-projections (or shared K and V projections)
+        quantized where the checkpoint is, the router in `dtype`."""
+        if gpus <= 1:
+            return 0
+        h = self.hidden_size
+        if self.is_mla:  # q_a_proj and kv_a_proj_with_mqa (q_proj splits by heads)
+            kv_a = (self.cache_head_dim, h)
+            held = [(self.q_lora_rank, h), kv_a] if self.q_lora_rank else [kv_a]
+            copies = gpus - 1
+        else:  # k_proj and v_proj
+            copies, held = self.kv_replicas(gpus) - 1, self.attention_matrices()[:2]
+        attention = copies * sum(self.matrix_bytes(r, c, dtype) for r, c in held)
+        router = h * (self.num_experts + (1 if self.shared_expert_gated else 0))
+        routers = self.num_sparse_layers * (gpus - 1) * router * DTYPE_BYTES[dtype]
+        return self.num_layers * attention + routers
 
     def kv_bytes_per_layer_token(self, dtype: str) -> int:
         """One token's cache in one layer, one copy: K and V of every KV head, or MLA's latent
@@ -318,14 +408,13 @@ class ModelShape:
     def step_weight_bytes(self, dtype: str) -> int:
         """Weights a step reads whatever its batch: every layer but its routed experts, and the
         LM head (tied or not); of the embedding table only its tokens' rows, which are left out."""
-        fixed = self.layers_params - self.num_sparse_layers * self.num_experts * self.expert_params
-        return (fixed + self.embedding_params) * DTYPE_BYTES[dtype]
+        fixed = self.layers_weight_bytes(dtype) - self.expert_weight_bytes(dtype)
+        return fixed + self.embedding_params * DTYPE_BYTES[dtype]
 
     def expert_weight_bytes(self, dtype: str) -> int:
         """Every routed expert of every sparse layer: what a step reads when its tokens touch
         them all."""
-        experts = self.num_sparse_layers * self.num_experts * self.expert_params
-        return experts * DTYPE_BYTES[dtype]
+        return self.num_sparse_layers * self.num_experts * self.expert_bytes(dtype)
 
 
 # The shapes of models not at hand, from their published config.json (weights aside).
@@ -364,7 +453,8 @@ PRESETS = {
     ),
     # DeepSeek: latent attention (head_dim is qk_rope_head_dim), first_k_dense_replace dense
     # layers, then routed experts beside always-on shared ones. V3's multi-token prediction
-    # layer (num_nextn_predict_layers, 14 B more) is not counted: pdserve does not run it.
+    # layer (num_nextn_predict_layers, 14 B more) is not counted: pdserve does not run it. V3
+    # is published in FP8, blocks of 128x128.
     "deepseek-v3": ModelShape(
         "DeepSeek-V3",
         61,
@@ -384,6 +474,7 @@ PRESETS = {
         kv_lora_rank=512,
         qk_nope_head_dim=128,
         v_head_dim=128,
+        fp8_block=(128, 128),
     ),
     "deepseek-v2-lite": ModelShape(
         "DeepSeek-V2-Lite",
@@ -405,6 +496,11 @@ PRESETS = {
         v_head_dim=128,
     ),
 }
+
+
+def _fp8_block(cfg: ModelConfig) -> tuple[int, int] | None:
+    """The FP8 block of a block-scaled FP8 checkpoint's config; None for any other."""
+    return cfg.quantization.block if isinstance(cfg.quantization, Fp8Scheme) else None
 
 
 def model_shape(model: str | None) -> ModelShape:

@@ -108,7 +108,7 @@ def roofline_step(
         per_pair_s=model.flops_per_attention_pair * flop_s,
         per_row_s=model.flops_per_logits_row * flop_s,
         per_context_s=model.kv_bytes_per_token(dtype) * model.kv_replicas(gpus) * byte_s,
-        weights_s=(model.step_weight_bytes(dtype) + replicated * DTYPE_BYTES[dtype]) * byte_s,
+        weights_s=(model.step_weight_bytes(dtype) + model.replicated_bytes(gpus, dtype)) * byte_s,
         overlap=True,
         expert_weights_s=model.expert_weight_bytes(dtype) * byte_s,
         num_experts=model.num_experts,
@@ -124,7 +124,7 @@ def kv_blocks(
     costs its KV once per copy the group keeps: MLA's latent is on every GPU, so its pool does
     not grow with the group's size beyond the room the split weights leave."""
     budget = gpus * (memory_gb * a.memory_utilization - a.activation_reserve_gb) * 1e9
-    weights = model.weight_bytes(dtype) + model.replicated_params(gpus) * DTYPE_BYTES[dtype]
+    weights = model.weight_bytes(dtype) + model.replicated_bytes(gpus, dtype)
     per_block = model.kv_bytes_per_block(block_size, dtype) * model.kv_replicas(gpus)
     return int((budget - weights) // per_block)
 
@@ -180,7 +180,8 @@ def roofline_profile(
             left_out.append(g)
     if not groups:
         raise ValueError(
-            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of {dtype} weights) leaves "
+            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of "
+            f"{model.weights_label(dtype)} weights) leaves "
             f"no room for KV on {max(tp_sizes)} x {d.memory_gb:g} GB: give larger "
             "--tensor-parallel-sizes"
         )
@@ -264,7 +265,8 @@ def model_step_profile(
 def _fits(blocks: int, model: ModelShape, dtype: str) -> int:
     if blocks < 1:
         raise ValueError(
-            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of {dtype} weights) leaves "
+            f"{model.name} ({model.weight_bytes(dtype) / 1e9:.0f} GB of "
+            f"{model.weights_label(dtype)} weights) leaves "
             "no room for KV on one GPU"
         )
     return blocks

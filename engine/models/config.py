@@ -48,8 +48,19 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_moe_text",
     "qwen3_5_moe",  # Qwen3_5MoeForConditionalGeneration: its text model only
 )
-# The families whose checkpoints may hold quantized linear layers (`pdserve.engine.quant`).
-QUANTIZED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The families whose checkpoints may hold quantized linear layers (`pdserve.engine.quant`); in
+# those of them with experts, only under a scheme that stacks quantized experts (`experts`).
+QUANTIZED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
 GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -521,8 +532,9 @@ def _gpt_oss_defaults(cfg: dict) -> dict:
 
 
 def _quantization(model_type: str, qcfg: dict | None) -> QuantScheme | None:
-    """The scheme of a quantized checkpoint (`pdserve.engine.quant.schemes`) in the dense
-    families' linear layers; every other method, value or family refused by field."""
+    """The scheme of a quantized checkpoint (`pdserve.engine.quant.schemes`) in the linear
+    layers (and experts, latent attention) of the families that read it; every other method,
+    value or family refused by field."""
     if not qcfg:
         return None
     if not isinstance(qcfg, dict):
@@ -533,14 +545,20 @@ def _quantization(model_type: str, qcfg: dict | None) -> QuantScheme | None:
         method = qcfg.get("quant_method", "?")
         raise UnsupportedModelError(
             f"config.json field 'quantization_config' ({method}) is not supported for "
-            f"model_type {model_type!r} yet: quantized weights load into the dense "
-            f"{', '.join(QUANTIZED_MODEL_TYPES)} families only (not into experts, latent "
-            "attention or other layer kinds)"
+            f"model_type {model_type!r} yet: quantized weights load into the "
+            f"{', '.join(QUANTIZED_MODEL_TYPES)} families only"
         )
     try:
-        return scheme_from_config(qcfg)
+        scheme = scheme_from_config(qcfg)
     except UnsupportedQuantizationError as err:
         raise UnsupportedModelError(str(err)) from None
+    if model_type in MOE_MODEL_TYPES and not hasattr(scheme, "experts"):
+        raise UnsupportedModelError(
+            f"config.json field 'quantization_config.quant_method' = {qcfg.get('quant_method')!r}"
+            f" is not supported for model_type {model_type!r} yet: pdserve keeps {scheme.label}"
+            " in linear layers, not yet in a mixture of experts' stacked experts"
+        )
+    return scheme
 
 
 def _llama4_text_config(cfg: dict) -> dict:

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from pdserve.engine.cpu.linear import Linear
 from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.kv.groups import groups_for
@@ -25,19 +24,20 @@ from pdserve.engine.models.llama4 import Llama4MoE, Llama4QK
 from pdserve.engine.models.mla import LatentAttention
 from pdserve.engine.models.moe import SparseMoE
 from pdserve.engine.models.norm import RMSNorm
+from pdserve.engine.models.projection import projection
 from pdserve.engine.models.weights import CheckpointTensor
+from pdserve.engine.quant.experts import QuantExperts
 from pdserve.engine.quant.linear import QuantLinear
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.parallel_layers import (
     ParallelLMHead,
-    RowParallelLinear,
     VocabParallelEmbedding,
 )
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.op_table import Ops
 
 # An expert's projection, by its checkpoint name (Mixtral's block_sparse_moe read as mlp).
-EXPERT_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_WEIGHT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)")
 # A layer's weight read by the module it belongs to, where that module has a `load` (MLA's
 # attention, gpt-oss's experts): the layer, the module, the name within it.
 MODULE_WEIGHT = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(.+)")
@@ -49,33 +49,6 @@ EXPERT_PROJECTIONS = {
     "w3": "up",
     "w2": "down",
 }
-
-
-def projection(
-    cfg: ModelConfig,
-    names: list[str],
-    in_features: int,
-    out_parts: tuple[int, ...],
-    bias: bool,
-    group: TPGroup | None = None,
-    row_parallel: bool = False,
-) -> nn.Module:
-    """The layer of one projection (or of several fused, `names` their checkpoint modules and
-    `out_parts` their rows): the scheme's quantized layer where the checkpoint quantizes it,
-    else a plain linear layer
-    (row-parallel: its input split across the ranks of `group`)."""
-    scheme = cfg.quantization
-    quantized = [scheme is not None and scheme.quantizes(name) for name in names]
-    if any(quantized) and not all(quantized):
-        raise ValueError(
-            "config.json field 'quantization_config.modules_to_not_convert' keeps some of "
-            f"{', '.join(names)} unquantized but not all: pdserve fuses them into one layer"
-        )
-    if all(quantized) and scheme is not None:
-        return scheme.linear(in_features, out_parts, bias, group if row_parallel else None)
-    if row_parallel:
-        return RowParallelLinear(in_features, sum(out_parts), bias, group)
-    return Linear(in_features, sum(out_parts), bias=bias)
 
 
 class Attention(nn.Module):
@@ -225,7 +198,8 @@ class DecoderLayer(nn.Module):
         elif cfg.is_sparse_layer(layer_index) and cfg.llama4 is not None:
             self.mlp = Llama4MoE(cfg, shard, group, MLP)
         elif cfg.is_sparse_layer(layer_index):
-            self.mlp = SparseMoE(cfg, shard, group, MLP)
+            moe = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"  # checkpoint names
+            self.mlp = SparseMoE(cfg, shard, group, MLP, f"model.layers.{layer_index}.{moe}.")
         else:
             self.mlp = MLP(cfg, shard, group, prefix=f"model.layers.{layer_index}.mlp.")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -309,6 +283,10 @@ class LlamaForCausalLM(nn.Module):
         or None when it can."""
         if self.config.clamped_swiglu is not None:
             return "gpt-oss's experts run in torch, grouping their tokens on the host"
+        if any(
+            isinstance(getattr(layer.mlp, "experts", None), QuantExperts) for layer in self.layers
+        ):
+            return "quantized experts are dequantized one routed expert at a time on the host"
         return None
 
     @staticmethod
@@ -496,12 +474,18 @@ class LlamaForCausalLM(nn.Module):
             sinks = self.layers[layer].self_attn.sinks
             sinks.data.copy_(tensor.read(rows=self.shard.q_heads(num_heads)))
 
-    def _load_expert(self, tensor: CheckpointTensor, layer: str, expert: str, proj: str) -> None:
-        """Read this rank's columns of one expert's projection into the stacked weights."""
+    def _load_expert(
+        self, tensor: CheckpointTensor, layer: str, expert: str, proj: str, kind: str
+    ) -> None:
+        """Read this rank's columns of one expert's projection into the stacked weights (a
+        quantized stack reads its own tensors, `kind` among them)."""
         cfg = self.config
         experts = self.layers[int(layer)].mlp.experts
         cols = self.shard.columns(cfg.moe_intermediate_size)
         role = EXPERT_PROJECTIONS[proj]
+        if isinstance(experts, QuantExperts):
+            experts.load(kind, tensor, int(expert), role, cols, cfg.moe_intermediate_size)
+            return
         if role == "down":
             full = (cfg.hidden_size, cfg.moe_intermediate_size)
         else:

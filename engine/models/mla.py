@@ -16,6 +16,11 @@ The input projections that read the hidden state (q_a_proj or q_proj, and kv_a_p
 run as one matmul. DeepSeek's rotary pairs are interleaved, (2i, 2i + 1): loading reorders each
 rotary part's rows so the projections emit the pairs as (i, i + d/2), which the op table's
 rotary rotates; the cached k_pe is then in that order, the same on both sides of a handoff.
+
+In a quantized checkpoint (DeepSeek-V3's FP8) the projections stay quantized (the scheme's layer),
+their rows as stored: the rotary parts of their outputs are reordered instead, which a block's
+shared scale allows whatever the block size. kv_b_proj, absorbed into w_uk and w_uv, is
+dequantized once at load (it is small: 1/40 of V3's attention weights).
 """
 
 from __future__ import annotations
@@ -23,14 +28,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.cpu.linear import Linear
 from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.models.config import ModelConfig
 from pdserve.engine.models.norm import RMSNorm
+from pdserve.engine.models.projection import projection
 from pdserve.engine.models.weights import CheckpointTensor
+from pdserve.engine.quant.linear import QuantLinear
 from pdserve.engine.tp.group import TPGroup
-from pdserve.engine.tp.parallel_layers import RowParallelLinear
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.op_table import Ops
 
@@ -51,17 +56,43 @@ class LatentAttention(nn.Module):
         # What the hidden state projects to: q's low-rank code (whole) or this rank's heads' q,
         # then the latent and k_pe (whole).
         self.q_width = self.q_lora or self.num_heads * self.qk_dim
-        self.in_proj = Linear(cfg.hidden_size, self.q_width + self.lora + self.rope, bias=False)
+        p = f"model.layers.{layer_index}.self_attn."
+        q_name = p + ("q_a_proj" if self.q_lora else "q_proj")
+        self.in_proj = projection(
+            cfg,
+            [q_name, p + "kv_a_proj_with_mqa"],
+            cfg.hidden_size,
+            (self.q_width, self.lora + self.rope),
+            False,
+        )
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(self.q_lora, self.num_heads * self.qk_dim, bias=False)
+            self.q_b_proj = projection(
+                cfg, [p + "q_b_proj"], self.q_lora, (self.num_heads * self.qk_dim,), False
+            )
         else:
             self.q_a_layernorm = self.q_b_proj = None
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope, self.lora))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, self.lora))
-        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, cfg.hidden_size, False, group)
+        self.o_proj = projection(
+            cfg,
+            [p + "o_proj"],
+            self.num_heads * self.v_dim,
+            (cfg.hidden_size,),
+            False,
+            group,
+            row_parallel=True,
+        )
         self.scale = cfg.attention_scale
+        # Quantized layers keep DeepSeek's interleaved rotary rows: their outputs are reordered.
+        q_layer = self.q_b_proj if self.q_lora else self.in_proj
+        interleaved = cfg.rope_interleave
+        self.reorder_q_pe = interleaved and isinstance(q_layer, QuantLinear)
+        self.reorder_k_pe = interleaved and isinstance(self.in_proj, QuantLinear)
+        scheme = cfg.quantization
+        self.kv_b_quantized = scheme is not None and scheme.quantizes(p + "kv_b_proj")
+        self._kv_b_parts: dict[str, CheckpointTensor] = {}
 
     def forward(
         self,
@@ -79,6 +110,10 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(q)
         q = q.reshape(num_tokens, self.num_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        if self.reorder_q_pe:
+            q_pe = _halves(q_pe)
+        if self.reorder_k_pe:
+            k_pe = _halves(k_pe)
         c_kv = ops.rms_norm(c_kv.contiguous(), self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         q_pe, k_pe = ops.apply_rotary(
             q_pe, k_pe.reshape(num_tokens, 1, self.rope), positions, cos_sin
@@ -125,6 +160,35 @@ class LatentAttention(nn.Module):
         kv_a_rows = range(self.q_width, self.q_width + self.lora + self.rope)
         whole_heads = cfg.num_heads
         rows = range(heads.start * hd, heads.stop * hd)
+        name, kind = part.rsplit(".", 1)
+        quantized = {
+            "q_a_proj": (self.in_proj, 0, range(self.q_lora), self.q_lora, 0),
+            "q_proj": (self.in_proj, 0, rows, whole_heads * hd, 0),
+            "kv_a_proj_with_mqa": (
+                self.in_proj,
+                0,
+                range(self.lora + self.rope),
+                self.lora + self.rope,
+                self.q_width,
+            ),
+            "q_b_proj": (self.q_b_proj, 0, rows, whole_heads * hd, 0),
+            "o_proj": (
+                self.o_proj,
+                1,
+                range(heads.start * self.v_dim, heads.stop * self.v_dim),
+                whole_heads * self.v_dim,
+                0,
+            ),
+        }.get(name)
+        if quantized is not None and isinstance(quantized[0], QuantLinear):
+            layer, dim, share, size, offset = quantized
+            if kind not in layer.kinds:
+                raise ValueError(f"unexpected weight '{tensor.name}' in checkpoint")
+            layer.load(kind, tensor, dim, share, size, offset)
+            return
+        if name == "kv_b_proj" and self.kv_b_quantized:
+            self._load_quantized_kv_b(kind, tensor)
+            return
         if part == "q_a_proj.weight":
             self._check(tensor, (self.q_lora, hidden))
             self._copy(self.in_proj.weight.data[: self.q_lora], tensor.read())
@@ -162,6 +226,28 @@ class LatentAttention(nn.Module):
         else:
             raise ValueError(f"unexpected weight '{tensor.name}' in checkpoint")
 
+    def _load_quantized_kv_b(self, kind: str, tensor: CheckpointTensor) -> None:
+        """kv_b_proj's tensors in the scheme's layer; once all are read, dequantized once into
+        this rank's heads' w_uk and w_uv (the whole projection is read: it is small, and a
+        rank's heads need not start on a block)."""
+        scheme = self.config.quantization
+        if kind not in scheme.tensor_names:
+            raise ValueError(f"unexpected weight '{tensor.name}' in checkpoint")
+        self._kv_b_parts[kind] = tensor
+        if set(self._kv_b_parts) != set(scheme.tensor_names):
+            return
+        per = self.nope + self.v_dim
+        whole = self.config.num_heads * per
+        layer = scheme.linear(self.lora, (whole,), False, None)
+        for part_kind, part in self._kv_b_parts.items():
+            layer.load(part_kind, part, 0, range(whole), whole, 0)
+        self._kv_b_parts.clear()
+        heads = self.heads
+        w = layer.dequantized(torch.float32)[heads.start * per : heads.stop * per]
+        w = w.view(self.num_heads, per, self.lora)
+        self._copy(self.w_uk.data, w[:, : self.nope])
+        self._copy(self.w_uv.data, w[:, self.nope :])
+
     def _rope_rows(self, w: torch.Tensor, start: int) -> torch.Tensor:
         """w [n, rows, in]: reorder rows [start, start + R) of each from interleaved rotary pairs
         (2i, 2i + 1) to halves (i, i + R/2), where the config says the pairs interleave."""
@@ -183,3 +269,8 @@ class LatentAttention(nn.Module):
     def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
         with torch.no_grad():
             dest.copy_(src.to(dest.dtype))
+
+
+def _halves(x: torch.Tensor) -> torch.Tensor:
+    """x [..., R] with its rotary pairs interleaved, (2i, 2i + 1), as (i, i + R/2)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)

@@ -18,10 +18,13 @@ from torch import nn
 from pdserve.engine.cpu.linear import Linear, linear
 from pdserve.engine.models.config import DEEPSEEK_MODEL_TYPES, ModelConfig
 from pdserve.engine.models.moe_router import GroupedRouting, route, route_grouped
+from pdserve.engine.quant.experts import QuantExperts
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.moe_ref import grouped_experts
 from pdserve.kernels.op_table import Ops
+
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 class Experts(nn.Module):
@@ -48,10 +51,16 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, shard: TPShard, group: TPGroup | None, dense_mlp: type
+        self,
+        cfg: ModelConfig,
+        shard: TPShard,
+        group: TPGroup | None,
+        dense_mlp: type,
+        prefix: str | None = None,
     ) -> None:
         """dense_mlp: the gated MLP class (its down projection's partial sums left unreduced
-        when built without a group), for the shared expert."""
+        when built without a group), for the shared expert. prefix: the checkpoint's name of
+        this layer's MLP (`model.layers.3.mlp.`), where its experts may be quantized."""
         super().__init__()
         self.group = group
         self.top_k = cfg.num_experts_per_tok
@@ -62,11 +71,16 @@ class SparseMoE(nn.Module):
         bias = torch.zeros(cfg.num_experts) if cfg.score_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias, persistent=False)
         width = len(shard.columns(cfg.moe_intermediate_size))
-        self.experts = Experts(cfg.num_experts, width, cfg.hidden_size)
+        if prefix is not None and _quantized_experts(cfg, prefix):
+            self.experts = cfg.quantization.experts(cfg.num_experts, width, cfg.hidden_size)
+        else:
+            self.experts = Experts(cfg.num_experts, width, cfg.hidden_size)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             shared = len(shard.columns(cfg.shared_expert_intermediate_size))
-            self.shared_expert = dense_mlp(cfg, shard, None, shared)
+            name = "shared_expert." if cfg.shared_expert_gated else "shared_experts."
+            shared_prefix = None if prefix is None else prefix + name
+            self.shared_expert = dense_mlp(cfg, shard, None, shared, prefix=shared_prefix)
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
@@ -76,7 +90,11 @@ class SparseMoE(nn.Module):
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts = self.experts
-        if experts.packed_experts is not None:
+        if isinstance(experts, QuantExperts):  # each routed expert dequantized
+            out = grouped_experts(
+                x, weights, ids, experts.num_experts, experts.hidden_size, experts.run_expert
+            )
+        elif experts.packed_experts is not None:
             out = grouped_experts(
                 x, weights, ids, experts.num_experts, experts.hidden_size, experts.run_packed
             )
@@ -89,3 +107,20 @@ class SparseMoE(nn.Module):
         if self.group is not None:
             out = self.group.all_reduce(out)
         return out
+
+
+def _quantized_experts(cfg: ModelConfig, prefix: str) -> bool:
+    """Whether the checkpoint holds this layer's experts quantized: all of them or none (they
+    are stacked into one module)."""
+    scheme = cfg.quantization
+    if scheme is None:
+        return False
+    projections = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else EXPERT_NAMES
+    names = [f"{prefix}experts.{e}.{p}" for e in range(cfg.num_experts) for p in projections]
+    quantized = [scheme.quantizes(name) for name in names]
+    if any(quantized) and not all(quantized):
+        raise ValueError(
+            "config.json field 'quantization_config.modules_to_not_convert' keeps some of "
+            f"{prefix}experts unquantized but not all: pdserve stacks a layer's experts"
+        )
+    return all(quantized)

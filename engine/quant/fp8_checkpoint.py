@@ -1,6 +1,7 @@
 """Writing a float checkpoint in Hugging Face's fine-grained FP8 layout (what DeepSeek-V3 and the
-Qwen3 `-FP8` releases publish), for tests and benchmarks: each linear projection quantized by the
-reference (`fp8_reference.quantize`), the rest copied.
+Qwen3 `-FP8` releases publish), for tests and benchmarks: each linear projection (attention's,
+latent attention's, the MLPs', every expert's and shared expert's) quantized by the reference
+(`fp8_reference.quantize`), the rest (embeddings, norms, lm_head, routers) copied.
 
     from pdserve.engine.quant.fp8_checkpoint import write_fp8_checkpoint
     write_fp8_checkpoint(Path("bf16-model"), Path("fp8-model"), (128, 128))
@@ -23,7 +24,8 @@ def write_fp8_checkpoint(
     src: Path, out_dir: Path, block: tuple[int, int], not_converted: tuple[str, ...] = ()
 ) -> Path:
     """A copy of the float checkpoint `src` in Hugging Face's fine-grained FP8 layout (what
-    DeepSeek-V3 and Qwen3-FP8 publish): each linear projection's `weight` as float8_e4m3fn
+    DeepSeek-V3 and Qwen3-FP8 publish): each projection's (`QUANTIZABLE_PROJECTIONS`, experts
+    included) `weight` as float8_e4m3fn
     and its `weight_scale_inv` [ceil(out / block[0]), ceil(in / block[1])] float32, and
     config.json's quantization_config; embeddings, norms and lm_head as they were."""
     out_dir.mkdir(parents=True, exist_ok=True)

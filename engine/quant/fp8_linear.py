@@ -27,6 +27,35 @@ def _blocks(part: range, block: int) -> range:
     return range(part.start // block, -(-part.stop // block))
 
 
+def scale_row_index(
+    out_parts: tuple[int, ...], block_rows: int, device: torch.device
+) -> torch.Tensor:
+    """Each weight row's scale row, where fused parts of `out_parts` rows each start a fresh
+    grid of scale rows."""
+    rows, scale_offset = [], 0
+    for n in out_parts:
+        rows.append(scale_offset + torch.arange(n, device=device) // block_rows)
+        scale_offset += -(-n // block_rows)
+    return torch.cat(rows)
+
+
+def dequantize_rows(
+    weight: torch.Tensor, row_scales: torch.Tensor, block_cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """An FP8 weight [out, in] in `dtype`, given each row's scales [out, scale columns]: each
+    element times its column block's scale."""
+    # The row scales broadcast over the whole column blocks, then the ragged last block's
+    # columns (a full [out, in] gather of scales is slower).
+    weight = weight.to(torch.float32)
+    out, cols = weight.shape
+    whole = cols // block_cols * block_cols
+    body = weight[:, :whole].view(out, -1, block_cols) * row_scales[:, : whole // block_cols, None]
+    parts = [body.view(out, whole)]
+    if whole < cols:
+        parts.append(weight[:, whole:] * row_scales[:, -1:])
+    return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(dtype)
+
+
 class Fp8Linear(QuantLinear):
     kinds = ("weight", "weight_scale_inv")
 
@@ -61,11 +90,7 @@ class Fp8Linear(QuantLinear):
     def _index(self, device: torch.device) -> None:
         """Each weight row's scale row (a plain attribute: a model built on the meta device makes
         it again where its weights land)."""
-        rows, scale_offset = [], 0
-        for n in self.out_parts:
-            rows.append(scale_offset + torch.arange(n, device=device) // self.block[0])
-            scale_offset += -(-n // self.block[0])
-        self.scale_rows = torch.cat(rows)
+        self.scale_rows = scale_row_index(self.out_parts, self.block[0], device)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):  # noqa: ANN202
         """Moves (and `to_empty`) reach the FP8 weight and its scales; dtype casts of the model
@@ -82,20 +107,8 @@ class Fp8Linear(QuantLinear):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in `dtype`: each FP8 element times its block's scale."""
-        # Each row's scales [out, scale columns], broadcast over the whole column blocks, then
-        # the ragged last block's columns (a full [out, in] gather of scales is slower).
         row_scales = self.weight_scale_inv.index_select(0, self.scale_rows)
-        weight = self.weight.to(torch.float32)
-        out, cols = weight.shape
-        whole = cols // self.block[1] * self.block[1]
-        body = (
-            weight[:, :whole].view(out, -1, self.block[1])
-            * row_scales[:, : whole // self.block[1], None]
-        )
-        parts = [body.view(out, whole)]
-        if whole < cols:
-            parts.append(weight[:, whole:] * row_scales[:, -1:])
-        return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(dtype)
+        return dequantize_rows(self.weight, row_scales, self.block[1], dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """On a GPU, Triton's block-scaled GEMM (`gemm_choice.fp8_gemm` picks FP8 dots or W8A16)

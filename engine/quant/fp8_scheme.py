@@ -10,6 +10,7 @@ from pdserve.engine.quant.scheme import QUANTIZABLE_PROJECTIONS
 from pdserve.engine.quant.scheme import refuse as _refuse
 
 if TYPE_CHECKING:
+    from pdserve.engine.quant.fp8_experts import Fp8Experts
     from pdserve.engine.quant.fp8_linear import Fp8Linear
     from pdserve.engine.tp.group import TPGroup
 
@@ -80,3 +81,8 @@ class Fp8Scheme:
         from pdserve.engine.quant.fp8_linear import Fp8Linear
 
         return Fp8Linear(in_features, out_parts, bias, self.block, group)
+
+    def experts(self, num_experts: int, width: int, hidden_size: int) -> Fp8Experts:
+        from pdserve.engine.quant.fp8_experts import Fp8Experts
+
+        return Fp8Experts(num_experts, width, hidden_size, self.block)

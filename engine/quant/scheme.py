@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from pdserve.engine.quant.experts import QuantExperts
     from pdserve.engine.quant.linear import QuantLinear
     from pdserve.engine.tp.group import TPGroup
 
-# The projections a dense Llama-family layer quantizes (embeddings and lm_head stay unquantized).
+# The projections a checkpoint may quantize, by their last name: a dense Llama-family layer's,
+# an expert's (Mixtral's w1/w3/w2 too) and DeepSeek's latent attention's. Embeddings, lm_head and
+# a mixture of experts' router (`mlp.gate`) stay unquantized.
 QUANTIZABLE_PROJECTIONS = (
     "q_proj",
     "k_proj",
@@ -21,6 +24,13 @@ QUANTIZABLE_PROJECTIONS = (
     "gate_proj",
     "up_proj",
     "down_proj",
+    "w1",  # Mixtral's experts: gate, down, up
+    "w2",
+    "w3",
+    "q_a_proj",  # multi-head latent attention (DeepSeek-V2/V3)
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
 )
 
 
@@ -92,4 +102,14 @@ class QuantScheme(Protocol):
     ) -> QuantLinear:
         """The layer of a (fused) quantized projection: `out_parts` its parts' output rows;
         with a group, row-parallel (its input this rank's share, its outputs summed)."""
+        ...
+
+
+class ExpertScheme(QuantScheme, Protocol):
+    """A scheme whose experts stay quantized too (a mixture of experts' checkpoint): the models
+    refuse such a checkpoint under a scheme without `experts`."""
+
+    def experts(self, num_experts: int, width: int, hidden_size: int) -> QuantExperts:
+        """Every expert's gate/up and down projections stacked, quantized: this rank's `width`
+        columns of each."""
         ...

@@ -16,6 +16,7 @@ from pdserve.engine.cpu import linear as cpu_linear
 from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.models.loader import load_model
+from pdserve.engine.quant.experts import QuantExperts
 from pdserve.engine.quant.linear import QuantLinear
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
@@ -175,12 +176,16 @@ def weight_line(model: torch.nn.Module) -> str:
     """The start-up log's weights: their bytes on this rank, and the quantized layers' share."""
     total = weight_bytes(model)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
     line = f"weights: {total / 2**20:.1f} MiB on this rank"
-    if quantized:
-        packed = sum(weight_bytes(m) for m in quantized)
+    if quantized or experts:
+        packed = sum(weight_bytes(m) for m in quantized + experts)
+        where = f"{len(quantized)} linear layers"
+        if experts:
+            where += f" and {len(experts)} layers' experts"
         scheme = model.config.quantization
         line += (
-            f", of which {packed / 2**20:.1f} MiB in {len(quantized)} linear layers kept in "
+            f", of which {packed / 2**20:.1f} MiB in {where} kept in "
             f"{scheme.label} (weights and their scales; dequantized per call)"
         )
     return line

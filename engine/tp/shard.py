@@ -82,24 +82,45 @@ class TPShard:
 
     def _check_blocks(self, cfg: ModelConfig) -> None:
         """Every rank's share of a block-quantized projection starts on a block boundary, so
-        the quantized weight and its scales split along the same lines."""
+        the quantized weight and its scales split along the same lines: attention's heads (MLA's
+        q_b_proj or q_proj rows and o_proj columns; its kv_b_proj is dequantized at load, its
+        down-projections whole on every rank), the dense MLP's, the experts' and the shared
+        expert's columns."""
         block = cfg.quantization.alignment
-        hd = cfg.head_dim
         ranks = [TPShard(r, self.size) for r in range(self.size)]
-        q = [
-            range(s.q_heads(cfg.num_heads).start * hd, s.q_heads(cfg.num_heads).stop * hd)
-            for s in ranks
-        ]
-        kv = [kv_head_range(s.rank, s.size, cfg.num_kv_heads) for s in ranks]
-        kv = [range(r.start * hd, r.stop * hd) for r in kv]
-        mlp = [s.columns(cfg.intermediate_size) for s in ranks]
-        splits = [
-            ("q_proj", "rows", q, block[0]),
-            ("k_proj and v_proj", "rows", kv, block[0]),
-            ("o_proj", "columns", q, block[1]),
-            ("gate_proj and up_proj", "rows", mlp, block[0]),
-            ("down_proj", "columns", mlp, block[1]),
-        ]
+
+        def spans(ranges: list[range], width: int) -> list[range]:
+            return [range(r.start * width, r.stop * width) for r in ranges]
+
+        heads = [s.q_heads(cfg.num_heads) for s in ranks]
+        if cfg.is_mla:
+            q_name = "q_b_proj" if cfg.q_lora_rank else "q_proj"
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            splits = [
+                (q_name, "rows", spans(heads, qk), block[0]),
+                ("o_proj", "columns", spans(heads, cfg.v_head_dim), block[1]),
+            ]
+        else:
+            q = spans(heads, cfg.head_dim)
+            kv = [kv_head_range(s.rank, s.size, cfg.num_kv_heads) for s in ranks]
+            splits = [
+                ("q_proj", "rows", q, block[0]),
+                ("k_proj and v_proj", "rows", spans(kv, cfg.head_dim), block[0]),
+                ("o_proj", "columns", q, block[1]),
+            ]
+        widths = []
+        if len(cfg.sparse_layers) < cfg.num_layers:
+            widths.append(("", cfg.intermediate_size))
+        if cfg.is_moe:
+            widths.append(("experts' ", cfg.moe_intermediate_size))
+        if cfg.shared_expert_intermediate_size:
+            widths.append(("the shared expert's ", cfg.shared_expert_intermediate_size))
+        for owner, width in widths:
+            columns = [s.columns(width) for s in ranks]
+            splits += [
+                (f"{owner}gate_proj and up_proj", "rows", columns, block[0]),
+                (f"{owner}down_proj", "columns", columns, block[1]),
+            ]
         for what, axis, parts, size in splits:
             for rank, part in enumerate(parts):
                 if part.start % size:
