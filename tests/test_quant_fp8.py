@@ -304,3 +304,35 @@ def test_pdserve_serve_disaggregated_gives_the_offline_fp8_tokens(fp8_dirs, tmp_
     assert reply["choices"][0]["text"] == expected
     assert reply["usage"]["completion_tokens"] == GREEDY.max_tokens
     assert "linear layers kept in fp8 e4m3, blocks of 16x16" in logs
+
+
+@pytest.mark.parametrize(
+    "qcfg",
+    [
+        {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": 128,
+            "zero_point": True,
+            "version": "gemm",
+        },
+        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    ],
+    ids=["awq", "gptq"],
+)
+def test_a_format_without_quantized_experts_is_refused_in_a_mixture_of_experts(qcfg):
+    """The 4-bit formats keep linear layers only: a mixture of experts in them is refused naming
+    the field, not loaded with float experts read from packed tensors."""
+    cfg = {
+        **llama_config(),
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "quantization_config": qcfg,
+    }
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_dict(cfg)
+    message = str(err.value)
+    assert f"'quantization_config.quant_method' = {qcfg['quant_method']!r}" in message
+    assert "model_type 'qwen3_moe'" in message and "\n" not in message
