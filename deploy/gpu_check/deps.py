@@ -80,6 +80,7 @@ NOT_NEEDED_ON_HOST = {
     "kubernetes_validate": "tests/test_deploy.py's manifest checks run in the CPU suite only",
     "jsonschema": "tests/test_structured_output.py's schema checks run in the CPU suite only",
     "grpc": "tests/otlp_receiver.py's gRPC collector serves tests/test_tracing.py, in the CPU suite only",
+    "accelerate": "tests/test_quant_fp8.py and test_quant_mxfp4.py load quantized checkpoints in transformers in the CPU suite only",
     "vllm": "bench/peers/vllm_runner.py runs in vLLM's own CPU virtualenv (make bench-peers)",
     "protocol": "bench/peers/vllm_runner.py, run as a script there, imports its sibling by name",
 }

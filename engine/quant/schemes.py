@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.engine.quant.fp8_scheme import Fp8Scheme
+from pdserve.engine.quant.mxfp4_scheme import Mxfp4Scheme
 from pdserve.engine.quant.scheme import QuantScheme, refuse
 
 # quant_method -> the scheme read from the whole quantization_config.
 SCHEMES: dict[str, Callable[[dict], QuantScheme]] = {
     "fp8": Fp8Scheme.from_config,
+    "mxfp4": Mxfp4Scheme.from_config,
 }
 
 

@@ -17,6 +17,7 @@ from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.quant.linear import QuantLinear
+from pdserve.engine.quant.mxfp4_experts import Mxfp4Experts
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.ops import select_ops
@@ -171,13 +172,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def weight_line(model: torch.nn.Module) -> str:
     """The start-up log's weights: their bytes on this rank, and the quantized layers' share."""
     total = weight_bytes(model)
-    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    experts = [m for m in model.modules() if isinstance(m, Mxfp4Experts)]
     line = f"weights: {total / 2**20:.1f} MiB on this rank"
-    if quantized:
-        packed = sum(weight_bytes(m) for m in quantized)
+    if linears or experts:
+        packed = sum(weight_bytes(m) for m in linears + experts)
+        held = [f"{len(linears)} linear layers"] if linears else []
+        held += [f"{len(experts)} layers' experts"] if experts else []
         scheme = model.config.quantization
         line += (
-            f", of which {packed / 2**20:.1f} MiB in {len(quantized)} linear layers kept in "
+            f", of which {packed / 2**20:.1f} MiB in {' and '.join(held)} kept in "
             f"{scheme.label} (weights and their scales; dequantized per call)"
         )
     return line

@@ -93,14 +93,17 @@ class TPShard:
         kv = [kv_head_range(s.rank, s.size, cfg.num_kv_heads) for s in ranks]
         kv = [range(r.start * hd, r.stop * hd) for r in kv]
         mlp = [s.columns(cfg.intermediate_size) for s in ranks]
+        # (what, the module in layer 0's names, axis, each rank's share, the block along it)
         splits = [
-            ("q_proj", "rows", q, block[0]),
-            ("k_proj and v_proj", "rows", kv, block[0]),
-            ("o_proj", "columns", q, block[1]),
-            ("gate_proj and up_proj", "rows", mlp, block[0]),
-            ("down_proj", "columns", mlp, block[1]),
+            ("q_proj", "self_attn.q_proj", "rows", q, block[0]),
+            ("k_proj and v_proj", "self_attn.k_proj", "rows", kv, block[0]),
+            ("o_proj", "self_attn.o_proj", "columns", q, block[1]),
+            ("gate_proj and up_proj", "mlp.gate_proj", "rows", mlp, block[0]),
+            ("down_proj", "mlp.down_proj", "columns", mlp, block[1]),
         ]
-        for what, axis, parts, size in splits:
+        for what, module, axis, parts, size in splits:
+            if not cfg.quantization.quantizes(f"model.layers.0.{module}"):
+                continue  # kept float: any split
             for rank, part in enumerate(parts):
                 if part.start % size:
                     raise ValueError(
