@@ -80,6 +80,17 @@ def test_reference_reads_every_block_by_its_own_scale_along_the_input():
         dequantize(blocks, torch.tensor([[128]], dtype=torch.uint8))
 
 
+def test_bfloat16_dequantization_is_exactly_the_float32_one():
+    # Every byte, with scales from 2 ** -127 (bfloat16's subnormals too) to 2 ** 125.
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(253).view(253, 16, 16)
+    scales = torch.arange(253, dtype=torch.uint8)[:, None].expand(253, 16).contiguous()
+    wide = dequantize(blocks, scales)
+    narrow = dequantize(blocks, scales, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and wide.isfinite().all()
+    assert torch.equal(narrow.float(), wide)  # no value rounds
+    assert torch.equal(dequantize(blocks, scales, torch.float16), wide.half())
+
+
 def test_the_layout_is_the_one_transformers_dequantizes():
     """transformers' own reader of the releases (`convert_moe_packed_tensors`) gives the
     reference's weights, transposed into its [experts, in, out] layout, on random bytes."""

@@ -61,14 +61,12 @@ class Mxfp4Experts(nn.Module):
 
     def gate_up(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s gate/up rows [2 x columns, hidden] (gate and up alternating)."""
-        return dequantize(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert]).to(
-            dtype
-        )
+        return dequantize(self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], dtype)
 
     def down(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s down projection [hidden, columns]."""
-        weight = dequantize(self.down_proj_blocks[expert], self.down_proj_scales[expert])
-        return weight[:, self.down_skip : self.down_skip + len(self.columns)].to(dtype)
+        weight = dequantize(self.down_proj_blocks[expert], self.down_proj_scales[expert], dtype)
+        return weight[:, self.down_skip : self.down_skip + len(self.columns)]
 
     # --- loading -------------------------------------------------------------------------------
 
