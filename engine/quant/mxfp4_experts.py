@@ -40,15 +40,13 @@ class Mxfp4Experts(nn.Module):
                     f"config.json field '{field}' = {value} is not a multiple of {BLOCK}: MXFP4 "
                     f"experts (quantization_config) hold their inputs in blocks of {BLOCK}"
                 )
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.width = width
+        self.columns = columns
         # down_proj's input blocks that hold this rank's columns, and where they start in them.
         self.down_groups = range(columns.start // BLOCK, -(-columns.stop // BLOCK))
         self.down_skip = columns.start - self.down_groups.start * BLOCK
-        self.num_experts, self.hidden, self.width, self.columns = (
-            num_experts,
-            hidden,
-            width,
-            columns,
-        )
         ours = len(columns)
         shapes = {
             "gate_up_proj": block_shapes((num_experts, 2 * ours, hidden)),
@@ -70,7 +68,7 @@ class Mxfp4Experts(nn.Module):
 
     # --- loading -------------------------------------------------------------------------------
 
-    def full_shape(self, kind: str) -> tuple[int, ...]:
+    def _full_shape(self, kind: str) -> tuple[int, ...]:
         """The checkpoint's shape of `kind` (every column of every expert)."""
         proj, part = kind.rsplit("_", 1)
         if proj == "gate_up_proj":
@@ -83,7 +81,7 @@ class Mxfp4Experts(nn.Module):
     def load(self, kind: str, tensor: CheckpointTensor) -> None:
         """Read this rank's part of one checkpoint tensor (`kind`, one of `kinds`); raise naming
         it if misshapen or not stored as uint8."""
-        full = self.full_shape(kind)
+        full = self._full_shape(kind)
         if tuple(tensor.shape) != full:
             raise ValueError(
                 f"weight '{tensor.name}' has shape {tuple(tensor.shape)}, expected {full} "

@@ -29,7 +29,7 @@ def block_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ..
     """The shapes of `blocks` and `scales` for a weight of `shape` [..., out, in]."""
     *lead, cols = shape
     if cols % BLOCK:
-        raise ValueError(f"an MXFP4 weight's input dimension ({cols}) is whole blocks of {BLOCK}")
+        raise ValueError(f"an MXFP4 weight's input dimension ({cols}) is not a multiple of {BLOCK}")
     return (*lead, cols // BLOCK, BLOCK // 2), (*lead, cols // BLOCK)
 
 
@@ -83,8 +83,8 @@ def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks, scales) uint8 of a float weight [..., out, in] (in a multiple of 32): each
     block's scale the smallest power of two that brings its largest magnitude within FP4's 6
-    (OpenAI's triton_kernels `downcast_to_mxfp` rounds its scales up the same way), each value
-    the nearest FP4 value."""
+    (triton_kernels' `downcast_to_mxfp`, which transformers quantizes with, rounds its scales up
+    by default), each value the nearest FP4 value."""
     blocks_shape, scales_shape = block_shapes(tuple(weight.shape))
     grouped = weight.float().reshape(*scales_shape, BLOCK)
     amax = grouped.abs().amax(dim=-1)
