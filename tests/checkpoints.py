@@ -209,6 +209,22 @@ FAMILIES: dict[str, dict] = {
         },
         tie_word_embeddings=False,
     ),
+    # gpt-oss with experts MXFP4 can hold (test_quant_mxfp4): hidden and expert widths in whole
+    # blocks of 32; the experts' 96 columns split in two are 1.5 blocks a rank.
+    "gpt_oss_mxfp4": dict(
+        model_type="gpt_oss",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        sliding_window=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=96,
+        swiglu_alpha=1.3,
+        swiglu_limit=1.0,
+        tie_word_embeddings=False,
+    ),
     # Gemma 3: 7 layers of 5 sliding to 1 full (seven KV groups), a window of 8, distinct local
     # and global rope bases (the global layers' scaled), query_pre_attn_scalar apart from head_dim,
     # head_dim apart from hidden / heads, a hidden size whose square root (the embedding's scale)
@@ -441,7 +457,7 @@ NORM_WEIGHTS = {
 }
 # Families whose biases and attention sinks are set random: transformers starts them at zero
 # (the sinks near it), which would test nothing.
-RANDOM_BIASES = ("gpt_oss",)
+RANDOM_BIASES = ("gpt_oss", "gpt_oss_mxfp4")
 # Scales transformers starts at one (Gemma 4's layer scalar and router scales): set random.
 RANDOM_SCALES = ("layer_scalar", "router.scale", "per_expert_scale")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -644,6 +660,37 @@ def dequantize_checkpoint_packed(src: Path, out_dir: Path) -> Path:
             g_idx = tensors[module + ".g_idx"]
             weight = gptq_reference.dequantize(tensor, zeros, scales, g_idx, qcfg["bits"], v1)
         plain[module + ".weight"] = weight
+    save_file(plain, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out_dir / path.name)
+    return out_dir
+
+
+def dequantize_checkpoint_mxfp4(src: Path, out_dir: Path) -> Path:
+    """The float32 gpt-oss checkpoint whose experts are exactly an MXFP4 checkpoint's,
+    dequantized by the reference into transformers' float layout ([experts, in, out])."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.quant.mxfp4_reference import dequantize
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    tensors = load_file(str(src / "model.safetensors"))
+    plain = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):
+            weight = name.removesuffix("_blocks")
+            scales = tensors[weight + "_scales"]
+            plain[weight] = dequantize(tensor, scales).transpose(1, 2).contiguous()
+        else:
+            plain[name] = tensor
     save_file(plain, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     for path in src.iterdir():

@@ -1,8 +1,8 @@
 """gpt-oss from a tiny transformers checkpoint (4 layers alternating a window of 8 and full
 attention, attention sinks, YaRN, 4 experts top-2 with biases and a clamped SwiGLU): its config
 is read as transformers reads it, defaults included; the engine reports its layer kinds; a
-bfloat16 checkpoint loads as stored; a checkpoint without a sink or with a misshapen expert, and
-the MXFP4 release, are refused. Its greedy parity with transformers (block sizes, chunked
+bfloat16 checkpoint loads as stored; a checkpoint without a sink or with a misshapen expert is
+refused; the MXFP4 release's config quantizes the experts only (served in test_quant_mxfp4.py). Its greedy parity with transformers (block sizes, chunked
 prefill, prefix hits, preemption, TP=2, and divergence without its sinks, its clamp or its
 router's bias) is in test_windowed_family_parity.py."""
 
@@ -93,10 +93,14 @@ def test_a_config_is_read_as_transformers_reads_it(fields):
     assert cfg.rotary_attention_factor() == pytest.approx(rotary.attention_scaling)
 
 
-def test_the_mxfp4_release_is_refused():
+def test_the_mxfp4_release_loads_with_its_experts_quantized_and_other_formats_are_refused():
     mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    with pytest.raises(UnsupportedModelError, match="'quantization_config' \\(mxfp4\\)"):
-        ModelConfig.from_dict({"model_type": "gpt_oss", "quantization_config": mxfp4})
+    cfg = ModelConfig.from_dict({"model_type": "gpt_oss", "quantization_config": mxfp4})
+    assert cfg.quantization.quantizes("model.layers.0.mlp.experts")
+    assert not cfg.quantization.quantizes("model.layers.0.self_attn.q_proj")
+    awq = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(UnsupportedModelError, match="'quantization_config.quant_method' = 'awq'"):
+        ModelConfig.from_dict({"model_type": "gpt_oss", "quantization_config": awq})
 
 
 # --- serving it ----------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ NOT_NEEDED_ON_HOST = {
     "jsonschema": "tests/test_structured_output.py's schema checks run in the CPU suite only",
     "grpc": "tests/otlp_receiver.py's gRPC collector serves tests/test_tracing.py, in the CPU suite only",
     "compressed_tensors": "tests/test_quant_compressed_tensors.py cross-checks the layout in the CPU suite only",
+    "accelerate": "tests/test_quant_fp8.py and test_quant_mxfp4.py load quantized checkpoints in transformers in the CPU suite only",
     "vllm": "bench/peers/vllm_runner.py runs in vLLM's own CPU virtualenv (make bench-peers)",
     "protocol": "bench/peers/vllm_runner.py, run as a script there, imports its sibling by name",
 }

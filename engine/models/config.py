@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.quant.scheme import QuantScheme, UnsupportedQuantizationError
+from pdserve.engine.quant.scheme import QuantScheme, UnsupportedQuantizationError, refuse
 from pdserve.engine.quant.schemes import scheme_from_config
 
 SUPPORTED_MODEL_TYPES = (
@@ -61,6 +61,8 @@ QUANTIZED_MODEL_TYPES = (
     "deepseek_v2",
     "deepseek_v3",
 )
+# Formats that quantize one family's own layers, by quant_method: the model types they load into.
+FAMILY_QUANT_METHODS = {"mxfp4": ("gpt_oss",)}  # gpt-oss's experts
 GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
 GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -533,18 +535,29 @@ def _gpt_oss_defaults(cfg: dict) -> dict:
 
 def _quantization(model_type: str, qcfg: dict | None) -> QuantScheme | None:
     """The scheme of a quantized checkpoint (`pdserve.engine.quant.schemes`) in the linear
-    layers (and experts, latent attention) of the families that read it; every other method,
-    value or family refused by field."""
+    layers (and experts, latent attention) of the families that read it, or in gpt-oss's experts
+    (MXFP4); every other method, value or family refused by field."""
     if not qcfg:
         return None
     if not isinstance(qcfg, dict):
         raise UnsupportedModelError(
             f"config.json field 'quantization_config' = {qcfg!r} is not supported (an object)"
         )
-    if model_type not in QUANTIZED_MODEL_TYPES:
-        method = qcfg.get("quant_method", "?")
+    method = qcfg.get("quant_method")
+    family_types = FAMILY_QUANT_METHODS.get(method) if isinstance(method, str) else None
+    if family_types is not None and model_type not in family_types:
         raise UnsupportedModelError(
-            f"config.json field 'quantization_config' ({method}) is not supported for "
+            f"config.json field 'quantization_config.quant_method' = {method!r} is not "
+            f"supported for model_type {model_type!r} (it quantizes "
+            f"{', '.join(family_types)} checkpoints' experts only)"
+        )
+    own = [m for m, types in FAMILY_QUANT_METHODS.items() if model_type in types]
+    if family_types is None and own:  # a family that loads its own format only
+        supported = f"{', '.join(repr(m) for m in own)} for model_type {model_type!r}"
+        raise UnsupportedModelError(str(refuse("quant_method", method, supported)))
+    if family_types is None and model_type not in QUANTIZED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"config.json field 'quantization_config' ({method or '?'}) is not supported for "
             f"model_type {model_type!r} yet: quantized weights load into the "
             f"{', '.join(QUANTIZED_MODEL_TYPES)} families only"
         )
@@ -552,7 +565,7 @@ def _quantization(model_type: str, qcfg: dict | None) -> QuantScheme | None:
         scheme = scheme_from_config(qcfg)
     except UnsupportedQuantizationError as err:
         raise UnsupportedModelError(str(err)) from None
-    if model_type in MOE_MODEL_TYPES and not hasattr(scheme, "experts"):
+    if family_types is None and model_type in MOE_MODEL_TYPES and not hasattr(scheme, "experts"):
         raise UnsupportedModelError(
             f"config.json field 'quantization_config.quant_method' = {qcfg.get('quant_method')!r}"
             f" is not supported for model_type {model_type!r} yet: pdserve keeps {scheme.label}"

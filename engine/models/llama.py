@@ -194,7 +194,7 @@ class DecoderLayer(nn.Module):
         attention = LatentAttention if cfg.is_mla else Attention
         self.self_attn = attention(cfg, layer_index, shard, group)
         if cfg.is_sparse_layer(layer_index) and cfg.clamped_swiglu is not None:
-            self.mlp = GptOssMoE(cfg, shard, group)
+            self.mlp = GptOssMoE(cfg, shard, group, layer_index)
         elif cfg.is_sparse_layer(layer_index) and cfg.llama4 is not None:
             self.mlp = Llama4MoE(cfg, shard, group, MLP)
         elif cfg.is_sparse_layer(layer_index):

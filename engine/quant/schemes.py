@@ -9,6 +9,7 @@ from pdserve.engine.quant.awq_scheme import AwqScheme
 from pdserve.engine.quant.compressed_tensors_scheme import CompressedTensorsScheme
 from pdserve.engine.quant.fp8_scheme import Fp8Scheme
 from pdserve.engine.quant.gptq_scheme import GptqScheme
+from pdserve.engine.quant.mxfp4_scheme import Mxfp4Scheme
 from pdserve.engine.quant.scheme import QuantScheme, refuse
 
 # quant_method -> the scheme read from the whole quantization_config.
@@ -17,6 +18,7 @@ SCHEMES: dict[str, Callable[[dict], QuantScheme]] = {
     "compressed-tensors": CompressedTensorsScheme.from_config,
     "awq": AwqScheme.from_config,
     "gptq": GptqScheme.from_config,
+    "mxfp4": Mxfp4Scheme.from_config,
 }
 
 

@@ -18,6 +18,7 @@ from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.quant.experts import QuantExperts
 from pdserve.engine.quant.linear import QuantLinear
+from pdserve.engine.quant.mxfp4_experts import Mxfp4Experts
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
 from pdserve.kernels.kv_fp8_ref import fp8_cache_ops
@@ -176,7 +177,7 @@ def weight_line(model: torch.nn.Module) -> str:
     """The start-up log's weights: their bytes on this rank, and the quantized layers' share."""
     total = weight_bytes(model)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts | Mxfp4Experts)]
     line = f"weights: {total / 2**20:.1f} MiB on this rank"
     if quantized or experts:
         packed = sum(weight_bytes(m) for m in quantized + experts)
