@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install serve test test-compiled lint bench clean gpu-wheels gpu-check gpu-check-long bench-peers
+.PHONY: venv install serve test test-compiled lint bench clean gpu-wheels gpu-tree gpu-check gpu-check-long bench-peers
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -85,8 +85,14 @@ gpu-wheels: install
 	$(PY) -m pdserve.deploy.gpu_check.wheels download
 	$(PY) -m pdserve.deploy.gpu_check.wheels check
 
+# Before the checkout travels to a GPU host as files, without its git: gpu-check-tree.json (git-ignored;
+# copy or carry it with the tree), so that the check's report names the commit and diff that ran.
+gpu-tree:
+	$(GPU_PY) -m pdserve.deploy.gpu_check.tree
+
 # On the GPU host: install .whl/ with pip alone, run every CUDA path and the headline benchmarks
-# inside 10 minutes, write $(OUT)/report.md, results.json and logs.tar.gz.
+# inside 10 minutes, write $(OUT)/report.md, results.json and logs.tar.gz; exit 1 on a failed
+# step or a missed aim (deploy/gpu_check/aims.py).
 gpu-check:
 	$(GPU_PY) -m pdserve.deploy.gpu_check --out $(OUT)
 

@@ -1,7 +1,9 @@
 """`python -m pdserve.deploy.gpu_check --out DIR`: install the wheelhouse, run every CUDA path of pdserve and
 its benchmarks inside one 10-minute budget, and write DIR/report.md, DIR/results.json and
-DIR/logs.tar.gz. Exit status 1 if a step failed or ran out of time; on a machine without CUDA the
-GPU steps are skipped, each with its reason, and the run passes.
+DIR/logs.tar.gz. Exit status 1 if a step failed or ran out of time or a measured figure missed its
+aim (deploy/gpu_check/aims.py), after every file is written; an aim not measured is no pass and
+no failure. On a machine without CUDA the GPU steps are skipped, each with its reason, and the
+run passes. The report names the tree that ran (deploy/gpu_check/tree.py).
 
     python -m pdserve.deploy.gpu_check --out gpu-report          # make gpu-check
     python -m pdserve.deploy.gpu_check --out gpu-report --long   # make gpu-check-long: the full sweeps
@@ -18,7 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pdserve.deploy.gpu_check import deps, report
+from pdserve.deploy.gpu_check import deps, report, tree
 from pdserve.deploy.gpu_check.plan import BUDGET_S, plan
 from pdserve.deploy.gpu_check.runner import RunSettings, run_plan
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         only=tuple(filter(None, args.only.split(","))),
     )
     steps = plan(args.long)
+    ran = tree.tree()  # before any step: the code the figures come from
     print(f"gpu-check: {len(steps)} steps in at most {args.budget_s:.0f} s; scratch {work}")
     try:
         results = run_plan(steps, settings)
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.time() - started,
             "budget_s": args.budget_s,
             "python": sys.executable,
+            "tree": ran,
         }
         files = report.write(args.out, run, results, work)
     finally:
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     # The first screen is printed last, so that the end of the output (a tail of the log) holds it.
     print("\n" + "\n".join(report.first_screen(run, results)))
     print("\nwrote " + ", ".join(str(f) for f in files))
-    return 1 if any(r.status in ("failed", "timed out") for r in results) else 0
+    return 1 if report.failed(run, results) else 0
 
 
 if __name__ == "__main__":

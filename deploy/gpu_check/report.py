@@ -12,12 +12,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pdserve.deploy.gpu_check import aims
+from pdserve.deploy.gpu_check.plan import plan
 from pdserve.deploy.gpu_check.runner import StepResult
 
-# The aims (docs/benchmarks.md): decode steps at batch >= 64 read at >= 70% of the measured copy
-# bandwidth; a 2k-token prefill step computes at >= 50% of the measured bf16 matmul rate.
-DECODE_AIM, DECODE_MIN_BATCH = 0.70, 64
-PREFILL_AIM, PREFILL_MIN_LEN = 0.50, 2048
 FAILURES_ON_FIRST_SCREEN = 15
 # Logs, records and configs go in the archive; no checkpoint, installed wheel or other bulk.
 ARCHIVED_SUFFIXES = (".log", ".json", ".jsonl", ".toml", ".txt")
@@ -26,51 +24,31 @@ NOT_ARCHIVED = ("site", "model-cache")
 REPORT, RESULTS, LOGS = "report.md", "results.json", "logs.tar.gz"
 
 
-DECODE_TEXT = f"decode step, batch >= {DECODE_MIN_BATCH}: >= {DECODE_AIM:.0%} of copy"
-PREFILL_TEXT = f"{PREFILL_MIN_LEN}-token prefill: >= {PREFILL_AIM:.0%} of bf16 matmul"
+def verdicts(run: dict[str, Any], results: list[StepResult]) -> list[aims.Verdict]:
+    """Every aim against what this run measured (the aims' table is `aims.AIMS`)."""
+    planned = [s.name for s in plan(run.get("plan") == "long")]
+    return aims.judge(results, planned=planned)
 
 
-def _aim(aim: str, case: str, measured: str, verdict: str) -> dict[str, str]:
-    return {"aim": aim, "case": case, "measured": measured, "verdict": verdict}
+def failed(run: dict[str, Any], results: list[StepResult]) -> bool:
+    """The run fails on a step that failed or ran out of time, and on a missed aim."""
+    bad = any(r.status in ("failed", "timed out") for r in results)
+    return bad or bool(aims.missed(verdicts(run, results)))
 
 
-def aims(results: Iterable[StepResult]) -> list[dict[str, str]]:
-    """One row per measured case the aims cover, from bench.model_step's figures."""
-    step = next((r for r in results if r.name == "model_step"), None)
-    if step is None or "decode" not in step.data:
-        why = "model_step did not run" if step is None else f"model_step {step.status}"
-        why += f": {step.summary}" if step is not None and step.summary else ""
-        return [
-            _aim(text, "-", "-", f"not measured ({why})") for text in (DECODE_TEXT, PREFILL_TEXT)
-        ]
-    data = step.data
-    rows = []
-    for r in data["decode"]:
-        if r["batch"] >= DECODE_MIN_BATCH:
-            graph = "graph" if r.get("graph_ms") and r["graph_ms"] <= r["eager_ms"] else "eager"
-            measured = (
-                f"{r['fraction_of_copy']:.0%} ({r['gbps']:.0f} of {data['copy_gbps']:.0f} GB/s)"
-            )
-            verdict = "met" if r["fraction_of_copy"] >= DECODE_AIM else "MISSED"
-            case = f"batch {r['batch']}, {r['context']} tokens ({graph})"
-            rows.append(_aim(DECODE_TEXT, case, measured, verdict))
-    for r in data["prefill"]:
-        if r["prompt_len"] >= PREFILL_MIN_LEN:
-            measured = (
-                f"{r['fraction_of_matmul']:.0%} ({r['tflops']:.0f} of "
-                f"{data['matmul_tflops']:.0f} TFLOP/s)"
-            )
-            verdict = "met" if r["fraction_of_matmul"] >= PREFILL_AIM else "MISSED"
-            case = f"{r['prompts']} x {r['prompt_len']} tokens"
-            rows.append(_aim(PREFILL_TEXT, case, measured, verdict))
-    return rows
-
-
-def headline(results: list[StepResult]) -> str:
+def headline(run: dict[str, Any], results: list[StepResult]) -> str:
     bad = [r for r in results if r.status in ("failed", "timed out")]
+    missed = aims.missed(verdicts(run, results))
     ran_gpu = [r for r in results if r.name not in ("install", "env") and r.status != "skipped"]
+    why = []
     if bad:
-        return f"FAILED ({len(bad)} of {len(results)} steps: {', '.join(r.name for r in bad)})"
+        why.append(f"{len(bad)} of {len(results)} steps: {', '.join(r.name for r in bad)}")
+    if missed:
+        why.append(
+            f"{len(missed)} aim{'s' if len(missed) != 1 else ''} missed: {', '.join(missed)}"
+        )
+    if why:
+        return f"FAILED ({'; '.join(why)})"
     if not ran_gpu:
         return "NOTHING RAN ON A GPU"
     return "PASSED"
@@ -142,13 +120,16 @@ def table(header: list[str], rows: Iterable[Iterable[object]], align: str = "") 
 def first_screen(run: dict[str, Any], results: list[StepResult]) -> list[str]:
     facts = next((r.data.get("facts", {}) for r in results if r.name == "env"), {})
     device = ", ".join(d["name"] for d in facts.get("devices", [])) or "no GPU"
+    tree = run.get("tree", {}).get("label") or f"commit {facts.get('commit', '?')}"
+    rows = verdicts(run, results)
     lines = [
-        f"# pdserve GPU check: {headline(results)}",
+        f"# pdserve GPU check: {headline(run, results)}",
         "",
-        f"`{run['command']}` · {run['plan']} plan · {device} · commit {facts.get('commit', '?')}"
+        f"`{run['command']}` · {run['plan']} plan · {device} · tree {tree}"
         f" · {run['started']} · {run['seconds']:.0f} s of a {run['budget_s']:.0f} s budget",
         "",
         proof(results),
+        aims.count_line(rows),
         "",
     ]
     wanting = more_gpus(results)
@@ -168,10 +149,7 @@ def first_screen(run: dict[str, Any], results: list[StepResult]) -> list[str]:
         "llrl",
     )
     lines += ["", "## Aims", ""]
-    lines += table(
-        ["aim", "case", "measured", "verdict"],
-        ([a["aim"], a["case"], a["measured"], a["verdict"]] for a in aims(results)),
-    )
+    lines += table(["aim", "worst case", "measured", "verdict"], aim_lines(rows))
     failures = [(r.name, f) for r in results for f in r.failures]
     lines += ["", f"## Failures ({len(failures)})", ""]
     if not failures:
@@ -188,6 +166,38 @@ def first_screen(run: dict[str, Any], results: list[StepResult]) -> list[str]:
         f"serving, every node's log). Raw figures: `{RESULTS}`.",
     ]
     return lines
+
+
+def aim_lines(rows: list[aims.Verdict]) -> list[list[str]]:
+    """One line per aim: its worst case, and its outcome over all its cases."""
+    lines = []
+    for key in dict.fromkeys(r.key for r in rows):
+        mine = [r for r in rows if r.key == key]
+        measured = [r for r in mine if r.value is not None]
+        if not measured:
+            lines.append([mine[0].aim, "-", "-", mine[0].verdict])
+            continue
+        worst = min(measured, key=lambda r: r.value)
+        met = sum(r.verdict == aims.MET for r in measured)
+        outcome = aims.outcome(rows, key)
+        lines.append(
+            [
+                mine[0].aim,
+                worst.case,
+                worst.measured,
+                f"{outcome} ({met} of {len(measured)} cases met)",
+            ]
+        )
+    return lines
+
+
+def details_aims(rows: list[aims.Verdict]) -> list[str]:
+    """Every aim against every case it covers."""
+    return table(
+        ["aim", "case", "measured", "threshold", "verdict"],
+        ([r.aim, r.case, r.measured, f"{r.threshold:g}", r.verdict] for r in rows),
+        "lllrl",
+    )
 
 
 # --- details ------------------------------------------------------------------------------------
@@ -510,7 +520,12 @@ def docs_table(results: dict[str, Any], step: str, part: str = "") -> str:
 
 def render(run: dict[str, Any], results: list[StepResult]) -> str:
     lines = first_screen(run, results)
-    lines += ["", "---", "", "## Steps"]
+    lines += ["", "---", "", "## Aims, every case", ""] + details_aims(verdicts(run, results))
+    tree = run.get("tree")
+    if tree:
+        lines += ["", f"Tree: {tree['label']}; diff sha256 {tree.get('diff_sha256') or '-'} "
+                  f"({tree['source']})."]  # fmt: skip
+    lines += ["", "## Steps"]
     for r in results:
         lines += ["", f"### {r.name}: {r.status} — {r.title}", "", r.summary or ""]
         if r.status == "skipped":
@@ -534,7 +549,11 @@ def write(out: Path, run: dict[str, Any], results: list[StepResult], work: Path)
     raw = out / RESULTS
     raw.write_text(
         json.dumps(
-            {"run": run, "aims": aims(results), "steps": [r.as_dict() for r in results]},
+            {
+                "run": run,
+                "aims": [v.as_dict() for v in verdicts(run, results)],
+                "steps": [r.as_dict() for r in results],
+            },
             indent=1,
             default=str,
         )
