@@ -181,9 +181,9 @@ def weight_line(model: torch.nn.Module) -> str:
     line = f"weights: {total / 2**20:.1f} MiB on this rank"
     if quantized or experts:
         packed = sum(weight_bytes(m) for m in quantized + experts)
-        where = f"{len(quantized)} linear layers"
-        if experts:
-            where += f" and {len(experts)} layers' experts"
+        held = [f"{len(quantized)} linear layers"] if quantized else []
+        held += [f"{len(experts)} layers' experts"] if experts else []
+        where = " and ".join(held)
         scheme = model.config.quantization
         line += (
             f", of which {packed / 2**20:.1f} MiB in {where} kept in "
