@@ -143,3 +143,42 @@ def test_fp8_experts_kernel_branch_equals_their_torch_path(monkeypatch, dtype, t
     assert len(calls) == 1  # the kernel branch ran
     assert out.dtype == dtype and out.shape == (tokens, 64)
     torch.testing.assert_close(out, expected, **KERNEL_TOL[dtype])
+
+
+# --- on CUDA ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_fp8_experts_run_the_kernel_and_replay_in_a_cuda_graph_with_new_routes():
+    # DeepSeek-V3's blocks, bfloat16 on the GPU's tensor cores: 8 experts of width 384 over a
+    # hidden size of 256 (the width ends mid block), top-2 of 33 tokens.
+    from pdserve.engine.quant.experts import QuantExperts
+
+    experts = filled_experts(8, 384, 256, (128, 128)).to("cuda")
+    assert experts.runs_kernel() and experts.eager_only is None
+    gen = torch.Generator().manual_seed(2)
+
+    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(33, 256, generator=gen).to(torch.bfloat16)
+        weights, ids = torch.topk(torch.randn(33, 8, generator=gen).softmax(-1), 2)
+        return x.cuda(), weights.cuda(), ids.cuda()
+
+    x, weights, ids = inputs()
+    out = experts(x, weights, ids)
+    expected = QuantExperts.forward(experts, x, weights, ids)  # each routed expert dequantized
+    error = (out.float() - expected.float()).abs().max() / expected.float().abs().max()
+    assert error <= 3e-2, f"{error:.2e} of the largest output"
+    # No host sync: the step captures, and a replay with new routes equals an eager call.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        experts(x, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts(x, weights, ids)
+    for static, new in zip((x, weights, ids), inputs(), strict=True):
+        static.copy_(new)
+    graph.replay()
+    assert torch.equal(captured, experts(x, weights, ids))
