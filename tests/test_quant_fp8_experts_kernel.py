@@ -104,6 +104,22 @@ def filled_experts(
     return experts
 
 
+def choose_the_kernel(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Make the CPU choose the fused kernel, as a GPU does; returns the list of its calls."""
+    from pdserve.kernels import triton_moe_fp8
+
+    calls = []
+    kernel = triton_moe_fp8.fused_moe_fp8
+
+    def counted(*args, **kwargs) -> torch.Tensor:
+        calls.append(args)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_moe_fp8, "fused_moe_fp8", counted)
+    monkeypatch.setattr(fp8_experts_module, "fp8_moe_kernel_on", lambda device, block_k: True)
+    return calls
+
+
 # 4 experts of width 96 over a hidden size of 64, in blocks of 64: each expert's gate and up end
 # in a ragged block (96 = 64 + 32), each with its own two scale rows, and the down projection's
 # reduction ends mid block. float32: both paths multiply the same dequantized values, differing
@@ -119,8 +135,6 @@ KERNEL_TOL = {
 @interpreted
 @pytest.mark.parametrize("dtype, tokens", [(torch.float32, 5), (torch.bfloat16, 3)], ids=str)
 def test_fp8_experts_kernel_branch_equals_their_torch_path(monkeypatch, dtype, tokens):
-    from pdserve.kernels import triton_moe_fp8
-
     experts = filled_experts(4, 96, 64, (64, 64))
     gate_scales, up_scales = experts.w13_scale_inv.split(2, dim=1)
     assert not torch.equal(gate_scales, up_scales)
@@ -129,20 +143,37 @@ def test_fp8_experts_kernel_branch_equals_their_torch_path(monkeypatch, dtype, t
     weights, ids = torch.topk(torch.randn(tokens, 4, generator=gen).softmax(-1), 2)
     expected = experts(x, weights, ids)  # the CPU's choice: each routed expert dequantized
 
-    calls = []
-    kernel = triton_moe_fp8.fused_moe_fp8
-
-    def counted(*args, **kwargs) -> torch.Tensor:
-        calls.append(args)
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(triton_moe_fp8, "fused_moe_fp8", counted)
-    monkeypatch.setattr(fp8_experts_module, "fp8_moe_kernel_on", lambda device, block_k: True)
+    calls = choose_the_kernel(monkeypatch)
     assert experts.eager_only is None
     out = experts(x, weights, ids)
     assert len(calls) == 1  # the kernel branch ran
     assert out.dtype == dtype and out.shape == (tokens, 64)
     torch.testing.assert_close(out, expected, **KERNEL_TOL[dtype])
+
+
+@interpreted
+def test_a_sparse_layer_of_an_fp8_model_routes_its_tokens_through_the_kernel_branch(
+    tmp_path, monkeypatch
+):
+    # The tiny Qwen3-MoE of test_quant_fp8_moe in blocks of 32 (its experts' width of 48 ends in
+    # a ragged block): a sparse layer as the model runs it, routes from its own router, through
+    # the kernel and through the torch path.
+    from checkpoints import build_checkpoint
+
+    from pdserve.engine.models.loader import load_model
+    from pdserve.engine.models.moe import SparseMoE
+    from pdserve.engine.quant.fp8_checkpoint import write_fp8_checkpoint
+    from pdserve.kernels.ops import REFERENCE
+
+    plain = build_checkpoint("qwen3_moe", tmp_path / "float32")
+    model = load_model(write_fp8_checkpoint(plain, tmp_path / "fp8", (32, 32)), "float32", "cpu")
+    layer = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    assert isinstance(layer.experts, Fp8Experts)
+    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    expected = layer(x, REFERENCE)
+    calls = choose_the_kernel(monkeypatch)
+    torch.testing.assert_close(layer(x, REFERENCE), expected, **KERNEL_TOL[torch.float32])
+    assert len(calls) == 1
 
 
 # --- on CUDA ------------------------------------------------------------------------------------
