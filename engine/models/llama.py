@@ -283,10 +283,10 @@ class LlamaForCausalLM(nn.Module):
         or None when it can."""
         if self.config.clamped_swiglu is not None:
             return "gpt-oss's experts run in torch, grouping their tokens on the host"
-        if any(
-            isinstance(getattr(layer.mlp, "experts", None), QuantExperts) for layer in self.layers
-        ):
-            return "quantized experts are dequantized one routed expert at a time on the host"
+        for layer in self.layers:  # quantized experts say whether their step can be captured
+            experts = getattr(layer.mlp, "experts", None)
+            if isinstance(experts, QuantExperts) and experts.eager_only is not None:
+                return experts.eager_only
         return None
 
     @staticmethod

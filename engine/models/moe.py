@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek: a router picks each
 token's k experts, the op table's `fused_moe` runs them (the torch reference on CPU, the fused
-Triton kernel on CUDA), and Qwen2-MoE adds a shared expert scaled by its sigmoid gate, DeepSeek
-its shared experts (one MLP n_shared_experts times an expert's width) unscaled.
+Triton kernel on CUDA; experts kept quantized choose their own path, `QuantExperts`), and
+Qwen2-MoE adds a shared expert scaled by its sigmoid gate, DeepSeek its shared experts (one MLP
+n_shared_experts times an expert's width) unscaled.
 
 Tensor parallelism splits every expert like a dense MLP: each rank holds its columns of every
 expert's gate and up projections and the matching rows of its down projection, and the shared
@@ -90,10 +91,8 @@ class SparseMoE(nn.Module):
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts = self.experts
-        if isinstance(experts, QuantExperts):  # each routed expert dequantized
-            out = grouped_experts(
-                x, weights, ids, experts.num_experts, experts.hidden_size, experts.run_expert
-            )
+        if isinstance(experts, QuantExperts):  # a fused kernel, or each routed expert dequantized
+            out = experts(x, weights, ids)
         elif experts.packed_experts is not None:
             out = grouped_experts(
                 x, weights, ids, experts.num_experts, experts.hidden_size, experts.run_packed

@@ -2,7 +2,10 @@
 MoE `-FP8` checkpoints' experts): every expert's gate/up and down projections stacked in FP8 with
 their float32 block scales, and an expert's two matrices dequantized into the activations' dtype
 only when a step routes tokens to it, so a step touches the experts it uses and nothing
-dequantized is kept between steps."""
+dequantized is kept between steps. On a GPU with bf16 tensor cores and Triton
+(`gemm_choice.fp8_moe_kernel`) the stack runs the fused MoE kernel instead
+(`kernels/triton_moe_fp8.py`), which decodes the FP8 weights in registers, reads the routes on
+the device alone, and so lets the model's decode steps be captured in CUDA graphs."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from torch.nn import functional as F
 from pdserve.engine.quant.experts import QuantExperts
 from pdserve.engine.quant.fp8_linear import dequantize_rows, scale_row_index
 from pdserve.engine.quant.fp8_reference import FP8, scale_shape
+from pdserve.engine.quant.gemm_choice import fp8_moe_kernel_on
 
 if TYPE_CHECKING:
     from pdserve.engine.models.weights import CheckpointTensor
@@ -74,6 +78,35 @@ class Fp8Experts(QuantExperts):
             setattr(self, name, nn.Parameter(moved, requires_grad=False))
         self._index(device)
         return self
+
+    def runs_kernel(self) -> bool:
+        """Whether this stack's device runs the fused FP8 MoE kernel (else the torch path)."""
+        return fp8_moe_kernel_on(self.w13.device, self.block[1])
+
+    @property
+    def eager_only(self) -> str | None:
+        """None where the fused kernel runs: its schedule is built on the device, sized by
+        shapes alone, with no host sync."""
+        return None if self.runs_kernel() else super().eager_only
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The fused kernel on the stacked FP8 weights and their scales as they are (the gate's
+        and the up projection's scale rows apart, as the kernel reads them), or each routed
+        expert dequantized in torch."""
+        if not self.runs_kernel():
+            return super().forward(x, weights, ids)
+        from pdserve.kernels.triton_moe_fp8 import fused_moe_fp8  # only where Triton runs
+
+        return fused_moe_fp8(
+            x.contiguous(),
+            self.w13,
+            self.w13_scale_inv,
+            self.w2,
+            self.w2_scale_inv,
+            weights,
+            ids,
+            self.block,
+        )
 
     def dequantized(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s (w13 [2 * width, hidden], w2 [hidden, width]) in `dtype`."""
