@@ -1,0 +1,154 @@
+"""AWQ's and GPTQ's 4-bit layers rewritten into the layout Triton's W4A16 GEMM reads (what they
+hold on a GPU once loaded): the operands they hand the kernel multiply like the published
+weight, checked through the kernel's torch reference (`w4a16_ref.w4a16_matmul_ref`) on the CPU,
+and through the kernel itself under Triton's interpreter for one AWQ and one act-order GPTQ
+layer. The converted layer holds its weight once, and dequantizes to the very same weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_kernels import INTERPRETED, interpreted, run_interpreted
+
+from pdserve.engine.quant import awq_reference, gptq_reference
+from pdserve.engine.quant.awq_linear import AwqLinear
+from pdserve.engine.quant.gptq_linear import GptqLinear
+from pdserve.engine.quant.packed_linear import PackedLinear
+from pdserve.kernels.w4a16_ref import w4a16_matmul_ref
+
+IN = 64
+PARTS = (16, 8, 8)  # a fused q/k/v: each part quantized (and act-ordered) on its own
+
+
+def awq_layer(parts: tuple[int, ...], group: int, seed: int = 0) -> AwqLinear:
+    gen = torch.Generator().manual_seed(seed)
+    layer = AwqLinear(IN, parts, False, group)
+    packed = [awq_reference.quantize(torch.randn(rows, IN, generator=gen), group) for rows in parts]
+    for kind, i in (("qweight", 0), ("qzeros", 1), ("scales", 2)):
+        getattr(layer, kind).data = torch.cat([p[i] for p in packed], dim=1)
+    return layer
+
+
+def gptq_layer(
+    parts: tuple[int, ...],
+    group: int,
+    sym: bool,
+    v1: bool,
+    act_order: str | None = None,
+    bits: int = 4,
+) -> GptqLinear:
+    """act_order: None (inputs in order), "own" (each part its own shuffled g_idx, as a fused
+    layer of act-order projections holds) or "shared" (one shuffled g_idx for all parts)."""
+    layer = GptqLinear(IN, parts, False, bits, group, act_order is not None, v1)
+    packed = []
+    for i, rows in enumerate(parts):
+        weight = torch.randn(rows, IN, generator=torch.Generator().manual_seed(i))
+        seed = {None: None, "own": 10 + i, "shared": 10}[act_order]
+        g_idx = gptq_reference.act_order_groups(IN, group, seed)
+        packed.append(gptq_reference.quantize(weight, g_idx, bits, sym, v1))
+        layer.g_idx.data[i] = g_idx
+    for kind, i in (("qweight", 0), ("qzeros", 1), ("scales", 2)):
+        getattr(layer, kind).data = torch.cat([p[i] for p in packed], dim=1)
+    return layer
+
+
+LAYERS = {
+    "awq": lambda: awq_layer((16,), 16),
+    "awq_fused_groups_of_32": lambda: awq_layer(PARTS, 32),
+    "gptq_sym_v1": lambda: gptq_layer(PARTS, 16, sym=True, v1=True),
+    "gptq_asym_v1": lambda: gptq_layer(PARTS, 16, sym=False, v1=True),
+    "gptq_asym_v2": lambda: gptq_layer(PARTS, 32, sym=False, v1=False),
+    "gptq_one_group": lambda: gptq_layer(PARTS, -1, sym=False, v1=True),
+    "gptq_act_order": lambda: gptq_layer(PARTS, 16, sym=False, v1=True, act_order="own"),
+    "gptq_act_order_v2_sym": lambda: gptq_layer((16,), 16, sym=True, v1=False, act_order="own"),
+    "gptq_act_order_shared": lambda: gptq_layer(PARTS, 16, sym=False, v1=True, act_order="shared"),
+}
+
+
+def param_bytes(layer: PackedLinear) -> dict[str, int]:
+    return {name: p.numel() * p.element_size() for name, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_the_kernels_operands_multiply_as_the_published_weight(name):
+    layer = LAYERS[name]()
+    published = layer.dequantized(torch.float32)
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(7))
+    expected = x @ published.T
+    before = param_bytes(layer)
+    assert layer.to_kernel_layout() and layer.in_kernel_layout
+    # The published tensors are replaced, not kept beside the kernel's: the 4-bit words take
+    # the same bytes, the rest (scales, unpacked zero points, act-order's input order) is small.
+    after = param_bytes(layer)
+    assert not {"qweight", "qzeros", "scales", "g_idx"} & set(after)
+    assert after["kernel_qweight"] == before["qweight"]
+    assert sum(after.values()) <= sum(before.values()) + layer.out_features * 4
+    assert ("kernel_perm" in after) == name.startswith("gptq_act_order")
+    assert torch.equal(layer.dequantized(torch.float32), published)
+    torch.testing.assert_close(layer.kernel_matmul(x, w4a16_matmul_ref), expected)
+
+
+def test_act_order_sorts_each_parts_inputs_by_group_and_permutes_x_per_part():
+    layer = LAYERS["gptq_act_order"]()
+    g_idx = layer.g_idx.clone()
+    layer.to_kernel_layout()
+    perm = layer.kernel_perm
+    assert perm.shape == (3, IN)  # each fused part in its own order
+    for i in range(3):
+        assert torch.equal(g_idx[i][perm[i].long()], torch.arange(IN, dtype=torch.int32) // 16)
+    shared = LAYERS["gptq_act_order_shared"]()
+    shared.to_kernel_layout()
+    assert shared.kernel_perm.shape == (1, IN)  # one order: x permuted once, one kernel call
+
+
+def test_layers_the_kernel_cannot_read_keep_the_published_layout():
+    eight_bit = gptq_layer(PARTS, 32, sym=False, v1=False, bits=8)
+    assert not eight_bit.to_kernel_layout() and not eight_bit.in_kernel_layout
+    assert "bits 8" in eight_bit.kernel_unfit
+    groups_of_24 = gptq_layer(PARTS, 24, sym=False, v1=True)  # 64 inputs, a ragged last group
+    assert not groups_of_24.to_kernel_layout() and "multiple of 16" in groups_of_24.kernel_unfit
+    # Groups of unequal sizes: no order of the inputs makes them runs of the group size.
+    uneven = gptq_layer((16,), 16, sym=False, v1=True, act_order="own")
+    uneven.g_idx.data[0] = torch.tensor([0] * 8 + [1] * 24 + [2] * 16 + [3] * 16, dtype=torch.int32)
+    expected = uneven.dequantized(torch.float32)
+    assert not uneven.to_kernel_layout() and "runs" in uneven.kernel_unfit
+    assert torch.equal(uneven.dequantized(torch.float32), expected)
+
+
+def test_a_converted_layer_keeps_its_dtypes_through_moves_and_refuses_to_load():
+    layer = LAYERS["gptq_act_order"]()
+    layer.to_kernel_layout()
+    layer.to(torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in layer.named_parameters()}
+    assert dtypes == {
+        "kernel_qweight": torch.int32,
+        "kernel_scales": torch.float16,
+        "kernel_zeros": torch.uint8,
+        "kernel_perm": torch.int32,
+    }
+    with pytest.raises(RuntimeError, match="converted to the W4A16 kernel's layout"):
+        layer.load("scales", None, 0, range(16), 16, 0)
+
+
+# --- the kernel itself, under Triton's interpreter -----------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_triton_kernel_runs_the_converted_layers_under_the_interpreter():
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this is the child process")
+    run_interpreted(__file__)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["awq_fused_groups_of_32", "gptq_act_order"])
+def test_triton_w4a16_matches_the_published_weight(name):
+    from pdserve.kernels.triton_w4a16 import w4a16_matmul
+
+    layer = LAYERS[name]()
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(7))
+    expected = x @ layer.dequantized(torch.float32).T
+    layer.to_kernel_layout()
+    # float32 both sides, the same products summed in another order.
+    torch.testing.assert_close(layer.kernel_matmul(x, w4a16_matmul), expected, atol=1e-5, rtol=1e-5)
