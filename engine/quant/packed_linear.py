@@ -102,7 +102,7 @@ class PackedLinear(QuantLinear):
     def loaded(self) -> None:
         """All tensors read: on a device that runs the W4A16 kernel, convert now (before any
         graph is captured), not at the first call."""
-        if w4a16_gemm_on(self._parameters["qweight"].device):
+        if not self.in_kernel_layout and w4a16_gemm_on(self.qweight.device):
             self.to_kernel_layout()
 
     def _kernel(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
