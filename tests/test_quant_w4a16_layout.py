@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import build_checkpoint
 from test_triton_kernels import INTERPRETED, interpreted, run_interpreted
 
+from pdserve.engine.models.loader import load_model
 from pdserve.engine.quant import awq_reference, gptq_reference
 from pdserve.engine.quant.awq_linear import AwqLinear
 from pdserve.engine.quant.gptq_linear import GptqLinear
+from pdserve.engine.quant.packed_checkpoint import write_awq_checkpoint, write_gptq_checkpoint
 from pdserve.engine.quant.packed_linear import PackedLinear
 from pdserve.kernels.w4a16_ref import w4a16_matmul_ref
 
@@ -128,6 +131,33 @@ def test_a_converted_layer_keeps_its_dtypes_through_moves_and_refuses_to_load():
     }
     with pytest.raises(RuntimeError, match="converted to the W4A16 kernel's layout"):
         layer.load("scales", None, 0, range(16), 16, 0)
+
+
+@pytest.mark.parametrize("format", ["awq", "gptq_act_order"])
+def test_every_layer_of_a_loaded_checkpoint_converts_to_the_same_weight(format, tmp_path):
+    """Through the loader: fused q/k/v and gate/up of projections each act-ordered on its own
+    (Qwen3, from our writer of the published layout), o_proj and down_proj. On the CPU nothing
+    converts at load (`loaded` converts only where the kernel runs); converted here by hand."""
+    plain = build_checkpoint("qwen3", tmp_path / "plain")
+    if format == "awq":
+        packed = write_awq_checkpoint(plain, tmp_path / "packed", group_size=16)
+    else:
+        packed = write_gptq_checkpoint(
+            plain, tmp_path / "packed", group_size=16, desc_act=True, sym=False
+        )
+    model = load_model(packed, "float32", "cpu")
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 8 and not any(m.in_kernel_layout for m in layers)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(0))
+    for layer in layers:
+        published = layer.dequantized(torch.float32)
+        assert layer.to_kernel_layout()
+        assert torch.equal(layer.dequantized(torch.float32), published)
+        rows = x[:, : layer.in_features]
+        torch.testing.assert_close(layer.kernel_matmul(rows, w4a16_matmul_ref), rows @ published.T)
+    if format == "gptq_act_order":  # q, k and v each in its own order
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert len(qkv.out_parts) == 3 and qkv.kernel_perm.shape == (3, qkv.in_features)
 
 
 # --- the kernel itself, under Triton's interpreter -----------------------------------------------
