@@ -26,6 +26,9 @@ from pdserve.engine.quant.int_packing import AWQ_ORDER, unpack
 BITS = 4
 PER_WORD = 8
 MIN_STEP = 16  # the kernel steps through K in powers of two of at least 16 inside one group
+# Outputs unpacked at a time while converting: the int32 values of a chunk (K x 4096 x 4 bytes,
+# 224 MiB for K = 14336) are the conversion's only large temporary, whatever the layer's width.
+CHUNK = 4096
 
 # (x [M, K], qweight, scales, zeros, group_size) -> [M, N]: `triton_w4a16.w4a16_matmul`, or
 # its torch reference `w4a16_ref.w4a16_matmul_ref` (how the CPU tests run these operands).
@@ -56,9 +59,13 @@ def awq_operands(
     """(qweight [N, ceil(K / 8)], scales [N, groups], zeros [N, groups]) of AutoAWQ's qweight
     [K, N / 8], qzeros [groups, N / 8] (both packed along N in `AWQ_ORDER`) and scales
     [groups, N]."""
-    values = unpack(qweight, BITS, 1, AWQ_ORDER).T  # [N, K]
+    step = CHUNK // PER_WORD  # packed words of CHUNK outputs
+    words = [
+        pack_along_k(unpack(qweight[:, c : c + step], BITS, 1, AWQ_ORDER).T)  # [outputs, K]
+        for c in range(0, qweight.shape[1], step)
+    ]
     zeros = unpack(qzeros, BITS, 1, AWQ_ORDER).T.to(torch.uint8)
-    return pack_along_k(values), scales.T.contiguous(), zeros.contiguous()
+    return torch.cat(words), scales.T.contiguous(), zeros.contiguous()
 
 
 def act_order(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
@@ -100,8 +107,10 @@ def gptq_operands(
         perm = perm[:1]  # one order for all parts: the layer permutes x once
     words, start = [], 0
     for i, n in enumerate(out_parts):
-        values = unpack(qweight[:, start : start + n], BITS, 0)  # [K, n]
-        words.append(pack_along_k(values.index_select(0, part_order(perm, i)).T))
+        order = part_order(perm, i)
+        for c in range(start, start + n, CHUNK):
+            values = unpack(qweight[:, c : min(c + CHUNK, start + n)], BITS, 0)  # [K, outputs]
+            words.append(pack_along_k(values.index_select(0, order).T))
         start += n
     return torch.cat(words), scales.T.contiguous(), zeros, perm
 
