@@ -6,14 +6,19 @@ layer. The converted layer holds its weight once, and dequantizes to the very sa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoints import build_checkpoint
+from conftest import random_prompts
 from test_triton_kernels import INTERPRETED, interpreted, run_interpreted
 
+from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.quant import awq_reference, gptq_reference, w4a16_layout
 from pdserve.engine.quant.awq_linear import AwqLinear
+from pdserve.engine.quant.gemm_choice import w4a16_gemm_on
 from pdserve.engine.quant.gptq_linear import GptqLinear
 from pdserve.engine.quant.packed_checkpoint import write_awq_checkpoint, write_gptq_checkpoint
 from pdserve.engine.quant.packed_linear import PackedLinear
@@ -135,18 +140,29 @@ def test_a_converted_layer_keeps_its_dtypes_through_moves_and_refuses_to_load():
         layer.load("scales", None, 0, range(16), 16, 0)
 
 
-@pytest.mark.parametrize("format", ["awq", "gptq_act_order"])
-def test_every_layer_of_a_loaded_checkpoint_converts_to_the_same_weight(format, tmp_path):
-    """Through the loader: fused q/k/v and gate/up of projections each act-ordered on its own
-    (Qwen3, from our writer of the published layout), o_proj and down_proj. On the CPU nothing
-    converts at load (`loaded` converts only where the kernel runs); converted here by hand."""
-    plain = build_checkpoint("qwen3", tmp_path / "plain")
-    if format == "awq":
-        packed = write_awq_checkpoint(plain, tmp_path / "packed", group_size=16)
-    else:
-        packed = write_gptq_checkpoint(
-            plain, tmp_path / "packed", group_size=16, desc_act=True, sym=False
-        )
+FORMATS = ["awq", "gptq_act_order"]
+
+
+@pytest.fixture(scope="module")
+def packed_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Qwen3 written by our writers of the published layouts: AWQ in groups of 16, and
+    GPTQ asymmetric act-order in groups of 16 (each projection in an order of its own)."""
+    root = tmp_path_factory.mktemp("w4a16_layout")
+    plain = build_checkpoint("qwen3", root / "plain")
+    return {
+        "awq": write_awq_checkpoint(plain, root / "awq", group_size=16),
+        "gptq_act_order": write_gptq_checkpoint(
+            plain, root / "gptq", group_size=16, desc_act=True, sym=False
+        ),
+    }
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_every_layer_of_a_loaded_checkpoint_converts_to_the_same_weight(format, packed_checkpoints):
+    """Through the loader: fused q/k/v and gate/up of projections each act-ordered on its own,
+    o_proj and down_proj. On the CPU nothing converts at load (`loaded` converts only where the
+    kernel runs); converted here by hand."""
+    packed = packed_checkpoints[format]
     model = load_model(packed, "float32", "cpu")
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 8 and not any(m.in_kernel_layout for m in layers)
@@ -184,3 +200,55 @@ def test_triton_w4a16_matches_the_published_weight(name):
     layer.to_kernel_layout()
     # float32 both sides, the same products summed in another order.
     torch.testing.assert_close(layer.kernel_matmul(x, w4a16_matmul), expected, atol=1e-5, rtol=1e-5)
+
+
+# --- on a GPU (`make gpu-check` runs what skips without CUDA) -------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# As test_triton_quant's W4A16 tolerances: float32 differs in summation order only; bfloat16
+# rounds each dequantized weight and the output (two units in the last place).
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2)}
+
+
+def _needs_the_kernel() -> None:
+    if not w4a16_gemm_on(torch.device("cuda")):
+        pytest.skip("the W4A16 kernel needs Triton and bf16 tensor cores (compute capability 8.0)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("format", FORMATS)
+def test_on_cuda_layers_convert_at_load_and_multiply_as_the_cpu_weight(
+    format, dtype, packed_checkpoints
+):
+    _needs_the_kernel()
+    cpu = load_model(packed_checkpoints[format], "float32", "cpu")
+    gpu = load_model(packed_checkpoints[format], str(dtype).removeprefix("torch."), "cuda")
+    published = {n: m for n, m in cpu.named_modules() if isinstance(m, PackedLinear)}
+    converted = {n: m for n, m in gpu.named_modules() if isinstance(m, PackedLinear)}
+    assert converted.keys() == published.keys() and len(converted) == 8
+    gen = torch.Generator().manual_seed(0)
+    for name, layer in converted.items():
+        assert layer.in_kernel_layout and "qweight" not in dict(layer.named_parameters())
+        x = torch.randn(5, layer.in_features, generator=gen).to(dtype)
+        expected = x.float() @ published[name].dequantized(torch.float32).T
+        got = layer(x.to("cuda", dtype)).float().cpu()
+        torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("format", FORMATS)
+def test_on_cuda_greedy_tokens_equal_the_cpus_in_float32(format, packed_checkpoints):
+    """The engine on CUDA (the W4A16 kernel, CUDA graphs for decode) against the CPU's torch
+    dequantization, token for token."""
+    _needs_the_kernel()
+    prompts = random_prompts(0, [3, 17, 30])
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        model = str(packed_checkpoints[format])
+        with LLM(model, num_kv_blocks=64, device=device, dtype="float32") as llm:
+            tokens[device] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens["cuda"] == tokens["cpu"]
