@@ -7,6 +7,7 @@ layer. The converted layer holds its weight once, and dequantizes to the very sa
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,6 +124,16 @@ def test_layers_the_kernel_cannot_read_keep_the_published_layout():
     expected = uneven.dequantized(torch.float32)
     assert not uneven.to_kernel_layout() and "runs" in uneven.kernel_unfit
     assert torch.equal(uneven.dequantized(torch.float32), expected)
+
+
+def test_a_row_parallel_share_of_act_order_inputs_keeps_the_published_layout():
+    """A rank of o_proj or down_proj with act-order holds every group's scales (its inputs may
+    fall in any): the kernel's groups k // G would not index them. `size` is all the layer reads
+    of its tensor-parallel group when built."""
+    layer = GptqLinear(32, (16,), False, 4, 16, True, True, group=SimpleNamespace(size=2))
+    assert layer.num_groups == 4  # the whole projection's 64 inputs
+    layer.g_idx.data[0] = torch.arange(32, dtype=torch.int32) // 16  # even in order
+    assert not layer.to_kernel_layout() and "every group" in layer.kernel_unfit
 
 
 def test_a_converted_layer_keeps_its_dtypes_through_moves_and_refuses_to_load():
