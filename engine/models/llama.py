@@ -452,6 +452,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"missing weight '{missing[0]}' in checkpoint ({len(missing)} missing)"
             )
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.loaded()
 
     def _loading_module(self, local: str) -> tuple[nn.Module, str] | None:
         """The module that reads this weight itself (MLA's attention, gpt-oss's experts) and the

@@ -1,8 +1,9 @@
 """A linear layer whose weight stays in AutoAWQ's GEMM layout in memory (4-bit values packed
 eight outputs to an int32 word, their zero points packed the same way, float16 scales per group
-of inputs) and is dequantized into the activations' dtype on every call. Fused projections
-(q/k/v, gate/up) hold their parts side by side along the outputs: each part's packed columns,
-zero points and scales in its own output range."""
+of inputs) and is dequantized into the activations' dtype on every call; on a GPU with the W4A16
+kernel it is repacked along the inputs once loaded (`w4a16_layout.awq_operands`). Fused
+projections (q/k/v, gate/up) hold their parts side by side along the outputs: each part's packed
+columns, zero points and scales in its own output range."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.quant import w4a16_layout
 from pdserve.engine.quant.awq_reference import BITS
 from pdserve.engine.quant.int_packing import AWQ_ORDER, unpack
 from pdserve.engine.quant.packed_linear import PackedLinear, word_range, words
@@ -50,7 +52,14 @@ class AwqLinear(PackedLinear):
         self._hold("scales", (groups, self.out_features))
         self.bias = torch.nn.Parameter(torch.empty(self.out_features)) if bias else None
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+    def published_to_kernel(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if not w4a16_layout.kernel_reads(self.group_size, self.in_features):
+            raise ValueError(f"AWQ group_size {self.group_size} is not a multiple of 16")
+        return (*w4a16_layout.awq_operands(self.qweight, self.qzeros, self.scales), None)
+
+    def published_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in `dtype` (as `awq_reference.dequantize`, computed in float32):
         each 4-bit value minus its group's zero point, times its group's scale."""
         # Small integers are exact in float32, where the arithmetic is faster than in int32.
@@ -71,6 +80,7 @@ class AwqLinear(PackedLinear):
     ) -> None:
         """Read this rank's `part` (of `size`, along `dim`: 0 output rows, 1 inputs) of a
         projection's `qweight`, `qzeros` or `scales`; a fused part's outputs go at `offset`."""
+        self._published()
         g = self.group_size
         out, n = (size, self.in_features) if dim == 0 else (self.out_features, size)
         full = {

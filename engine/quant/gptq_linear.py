@@ -1,7 +1,8 @@
 """A linear layer whose weight stays in GPTQ's layout in memory (4- or 8-bit values packed
 along the inputs into int32 words, zero points packed along the outputs, float16 scales per
 group, each input's group in `g_idx`) and is dequantized into the activations' dtype on every
-call. Fused projections (q/k/v, gate/up) hold their parts side by side along the outputs, each
+call; on a GPU with the W4A16 kernel a 4-bit layer is rewritten into its layout once loaded
+(`w4a16_layout.gptq_operands`: act-order's inputs sorted by group). Fused projections (q/k/v, gate/up) hold their parts side by side along the outputs, each
 with its own `g_idx` row (act-order gives each checkpoint projection its own).
 
 A row-parallel rank (o_proj, down_proj) holds its inputs' packed rows and `g_idx` entries; with
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.quant import w4a16_layout
 from pdserve.engine.quant.gptq_reference import stored_zeros
 from pdserve.engine.quant.int_packing import per_word, unpack
 from pdserve.engine.quant.packed_linear import PackedLinear, word_range, words
@@ -62,7 +64,25 @@ class GptqLinear(PackedLinear):
     def _groups(self, inputs: int) -> int:
         return 1 if self.group_size == -1 else -(-inputs // self.group_size)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+    @property
+    def kernel_group(self) -> int:
+        return self.in_features if self.group_size == -1 else self.group_size
+
+    def published_to_kernel(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        g, k = self.kernel_group, self.in_features
+        if self.bits != 4:
+            raise ValueError(f"GPTQ bits {self.bits}: the W4A16 kernel reads 4-bit weights")
+        if not w4a16_layout.kernel_reads(g, k):
+            raise ValueError(f"GPTQ group_size {g} is not a multiple of 16")
+        if self.num_groups != -(-k // g):
+            raise ValueError("this rank's act-order inputs fall in every group, not in runs")
+        return w4a16_layout.gptq_operands(
+            self.qweight, self.qzeros, self.scales, self.g_idx, self.out_parts, g, self.v1
+        )
+
+    def published_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in `dtype` (as `gptq_reference.dequantize`, computed in
         float32): each value minus its group's zero point, times its group's scale, each fused
         part's inputs grouped by its own `g_idx`."""
@@ -94,6 +114,7 @@ class GptqLinear(PackedLinear):
         """Read this rank's `part` (of `size`, along `dim`: 0 output rows, 1 inputs) of a
         projection's `qweight`, `qzeros`, `scales` or `g_idx`; a fused part's outputs go at
         `offset`."""
+        self._published()
         k = self.per_word
         out, n = (size, self.in_features) if dim == 0 else (self.out_features, size)
         groups = self._groups(n)

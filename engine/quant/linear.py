@@ -39,6 +39,10 @@ class QuantLinear(nn.Module):
         rows go at output row `offset`."""
         raise NotImplementedError
 
+    def loaded(self) -> None:
+        """Called once every checkpoint tensor of the layer is read: a layer that keeps another
+        layout for its device's GEMM converts here. Nothing by default."""
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight^T (+ bias): the reference dequantizes per call; a format with a GPU kernel
         overrides this to run it where it can."""
