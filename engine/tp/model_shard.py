@@ -187,9 +187,17 @@ def weight_line(model: torch.nn.Module) -> str:
         scheme = model.config.quantization
         line += (
             f", of which {packed / 2**20:.1f} MiB in {where} kept in "
-            f"{scheme.label} (weights and their scales; dequantized per call)"
+            f"{scheme.label} (weights and their scales; {_how_quantized_run(model)})"
         )
     return line
+
+
+def _how_quantized_run(model: torch.nn.Module) -> str:
+    """What a quantized layer does with its weights on the device the model is on."""
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        return "dequantized per call"
+    return "read as stored by Triton kernels where the GPU runs them, else dequantized per call"
 
 
 def kv_capacity_line(layout: KVLayout, num_blocks: int) -> str:
