@@ -247,7 +247,7 @@ def measure(args: argparse.Namespace) -> dict:
         "prompts": args.prompts,
         "calibration_prompts": args.calibration,
         "prompt_len": list(args.prompt_len),
-        "tokens": sum(len(p) for p in prompts[args.calibration :]),
+        "tokens": sum(prefill[0][1].shape[1] for prefill in measured),
         "layout": {"num_layers": layers, "num_kv_heads": heads, "head_dim": head_dim},
         "block_size": BLOCK_SIZE,
         "granularities": {
