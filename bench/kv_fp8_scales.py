@@ -282,6 +282,31 @@ def docs_table(*results: dict) -> str:
     return "\n".join(out)
 
 
+def _relative_span(rows: dict[str, dict], what: str) -> str:
+    """Every other granularity's error of `what` over the per-token one's: least to most."""
+    ratios = [row[what] / rows["token"][what] for name, row in rows.items() if name != "token"]
+    lo, hi = f"{min(ratios):.2f}x", f"{max(ratios):.2f}x"
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def docs_points(*results: dict) -> str:
+    """Each run's winner by attention error, and every other granularity's errors relative to
+    the shipped per-token scales', in words."""
+    lines = []
+    for res in results:
+        rows = res["granularities"]
+        best = min(rows, key=lambda g: rows[g]["attention"])
+        lines.append(
+            f"- **{res['model']} ({res['text']} text, {res['prompts']} prompts, "
+            f"{res['tokens']:,} tokens): `{best}` has the least attention error** "
+            f"({rows[best]['attention']:.4f}). Against the per-token scales, the other "
+            f"granularities' errors are {_relative_span(rows, 'K')} on K, "
+            f"{_relative_span(rows, 'V')} on V and {_relative_span(rows, 'attention')} on the "
+            "attention output."
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(

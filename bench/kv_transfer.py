@@ -676,6 +676,30 @@ def kv_dtype_bytes(results: dict) -> str:
     return "\n".join(out)
 
 
+def kv_dtype_points(results: dict, from_blocks: str = "16") -> str:
+    """The dtype table in words: the second dtype's bytes and time relative to the first's from
+    some block count up, per transport, and the single blocks'; every figure from the rows."""
+    names = list(results["kv_cache_dtypes"])
+    base, other = names[0], names[1]
+    least = int(from_blocks)
+    sizes = {d: results["kv_cache_dtypes"][d]["bytes_per_token"] for d in names}
+    lines = [
+        f"- **Bytes: {other} moves {sizes[other] / sizes[base]:.3f} of {base}'s** "
+        f"({sizes[other]:,} against {sizes[base]:,} bytes per token), exact whatever the machine.",
+    ]
+    for transport in dict.fromkeys(r["transport"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["transport"] == transport]
+        big = [r[other]["time_over_" + base] for r in rows if r["blocks"] >= least]
+        small = [r[other]["time_over_" + base] for r in rows if r["blocks"] < least]
+        lines.append(
+            f"- **{transport}, {least} blocks and more: {other} took {_span(big)} of {base}'s "
+            f"time** (median {statistics.median(big):.0%})"
+            + (f"; below {least} blocks {_span(small)}" if small else "")
+            + "."
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
