@@ -142,3 +142,27 @@ def test_a_short_run_of_the_granularities(tmp_path):
             assert 0 < row[what] < 0.2
         assert row["attention_worst_layer"] >= row["attention"]
     assert res["command"].endswith(" ".join(argv))
+
+
+@pytest.mark.timeout(120)
+def test_the_captured_keys_and_values_are_what_the_float_cache_holds():
+    """The granularities are measured on the K and V pdserve's own float32 cache stores for the
+    same prompt (its first block, in whichever block of the pool it landed)."""
+    pytest.importorskip("transformers")
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.embedded.catalog import resolve_model_dir
+
+    prompt = scales.random_prompts(512, 1, 20, 20, 0)[0]
+    llm = LLM("pdserve-tiny", device="cpu", num_kv_blocks=8, block_size=16, max_num_seqs=1)
+    assert llm.engine.layout.dtype == "float32"
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    (layers,) = scales.capture_prefills(str(resolve_model_dir("pdserve-tiny")), [prompt])
+    assert len(layers) == 2
+    for index, (query, key, value, scaling) in enumerate(layers):
+        assert query.shape == (4, 20, 16) and key.shape == value.shape == (2, 20, 16)
+        assert scaling == pytest.approx(16**-0.5)
+        k_pages, v_pages = llm.engine.pool.layer(index)[:2]
+        gaps = [(k_pages[b].transpose(0, 1) - key[:, :16]).abs().max() for b in range(8)]
+        block = min(range(8), key=lambda b: gaps[b])
+        assert gaps[block] < 1e-5
+        assert torch.allclose(v_pages[block].transpose(0, 1), value[:, :16], atol=1e-5)
