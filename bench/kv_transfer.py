@@ -29,7 +29,8 @@ the longest prompt that fits, and the output says so.
 
 --kv-cache-dtype auto fp8 moves the same block counts with the pages of each KV cache dtype
 side by side, alternating round by round: auto (--dtype) and fp8 (float8_e4m3fn rows, each with
-its float32 scale: head_dim + 4 bytes a row); bytes per token from the layouts, time per transfer.
+its float32 scale: head_dim + 4 bytes a row); bytes per token from the layouts, time per transfer;
+receivers without keys, integrity on (--security and --integrity are not read).
 
     .venv/bin/python -m pdserve.bench.kv_transfer --kv-cache-dtype auto fp8 --blocks 1 16 64 256 \
         --patterns contiguous --json bench/results/kv_transfer_fp8.json
