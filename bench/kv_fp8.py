@@ -107,6 +107,28 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+# --- the docs' table (`python -m pdserve.bench.docs` renders it from the results files) -------
+
+
+def docs_table(*results: dict) -> str:
+    """Each run's agreement of the FP8 cache with the float one, and its bytes per token."""
+    out = [
+        "| model | prompts × tokens | first tokens equal | tokens equal | outputs equal "
+        "| mean log-prob gap | FP8 bytes / token | bf16 bytes / token | FP8 / bf16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for res in results:
+        sizes = res["kv_bytes_per_token"]
+        out.append(
+            f"| {res['model']} | {res['prompts']} × {res['max_tokens']} "
+            f"| {res['first_tokens_equal_share']:.0%} | {res['tokens_equal_share']:.0%} "
+            f"| {res['outputs_equal_share']:.0%} | {res['mean_logprob_gap']:.3f} "
+            f"| {sizes['fp8']['all_layers']:,} | {sizes['bfloat16']['all_layers']:,} "
+            f"| {res['fp8_over_bf16_bytes']:.4f} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(

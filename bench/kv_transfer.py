@@ -27,6 +27,14 @@ the longest prompt that fits, and the output says so.
 
     .venv/bin/python -m pdserve.bench.kv_transfer --mla-compare --out bench/results/kv_transfer_mla.json
 
+--kv-cache-dtype auto fp8 moves the same block counts with the pages of each KV cache dtype
+side by side, alternating round by round: auto (--dtype) and fp8 (float8_e4m3fn rows, each with
+its float32 scale: head_dim + 4 bytes a row); bytes per token from the layouts, time per transfer;
+receivers without keys, integrity on (--security and --integrity are not read).
+
+    .venv/bin/python -m pdserve.bench.kv_transfer --kv-cache-dtype auto fp8 --blocks 1 16 64 256 \
+        --patterns contiguous --json bench/results/kv_transfer_fp8.json
+
 A transfer is timed from send() to the sender seeing the receiver's ack (all pages landed);
 each point is the median of --repeats runs after one warm-up run.
 """
@@ -308,6 +316,76 @@ def mla_compare(
     return {"layouts": layouts, "transfers": transfers, "shortened": shortened}
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": "fp8_e4m3"}  # --kv-cache-dtype -> the layout's dtype
+
+
+def with_kv_cache_dtype(layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
+    """`layout` as a pool of `--kv-cache-dtype` holds it: auto keeps its dtype, fp8 stores
+    float8_e4m3fn rows with their float32 scales (head_dim + 4 bytes a row)."""
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    return layout if dtype is None else KVLayout.from_dict({**layout.to_dict(), "dtype": dtype})
+
+
+def kv_dtype_compare(
+    transports: list[str],
+    layout: KVLayout,
+    sweep: list[int],
+    patterns: list[str],
+    repeats: int,
+    chunk_bytes: int,
+    kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8"),
+) -> dict:
+    """The same block counts moved with each `--kv-cache-dtype`'s pages, the dtypes timed in
+    the same rounds (alternating), over each transport: bytes per token (the layouts' arithmetic)
+    and seconds per transfer. Prints the table."""
+    layouts = {d: with_kv_cache_dtype(layout, d) for d in kv_cache_dtypes}
+    base = kv_cache_dtypes[0]
+    rng = random.Random(0)
+    rows = []
+    for transport in transports:
+        device = "cuda:0" if transport in ("cuda_ipc", "nccl") else "cpu"
+        probes = {}
+        try:
+            for name, lay in layouts.items():
+                probes[name] = TransferProbe(transport, lay, max(sweep), device, chunk_bytes)
+            for pattern in patterns:
+                for n in sweep:
+                    src, dst = _block_ids(n, max(sweep), pattern, rng)
+                    fns = {name: partial(probe.run, src, dst) for name, probe in probes.items()}
+                    times = measure(fns, repeats)
+                    row = {"transport": transport, "pattern": pattern, "blocks": n}
+                    for name, lay in layouts.items():
+                        seconds = statistics.median(times[name])
+                        row[name] = {
+                            "dtype": lay.dtype,
+                            "bytes_per_token": bytes_per_token(lay),
+                            "bytes": n * lay.bytes_per_block,
+                            "seconds": seconds,
+                            "GB/s": n * lay.bytes_per_block / seconds / 1e9,
+                            "times_s": times[name],
+                        }
+                        if name != base:
+                            # median over rounds of this dtype's time over the first one's
+                            row[name]["time_over_" + base] = per_round(times, base, name)
+                            row[name]["bytes_over_" + base] = (
+                                row[name]["bytes"] / row[base]["bytes"]
+                            )
+                    rows.append(row)
+                    print(f"# {transport} {pattern} {n} blocks: measured", flush=True)
+        finally:
+            for probe in probes.values():
+                probe.close()
+    results = {
+        "kv_cache_dtypes": {
+            name: {"layout": lay.to_dict(), "bytes_per_token": bytes_per_token(lay)}
+            for name, lay in layouts.items()
+        },
+        "rows": rows,
+    }
+    print(kv_dtype_table(results))
+    return results
+
+
 # --- the docs' tables (`python -m pdserve.bench.docs` renders them from the results files) -----
 
 
@@ -556,6 +634,73 @@ def mla_transfers_table(results: dict) -> str:
     return "\n".join(out)
 
 
+def kv_dtype_table(results: dict) -> str:
+    """Each point's transfer with each `--kv-cache-dtype`, timed in the same rounds: ms per
+    transfer, and the others' bytes and time relative to the first's."""
+    names = list(results["kv_cache_dtypes"])
+    base = names[0]
+    cols = " | ".join(
+        f"{d} MiB | {d} ms" + ("" if d == base else f" | {d} / {base} bytes | {d} / {base} time")
+        for d in names
+    )
+    out = [
+        f"| transport | block ids | blocks | {cols} |",
+        "| --- | --- | ---: |" + " ---: |" * (2 + 4 * (len(names) - 1)),
+    ]
+    for row in results["rows"]:
+        cells = [row["transport"], row["pattern"], str(row["blocks"])]
+        for d in names:
+            cells += [f"{row[d]['bytes'] / 2**20:,.1f}", f"{row[d]['seconds'] * 1e3:,.1f}"]
+            if d != base:
+                cells += [
+                    f"{row[d]['bytes_over_' + base]:.3f}",
+                    _pct(row[d]["time_over_" + base]),
+                ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def kv_dtype_bytes(results: dict) -> str:
+    """Bytes per token of each `--kv-cache-dtype`'s layout, the run's layout's arithmetic."""
+    out = [
+        "| --kv-cache-dtype | page dtype | layers | per token and layer (K/V × heads × row bytes) "
+        "| bytes / token |",
+        "| --- | --- | ---: | --- | ---: |",
+    ]
+    for name, entry in results["kv_cache_dtypes"].items():
+        lay = KVLayout.from_dict(entry["layout"])
+        row = lay.page_width * torch.tensor([], dtype=lay.torch_dtype).element_size()
+        out.append(
+            f"| {name} | {lay.dtype} | {lay.num_layers} | {lay.planes} × {lay.num_kv_heads} × "
+            f"{row} | {entry['bytes_per_token']:,} |"
+        )
+    return "\n".join(out)
+
+
+def kv_dtype_points(results: dict, from_blocks: str = "16") -> str:
+    """The dtype table in words: the second dtype's bytes and time relative to the first's from
+    some block count up, per transport, and the single blocks'; every figure from the rows."""
+    names = list(results["kv_cache_dtypes"])
+    base, other = names[0], names[1]
+    least = int(from_blocks)
+    sizes = {d: results["kv_cache_dtypes"][d]["bytes_per_token"] for d in names}
+    lines = [
+        f"- **Bytes: {other} moves {sizes[other] / sizes[base]:.3f} of {base}'s** "
+        f"({sizes[other]:,} against {sizes[base]:,} bytes per token), exact whatever the machine.",
+    ]
+    for transport in dict.fromkeys(r["transport"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["transport"] == transport]
+        big = [r[other]["time_over_" + base] for r in rows if r["blocks"] >= least]
+        small = [r[other]["time_over_" + base] for r in rows if r["blocks"] < least]
+        lines.append(
+            f"- **{transport}, {least} blocks and more: {other} took {_span(big)} of {base}'s "
+            f"time** (median {statistics.median(big):.0%})"
+            + (f"; below {least} blocks {_span(small)}" if small else "")
+            + "."
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -591,6 +736,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--model", default=None, help="a checkpoint directory: its KV layout, not Llama-3-8B's"
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=list(KV_CACHE_DTYPES),
+        default=None,
+        help="the pages each KV cache dtype stores (auto: --dtype; fp8: float8 rows with their "
+        "scales); several: measured side by side in alternating rounds",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument(
         "--json", "--out", dest="json", default=None, help="also write the results here"
@@ -600,6 +753,9 @@ def main(argv: list[str] | None = None) -> None:
     transports = args.transports or available_transports()
     if args.mla_compare:
         _run_mla_compare(args, transports, argv)
+        return
+    if args.kv_cache_dtype:
+        _run_kv_dtype_compare(args, transports, argv)
         return
     sweep = args.blocks or [n for n in SWEEP if n <= args.max_blocks]
     record = provenance.start([__file__, *argv])
@@ -742,6 +898,40 @@ def _run_mla_compare(args: argparse.Namespace, transports: list[str], argv: list
                 "memory_margin_gib": MEMORY_MARGIN / 2**30,
             },
             "not_measured": not_run,
+            **results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def _run_kv_dtype_compare(args: argparse.Namespace, transports: list[str], argv: list[str]) -> None:
+    record = provenance.start([__file__, *argv])
+    record["machine"]["zmq"] = f"{zmq.pyzmq_version()} / libzmq {zmq.zmq_version()}"
+    print(f"# {record['command']}")
+    sweep = args.blocks or [n for n in SWEEP if n <= args.max_blocks]
+    layout = model_layout(args.model, args.dtype) if args.model else LLAMA3_8B
+    layout = KVLayout.from_dict({**layout.to_dict(), "dtype": args.dtype})
+    results = kv_dtype_compare(
+        transports,
+        layout,
+        sweep,
+        args.patterns,
+        args.repeats,
+        int(args.chunk_mib * 2**20),
+        tuple(dict.fromkeys(args.kv_cache_dtype)),
+    )
+    if args.json:
+        out = provenance.finish(record) | {
+            "settings": {
+                "transports": transports,
+                "blocks": sweep,
+                "patterns": args.patterns,
+                "repeats": args.repeats,
+                "chunk_mib": args.chunk_mib,
+                "kv_cache_dtype": list(dict.fromkeys(args.kv_cache_dtype)),
+                "layout": layout.to_dict(),
+                **({"model": args.model} if args.model else {}),
+            },
             **results,
         }
         with open(args.json, "w") as f:
