@@ -5,6 +5,9 @@ TFLOP/s as a fraction of a bf16 matmul; the torch reference is timed on the same
     .venv/bin/python -m pdserve.bench.kernels                    # Llama-3-8B attention shapes, bf16
     .venv/bin/python -m pdserve.bench.kernels --batches 1,16 --contexts 4096 --json out.json
     .venv/bin/python -m pdserve.bench.kernels --quick            # gpu-check's shorter sweep
+
+Prefill runs at 2k, 4k and 8k tokens through the op table (on sm_90 and later the Hopper kernel,
+`kernels.triton_prefill_hopper`, whose rows also time the portable kernel on the same inputs).
 """
 
 from __future__ import annotations
@@ -24,8 +27,21 @@ from pdserve.bench.device_limits import DeviceLimits, Results
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 # The sweeps: the full one for the docs, the quick one for `make gpu-check`'s time box.
-FULL_SWEEP = {"batches": [1, 16, 64, 256], "contexts": [512, 4096], "prefill_prompts": [1, 4]}
-QUICK_SWEEP = {"batches": [1, 64, 256], "contexts": [4096], "prefill_prompts": [1]}
+# Prefill at 2k, 4k and 8k tokens: the range of the prefill attention aim.
+FULL_SWEEP = {
+    "batches": [1, 16, 64, 256],
+    "contexts": [512, 4096],
+    "prefill_prompts": [1, 4],
+    "prompt_lens": [2048, 4096, 8192],
+}
+QUICK_SWEEP = {
+    "batches": [1, 64, 256],
+    "contexts": [4096],
+    "prefill_prompts": [1],
+    "prompt_lens": [2048, 4096, 8192],
+}
+# The torch reference materializes every score in float32: timed only up to this many.
+REFERENCE_MAX_SCORES = 4 * 2048 * 2048
 # Decode inputs rotated through in graph timing: several times an H100's 50 MB L2.
 ROTATE_BYTES = 256 << 20
 
@@ -55,6 +71,10 @@ class AttentionPrefill:
     tflop: float
     triton_tflops: float
     fraction_of_matmul: float
+    # The prefill kernel the op table chose on this GPU (`hopper` on sm_90 and later), and the
+    # portable kernel's time on the same inputs beside it.
+    kernel: str = "portable"
+    portable_ms: float | None = None
 
 
 def _time_ms(fn: Callable[[], object]) -> float:
@@ -157,11 +177,21 @@ def bench_decode(
 def bench_prefill(
     prompts: int, prompt_len: int, limits: DeviceLimits, with_reference: bool
 ) -> AttentionPrefill:
-    from pdserve.kernels import attention_ref
+    from pdserve.kernels import attention_ref, triton_attention, triton_prefill_hopper
     from pdserve.kernels.triton_ops import TRITON
 
     inputs = paged_inputs([prompt_len] * prompts, [prompt_len] * prompts)
     triton_ms = _time_ms(lambda: TRITON.paged_attention(**inputs))
+    hopper = triton_prefill_hopper.hopper_prefill_applies(
+        torch.cuda.get_device_capability(),
+        triton_prefill_hopper.descriptors_supported(),
+        DTYPE,
+        HEAD_DIM,
+        NUM_HEADS // NUM_KV_HEADS,
+        BLOCK_SIZE,
+    )
+    portable_ms = _time_ms(lambda: triton_attention.paged_attention(**inputs)) if hopper else None
+    with_reference = with_reference and prompts * prompt_len**2 <= REFERENCE_MAX_SCORES
     reference_ms = (
         _time_ms(lambda: attention_ref.paged_attention(**inputs)) if with_reference else None
     )
@@ -177,6 +207,8 @@ def bench_prefill(
         tflop=flop / 1e12,
         triton_tflops=tflops,
         fraction_of_matmul=limits.of_matmul(tflops),
+        kernel="hopper" if hopper else "portable",
+        portable_ms=portable_ms,
     )
 
 
@@ -189,10 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=_ints, default=None, help="default 1,16,64,256")
     parser.add_argument("--contexts", type=_ints, default=None, help="default 512,4096")
     parser.add_argument("--prefill-prompts", type=_ints, default=None, help="default 1,4")
-    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument(
+        "--prompt-lens",
+        type=_ints,
+        default=None,
+        help="prefill prompt lengths, default 2048,4096,8192",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch ref")
     parser.add_argument(
-        "--quick", action="store_true", help="batches 1,64,256 at 4096 tokens, 1 prompt"
+        "--quick",
+        action="store_true",
+        help="batches 1,64,256 at 4096 tokens; 1 prompt of 2k, 4k and 8k tokens",
     )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -242,20 +281,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r.triton_gbps:.0f} | {r.fraction_of_copy:.0%} |",
                 flush=True,
             )
-    print(f"\n## prefill ({args.prompt_len}-token prompts, causal)\n")
-    print("| prompts | triton ms | torch ref ms | TFLOP | TFLOP/s | of matmul |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n## prefill (causal)\n")
+    print(
+        "| prompts | tokens | kernel | triton ms | portable ms | torch ref ms | TFLOP | TFLOP/s "
+        "| of matmul |"
+    )
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     prefill = []
-    for prompts in args.prefill_prompts:
-        r = bench_prefill(prompts, args.prompt_len, limits, with_reference)
-        torch.cuda.empty_cache()
-        prefill.append(r)
-        ref = "-" if r.reference_ms is None else f"{r.reference_ms:.2f}"
-        print(
-            f"| {prompts} | {r.triton_ms:.2f} | {ref} | {r.tflop:.2f} | "
-            f"{r.triton_tflops:.0f} | {r.fraction_of_matmul:.0%} |",
-            flush=True,
-        )
+    for prompt_len in args.prompt_lens:
+        for prompts in args.prefill_prompts:
+            r = bench_prefill(prompts, prompt_len, limits, with_reference)
+            torch.cuda.empty_cache()
+            prefill.append(r)
+            ref = "-" if r.reference_ms is None else f"{r.reference_ms:.2f}"
+            portable = "-" if r.portable_ms is None else f"{r.portable_ms:.2f}"
+            print(
+                f"| {prompts} | {prompt_len} | {r.kernel} | {r.triton_ms:.2f} | {portable} | "
+                f"{ref} | {r.tflop:.2f} | {r.triton_tflops:.0f} | {r.fraction_of_matmul:.0%} |",
+                flush=True,
+            )
     if args.json:
         command = " ".join(["python -m pdserve.bench.kernels", *(argv or sys.argv[1:])])
         results = Results(device, command, limits, decode, prefill)

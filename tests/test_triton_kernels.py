@@ -499,6 +499,9 @@ def _compile_for_sm90(  # noqa: ANN201
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]
+        elif type(value).__name__ == "TensorDescriptor":  # a host-side TMA descriptor
+            box = ", ".join(str(n) for n in value.block_shape)
+            signature[name] = f"tensordesc<{TRITON_TYPES[value.base.dtype]}[{box}]>"
         elif isinstance(value, float):
             signature[name] = "fp32"
         elif value == 1:  # the launcher turns ints equal to 1 into constants

@@ -92,10 +92,12 @@ def _prefill_step(data: dict[str, Any]) -> list[Case]:
 
 
 def _prefill_attention(data: dict[str, Any]) -> list[Case]:
-    """bench.kernels' causal prefill attention at 2k-8k tokens against the measured matmul."""
+    """bench.kernels' causal prefill attention at 2k-8k tokens against the measured matmul,
+    through the op table (the Hopper kernel's rows, on sm_90 and later, say so)."""
     return [
         Case(
-            f"{r['prompts']} x {r['prompt_len']} tokens",
+            f"{r['prompts']} x {r['prompt_len']} tokens"
+            + (" (Hopper kernel)" if r.get("kernel") == "hopper" else ""),
             r["fraction_of_matmul"],
             f"{r['fraction_of_matmul']:.0%} ({r['triton_tflops']:.0f} of "
             f"{data['matmul_tflops']:.0f} TFLOP/s)",

@@ -269,19 +269,21 @@ def details_kernels(r: StepResult) -> list[str]:
         "rrrrrrr",
     )
     lines += [""] + table(
-        ["prompts", "len", "ms", "ms torch ref", "TFLOP/s", "of matmul"],
+        ["prompts", "len", "kernel", "ms", "ms portable", "ms torch ref", "TFLOP/s", "of matmul"],
         (
             [
                 x["prompts"],
                 x["prompt_len"],
+                x.get("kernel", "portable"),
                 _num(x["triton_ms"], ".2f"),
+                _num(x.get("portable_ms"), ".2f"),
                 _num(x["reference_ms"], ".2f"),
                 f"{x['triton_tflops']:.0f}",
                 _pct(x["fraction_of_matmul"]),
             ]
             for x in d["prefill"]
         ),
-        "rrrrrr",
+        "rrlrrrrr",
     )
     return lines
 
