@@ -202,3 +202,22 @@ def test_prefill_attention_aim_reads_the_hopper_rows_at_2k_4k_and_8k_tokens():
     missed = verdicts(threshold * 0.99)
     assert aims.outcome(missed, "prefill_attention") == aims.MISSED
     assert [v.verdict for v in missed].count(aims.MISSED) == 1
+
+
+# --- on CUDA ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (64, 32)])
+def test_op_table_prefill_on_cuda_equals_the_reference(head_dim, block_size):
+    # Llama-3-8B's heads, a fresh 1000-token prompt and a 300-token chunk after 700 cached, in
+    # bfloat16 on the GPU: on sm_90 and later the Hopper kernel, elsewhere the portable one.
+    from pdserve.kernels.triton_ops import TRITON
+
+    args = paged_inputs(
+        [1000, 1000], [1000, 300], (32, 8), head_dim, block_size, torch.bfloat16, device="cuda"
+    )
+    out = TRITON.paged_attention(**args)
+    expected = attention_ref.paged_attention(**args)
+    torch.testing.assert_close(out, expected, **ATTENTION_TOL[torch.bfloat16])
