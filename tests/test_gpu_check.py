@@ -424,7 +424,7 @@ def test_first_screen_says_what_failed_where_and_each_aim_against_its_measure():
     assert "| batch 256, 512 tokens (graph) | 81% (2711 of 3340 GB/s) | 0.7 | met |" in full
     assert "batch 1," not in full
     assert "| 64 | 4096 | 400.0 | 420.0 | 9000.0 | 2684 | 80% |" in full  # kernels' table
-    assert "| 1 | 2048 | 0.40 | - | 350 | 45% |" in full
+    assert "| 1 | 2048 | portable | 0.40 | - | - | 350 | 45% |" in full
     assert "(details incomplete" not in full
 
 
