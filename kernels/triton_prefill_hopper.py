@@ -3,8 +3,9 @@ contract with a tile schedule sized for wgmma and Q read by the tensor memory ac
 
 What it does differently from the portable kernel:
 - Q comes in through a host-side `TensorDescriptor` over [tokens, heads, head_dim]: one TMA box
-  [BLOCK_Q, group, head_dim] per program, the group's q heads of BLOCK_Q queries (each box dimension at most 256), reshaped to
-  BLOCK_M = 128 (query, head) rows (K/V read once per group, as GQA wants).
+  [BLOCK_Q, group, head_dim] per program, the group's q heads of BLOCK_Q queries (each box
+  dimension at most 256), reshaped to BLOCK_M = 128 (query, head) rows (K/V read once per group,
+  as GQA wants); without GQA a 2-D box [BLOCK_Q, head_dim] over [tokens, heads x head_dim].
 - Paged K and V are NOT read by TMA: a 2-D descriptor cannot cross pages, and a box per page
   (16 or 32 rows) would cut a key tile into pieces that Triton cannot join without a layout
   shuffle. They are gathered a page at a time instead: each tile's BLOCK_N // block_size page ids
@@ -74,11 +75,11 @@ def hopper_prefill_applies(
 
 
 def hopper_prefill_config(head_dim: int) -> TileConfig:
-    """wgmma-sized tiles: 128 (query, head) rows as two warpgroups of 64, keys in steps of 128 at
-    head dim 64 and of 64 at 128 (the score and output accumulators then fit in registers),
-    3 stages of K/V in flight at 64 and 2 at 128 (shared memory)."""
+    """wgmma-sized tiles: 128 (query, head) rows as two warpgroups of 64, keys in steps of 64
+    (at 128 keys a step the sm_90 compile spills registers at head dim 64 without GQA), 3 stages
+    of K/V in flight at head dim 64 and 2 at 128 (shared memory)."""
     if head_dim <= 64:
-        return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
@@ -204,8 +205,11 @@ def _hopper_prefill_kernel(
         prior = tl.load(seq_lens_ptr + seq) - q_len  # tokens cached before this chunk
         # One TMA box: rows past the tensor's end come back as zeros; rows of the next sequence
         # are read but never stored.
-        q = q_desc.load([(q_start + q_first).to(tl.int32), kv_head * GROUP, 0])
-        q = tl.reshape(q, [BLOCK_M, HEAD_DIM])  # row r: query r // GROUP, head r % GROUP
+        if GROUP == 1:  # a 2-D box [BLOCK_Q, HEAD_DIM] (a reshape costs registers here)
+            q = q_desc.load([(q_start + q_first).to(tl.int32), kv_head * HEAD_DIM])
+        else:
+            q = q_desc.load([(q_start + q_first).to(tl.int32), kv_head * GROUP, 0])
+            q = tl.reshape(q, [BLOCK_M, HEAD_DIM])  # row r: query r // GROUP, head r % GROUP
         q = q.to(k_cache_ptr.dtype.element_ty)
         if UPCAST_DOT:
             q = q.to(tl.float32)
@@ -279,8 +283,15 @@ def hopper_prefill_attention(
     if query.stride(2) != 1 or query.stride(1) != head_dim or query.data_ptr() % 16:
         query = query.clone(memory_format=torch.contiguous_format)  # TMA's layout and alignment
     # The box: BLOCK_Q queries x the group's heads x the head dim (each at most 256).
-    box = [block_q, group, head_dim]
-    q_desc = TensorDescriptor(query, list(query.shape), list(query.stride()), box)
+    if group == 1:  # [tokens, heads x head_dim], one head's block of columns
+        shape, strides, box = (
+            [num_tokens, num_heads * head_dim],
+            [query.stride(0), 1],
+            [block_q, head_dim],
+        )
+    else:
+        shape, strides, box = list(query.shape), list(query.stride()), [block_q, group, head_dim]
+    q_desc = TensorDescriptor(query, shape, strides, box)
     batch = seq_lens.shape[0]
     num_tiles = num_tokens // block_q + batch
     _hopper_prefill_kernel[(num_kv_heads, num_tiles)](

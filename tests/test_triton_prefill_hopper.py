@@ -141,8 +141,8 @@ def test_hopper_kernel_applies_only_on_sm90_with_descriptors_to_full_causal_half
 
 @pytest.mark.skipif(INTERPRETED, reason="checked in the parent process")
 def test_compiles_for_h100_to_wgmma_and_tma(monkeypatch, tmp_path):
-    # Llama-3-8B attention (32 q heads over 8, head dim 128) and a head dim of 64 with GQA 8,
-    # blocks of 16 and 32, in bfloat16 and float16: the wgmma tiles, no spills (the helper checks
+    # Llama-3-8B attention (32 q heads over 8, head dim 128), a head dim of 64 with GQA 8 and
+    # GQA 1, blocks of 16 and 32, in bfloat16 and float16: the wgmma tiles, no spills (the helper checks
     # the cubin), Q read by a TMA box, K and V by cp.async.
     from pdserve.kernels import triton_prefill_hopper
 
@@ -154,7 +154,11 @@ def test_compiles_for_h100_to_wgmma_and_tma(monkeypatch, tmp_path):
         launches.append((args, kwargs))
 
     monkeypatch.setattr(kernel, "run", record)
-    shapes = [((32, 8), 128, 16, torch.bfloat16), ((64, 8), 64, 32, torch.float16)]
+    shapes = [
+        ((32, 8), 128, 16, torch.bfloat16),
+        ((64, 8), 64, 32, torch.float16),
+        ((16, 16), 128, 32, torch.bfloat16),  # no GQA: a box one head deep
+    ]
     for heads, head_dim, block_size, dtype in shapes:
         args = paged_inputs([2048, 90], [2048, 30], heads, head_dim, block_size, dtype)
         call = {k: v for k, v in args.items() if k != "max_query_len"}
