@@ -6,9 +6,10 @@ such batches.
 The pairs are scheduled into 16-row blocks of one expert (`moe_align`); at eight tokens an
 expert's pairs fill one block. The gate/up kernel writes each slice of hidden's float32 partial
 sums of gate and up; the down kernel adds those slices in order, rounds and applies silu(gate) *
-up where the reference does, and writes its own slices of the down projection; torch adds those
-in order, rounds each pair's expert output and sums the k weighted outputs of each token. No
-atomics and no host sync: the result is deterministic and the layer replays in a CUDA graph.
+up where the reference does, and writes its own slices of the down projection, a row per pair;
+the combine kernel adds those in order, rounds each pair's expert output and sums the k weighted
+outputs of each token. No atomics and no host sync: the result is deterministic and the layer
+replays in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _down_split_kernel(
     stride_wn,
     stride_wk,
     stride_ps,
-    stride_pr,
+    stride_pp,
     num_pairs,
     hidden_size,
     inter_size,
@@ -119,7 +120,7 @@ def _down_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Program (row block, column block, slice): partial[slice, rows, cols] = act @ down^T over
+    """Program (row block, column block, slice): partial[slice, pairs, cols] = act @ down^T over
     the slice's columns of the width, act = silu(gate) * up from the gate/up slices summed."""
     dtype = w2_ptr.dtype.element_ty
     block = tl.program_id(0)
@@ -161,10 +162,46 @@ def _down_split_kernel(
     out_ptrs = (
         partial_ptr
         + tl.program_id(2).to(tl.int64) * stride_ps
-        + rows.to(tl.int64)[:, None] * stride_pr
+        + pairs.to(tl.int64)[:, None] * stride_pp
         + cols[None, :]
     )
     tl.store(out_ptrs, acc, mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    partial_ptr,
+    topk_weights_ptr,
+    out_ptr,
+    stride_ps,
+    stride_pp,
+    stride_ot,
+    hidden_size,
+    top_k,
+    down_splits,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (token, column block): out[token, cols] = the sum over the token's k pairs of
+    weight * round(the pair's down slices summed in order), rounded to the model dtype."""
+    dtype = out_ptr.dtype.element_ty
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < hidden_size
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for slot in range(0, top_k):
+        pair = token * top_k + slot
+        y = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(0, down_splits):
+            y += tl.load(
+                partial_ptr + s * stride_ps + pair * stride_pp + cols, mask=mask, other=0.0
+            )
+        # The reference rounds each expert's output to the model dtype before weighting it.
+        acc += y.to(dtype).to(tl.float32) * tl.load(topk_weights_ptr + pair)
+    tl.store(out_ptr + token * stride_ot + cols, acc.to(dtype), mask=mask)
+
+
+# Output columns per program of the combine (float32 vectors, no dot).
+COMBINE_BLOCK_N = 256
 
 
 @functools.cache
@@ -234,8 +271,9 @@ def fused_moe_small(
         plan.gate_up.per_split,
         **launch,
     )
+    # Rows by pair: every pair's row of every slice is written once, no zero fill needed.
     down = torch.empty(
-        plan.down.splits, rows, hidden_size, dtype=torch.float32, device=hidden.device
+        plan.down.splits, num_pairs, hidden_size, dtype=torch.float32, device=hidden.device
     )
     _down_split_kernel[(num_blocks, triton.cdiv(hidden_size, plan.block_n), plan.down.splits)](
         gate_up,
@@ -257,12 +295,18 @@ def fused_moe_small(
         plan.gate_up.splits,
         **launch,
     )
-    # Each pair's row in the schedule (padding rows all point at the sentinel, then dropped).
-    row_of_pair = torch.empty(num_pairs + 1, dtype=torch.long, device=hidden.device)
-    row_of_pair.scatter_(
-        0, schedule.sorted_pair_ids.long(), torch.arange(rows, device=hidden.device)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, COMBINE_BLOCK_N))](
+        down,
+        topk_weights.reshape(-1).to(torch.float32),
+        out,
+        down.stride(0),
+        down.stride(1),
+        out.stride(0),
+        hidden_size,
+        top_k,
+        plan.down.splits,
+        BLOCK_N=COMBINE_BLOCK_N,
+        num_warps=4,
     )
-    per_pair = down[:, row_of_pair[:num_pairs]].sum(0)  # the slices, in order
-    # The reference rounds each expert's output to the model dtype before weighting it.
-    per_pair = per_pair.to(hidden.dtype).float() * topk_weights.reshape(-1, 1).float()
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    return out
