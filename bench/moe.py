@@ -8,12 +8,16 @@ and cannot be captured).
     python -m pdserve.bench.moe                                  # CPU: the torch reference
     python -m pdserve.bench.moe --device cuda --json moe.json    # GPU: Triton and reference
     python -m pdserve.bench.moe --quick                          # fewer token counts
+    python -m pdserve.bench.moe --shape deepseek-v3 --tokens 1,2,4,8   # 256 experts of 2048
 
 The default shape is Qwen3-30B-A3B's layer on CUDA (hidden 2048, 128 experts of 768, top-8,
 bfloat16) and the bench model mixtral-55m's on CPU (hidden 384, 8 experts of 512, top-2,
 float32). Routing is a random router's: close to uniform over the experts. On CUDA each row
 also gives the active FLOPs per second as a fraction of a square bfloat16 matmul measured in the
 same run, and the bytes of the experts the tokens touch per second as a fraction of a device copy.
+The quick run on CUDA times 1, 2, 4 and 8 tokens (the split-K schedule of
+`kernels/triton_moe_small.py`; `make gpu-check`'s aim "fused MoE, 1-8 tokens" reads their share of
+copy) beside 64 and 2048 (the grouped GEMM).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pdserve.tune import provenance
 SHAPES = {
     # hidden, expert width, experts, top-k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),  # 22.5 GB of bfloat16 experts: an 80 GB GPU or more
     "mixtral-55m": (384, 512, 8, 2),
 }
 
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tokens:
         counts = [int(t) for t in args.tokens.split(",")]
     elif args.quick:
-        counts = [1, 64, 2048] if cuda else [1, 64, 512]
+        counts = [1, 2, 4, 8, 64, 2048] if cuda else [1, 64, 512]
     else:
         counts = [1, 16, 64, 256, 2048, 8192] if cuda else [1, 16, 64, 256, 1024]
     repeats = args.repeats or (20 if cuda else 5)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.moe_align import ExpertBlocks, align_pairs_to_blocks
+from pdserve.kernels.moe_small_plan import use_small_batch
 
 
 @triton.jit
@@ -191,8 +192,10 @@ def fused_moe(
     [T, k] from the router. Returns [T, H] in hidden's dtype: for each token the sum over its k
     experts of weight * down(silu(gate(x)) * up(x)), accumulated in float32.
 
-    `config` overrides the tiles `moe_config` chooses from the shapes (which alone decide every
-    launch, so the op replays in a CUDA graph).
+    One to eight tokens run the split-K schedule of `triton_moe_small` (`moe_small_plan`), larger
+    batches the grouped GEMM here. `config` forces the grouped GEMM with these tiles, else
+    `moe_config` chooses them from the shapes (which alone decide every launch, so the op replays
+    in a CUDA graph).
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
@@ -200,6 +203,10 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros(0, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    if config is None and use_small_batch(num_tokens):
+        from pdserve.kernels.triton_moe_small import fused_moe_small  # it imports this module
+
+        return fused_moe_small(hidden, w13, w2, topk_weights, topk_ids)
     config = config or moe_config(num_pairs, num_experts, hidden.dtype)
     schedule: ExpertBlocks = align_pairs_to_blocks(topk_ids, num_experts, config.block_m)
     num_blocks = schedule.block_expert.shape[0]

@@ -340,9 +340,17 @@ def _moe_inputs(num_tokens: int, dtype: torch.dtype, gen: torch.Generator) -> di
 
 @pytest.mark.parametrize(
     "dtype,num_tokens",
-    [(torch.bfloat16, 1), (torch.bfloat16, 64), (torch.bfloat16, 512)]
-    + [(torch.float16, 64), (torch.float32, 64)],
-    ids=["bfloat16-1", "bfloat16-64", "bfloat16-512", "float16-64", "float32-64"],
+    [(torch.bfloat16, 1), (torch.bfloat16, 8), (torch.bfloat16, 64), (torch.bfloat16, 512)]
+    + [(torch.float16, 64), (torch.float32, 3), (torch.float32, 64)],
+    ids=[
+        "bfloat16-1",
+        "bfloat16-8",
+        "bfloat16-64",
+        "bfloat16-512",
+        "float16-64",
+        "float32-3",
+        "float32-64",
+    ],
 )
 def test_fused_moe_matches_reference_and_replays_in_a_cuda_graph(dtype, num_tokens):
     from pdserve.kernels.triton_moe import fused_moe

@@ -487,7 +487,7 @@ def _compile_for_sm90(  # noqa: ANN201
     values = dict(zip(kernel.arg_names, args), **kwargs)
     if "UPCAST_DOT" in values:  # the launches were recorded off-GPU; compile the GPU variant
         values["UPCAST_DOT"] = False
-        names = ("k_cache_ptr", "hidden_ptr", "act_ptr", "x_ptr")
+        names = ("k_cache_ptr", "hidden_ptr", "act_ptr", "x_ptr", "w2_ptr")
         operand = next(values[name] for name in names if name in values)
         values["DOT_PRECISION"] = "ieee" if operand.dtype == torch.float32 else None
     signature, constexprs, attrs = {}, {}, {}
@@ -559,9 +559,10 @@ def test_kernels_compile_for_h100_at_llama3_8b_shapes(monkeypatch, tmp_path):
     TRITON.rms_norm(x, weight, 1e-5)
     TRITON.fused_add_rms_norm(x, x, weight, 1e-5)
     # Qwen3-30B-A3B's experts (hidden 2048, intermediate 768, 8 per token), 8 of its 128 here:
-    # token counts that give each tile tier (4, 64, 128 and 512 pairs per expert).
+    # token counts that give each tile tier (16, 64, 128 and 512 pairs per expert; one to eight
+    # tokens run `triton_moe_small`, compiled in test_triton_moe_small).
     w13, w2 = torch.empty(8, 2 * 768, 2048, dtype=dtype), torch.empty(8, 2048, 768, dtype=dtype)
-    for tokens in (4, 64, 128, 512):
+    for tokens in (16, 64, 128, 512):
         weights, ids = torch.ones(tokens, 8) / 8, torch.arange(8).repeat(tokens, 1)
         triton_moe.fused_moe(torch.zeros(tokens, 2048, dtype=dtype), w13, w2, weights, ids)
     # Split decode + its reduce, single-split decode, prefill, store_kv, rotary, the two norms,

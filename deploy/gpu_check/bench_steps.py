@@ -72,6 +72,13 @@ def moe(args, record: StepRecord, out: Path) -> str:  # noqa: ANN001
             f"{one['tokens']} token, {big['moe_ms']['torch'] / big['moe_ms']['triton']:.1f}x at "
             f"{big['tokens']}"
         )
+    small = [r for r in rows if r["tokens"] <= 8]  # the split-K schedule
+    if small:
+        worst = min(small, key=lambda r: r["fraction_of_copy"]["triton"])
+        parts.append(
+            f"1-8 tokens: {worst['fraction_of_copy']['triton']:.0%} of copy at worst "
+            f"({worst['tokens']} token{'s' if worst['tokens'] != 1 else ''})"
+        )
     return "; ".join(parts)
 
 
