@@ -221,3 +221,39 @@ def test_captured_verification_gives_plain_decodings_tokens(dtype):
     assert graphs.row_steps > 0 and graphs.replays > replays
     if dtype == "float32":
         assert tokens == expected
+
+
+def test_decode_rows_score_each_chunk_as_the_chunk_forward_does():
+    """Three chunks of 1, 4 and 2 tokens (from position 0: all of each context is in the step),
+    through the varlen forward and as padded decode rows: the same hidden states (float32)."""
+    llm = LLM(MODEL, device="cpu", num_kv_blocks=64, block_size=16)
+    runner = llm.engine.runner
+    graphs = with_row_graphs(llm, max_batch=2, max_query=4)
+    query_lens = [1, 4, 2]
+    positions = torch.tensor([p for n in query_lens for p in range(n)])
+    tables = torch.tensor([[1], [2], [3]], dtype=torch.int32)
+    batch = AttentionBatch(
+        slot_mapping=tables[[0, 1, 1, 1, 1, 2, 2], 0].long() * 16 + positions,
+        block_tables=tables,
+        seq_lens=torch.tensor(query_lens),
+        query_start_loc=torch.tensor([0, 1, 5, 7]),
+        max_query_len=4,
+    )
+    ids = torch.tensor([11, 12, 13, 14, 15, 16, 17])
+    with torch.inference_mode():
+        chunked = runner.model(ids, positions, batch, runner.pool, runner.ops)
+    rows = graphs.run(ids, positions, as_decode_rows(batch))
+    torch.testing.assert_close(rows, chunked, rtol=1e-5, atol=1e-5)
+
+
+def test_graphs_take_chunks_up_to_their_query_len_rows_and_width():
+    llm = LLM(MODEL, device="cpu", num_kv_blocks=64, block_size=16)
+    graphs = with_row_graphs(llm, max_batch=8, max_query=1 + K)
+    width = graphs.inputs.max_blocks_per_seq
+    assert graphs.sizes[-1] == 8 * (1 + K)
+    assert graphs.fits_rows(1 + K, 8 * (1 + K), width)
+    assert not graphs.fits_rows(2 + K, 8, width)  # a longer chunk: eager
+    assert not graphs.fits_rows(1 + K, 8 * (1 + K) + 1, width)
+    assert not graphs.fits_rows(2, 8, width + 1)
+    # Plain decode steps keep the decode batch bound.
+    assert graphs.fits(8, width) and not graphs.fits(9, width)
