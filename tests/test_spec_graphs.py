@@ -212,6 +212,7 @@ def test_captured_verification_gives_plain_decodings_tokens(dtype):
     replaying decode graphs. float32 must match token for token; bf16 is what the gpu-check's
     `speculative` step measures (the GEMMs see more rows: cuBLAS may pick another kernel)."""
     options = dict(device="cuda", dtype=dtype, num_kv_blocks=512, block_size=16)
+    options["cuda_graph_max_batch_size"] = 8  # rows up to 8 x (1 + K): few captures
     expected = generate(LLM(MODEL, **options), GREEDY)
     llm = LLM(MODEL, speculative_config=NGRAM, **options)
     graphs = llm.engine.runner.decode_graphs
