@@ -492,11 +492,18 @@ class LLMEngine(Engine):
         self.tiers = self.scheduler.tiers = tiers_for(config, self.pool, self.block_manager)
         self.grammars = Grammars(self.model_dir, mcfg.vocab_size, eos)
         self.shard.capture_decode_graphs()
-        if self.speculation is not None and self.runner.decode_graphs is not None:
-            logger.warning(
-                "speculative decoding: steps that verify drafts run eagerly, beside decode steps "
-                "replayed from CUDA graphs (no graphs for verification yet); on GPUs it has "
-                "measured slower than plain decoding (docs/benchmarks.md)"
+        graphs = self.runner.decode_graphs
+        if self.speculation is not None and graphs is not None:
+            if isinstance(proposer, DraftModelProposer):
+                proposer.capture_graphs(
+                    graphs.max_batch_size,
+                    self.shard.context_limit,
+                    speculation.num_speculative_tokens,
+                )
+            logger.info(
+                "speculative decoding: verification steps of up to %d tokens replay CUDA graphs "
+                "as decode rows",
+                graphs.sizes[-1],
             )
         if self.ranks is None:
             self.executor = ModelExecutor(self.runner, self.stats)

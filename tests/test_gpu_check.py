@@ -46,7 +46,8 @@ def test_each_plan_fits_one_device_run_with_room_for_start_and_report():
 
 
 def test_quick_plan_runs_the_steps_in_the_issues_order_and_gpu_steps_need_cuda():
-    order = "install env tests kernels tiles model_step moe quant_gemm serving parity".split()
+    order = "install env tests kernels tiles model_step moe quant_gemm serving parity speculative"
+    order = order.split()
     assert [s.name for s in QUICK] == order
     assert all("cuda" in s.needs for s in QUICK[3:])
     # the tests step runs everywhere: without CUDA it lists the CUDA tests as not proven
@@ -285,7 +286,7 @@ def test_a_run_without_cuda_completes_and_says_which_steps_it_skipped_and_why(tm
     assert steps["install"]["status"] == "skipped" and "no wheels in" in steps["install"]["summary"]
     assert steps["env"]["status"] == "passed"
     assert steps["env"]["data"]["facts"]["cuda"] is False
-    for name in ("tests", "kernels", "tiles", "model_step", "serving", "parity"):
+    for name in ("tests", "kernels", "tiles", "model_step", "serving", "parity", "speculative"):
         assert steps[name]["status"] == "skipped"
         assert steps[name]["summary"].startswith("no CUDA device"), steps[name]
     # every CUDA test of the suite is listed, as not proven here, with why

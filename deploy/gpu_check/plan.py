@@ -40,7 +40,7 @@ QUICK = (
     INSTALL,
     ENV,
     # Not a GPU step: without CUDA it lists every CUDA test as not proven here, and why.
-    Step("tests", "every test that skips without CUDA", "pdserve.deploy.gpu_check.gpu_tests", 115),
+    Step("tests", "every test that skips without CUDA", "pdserve.deploy.gpu_check.gpu_tests", 100),
     gpu_step(
         "kernels", "pdserve.bench.kernels --quick (Llama-3-8B attention)", BENCH, 50, "kernels"
     ),
@@ -59,10 +59,17 @@ QUICK = (
         "quant_gemm",
     ),
     gpu_step(
-        "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.deploy.gpu_check.serving", 100
+        "serving", "pdserve serve on cuda_ipc and tcp", "pdserve.deploy.gpu_check.serving", 85
     ),
     gpu_step(
         "parity", "float32: Triton vs torch vs transformers", "pdserve.deploy.gpu_check.parity", 35
+    ),
+    # n-gram speculation against plain decoding: the bf16 identity aim, and its rate.
+    gpu_step(
+        "speculative",
+        "n-gram speculative decoding vs plain, greedy bf16 and float32",
+        "pdserve.deploy.gpu_check.speculative",
+        30,
     ),
 )
 

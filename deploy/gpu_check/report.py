@@ -475,6 +475,26 @@ def details_parity(r: StepResult) -> list[str]:
     )
 
 
+def details_speculative(r: StepResult) -> list[str]:
+    cases = [r.data, r.data.get("float32")] if r.data else []
+    return table(
+        ["dtype", "identical tokens", "plain tok/s", "speculative tok/s", "accepted", "graph rows"],
+        (
+            [
+                x["dtype"],
+                f"{x['identical_tokens']}/{x['tokens']}",
+                f"{x['plain_tok_s']:.0f}",
+                f"{x['speculative_tok_s']:.0f}",
+                f"{x['accepted_tokens']}/{x['draft_tokens']}",
+                x["row_steps"],
+            ]
+            for x in cases
+            if x and "identical_tokens" in x
+        ),
+        "lrrrrr",
+    )
+
+
 def details_env(r: StepResult) -> list[str]:
     facts = r.data.get("facts", {})
     lines = [f"- {k}: {_cell(v)}" for k, v in facts.items()]
@@ -495,6 +515,7 @@ DETAILS = {
     "tiles": details_tiles,
     "serving": details_serving,
     "parity": details_parity,
+    "speculative": details_speculative,
 }
 
 

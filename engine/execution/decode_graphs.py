@@ -125,20 +125,26 @@ class DecodeGraphs:
         max_batch_size: int,
         max_blocks_per_seq: int,
         sizes: list[int] | None = None,
+        max_query_len: int = 1,
     ) -> None:
-        """sizes: the batch sizes to capture (default `capture_sizes(max_batch_size)`)."""
+        """sizes: the row counts to capture (default `capture_sizes(max_batch_size)`); above
+        max_batch_size only steps of chunks of up to max_query_len tokens, as decode rows
+        (`pdserve.engine.execution.decode_rows`), use them."""
         self.model = model
         self.pool = pool
         self.ops = ops
+        self.max_batch_size = max_batch_size
+        self.max_query_len = max_query_len
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_batch_size)
-        if self.sizes[-1] > max_batch_size:
+        if max_query_len == 1 and self.sizes[-1] > max_batch_size:
             raise ValueError(f"size {self.sizes[-1]} exceeds max_batch_size {max_batch_size}")
         self.inputs = DecodeInputs(
-            max_batch_size, max_blocks_per_seq, device, pool.layout.groups.num_groups
+            self.sizes[-1], max_blocks_per_seq, device, pool.layout.groups.num_groups
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
+        self.row_steps = 0  # steps of chunks run as decode rows (replayed or, off CUDA, eager)
 
     def _forward(self, size: int) -> torch.Tensor:
         ids, pos, batch = self.inputs.view(size)
@@ -160,7 +166,18 @@ class DecodeGraphs:
         logger.info("captured decode graphs for batch sizes %s", self.sizes)
 
     def fits(self, num_seqs: int, width: int) -> bool:
-        return num_seqs <= self.sizes[-1] and width <= self.inputs.max_blocks_per_seq
+        """Whether a decode-only step of num_seqs sequences replays a graph."""
+        largest = min(self.max_batch_size, self.sizes[-1])
+        return num_seqs <= largest and width <= self.inputs.max_blocks_per_seq
+
+    def fits_rows(self, max_query_len: int, num_tokens: int, width: int) -> bool:
+        """Whether a step of chunks of up to max_query_len tokens, num_tokens in all, replays a
+        graph as decode rows (a verification step, or decodes that carry forced tokens)."""
+        return (
+            max_query_len <= self.max_query_len
+            and num_tokens <= self.sizes[-1]
+            and width <= self.inputs.max_blocks_per_seq
+        )
 
     @torch.inference_mode()
     def run(

@@ -11,6 +11,7 @@ import torch
 
 from pdserve.engine.execution.compiled_step import CompiledStep
 from pdserve.engine.execution.decode_graphs import DecodeGraphs
+from pdserve.engine.execution.decode_rows import as_decode_rows, graph_row_sizes
 from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVPool
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -56,17 +57,38 @@ class ModelRunner:
         finally:
             self._in_layer = None
 
-    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs (on every
-        tensor-parallel rank alike: the collectives are captured with the rest)."""
-        graphs = DecodeGraphs(
+    def build_decode_graphs(
+        self,
+        max_batch_size: int,
+        max_model_len: int,
+        max_query_len: int = 1,
+        max_rows: int | None = None,
+    ) -> DecodeGraphs:
+        """The graphs `capture_decode_graphs` captures, not yet captured (off CUDA they run
+        their padded rows eagerly)."""
+        return DecodeGraphs(
             self.model,
             self.pool,
             self.ops,
             self.device,
             max_batch_size,
             -(-max_model_len // self.block_size),
+            graph_row_sizes(max_batch_size, max_query_len, max_rows),
+            max_query_len,
         )
+
+    def capture_decode_graphs(
+        self,
+        max_batch_size: int,
+        max_model_len: int,
+        max_query_len: int = 1,
+        max_rows: int | None = None,
+    ) -> None:
+        """Replay decode-only steps of up to max_batch_size sequences from CUDA graphs (on every
+        tensor-parallel rank alike: the collectives are captured with the rest), and with
+        max_query_len > 1 steps whose chunks are at most that long (verification, forced tokens)
+        as decode rows, up to max_rows tokens (`pdserve.engine.execution.decode_rows`)."""
+        graphs = self.build_decode_graphs(max_batch_size, max_model_len, max_query_len, max_rows)
         graphs.capture()
         self.decode_graphs = graphs
 
@@ -100,6 +122,14 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and plan.is_decode_only and graphs.fits(plan.num_seqs, plan.width):
             hidden = graphs.run(ids, pos, batch)  # copies the host inputs into its buffers
+        elif (
+            graphs is not None
+            and not self.layer_hooks
+            and graphs.fits_rows(plan.max_query_len, ids.shape[0], plan.width)
+        ):
+            # Verification or forced tokens: every token a decode row (same row order).
+            hidden = graphs.run(ids, pos, as_decode_rows(batch))
+            graphs.row_steps += 1
         elif self.compiled is not None:
             hidden = self.compiled(ids.to(self.device), pos.to(self.device), self._to_device(batch))
         else:

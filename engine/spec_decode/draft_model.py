@@ -135,6 +135,18 @@ class DraftModelProposer:
             "on" if config.enable_prefix_caching else "off",
         )
 
+    def capture_graphs(self, max_batch_size: int, max_model_len: int, max_drafts: int) -> None:
+        """Replay the draft's steps from CUDA graphs, as the target's: a single-token forward
+        per further draft is a decode step, and a catch-up after verification (the accepted
+        drafts and the target's token, at most max_drafts + 1 tokens, then the first draft) runs
+        as decode rows (`pdserve.engine.execution.decode_rows`); longer catch-ups (a prompt)
+        stay eager. Called only where the target captures its own."""
+        if self.runner.model.eager_only is not None:
+            return
+        self.runner.capture_decode_graphs(
+            max_batch_size, max_model_len, max_drafts + 1, self.max_catch_up
+        )
+
     # --- the scheduler's interface (`pdserve.engine.spec_decode.speculation.Proposer`) -------------------
 
     def limit(self, seq: Sequence, k: int) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu import linear as cpu_linear
+from pdserve.engine.execution.decode_rows import graph_query_len
 from pdserve.engine.execution.runner import ModelRunner
 from pdserve.engine.kv.cache import KVLayout, KVPool
 from pdserve.engine.models.loader import load_model
@@ -162,8 +163,13 @@ class ModelShard:
         """Capture when this rank can (every rank of a group decides alike)."""
         if self.uses_cuda_graphs():
             config = self.config
+            speculation = config.speculation()
+            drafts = speculation.num_speculative_tokens if speculation is not None else 0
             self.runner.capture_decode_graphs(
-                min(config.cuda_graph_max_batch_size, config.max_num_seqs), self.context_limit
+                min(config.cuda_graph_max_batch_size, config.max_num_seqs),
+                self.context_limit,
+                graph_query_len(drafts, config.forced_tokens),
+                config.max_num_batched_tokens,
             )
 
 
