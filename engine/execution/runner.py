@@ -27,7 +27,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = pool.layout.block_size
         self.decode_graphs: DecodeGraphs | None = None
-        self.compiled: CompiledStep | None = None  # set when the step runs compiled
+        self.compiled: CompiledStep | None = None  # set once its warm-up compiled
         # Called with each layer's index once its K/V is in the pool (on a GPU: its kernels
         # queued), in eager steps that are not decode-only: layer-wise KV streaming, on every
         # tensor-parallel rank (a compiled step or a CUDA graph calls none).
@@ -69,6 +69,12 @@ class ModelRunner:
         )
         graphs.capture()
         self.decode_graphs = graphs
+
+    @property
+    def runs_compiled(self) -> bool:
+        """Whether model steps run compiled: a compiled step warmed up and no shape of it has
+        failed to compile since (each failure is a warning in the log)."""
+        return self.compiled is not None and self.compiled.runs_compiled
 
     def prepare(self, out: SchedulerOutput) -> StepPlan:
         return StepPlan.from_scheduled(out, self.block_size)
