@@ -199,10 +199,16 @@ class CompiledStep:
         # every step so far ran compiled.
         self.failure: str | None = None
         self._warming = False
-        # One graph per bucket (and per bucket, one for a single sequence): room for them all.
+        # One graph per bucket (and per bucket, one for a single sequence): room for them all,
+        # added to the room earlier steps took. Dynamo counts graphs per code object, and every
+        # step's `_forward` is the same code, so a process's second or third engine (a test's,
+        # a draft model's) otherwise hit the limit, and fullgraph made that a failure.
         config = torch._dynamo.config
         buckets = max(1, self.max_tokens).bit_length() + 1
-        config.recompile_limit = max(config.recompile_limit, 2 * buckets + 4)
+        config.recompile_limit += 2 * buckets + 4
+        config.accumulated_recompile_limit = max(
+            config.accumulated_recompile_limit, config.recompile_limit
+        )
         # Static token counts (one graph per bucket: inductor's dynamic token dimension gave wrong
         # results here), dynamic sequence counts and block-table widths (the attention op's only).
         self._fn = torch.compile(self._forward, dynamic=None, fullgraph=True)
@@ -246,7 +252,8 @@ class CompiledStep:
                 self.pool.kv,
             )
         except Exception as exc:  # noqa: BLE001 - a shape that does not compile: run eagerly
-            self.failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            self.failure = f"{type(exc).__name__}: {first}"
             if self._warming:
                 raise
             logger.warning("compile: failed for %d tokens (%s); steps run eagerly", n, self.failure)

@@ -128,12 +128,8 @@ class ModelShard:
         try:
             seconds = step.warm_up(torch.device(self.device))
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            logger.warning(
-                "compile: failed at warm-up (%s: %s); the model step runs eagerly",
-                type(exc).__name__,
-                first[:300],
-            )
+            why = step.failure or f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            logger.warning("compile: failed at warm-up (%s); the model step runs eagerly", why)
             return
         self.runner.compiled = step
         logger.info(
