@@ -3,6 +3,7 @@ their HF outputs."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
@@ -15,6 +16,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 # `make test-compiled` runs the parity tests with the compiled model step: every engine they make
 # gets compile=True (a CPU without a C++ compiler runs them eagerly, saying so in the log).
 COMPILE = os.environ.get("PDSERVE_TEST_COMPILE") == "1"
+
+
+@pytest.fixture
+def steps_really_compiled(caplog: pytest.LogCaptureFixture):
+    """Under `make test-compiled`: fails the test whose engines' compiled steps fell back to
+    eager (each fallback is a "compile: failed" warning), so that eager tokens cannot pass for
+    compiled ones."""
+    with caplog.at_level(logging.WARNING, logger="pdserve"):
+        yield
+    if COMPILE:
+        records = caplog.get_records("setup") + caplog.get_records("call")
+        failed = [r.getMessage() for r in records if "compile: failed" in r.getMessage()]
+        assert not failed, f"the compiled step ran eagerly: {failed[0]}"
 
 
 def pytest_configure(config: pytest.Config) -> None:

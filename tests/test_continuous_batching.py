@@ -13,6 +13,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestRejected
 
 BLOCK = 4
+pytestmark = pytest.mark.usefixtures("steps_really_compiled")
 
 
 def make_engine(**overrides) -> LLMEngine:

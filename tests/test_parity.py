@@ -9,6 +9,7 @@ from conftest import COMPILE, random_prompts
 from pdserve.engine import LLM, SamplingParams
 
 NEW_TOKENS = 32
+pytestmark = pytest.mark.usefixtures("steps_really_compiled")
 # 150: long enough for the CPU attention's prefill path (SDPA), whole and in chunks.
 PROMPT_LENGTHS = [3, 16, 29, 50, 150]
 

@@ -4,7 +4,7 @@ kept as opaque custom ops (they read block tables on the host), the token count 
 Padded tokens write no KV (slot -1) and attend nothing; their rows are dropped.
 
 Compiling needs a C++ compiler on CPU; where it is missing or compiling fails, the step runs
-eagerly and one log line says why."""
+eagerly and a warning says why (`runs_compiled` tells which)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from pdserve.engine.execution.forward_batch import AttentionBatch
 from pdserve.engine.kv.cache import KVPool, layer_planes
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.kernels import mla_ref
+from pdserve.kernels import mla_ref, rotary_ref
 from pdserve.kernels.op_table import Ops
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,9 @@ def _(hidden, w13, w2, topk_weights, topk_ids, backend):
 
 def _opaque_ops(ops: Ops) -> Ops:
     """`ops` with its KV write, attention and experts behind the custom ops (the reference MoE
-    groups tokens by expert with counts read on the host)."""
+    groups tokens by expert with counts read on the host), and the reference rotary: the CPU one
+    writes each half through `out=` into a view, which dynamo cannot trace, while inductor fuses
+    the reference's concatenations and products into one loop anyway."""
     from dataclasses import replace
 
     _BACKENDS[ops.name] = ops
@@ -148,6 +150,7 @@ def _opaque_ops(ops: Ops) -> Ops:
         fused_moe=fused_moe,
         store_latent=store_latent,
         latent_attention=mla_ref.latent_attention_via(paged_attention),
+        apply_rotary=rotary_ref.apply_rotary,
     )
 
 
@@ -192,11 +195,20 @@ class CompiledStep:
         self.max_tokens = max_tokens
         self.compile_s = 0.0
         self._eager_ops = ops
-        self._failed = False
-        # One graph per bucket (and per bucket, one for a single sequence): room for them all.
+        # The first line of the error that made the step run eagerly from then on; None while
+        # every step so far ran compiled.
+        self.failure: str | None = None
+        self._warming = False
+        # One graph per bucket (and per bucket, one for a single sequence): room for them all,
+        # added to the room earlier steps took. Dynamo counts graphs per code object, and every
+        # step's `_forward` is the same code, so a process's second or third engine (a test's,
+        # a draft model's) otherwise hit the limit, and fullgraph made that a failure.
         config = torch._dynamo.config
         buckets = max(1, self.max_tokens).bit_length() + 1
-        config.recompile_limit = max(config.recompile_limit, 2 * buckets + 4)
+        config.recompile_limit += 2 * buckets + 4
+        config.accumulated_recompile_limit = max(
+            config.accumulated_recompile_limit, config.recompile_limit
+        )
         # Static token counts (one graph per bucket: inductor's dynamic token dimension gave wrong
         # results here), dynamic sequence counts and block-table widths (the attention op's only).
         self._fn = torch.compile(self._forward, dynamic=None, fullgraph=True)
@@ -227,7 +239,7 @@ class CompiledStep:
         # symbolic, and inductor's graphs over a symbolic pool gave wrong tokens.
         for dim in range(self.pool.kv.dim()):
             torch._dynamo.mark_static(self.pool.kv, dim)
-        if self._failed:
+        if self.failure is not None:
             return self.model(ids[:n], positions[:n], batch, self.pool, self._eager_ops)
         try:
             hidden = self._fn(
@@ -240,16 +252,33 @@ class CompiledStep:
                 self.pool.kv,
             )
         except Exception as exc:  # noqa: BLE001 - a shape that does not compile: run eagerly
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            logger.warning("compile: failed for %d tokens (%s); steps run eagerly", n, first[:300])
-            self._failed = True
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            self.failure = f"{type(exc).__name__}: {first}"
+            if self._warming:
+                raise
+            logger.warning("compile: failed for %d tokens (%s); steps run eagerly", n, self.failure)
             return self.model(ids[:n], positions[:n], batch, self.pool, self._eager_ops)
         return hidden[:n]
 
+    @property
+    def runs_compiled(self) -> bool:
+        """Whether steps run the compiled graphs (False once a shape failed to compile)."""
+        return self.failure is None
+
     def warm_up(self, device: torch.device) -> float:
         """Compile now (one decode step of two sequences and one of one, writing nowhere):
-        returns the seconds it took."""
+        returns the seconds it took. A failure to compile raises here, so that the node says so
+        and runs eagerly rather than claim a compiled step."""
         start = time.perf_counter()
+        self._warming = True
+        try:
+            self._warm_up_buckets(device)
+        finally:
+            self._warming = False
+        self.compile_s = time.perf_counter() - start
+        return self.compile_s
+
+    def _warm_up_buckets(self, device: torch.device) -> None:
         for num_seqs in (2, 1, 3):
             ids = torch.zeros(num_seqs, dtype=torch.int64, device=device)
             batch = AttentionBatch(
@@ -261,5 +290,3 @@ class CompiledStep:
             )
             with torch.inference_mode():
                 self(ids, ids.clone(), batch)
-        self.compile_s = time.perf_counter() - start
-        return self.compile_s

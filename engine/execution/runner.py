@@ -28,7 +28,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = pool.layout.block_size
         self.decode_graphs: DecodeGraphs | None = None
-        self.compiled: CompiledStep | None = None  # set when the step runs compiled
+        self.compiled: CompiledStep | None = None  # set once its warm-up compiled
         # Called with each layer's index once its K/V is in the pool (on a GPU: its kernels
         # queued), in eager steps that are not decode-only: layer-wise KV streaming, on every
         # tensor-parallel rank (a compiled step or a CUDA graph calls none).
@@ -91,6 +91,12 @@ class ModelRunner:
         graphs = self.build_decode_graphs(max_batch_size, max_model_len, max_query_len, max_rows)
         graphs.capture()
         self.decode_graphs = graphs
+
+    @property
+    def runs_compiled(self) -> bool:
+        """Whether model steps run compiled: a compiled step warmed up and no shape of it has
+        failed to compile since (each failure is a warning in the log)."""
+        return self.compiled is not None and self.compiled.runs_compiled
 
     def prepare(self, out: SchedulerOutput) -> StepPlan:
         return StepPlan.from_scheduled(out, self.block_size)

@@ -120,7 +120,7 @@ class ModelShard:
             why = "compiled steps run on CPU nodes only (CUDA nodes have CUDA graphs)"
         if why is None and self.shard.size > 1:
             why = "compiled steps run without tensor parallelism only"
-        if why is None and self.pool.layout.layer_kinds:
+        if why is None and len(self.pool.layout.groups.groups) > 1:
             why = "compiled steps take models of one KV group only (this one mixes layer kinds)"
         if why is None:
             why = self.model.eager_only
@@ -131,8 +131,8 @@ class ModelShard:
         try:
             seconds = step.warm_up(torch.device(self.device))
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            logger.warning("compile: failed (%s); the model step runs eagerly", first[:300])
+            why = step.failure or f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            logger.warning("compile: failed at warm-up (%s); the model step runs eagerly", why)
             return
         self.runner.compiled = step
         logger.info(
