@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.moe_align import ExpertBlocks, align_pairs_to_blocks
+from pdserve.kernels.moe_dots import dot_options
 from pdserve.kernels.moe_small_plan import use_small_batch
 
 
@@ -171,15 +172,6 @@ def moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTileC
     return MoeTileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def _dot_options(device: torch.device, dtype: torch.dtype) -> dict:
-    # Off-GPU the kernels run in Triton's interpreter, whose tl.dot multiplies bfloat16 as its raw
-    # uint16 bits: there the operands go up to float32, which holds them exactly. float32 dots
-    # must not use TF32 tensor cores (they would lose ~1e-3).
-    upcast = device.type != "cuda"
-    exact = upcast or dtype == torch.float32
-    return {"DOT_PRECISION": "ieee" if exact else None, "UPCAST_DOT": upcast}
-
-
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -211,7 +203,7 @@ def fused_moe(
     schedule: ExpertBlocks = align_pairs_to_blocks(topk_ids, num_experts, config.block_m)
     num_blocks = schedule.block_expert.shape[0]
     topk_weights = topk_weights.reshape(-1).to(torch.float32)
-    dots = _dot_options(hidden.device, hidden.dtype)
+    dots = dot_options(hidden.device, hidden.dtype)
     launch = dict(
         BLOCK_M=config.block_m,
         BLOCK_K=config.block_k,

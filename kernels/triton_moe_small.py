@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.moe_align import align_pairs_to_blocks
+from pdserve.kernels.moe_dots import dot_options
 from pdserve.kernels.moe_small_plan import DEFAULT_SM_COUNT, SmallMoePlan, plan_small_moe
-from pdserve.kernels.triton_moe import _dot_options
 
 
 @triton.jit
@@ -243,7 +243,7 @@ def fused_moe_small(
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k,
-        **_dot_options(hidden.device, hidden.dtype),
+        **dot_options(hidden.device, hidden.dtype),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )

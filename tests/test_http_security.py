@@ -418,6 +418,14 @@ def check_answer(method: str, path: str, response: httpx.Response) -> None:
         ]
         assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
         return
+    if kind.startswith("text/event-stream") and path == "/v1/responses":
+        # The Responses API's stream has no [DONE]: it ends with the response's final event.
+        events = [
+            json.loads(line[6:]) for line in response.text.splitlines() if line[:6] == "data: "
+        ]
+        assert events[0]["type"] == "response.created"
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+        return
     if kind.startswith("text/event-stream"):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"

@@ -18,7 +18,7 @@ from pdserve.engine.quant.packed_linear import PackedLinear, word_range, words
 
 if TYPE_CHECKING:
     from pdserve.engine.models.weights import CheckpointTensor
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import RankGroup
 
 PER_WORD = 32 // BITS
 
@@ -33,7 +33,7 @@ class AwqLinear(PackedLinear):
         out_parts: tuple[int, ...],
         bias: bool,
         group_size: int,
-        group: TPGroup | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """out_parts: the output rows of each fused projection in order (one part: unfused),
         each a whole number of packed words. With a group the layer is row-parallel: its input

@@ -12,7 +12,7 @@ from pdserve.engine.quant.scheme import refuse as _refuse
 
 if TYPE_CHECKING:
     from pdserve.engine.quant.awq_linear import AwqLinear
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import RankGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class AwqScheme:
         in_features: int,
         out_parts: tuple[int, ...],
         bias: bool,
-        group: TPGroup | None,
+        group: RankGroup | None,
     ) -> AwqLinear:
         from pdserve.engine.quant.awq_linear import AwqLinear
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -28,14 +28,24 @@ from pdserve.engine.quant.linear import QuantLinear
 
 if TYPE_CHECKING:  # the models import these layers; they only read what they hand them
     from pdserve.engine.models.weights import CheckpointTensor
-    from pdserve.engine.quant.compressed_tensors_scheme import CompressedTensorsScheme
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import RankGroup
 
 STORED = {"fp8": ("F8_E4M3", FP8), "int8": ("I8", torch.int8)}
 
 
 def _words(n: int) -> int:
     return -(-n // PER_WORD)
+
+
+class WeightScheme(Protocol):
+    """What a layer reads of its `compressed_tensors_scheme.CompressedTensorsScheme` (which builds
+    these layers, so is not imported here): the stored kind (`fp8`, `int8`, `int4`), whether its
+    weights are symmetric, and their scales' strategy and group size."""
+
+    kind: str
+    symmetric: bool
+    strategy: str
+    group_size: int | None
 
 
 class _CompressedTensorsLinear(QuantLinear):
@@ -49,8 +59,8 @@ class _CompressedTensorsLinear(QuantLinear):
         in_features: int,
         out_parts: tuple[int, ...],
         bias: bool,
-        scheme: CompressedTensorsScheme,
-        group: TPGroup | None,
+        scheme: WeightScheme,
+        group: RankGroup | None,
     ) -> None:
         """out_parts: the output rows of each fused projection in order (one part: unfused).
         With a group the layer is row-parallel: its input is this rank's share, its partial

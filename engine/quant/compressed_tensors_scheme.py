@@ -15,8 +15,7 @@ from pdserve.engine.quant.scheme import QUANTIZABLE_PROJECTIONS
 from pdserve.engine.quant.scheme import refuse as _refuse
 
 if TYPE_CHECKING:
-    from pdserve.engine.quant.linear import QuantLinear
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import QuantLinear, RankGroup
 
 FORMATS = ("float-quantized", "int-quantized", "pack-quantized", "naive-quantized")
 # (type, num_bits) -> the formats that store such weights.
@@ -140,7 +139,7 @@ class CompressedTensorsScheme:
         in_features: int,
         out_parts: tuple[int, ...],
         bias: bool,
-        group: TPGroup | None,
+        group: RankGroup | None,
     ) -> QuantLinear:
         from pdserve.engine.quant.compressed_tensors_linear import (
             PackedInt4Linear,

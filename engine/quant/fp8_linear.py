@@ -19,7 +19,7 @@ from pdserve.engine.quant.linear import QuantLinear
 
 if TYPE_CHECKING:  # the models import this layer; it only reads what they hand it
     from pdserve.engine.models.weights import CheckpointTensor
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import RankGroup
 
 
 def _blocks(part: range, block: int) -> range:
@@ -65,7 +65,7 @@ class Fp8Linear(QuantLinear):
         out_parts: tuple[int, ...],
         bias: bool,
         block: tuple[int, int],
-        group: TPGroup | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """out_parts: the output rows of each fused projection in order (one part: unfused).
         With a group the layer is row-parallel: its input is this rank's share, its partial

@@ -12,7 +12,7 @@ from pdserve.engine.quant.scheme import refuse as _refuse
 if TYPE_CHECKING:
     from pdserve.engine.quant.fp8_experts import Fp8Experts
     from pdserve.engine.quant.fp8_linear import Fp8Linear
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import RankGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ class Fp8Scheme:
         in_features: int,
         out_parts: tuple[int, ...],
         bias: bool,
-        group: TPGroup | None,
+        group: RankGroup | None,
     ) -> Fp8Linear:
         from pdserve.engine.quant.fp8_linear import Fp8Linear
 

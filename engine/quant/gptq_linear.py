@@ -22,7 +22,7 @@ from pdserve.engine.quant.packed_linear import PackedLinear, word_range, words
 
 if TYPE_CHECKING:
     from pdserve.engine.models.weights import CheckpointTensor
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import RankGroup
 
 
 class GptqLinear(PackedLinear):
@@ -38,7 +38,7 @@ class GptqLinear(PackedLinear):
         group_size: int,
         desc_act: bool,
         v1: bool,
-        group: TPGroup | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """out_parts: the output rows of each fused projection in order (one part: unfused).
         group_size -1: one group for all inputs. v1: zero points stored minus one. With a group

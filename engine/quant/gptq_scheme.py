@@ -14,7 +14,7 @@ from pdserve.engine.quant.scheme import refuse as _refuse
 
 if TYPE_CHECKING:
     from pdserve.engine.quant.gptq_linear import GptqLinear
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import RankGroup
 
 # checkpoint_format -> whether zero points are stored minus one (`gptq_reference`).
 FORMATS = {"gptq": True, "gptq_v2": False}
@@ -93,7 +93,7 @@ class GptqScheme:
         in_features: int,
         out_parts: tuple[int, ...],
         bias: bool,
-        group: TPGroup | None,
+        group: RankGroup | None,
     ) -> GptqLinear:
         from pdserve.engine.quant.gptq_linear import GptqLinear
 

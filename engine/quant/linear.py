@@ -5,7 +5,7 @@ by, whatever the format's packing."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -13,7 +13,16 @@ from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from pdserve.engine.models.weights import CheckpointTensor
-    from pdserve.engine.tp.group import TPGroup
+
+
+class RankGroup(Protocol):
+    """What a row-parallel quantized layer asks of its tensor-parallel group
+    (`engine.tp.group.TPGroup`, which imports the models' config and so cannot be imported here):
+    how many ranks it spans, and the sum of a tensor across them."""
+
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class QuantLinear(nn.Module):
@@ -24,7 +33,7 @@ class QuantLinear(nn.Module):
     in_features: int
     out_parts: tuple[int, ...]
     out_features: int
-    group: TPGroup | None
+    group: RankGroup | None
     bias: nn.Parameter | None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:

@@ -12,9 +12,8 @@ from pdserve.engine.quant.mxfp4_reference import BLOCK
 from pdserve.engine.quant.scheme import refuse as _refuse
 
 if TYPE_CHECKING:
-    from pdserve.engine.quant.linear import QuantLinear
+    from pdserve.engine.quant.linear import QuantLinear, RankGroup
     from pdserve.engine.quant.mxfp4_experts import Mxfp4Experts
-    from pdserve.engine.tp.group import TPGroup
 
 
 def _kept_float(module: str, pattern: str) -> bool:
@@ -78,7 +77,7 @@ class Mxfp4Scheme:
         in_features: int,
         out_parts: tuple[int, ...],
         bias: bool,
-        group: TPGroup | None,
+        group: RankGroup | None,
     ) -> QuantLinear:
         raise ValueError(
             "quantization_config.quant_method 'mxfp4' quantizes gpt-oss's experts only, "

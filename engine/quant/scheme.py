@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pdserve.engine.quant.experts import QuantExperts
-    from pdserve.engine.quant.linear import QuantLinear
-    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.quant.linear import QuantLinear, RankGroup
 
 # The projections a checkpoint may quantize, by their last name: a dense Llama-family layer's,
 # an expert's (Mixtral's w1/w3/w2 too) and DeepSeek's latent attention's. Embeddings, lm_head and
@@ -98,7 +97,7 @@ class QuantScheme(Protocol):
         in_features: int,
         out_parts: tuple[int, ...],
         bias: bool,
-        group: TPGroup | None,
+        group: RankGroup | None,
     ) -> QuantLinear:
         """The layer of a (fused) quantized projection: `out_parts` its parts' output rows;
         with a group, row-parallel (its input this rank's share, its outputs summed)."""
