@@ -37,6 +37,9 @@ def test_small_shape_bytes_worked_by_hand():
     # 2 sequences x 4 tokens x 1 layer x K,V x 4 values x 2 bytes; the store: the new token only.
     assert parts["KV pages read"].bytes == 128
     assert parts["KV store"].bytes == 32
+    # QK and PV on a tile padded to 16 query rows (the kernel's BLOCK_G; the group is 2):
+    # 2 FLOPs x 2 products x 2 sequences x 1 KV head x 16 rows x 4 dims x 4 tokens.
+    assert parts["KV pages read"].flop == 2 * 2 * 2 * 16 * 4 * 4
     # Per token: norms 32, qkv 16, rotary 24, store 8, attention 16, o_proj 16, gate_up 32,
     # silu 32, mul 48, down 24 = 248; the embedding write and final norm's read 16; x2 tokens x2
     # bytes; float32 logits 2 x 10 x 4.
