@@ -162,11 +162,10 @@ def model_step_bytes(parts: list[Part]) -> int:
     return parts[0].bytes + parts[1].bytes
 
 
-def recorded_kernel_ms(results: Path, batch: int, context: int) -> float | None:
+def recorded_kernel_ms(results: dict, batch: int, context: int) -> float | None:
     """The decode attention kernel alone at this case with its default tiles (the tiles step of
     the same gpu-check run), ms per layer; None where the run did not time it."""
-    data = json.loads(results.read_text())
-    for step in data["steps"]:
+    for step in results["steps"]:
         if step["name"] == "tiles" and step.get("data"):
             for row in step["data"].get("decode", []):
                 if row["case"] == [batch, context] and row["default"]:
@@ -179,10 +178,9 @@ def step_launches(cfg: ModelConfig, plan: SplitPlan) -> int:
     return cfg.num_layers * (len(LAYER_KERNELS) + (plan.splits > 1)) + len(STEP_KERNELS)
 
 
-def recorded(results: Path) -> dict:
-    """The model_step step of a gpu-check results file: copy GB/s, matmul TFLOP/s, decode rows."""
-    data = json.loads(results.read_text())
-    step = next(s for s in data["steps"] if s["name"] == "model_step")
+def recorded(results: dict) -> dict:
+    """The model_step step of a gpu-check run's results: copy GB/s, matmul TFLOP/s, decode rows."""
+    step = next(s for s in results["steps"] if s["name"] == "model_step")
     return step["data"]
 
 
@@ -196,32 +194,53 @@ def launch_cost_s(cfg: ModelConfig, data: dict, elem: int, sm_count: int) -> flo
     return (row["graph_ms"] * 1e-3 - moved / (data["copy_gbps"] * 1e9)) / step_launches(cfg, plan)
 
 
+def parts_table(parts: list[Part], copy: float, matmul: float) -> str:
+    """The parts as a markdown table: bytes, share, time at the copy and matmul rates, launches."""
+    total = sum(p.bytes for p in parts)
+    lines = [
+        "| part | GB moved | share | ms at copy | ms at matmul | launches |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in parts:
+        at_copy, at_matmul = p.bytes / copy * 1e3, p.flop / matmul * 1e3
+        lines.append(
+            f"| {p.name} | {p.bytes / 1e9:.3f} | {p.bytes / total:.1%} | {at_copy:.3f} | "
+            f"{at_matmul:.3f} | {p.launches} |"
+        )
+    return "\n".join(lines)
+
+
+def docs_table(
+    results: dict, preset: str = "llama3-8b", batch: str = "256", context: str = "512"
+) -> str:
+    """The parts table of a gpu-check run's results for the docs (`python -m pdserve.bench.docs`)."""
+    cfg, data = model_config(preset), recorded(results)
+    plan = split_plan(
+        cfg, int(batch), cfg.max_position_embeddings, torch.bfloat16, DEFAULT_SM_COUNT
+    )
+    parts = step_parts(cfg, int(batch), int(context), 2, plan)
+    return parts_table(parts, data["copy_gbps"] * 1e9, data["matmul_tflops"] * 1e12)
+
+
 def report(preset: str, batch: int, context: int, results: Path, sm_count: int) -> str:
     cfg = model_config(preset)
     elem = 2
-    data = recorded(results)
+    raw = json.loads(results.read_text())
+    data = recorded(raw)
     copy, matmul = data["copy_gbps"] * 1e9, data["matmul_tflops"] * 1e12
     plan = split_plan(cfg, batch, cfg.max_position_embeddings, torch.bfloat16, sm_count)
     parts = step_parts(cfg, batch, context, elem, plan)
     launches = step_launches(cfg, plan)
     gap = launch_cost_s(cfg, data, elem, sm_count)
     total = sum(p.bytes for p in parts)
+    bound = sum(max(p.bytes / copy, p.flop / matmul) for p in parts) * 1e3
     lines = [
         f"{preset}, batch {batch} x context {context}, bfloat16, blocks of {BLOCK_SIZE}; "
         f"copy {data['copy_gbps']:.0f} GB/s, matmul {data['matmul_tflops']:.0f} TFLOP/s "
         f"({results.name}); arithmetic, not a measurement",
         "",
-        "| part | GB moved | share | ms at copy | ms at matmul | launches |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        parts_table(parts, copy, matmul),
     ]
-    bound = 0.0
-    for p in parts:
-        at_copy, at_matmul = p.bytes / copy * 1e3, p.flop / matmul * 1e3
-        bound += max(at_copy, at_matmul)
-        lines.append(
-            f"| {p.name} | {p.bytes / 1e9:.3f} | {p.bytes / total:.1%} | {at_copy:.3f} | "
-            f"{at_matmul:.3f} | {p.launches} |"
-        )
     launch_ms = launches * gap * 1e3
     measured = next(
         (r for r in data["decode"] if r["batch"] == batch and r["context"] == context), None
@@ -243,7 +262,7 @@ def report(preset: str, batch: int, context: int, results: Path, sm_count: int) 
         f"{counted / copy / ((bound + launch_ms) * 1e-3):.0%}; 75% needs a step of "
         f"{counted / copy / 0.75 * 1e3:.3f} ms"
     )
-    kernel_ms = recorded_kernel_ms(results, batch, context)
+    kernel_ms = recorded_kernel_ms(raw, batch, context)
     if kernel_ms is not None:
         at_copy = parts[1].bytes / copy * 1e3
         lines.append(

@@ -91,3 +91,10 @@ def test_report_on_the_recorded_h200_run_says_it_is_arithmetic():
     step = next(s for s in data["steps"] if s["name"] == "model_step")["data"]
     row = next(r for r in step["decode"] if (r["batch"], r["context"]) == (256, 512))
     assert f"measured graph step: {row['graph_ms']:.3f} ms" in text
+
+
+def test_docs_table_is_the_reports_table():
+    data = json.loads(decode_paper.DEFAULT_RESULTS.read_text())
+    table = decode_paper.docs_table(data, batch="64", context="4096")
+    assert table in decode_paper.main(["--batch", "64", "--context", "4096"])
+    assert table.count("\n") == 6  # header, rule, five parts
