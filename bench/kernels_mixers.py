@@ -72,13 +72,13 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_window_decode(
-    limits: DeviceLimits, time_ms: Callable[[Callable[[], object]], float]
+    limits: DeviceLimits, time_ms: Callable[[Callable[[], object]], float], device: str = "cuda"
 ) -> MixerRow:
     from pdserve.bench.kernels import HEAD_DIM, NUM_KV_HEADS, paged_inputs
     from pdserve.kernels import attention_ref
     from pdserve.kernels.triton_ops import TRITON
 
-    inputs = paged_inputs([WINDOW_CONTEXT] * WINDOW_BATCH, [1] * WINDOW_BATCH)
+    inputs = paged_inputs([WINDOW_CONTEXT] * WINDOW_BATCH, [1] * WINDOW_BATCH, device=device)
     got = TRITON.paged_attention(**inputs, window=WINDOW)
     want = attention_ref.paged_attention(**inputs, window=WINDOW)
     ms = time_ms(lambda: TRITON.paged_attention(**inputs, window=WINDOW))
@@ -94,26 +94,28 @@ def bench_window_decode(
 
 
 def _delta_inputs(tokens: int, gen: torch.Generator) -> dict:
+    device = gen.device
+
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device="cuda", generator=gen)
+        return torch.randn(*shape, device=device, generator=gen)
 
     return dict(
         q=rand(tokens, KEY_HEADS, KEY_DIM).bfloat16(),
         k=rand(tokens, KEY_HEADS, KEY_DIM).bfloat16(),
         v=rand(tokens, VALUE_HEADS, VALUE_DIM).bfloat16(),
-        g=-torch.rand(tokens, VALUE_HEADS, device="cuda", generator=gen),  # log decay <= 0
-        beta=torch.rand(tokens, VALUE_HEADS, device="cuda", generator=gen),
+        g=-torch.rand(tokens, VALUE_HEADS, device=device, generator=gen),  # log decay <= 0
+        beta=torch.rand(tokens, VALUE_HEADS, device=device, generator=gen),
     )
 
 
 def bench_delta_step(
-    limits: DeviceLimits, time_ms: Callable[[Callable[[], object]], float]
+    limits: DeviceLimits, time_ms: Callable[[Callable[[], object]], float], device: str = "cuda"
 ) -> MixerRow:
     from pdserve.kernels import gated_delta_ref, triton_gated_delta
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     inputs = _delta_inputs(DELTA_BATCH, gen)
-    state = torch.randn(DELTA_BATCH, VALUE_HEADS, KEY_DIM, VALUE_DIM, device="cuda", generator=gen)
+    state = torch.randn(DELTA_BATCH, VALUE_HEADS, KEY_DIM, VALUE_DIM, device=device, generator=gen)
     got = triton_gated_delta.gated_delta_step(**inputs, state=state)
     want = gated_delta_ref.gated_delta_step(**inputs, state=state)
     error = max(_max_error(got[0], want[0]), _max_error(got[1], want[1]))
@@ -128,13 +130,13 @@ def bench_delta_step(
 
 
 def bench_delta_prefill(
-    limits: DeviceLimits, time_ms: Callable[[Callable[[], object]], float]
+    limits: DeviceLimits, time_ms: Callable[[Callable[[], object]], float], device: str = "cuda"
 ) -> MixerRow:
     from pdserve.kernels import gated_delta_ref
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=device).manual_seed(1)
     inputs = _delta_inputs(DELTA_PROMPT, gen)
-    state = torch.zeros(VALUE_HEADS, KEY_DIM, VALUE_DIM, device="cuda")
+    state = torch.zeros(VALUE_HEADS, KEY_DIM, VALUE_DIM, device=device)
     # The chunked form against the recurrence it solves, token by token, on a prefix.
     prefix = {name: t[:DELTA_CHECKED] for name, t in inputs.items()}
     got, _ = gated_delta_ref.chunked_gated_delta_rule(**prefix, state=state, chunk=CHUNK)

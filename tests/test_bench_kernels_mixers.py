@@ -62,3 +62,37 @@ def test_gpu_check_report_shows_the_mixers_rows():
     lines = details_kernels(StepResult("kernels", "k", "passed", data=data))
     assert lines[: len(without)] == without  # the decode and prefill tables keep their places
     assert "| window decode | batch 2 | 0.500 | 2.000 | 81% of copy | 3.0e-03 |" in lines
+
+
+SMOKE = """
+import json
+from pdserve.bench import kernels_mixers as m
+from pdserve.bench.device_limits import DeviceLimits
+m.WINDOW_BATCH, m.WINDOW_CONTEXT = 2, 256
+m.DELTA_BATCH, m.DELTA_PROMPT, m.DELTA_CHECKED = 2, 96, 40
+m.KEY_HEADS, m.VALUE_HEADS, m.KEY_DIM, m.VALUE_DIM = 1, 2, 16, 16
+limits = DeviceLimits(copy_gbps=100.0, matmul_tflops=1.0)
+rows = [b(limits, lambda fn: (fn(), 1.0)[1], device="cpu")
+        for b in (m.bench_window_decode, m.bench_delta_step, m.bench_delta_prefill)]
+print(json.dumps([[r.mixer, r.max_abs_error, r.fraction, r.gb, r.tflop] for r in rows]))
+"""
+
+
+def test_the_mixer_benches_run_their_kernels_against_the_references_under_the_interpreter():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", SMOKE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    window, step, prefill = json.loads(done.stdout.strip().splitlines()[-1])
+    assert window[1] <= 2e-2  # bfloat16 attention, as tests/test_triton_kernels.py allows
+    assert step[1] <= 1e-5 and prefill[1] <= 1e-4  # float32 state and outputs
+    # 1 ms each: the work over the made-up limits.
+    assert window[2] == pytest.approx(kernels_mixers.window_kv_bytes(2, 128, 8, 128, 2) / 1e6 / 100)
+    assert prefill[2] == pytest.approx(prefill[4] * 1e12 / 1e-3 / 1e12 / 1.0)
