@@ -8,6 +8,8 @@ TFLOP/s as a fraction of a bf16 matmul; the torch reference is timed on the same
 
 Prefill runs at 2k, 4k and 8k tokens through the op table (on sm_90 and later the Hopper kernel,
 `kernels.triton_prefill_hopper`, whose rows also time the portable kernel on the same inputs).
+Then the other token mixers (bench/kernels_mixers.py; `--no-mixers` skips them): sliding-window
+decode and the Gated DeltaNet step and chunked prefill.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ import json
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from pdserve.bench.device_limits import DeviceLimits, Results
+from pdserve.bench.kernels_mixers import (
+    MixerRow,
+    bench_delta_prefill,
+    bench_delta_step,
+    bench_window_decode,
+)
 
 # Llama-3-8B attention: 32 q heads over 8 KV heads of 128, bf16 pages of 16 tokens.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -212,6 +220,27 @@ def bench_prefill(
     )
 
 
+def bench_mixers(limits: DeviceLimits) -> list[MixerRow]:
+    """Sliding-window decode and the Gated DeltaNet step and prefill (bench/kernels_mixers.py),
+    printed as one table: each against its reference, as a share of copy or of the matmul."""
+    print("\n## other token mixers (window attention, Gated DeltaNet)\n")
+    print("| mixer | case | ms | torch ref ms | GB | TFLOP | of limit | max abs error |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for bench in (bench_window_decode, bench_delta_step, bench_delta_prefill):
+        r = bench(limits, _time_ms)
+        torch.cuda.empty_cache()
+        rows.append(r)
+        ref = "-" if r.reference_ms is None else f"{r.reference_ms:.3f}"
+        limit = "copy" if r.gb else "matmul"
+        print(
+            f"| {r.mixer} | {r.case} | {r.ms:.3f} | {ref} | {r.gb:.3f} | {r.tflop:.3f} | "
+            f"{r.fraction:.0%} of {limit} | {r.max_abs_error:.2e} |",
+            flush=True,
+        )
+    return rows
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -228,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill prompt lengths, default 2048,4096,8192",
     )
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch ref")
+    parser.add_argument(
+        "--no-mixers",
+        action="store_true",
+        help="skip sliding-window decode and the Gated DeltaNet step and prefill",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -300,11 +334,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ref} | {r.tflop:.2f} | {r.triton_tflops:.0f} | {r.fraction_of_matmul:.0%} |",
                 flush=True,
             )
+    mixers = []
+    if not args.no_mixers:
+        mixers = bench_mixers(limits)
     if args.json:
         command = " ".join(["python -m pdserve.bench.kernels", *(argv or sys.argv[1:])])
-        results = Results(device, command, limits, decode, prefill)
+        results = Results(device, command, limits, decode, prefill).to_dict()
+        results["mixers"] = [asdict(r) for r in mixers]
         with open(args.json, "w") as f:
-            json.dump(results.to_dict(), f, indent=2)
+            json.dump(results, f, indent=2)
     return 0
 
 

@@ -285,6 +285,22 @@ def details_kernels(r: StepResult) -> list[str]:
         ),
         "rrlrrrrr",
     )
+    if d.get("mixers"):  # window decode and Gated DeltaNet (bench/kernels_mixers.py)
+        lines += [""] + table(
+            ["mixer", "case", "ms", "ms torch ref", "of limit", "max abs error"],
+            (
+                [
+                    x["mixer"],
+                    x["case"],
+                    _num(x["ms"], ".3f"),
+                    _num(x["reference_ms"], ".3f"),
+                    f"{_pct(x['fraction'])} of {'copy' if x['gb'] else 'matmul'}",
+                    f"{x['max_abs_error']:.1e}",
+                ]
+                for x in d["mixers"]
+            ),
+            "llrrrr",
+        )
     return lines
 
 
