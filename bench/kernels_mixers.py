@@ -74,7 +74,7 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def bench_window_decode(
     limits: DeviceLimits, time_ms: Callable[[Callable[[], object]], float], device: str = "cuda"
 ) -> MixerRow:
-    from pdserve.bench.kernels import HEAD_DIM, NUM_KV_HEADS, paged_inputs
+    from pdserve.bench.kernel_inputs import HEAD_DIM, NUM_KV_HEADS, paged_inputs
     from pdserve.kernels import attention_ref
     from pdserve.kernels.triton_ops import TRITON
 
