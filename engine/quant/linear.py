@@ -1,7 +1,8 @@
-"""The base of every layer whose weight stays quantized in memory: it is dequantized into the
-activations' dtype on every call (nothing dequantized is kept between calls: the memory is the
-point), and reads its checkpoint tensors itself, in the logical [out, in] terms the models split
-by, whatever the format's packing."""
+"""The base of every layer whose weight stays quantized in memory: on a CPU it is dequantized
+into the activations' dtype on every call (nothing dequantized is kept between calls: the memory
+is the point), on a GPU a format's `matmul` may run a kernel that reads it as stored; it reads
+its checkpoint tensors itself, in the logical [out, in] terms the models split by, whatever the
+format's packing."""
 
 from __future__ import annotations
 
