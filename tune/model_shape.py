@@ -21,7 +21,9 @@ layer, and the blocks a sequence holds or a handoff moves are those the KV manag
 A block-scaled FP8 checkpoint (DeepSeek-V3's, `fp8_block`) keeps every projection of attention,
 the MLPs and the experts at one byte a weight plus a float32 scale a block, as a node holds them
 (`pdserve.engine.quant`); embeddings, the LM head, the routers and MLA's kv_b_proj (dequantized
-at load) are in the model's dtype."""
+at load) are in the model's dtype. The other quantized formats (`weight_format`: compressed-tensors
+FP8, INT8 and W4A16, AWQ, GPTQ, gpt-oss's MXFP4 experts) are sized as their layers hold them
+(`pdserve.tune.weight_format`), the same projections quantized."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from pdserve.engine.kv.groups import KVGroups, groups_for
 from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.quant.fp8_scheme import Fp8Scheme
+from pdserve.tune.weight_format import WeightFormat
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -73,6 +76,8 @@ class ModelShape:
     # Block-scaled FP8 projections (the checkpoint's weight_block_size); None: every weight in
     # the model's dtype.
     fp8_block: tuple[int, int] | None = None
+    # Any other quantized checkpoint's projections (None: fp8_block's, or the model's dtype).
+    weight_format: WeightFormat | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
@@ -101,6 +106,7 @@ class ModelShape:
             v_head_dim=cfg.v_head_dim,
             layer_kinds=cfg.layer_kinds,
             fp8_block=_fp8_block(cfg),
+            weight_format=WeightFormat.from_scheme(cfg.quantization),
             name=name,
             num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size,
@@ -126,6 +132,8 @@ class ModelShape:
             fields["layer_kinds"] = tuple(fields["layer_kinds"])
         if fields.get("fp8_block") is not None:
             fields["fp8_block"] = tuple(fields["fp8_block"])
+        if isinstance(fields.get("weight_format"), dict):
+            fields["weight_format"] = WeightFormat(**fields["weight_format"])
         return cls(**fields)
 
     def to_dict(self) -> dict:
@@ -274,12 +282,18 @@ class ModelShape:
 
     def weights_label(self, dtype: str) -> str:
         """How the weights are held, for messages: `bfloat16`, or FP8 beside it."""
+        if self.weight_format is not None:
+            return f"{self.weight_format.label} and {dtype}"
         if self.fp8_block is None:
             return dtype
         return f"fp8 (blocks of {self.fp8_block[0]}x{self.fp8_block[1]}) and {dtype}"
 
-    def matrix_bytes(self, rows: int, cols: int, dtype: str) -> int:
-        """One projection's weight [rows, cols]: in `dtype`, or FP8 and a float32 scale a block."""
+    def matrix_bytes(self, rows: int, cols: int, dtype: str, expert: bool = False) -> int:
+        """One projection's weight [rows, cols] (of a routed expert: `expert`): in `dtype`, FP8
+        and a float32 scale a block, or as `weight_format`'s layer holds it."""
+        fmt = self.weight_format
+        if fmt is not None and (expert or not fmt.experts_only):
+            return fmt.matrix_bytes(rows, cols)
         if self.fp8_block is None:
             return rows * cols * DTYPE_BYTES[dtype]
         b0, b1 = self.fp8_block
@@ -300,15 +314,14 @@ class ModelShape:
         kv_b = (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
         return [*q, (self.cache_head_dim, h), kv_b, (h, heads * self.v_head_dim)]
 
-    def mlp_bytes(self, width: int, dtype: str) -> int:
-        """A gated MLP of `width`: gate, up and down projections."""
-        return 2 * self.matrix_bytes(width, self.hidden_size, dtype) + self.matrix_bytes(
-            self.hidden_size, width, dtype
-        )
+    def mlp_bytes(self, width: int, dtype: str, expert: bool = False) -> int:
+        """A gated MLP of `width` (a routed expert's: `expert`): gate, up and down projections."""
+        gate_up = 2 * self.matrix_bytes(width, self.hidden_size, dtype, expert)
+        return gate_up + self.matrix_bytes(self.hidden_size, width, dtype, expert)
 
     def expert_bytes(self, dtype: str) -> int:
         """One routed expert as held."""
-        return self.mlp_bytes(self.moe_intermediate_size, dtype)
+        return self.mlp_bytes(self.moe_intermediate_size, dtype, expert=True)
 
     def layers_weight_bytes(self, dtype: str) -> int:
         """Every decoder layer's matmul weights as held, every expert counted. MLA's kv_b_proj
