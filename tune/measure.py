@@ -237,7 +237,7 @@ def pool_blocks(config: EngineConfig, shape: ModelShape) -> int:
     """The blocks a node's pool gets under `config`: its num_kv_blocks, or its byte budget."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    per_block = shape.kv_bytes_per_block(config.block_size, config.resolved_dtype())
+    per_block = shape.kv_bytes_per_block(config.block_size, config.kv_dtype())
     if config.resolved_device().startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         return int(free * config.gpu_memory_utilization) // per_block

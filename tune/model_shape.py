@@ -38,6 +38,7 @@ from pdserve.engine.kv.groups import KVGroups, groups_for
 from pdserve.engine.kv.kv_manager import KVCacheManager
 from pdserve.engine.models.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.quant.fp8_scheme import Fp8Scheme
+from pdserve.kernels.kv_fp8_ref import FP8_KV_DTYPE, row_width
 from pdserve.tune.weight_format import WeightFormat
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -362,9 +363,12 @@ class ModelShape:
 
     def kv_bytes_per_layer_token(self, dtype: str) -> int:
         """One token's cache in one layer, one copy: K and V of every KV head, or MLA's latent
-        (kv_lora_rank + qk_rope_head_dim)."""
-        width = self.cache_planes * self.cache_heads * self.cache_head_dim
-        return width * DTYPE_BYTES[dtype]
+        (kv_lora_rank + qk_rope_head_dim). `dtype` is the KV layout's (`EngineConfig.kv_dtype`):
+        with an FP8 cache each (token, head) row is a byte a value and its float32 scale."""
+        rows = self.cache_planes * self.cache_heads
+        if dtype == FP8_KV_DTYPE:
+            return rows * row_width(self.cache_head_dim)
+        return rows * self.cache_head_dim * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """What one more token of a long context adds to the cache, one copy: its KV in every
